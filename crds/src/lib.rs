@@ -1,0 +1,107 @@
+//! The `shardplane.dev` API: custom resource types, CRD generation and validation.
+//!
+//! Six kinds, version `v1alpha1`:
+//!
+//! ```text
+//!  Model ─┐                       ┌─► Shard (one stage of one instance, bound to a node)
+//!  NodePool ──► ModelDeployment ──┤
+//!  ShardingStrategy ─┘            └─► status: instances, conditions, endpoint
+//!  InferenceNode (registered by the agent; Lease heartbeat)
+//! ```
+//!
+//! The Rust types are the source of truth: the CRD YAML in the Helm chart is
+//! generated from them ([`all_crds`], `shardplane crds`). Old API servers ignore
+//! CEL rules, so every cross-field rule also lives in a `validate()` method that
+//! the operator runs ([`validation`]).
+//!
+//! This crate knows nothing of controllers, agents or engines.
+
+// kube-derive takes one `printcolumn(...)` per column, which this lint reads as
+// the same attribute repeated.
+#![allow(clippy::duplicated_attributes)]
+
+pub mod quantity;
+pub mod v1alpha1;
+pub mod validation;
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+pub use v1alpha1::*;
+
+/// The API group of every shardplane kind.
+pub const GROUP: &str = "shardplane.dev";
+
+/// The label on a `Shard` naming the `InferenceNode` it is bound to.
+pub const NODE_LABEL: &str = "shardplane.dev/node";
+/// The label on a `Shard` naming the `ModelDeployment` that owns it.
+pub const DEPLOYMENT_LABEL: &str = "shardplane.dev/deployment";
+/// The label on a `Shard` giving the index of the instance it belongs to.
+pub const INSTANCE_LABEL: &str = "shardplane.dev/instance";
+/// The field manager every shardplane component writes with (server-side apply).
+pub const FIELD_MANAGER: &str = "shardplane";
+
+/// Every CRD of the API, in a stable order.
+pub fn all_crds() -> Vec<CustomResourceDefinition> {
+    [
+        Model::crd(),
+        NodePool::crd(),
+        ShardingStrategy::crd(),
+        ModelDeployment::crd(),
+        Shard::crd(),
+        InferenceNode::crd(),
+    ]
+    .into_iter()
+    .map(without_nullable)
+    .collect()
+}
+
+/// Removes `nullable: true` from a CRD's schemas.
+///
+/// Our clients never send `null` (absent optional fields are left out), and API
+/// servers prune nulls of non-nullable fields anyway; but servers before 1.22
+/// leave nullable properties out of their OpenAPI v2 document, and with them
+/// every optional field from `kubectl explain` and client-side validation.
+fn without_nullable(crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    fn strip(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.remove("nullable");
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut value = serde_json::to_value(&crd).expect("a CRD serializes to JSON");
+    for version in value["spec"]["versions"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+    {
+        strip(&mut version["schema"]);
+    }
+    serde_json::from_value(value).expect("a CRD without nullable still deserializes")
+}
+
+/// Every CRD as one multi-document YAML stream.
+pub fn all_crds_yaml() -> Result<String, serde_saphyr::SerializeError> {
+    let mut out = String::new();
+    for (_, yaml) in crd_files()? {
+        out.push_str("---\n");
+        out.push_str(&yaml);
+    }
+    Ok(out)
+}
+
+/// Every CRD as `(file name, YAML)`, the files committed in the Helm chart's
+/// `crds/` directory (`shardplane crds --dir charts/shardplane/crds`).
+pub fn crd_files() -> Result<Vec<(String, String)>, serde_saphyr::SerializeError> {
+    all_crds()
+        .into_iter()
+        .map(|crd| {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            Ok((format!("{name}.yaml"), serde_saphyr::to_string(&crd)?))
+        })
+        .collect()
+}

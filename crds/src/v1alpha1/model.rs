@@ -1,0 +1,125 @@
+//! `Model`: weights to run, and (in status) what placement needs to know of them.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Conditions, ModelFormat, ModelSource, keep_field_docs};
+
+/// Weights to run: where they come from, their format, and the name clients use.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "shardplane.dev",
+    version = "v1alpha1",
+    kind = "Model",
+    namespaced,
+    status = "ModelStatus",
+    shortname = "mdl",
+    category = "shardplane",
+    doc = "Weights to run: their source, format and served name. The operator fills status with the metadata placement needs.",
+    printcolumn(name = "Served", type_ = "string", json_path = ".spec.servedName"),
+    printcolumn(name = "Format", type_ = "string", json_path = ".spec.format"),
+    printcolumn(name = "Arch", type_ = "string", json_path = ".status.architecture"),
+    printcolumn(name = "Layers", type_ = "integer", json_path = ".status.layers"),
+    printcolumn(
+        name = "Resolved",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Resolved\")].status"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct ModelSpec {
+    /// Where the weights come from: exactly one of `huggingFace`, `url` or `path`.
+    pub source: ModelSource,
+    /// The format of the weights.
+    pub format: ModelFormat,
+    /// The model name clients ask for (e.g. `smollm2-135m`). Defaults to the
+    /// object's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    )]
+    pub served_name: Option<String>,
+    /// Caps the context length served, in tokens, below what the model supports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_context_length: Option<u32>,
+}
+
+/// What the operator read from the model's source: everything placement needs.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct ModelStatus {
+    /// Architecture as the weights name it (`llama`, `qwen2`, `qwen3`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+    /// Number of transformer layers (blocks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
+    /// Width of the hidden state passed between layers (and between stages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_size: Option<u32>,
+    /// Number of attention (query) heads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_heads: Option<u32>,
+    /// Number of key/value heads (fewer than `attentionHeads` under grouped-query attention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<u32>,
+    /// Dimension of one attention head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<u32>,
+    /// Size of the vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<u32>,
+    /// Context length the model was trained for, in tokens (capped by `spec.maxContextLength`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<u32>,
+    /// Predominant weight type (`Q4_1`, `Q8_0`, `F16`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<String>,
+    /// Bytes of the weights of each layer, in layer order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_bytes: Vec<u64>,
+    /// Bytes of the token embedding (held by the first stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding_bytes: Option<u64>,
+    /// Bytes of the final norm and output head (held by the last stage). With tied
+    /// embeddings the head reuses the embedding matrix and this counts it again,
+    /// because a last stage on another node needs its own copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<u64>,
+    /// Bytes of KV cache one token needs across all layers (keys and values, f16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Total bytes of the weights as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_bytes: Option<u64>,
+    /// SHA-256 of the weights file, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Resolved` (metadata read from the source) and `Ready`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Conditions,
+}
+
+impl Model {
+    /// The name clients ask for: `spec.servedName`, else the object's name.
+    pub fn served_name(&self) -> &str {
+        self.spec
+            .served_name
+            .as_deref()
+            .or(self.metadata.name.as_deref())
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,207 @@
+//! The cross-field rules `validate()` enforces (old API servers ignore CEL), one
+//! table per kind: each broken object names the field and says what to change.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+use shardplane_crds::validation::{Validate, ValidationErrors};
+use shardplane_crds::*;
+use shardplane_testkit::fixtures;
+
+fn range(start: u32, end: u32) -> LayerRange {
+    LayerRange { start, end }
+}
+
+#[track_caller]
+fn assert_rejects<T: Validate>(object: &T, path: &str, words: &str) {
+    let errors: ValidationErrors = object.validate().expect_err("the object should be invalid");
+    assert!(
+        errors.has_path(path),
+        "expected an error at {path}, got: {errors}"
+    );
+    assert!(
+        errors.to_string().contains(words),
+        "expected {words:?} in: {errors}"
+    );
+}
+
+#[test]
+fn fixtures_are_valid() {
+    fixtures::model("m").validate().unwrap();
+    fixtures::node_pool("p", Tier::Daily).validate().unwrap();
+    fixtures::strategy("s", Parallelism::Pipeline)
+        .validate()
+        .unwrap();
+    fixtures::deployment("d", "m", "p", "s").validate().unwrap();
+    for stage in 0..3 {
+        fixtures::shard("d", "n", stage, 3, range(stage * 10, stage * 10 + 10))
+            .validate()
+            .unwrap();
+    }
+    fixtures::inference_node("n").validate().unwrap();
+}
+
+#[test]
+fn shard_layer_range_must_be_ordered_and_inside_the_model() {
+    let reversed = fixtures::shard("d", "n", 1, 3, range(20, 10));
+    assert_rejects(&reversed, "spec.layers", "reversed");
+    let empty = fixtures::shard("d", "n", 1, 3, range(10, 10));
+    assert_rejects(&empty, "spec.layers", "start must be below end");
+    let past_end = fixtures::shard("d", "n", 2, 3, range(20, 31));
+    assert_rejects(&past_end, "spec.layers.end", "past the model's 30 layers");
+}
+
+#[test]
+fn shard_stages_must_chain() {
+    let mut first = fixtures::shard("d", "n", 0, 2, range(3, 15));
+    assert_rejects(
+        &first,
+        "spec.layers.start",
+        "first stage must start at layer 0",
+    );
+    first.spec.layers = range(0, 15);
+    first.spec.next = None;
+    assert_rejects(&first, "spec.next", "every stage but the last");
+    let mut last = fixtures::shard("d", "n", 1, 2, range(15, 29));
+    assert_rejects(&last, "spec.layers.end", "last stage must end at layer 30");
+    last.spec.layers = range(15, 30);
+    last.spec.previous = None;
+    assert_rejects(&last, "spec.previous", "every stage but the first");
+    let beyond = fixtures::shard("d", "n", 3, 3, range(0, 30));
+    assert_rejects(&beyond, "spec.stage", "must be below stageCount");
+    let mut bad_node = fixtures::shard("d", "n", 0, 1, range(0, 30));
+    bad_node.spec.node = "Not_A_Node".into();
+    assert_rejects(&bad_node, "spec.node", "not a node name");
+}
+
+#[test]
+fn model_source_must_fit_the_format() {
+    let mut m = fixtures::model("m");
+    m.spec.source = ModelSource::HuggingFace(HuggingFaceSource {
+        repo: "owner/repo".into(),
+        file: None,
+        revision: None,
+    });
+    assert_rejects(&m, "spec.source.huggingFace.file", "name the one to serve");
+    m.spec.format = ModelFormat::Safetensors;
+    m.validate().unwrap();
+    m.spec.source = ModelSource::Url(UrlSource {
+        url: "https://example.invalid/model".into(),
+        sha256: None,
+    });
+    assert_rejects(&m, "spec.source.url.url", "only serve a GGUF model");
+    m.spec.format = ModelFormat::Gguf;
+    m.spec.source = ModelSource::Url(UrlSource {
+        url: "https://example.invalid/m.gguf".into(),
+        sha256: Some("ABC".into()),
+    });
+    assert_rejects(&m, "spec.source.url.sha256", "64 lowercase hex digits");
+    m.spec.source = ModelSource::Path(PathSource {
+        path: "relative/m.gguf".into(),
+        sha256: None,
+    });
+    assert_rejects(&m, "spec.source.path.path", "not an absolute path");
+}
+
+#[test]
+fn strategy_node_bounds_fit_the_parallelism() {
+    let mut s = fixtures::strategy("s", Parallelism::Pipeline);
+    s.spec.min_nodes = Some(4);
+    s.spec.max_nodes = Some(2);
+    assert_rejects(&s, "spec.minNodes", "minNodes (4) is above maxNodes (2)");
+    let mut whole = fixtures::strategy("s", Parallelism::None);
+    whole.spec.max_nodes = Some(3);
+    assert_rejects(
+        &whole,
+        "spec.maxNodes",
+        "parallelism none puts the whole model on one node",
+    );
+    let mut tensor = fixtures::strategy("s", Parallelism::Tensor);
+    tensor.spec.max_nodes = Some(1);
+    assert_rejects(&tensor, "spec.maxNodes", "at least 2 nodes");
+    let mut overhead = fixtures::strategy("s", Parallelism::Pipeline);
+    overhead.spec.stage_overhead = Some(Quantity("lots".into()));
+    assert_rejects(&overhead, "spec.stageOverhead", "not a byte quantity");
+}
+
+#[test]
+fn node_pool_selector_and_reserve_are_well_formed() {
+    let mut p = fixtures::node_pool("p", Tier::Reasoning);
+    p.spec.node_selector.match_expressions = Some(vec![LabelSelectorRequirement {
+        key: "chip".into(),
+        operator: "Like".into(),
+        values: None,
+    }]);
+    assert_rejects(
+        &p,
+        "spec.nodeSelector.matchExpressions[0].operator",
+        "unknown operator",
+    );
+    p.spec.node_selector.match_expressions = Some(vec![LabelSelectorRequirement {
+        key: "chip".into(),
+        operator: "In".into(),
+        values: None,
+    }]);
+    assert_rejects(
+        &p,
+        "spec.nodeSelector.matchExpressions[0].values",
+        "at least one value",
+    );
+    let mut r = fixtures::node_pool("p", Tier::Daily);
+    r.spec.memory_reserve = Some(Quantity("-4Gi".into()));
+    assert_rejects(&r, "spec.memoryReserve", "negative");
+}
+
+#[test]
+fn deployment_names_aliases_and_fallbacks() {
+    let mut d = fixtures::deployment("d", "m", "p", "s");
+    d.spec.replicas = -1;
+    assert_rejects(&d, "spec.replicas", "must be 0 or more");
+    let mut d = fixtures::deployment("d", "Model_X", "p", "s");
+    d.spec.aliases = vec!["a".into(), "a".into()];
+    d.spec.fallback = vec![FallbackTarget::Deployment("d".into())];
+    let errors = d.validate().unwrap_err();
+    assert!(errors.has_path("spec.model"), "{errors}");
+    assert!(errors.has_path("spec.aliases[1]"), "{errors}");
+    assert!(errors.has_path("spec.fallback[0].deployment"), "{errors}");
+    assert_eq!(
+        errors.0.len(),
+        3,
+        "every broken rule is reported at once: {errors}"
+    );
+}
+
+#[test]
+fn tier_and_parallelism_must_agree() {
+    let d = fixtures::deployment("d", "m", "p", "s");
+    let daily = fixtures::node_pool("p", Tier::Daily);
+    let reasoning = fixtures::node_pool("p", Tier::Reasoning);
+    let whole = fixtures::strategy("s", Parallelism::None);
+    let pipeline = fixtures::strategy("s", Parallelism::Pipeline);
+    d.validate_binding(&daily, &whole).unwrap();
+    d.validate_binding(&reasoning, &pipeline).unwrap();
+    let e = d.validate_binding(&daily, &pipeline).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("daily pool, which holds whole models"),
+        "{e}"
+    );
+    let e = d.validate_binding(&reasoning, &whole).unwrap_err();
+    assert!(
+        e.to_string().contains("use a pipeline or tensor strategy"),
+        "{e}"
+    );
+}
+
+#[test]
+fn node_memory_must_add_up() {
+    let mut n = fixtures::inference_node("n");
+    n.status = Some(InferenceNodeStatus {
+        memory: Some(NodeMemory {
+            total: Quantity("16Gi".into()),
+            allocatable: Quantity("32Gi".into()),
+            available: Quantity("8Gi".into()),
+        }),
+        ..Default::default()
+    });
+    assert_rejects(&n, "status.memory.allocatable", "exceeds total memory");
+}

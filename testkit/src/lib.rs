@@ -1,0 +1,195 @@
+//! Fixtures for tests on real parts.
+//!
+//! [`control_plane`] gives every test of a test binary the same real
+//! kube-apiserver and etcd on loopback, with the shardplane CRDs installed:
+//!
+//! * when `SHARDPLANE_TEST_KUBECONFIG` names a kubeconfig (the test script starts
+//!   one control plane for the whole run and sets it), that one is used;
+//! * otherwise the first test starts one with `scripts/control-plane.sh`, which
+//!   also stops it once this process exits, however it exits.
+//!
+//! Tests share the server, so each works in its own namespace
+//! ([`ControlPlane::namespace`]) and gives cluster-scoped objects unique names
+//! ([`unique_name`]). Namespaces are never deleted: the test server has no
+//! controller-manager to finish deleting them, and it is thrown away afterwards.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+
+pub mod fixtures;
+
+/// The root of the repository (where `scripts/` lives).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit lives one level below the repository root")
+        .to_path_buf()
+}
+
+/// A running control plane with the shardplane CRDs installed.
+#[derive(Debug)]
+pub struct ControlPlane {
+    kubeconfig: PathBuf,
+}
+
+static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+
+/// The control plane shared by this test binary, started on first use.
+///
+/// Panics with the setup command to run when the control plane is not installed.
+pub fn control_plane() -> &'static ControlPlane {
+    match CONTROL_PLANE.get_or_init(|| ControlPlane::start_or_reuse().map_err(|e| format!("{e:#}")))
+    {
+        Ok(cp) => cp,
+        Err(e) => panic!(
+            "no test control plane: {e}\n\
+             Set it up with `bash scripts/control-plane.sh install` (or run the whole suite with `bash scripts/test.sh`)."
+        ),
+    }
+}
+
+impl ControlPlane {
+    fn start_or_reuse() -> anyhow::Result<ControlPlane> {
+        let cp = match std::env::var_os("SHARDPLANE_TEST_KUBECONFIG").filter(|v| !v.is_empty()) {
+            Some(path) => ControlPlane {
+                kubeconfig: PathBuf::from(path),
+            },
+            None => {
+                // The script's watcher removes the directory once this process exits.
+                let dir = tempfile::Builder::new()
+                    .prefix("shardplane-cp-")
+                    .tempdir()?
+                    .keep();
+                let script = repo_root().join("scripts/control-plane.sh");
+                let out = Command::new("bash")
+                    .arg(&script)
+                    .arg("start")
+                    .arg(&dir)
+                    .arg(std::process::id().to_string())
+                    .stderr(Stdio::inherit())
+                    .output()
+                    .with_context(|| format!("cannot run {}", script.display()))?;
+                if !out.status.success() {
+                    bail!("{} start failed ({})", script.display(), out.status);
+                }
+                ControlPlane {
+                    kubeconfig: dir.join("kubeconfig"),
+                }
+            }
+        };
+        cp.install_crds()?;
+        Ok(cp)
+    }
+
+    fn install_crds(&self) -> anyhow::Result<()> {
+        let yaml = shardplane_crds::all_crds_yaml()?;
+        // As a person installs them, so later `kubectl apply`s of them are quiet.
+        self.kubectl_stdin(&["apply", "-f", "-"], &yaml)?;
+        let names: Vec<String> = shardplane_crds::all_crds()
+            .iter()
+            .map(|crd| format!("crd/{}", crd.metadata.name.as_deref().unwrap_or_default()))
+            .collect();
+        let mut args = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+        args.extend(names.iter().map(String::as_str));
+        self.kubectl(&args)?;
+        Ok(())
+    }
+
+    /// The kubeconfig of the control plane (cluster admin).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// A new client (one per test: a client belongs to the runtime that made it).
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        let kc = Kubeconfig::read_from(&self.kubeconfig)?;
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+        Ok(Client::try_from(config)?)
+    }
+
+    /// Creates a fresh namespace for one test and returns its name.
+    pub async fn namespace(&self, client: &Client, prefix: &str) -> anyhow::Result<String> {
+        let name = unique_name(prefix);
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("cannot create namespace {name}"))?;
+        Ok(name)
+    }
+
+    /// Runs kubectl against the control plane; returns stdout, fails with stderr.
+    pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.kubectl_stdin(args, "")
+    }
+
+    /// Runs kubectl with `input` on its standard input.
+    pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> anyhow::Result<String> {
+        let out = self.kubectl_output(args, input)?;
+        if !out.success {
+            bail!("kubectl {} failed: {}", args.join(" "), out.stderr);
+        }
+        Ok(out.stdout)
+    }
+
+    /// Runs kubectl and returns its output whether or not it succeeded.
+    pub fn kubectl_output(&self, args: &[&str], input: &str) -> anyhow::Result<KubectlOutput> {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot run kubectl: install kubectl (>= 1.28) on PATH")?;
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let input = input.to_owned();
+        let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+        let out = child.wait_with_output()?;
+        writer.join().expect("stdin writer panicked")?;
+        Ok(KubectlOutput {
+            success: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+}
+
+/// What kubectl printed.
+#[derive(Debug)]
+pub struct KubectlOutput {
+    /// Whether kubectl exited 0.
+    pub success: bool,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// A name no other test (in this or another process) uses: `prefix-<pid>-<n>-<time>`.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_micros())
+        .unwrap_or_default();
+    format!("{prefix}-{}-{n}-{t:x}", std::process::id())
+}
