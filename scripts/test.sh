@@ -11,7 +11,7 @@ bash scripts/setup.sh
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo clippy" >&2
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked --release -- -D warnings
 
 state=$(mktemp -d -t shardplane-test-XXXXXX)
 trap 'bash scripts/control-plane.sh stop "$state"; rm -rf "$state"' EXIT
@@ -19,4 +19,5 @@ bash scripts/control-plane.sh start "$state" >/dev/null
 export SHARDPLANE_TEST_KUBECONFIG="$state/kubeconfig"
 
 echo "== cargo test" >&2
-cargo test --workspace --locked "$@"
+# Release: the engine is too slow unoptimized, and `up` builds release too (one build).
+cargo test --workspace --locked --release "$@"

@@ -23,14 +23,28 @@ enum Command {
     /// Print every CustomResourceDefinition of the shardplane.dev API as YAML,
     /// or write one file per CRD into a directory.
     Crds(commands::crds::CrdsArgs),
+    /// Generate text with a model on this machine, optionally split into
+    /// stages that pass hidden states as they would across machines.
+    Generate(commands::generate::GenerateArgs),
+    /// Measure prefill and decode speed; prints a report (JSON with --json).
+    Bench(commands::bench::BenchArgs),
 }
 
 impl Cli {
     /// Parses the process arguments and runs the chosen subcommand.
     pub fn parse_and_run() -> ExitCode {
         let cli = Cli::parse();
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            .with_writer(std::io::stderr)
+            .init();
         let result = match cli.command {
             Command::Crds(args) => commands::crds::run(args),
+            Command::Generate(args) => commands::generate::run(args),
+            Command::Bench(args) => commands::bench::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

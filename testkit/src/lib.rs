@@ -12,6 +12,8 @@
 //! ([`ControlPlane::namespace`]) and gives cluster-scoped objects unique names
 //! ([`unique_name`]). Namespaces are never deleted: the test server has no
 //! controller-manager to finish deleting them, and it is thrown away afterwards.
+//!
+//! [`test_model`] gives the path of the real test model.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -192,4 +194,29 @@ pub fn unique_name(prefix: &str) -> String {
         .map(|d| d.subsec_micros())
         .unwrap_or_default();
     format!("{prefix}-{}-{n}-{t:x}", std::process::id())
+}
+
+/// The test model (SmolLM2-135M-Instruct, GGUF Q4_1), fetched once into the cache.
+///
+/// Panics with the setup command when it cannot be had.
+pub fn test_model() -> PathBuf {
+    static MODEL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let found = MODEL.get_or_init(|| {
+        let script = repo_root().join("scripts/model.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!("{} failed ({})", script.display(), out.status));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    });
+    match found {
+        Ok(path) => path.clone(),
+        Err(e) => panic!(
+            "no test model: {e}\nSet it up with `bash scripts/model.sh` (or `bash scripts/setup.sh`)."
+        ),
+    }
 }

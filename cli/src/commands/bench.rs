@@ -1,0 +1,157 @@
+//! `shardplane bench`: prefill and decode speed of a model on this machine.
+
+use std::process::Command;
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use shardplane_engine::bench::{self, BenchConfig, BenchReport};
+
+use super::model_args::ModelArgs;
+
+/// Options of `shardplane bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Tokens in the prompt.
+    #[arg(long, default_value_t = 41)]
+    prompt_tokens: usize,
+    /// Tokens to generate per run (end-of-sequence is banned).
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Counted runs, after one warm-up run.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Also decode this many sequences together and report the aggregate rate.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Compute threads (sets RAYON_NUM_THREADS for the measurement).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    engine: &'a str,
+    model: String,
+    stages: Vec<String>,
+    threads: usize,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+    runs: usize,
+    concurrency: usize,
+    #[serde(flatten)]
+    figures: BenchReport,
+    peak_rss_bytes: Option<u64>,
+    load_average_before: Option<f64>,
+    load_average_after: Option<f64>,
+}
+
+/// Runs the benchmark and prints the report.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(threads) = args.threads {
+        let wanted = threads.to_string();
+        if std::env::var("RAYON_NUM_THREADS").ok().as_deref() != Some(wanted.as_str()) {
+            // The thread count is read from the environment when the compute pools
+            // start; run again with it set.
+            let status = Command::new(std::env::current_exe()?)
+                .args(std::env::args_os().skip(1))
+                .env("RAYON_NUM_THREADS", &wanted)
+                .status()
+                .context("cannot re-run with the thread count set")?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
+    }
+    let load_before = load_average();
+    let (mut pipeline, text) = args.model.load()?;
+    let config = BenchConfig {
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        runs: args.runs,
+        concurrency: args.concurrency,
+    };
+    let figures = bench::run(&mut pipeline, &text, &config)?;
+    let report = Report {
+        engine: &args.model.engine,
+        model: args.model.model.display().to_string(),
+        stages: pipeline
+            .stages()
+            .iter()
+            .map(|s| format!("{}-{}", s.layout().layers.start, s.layout().layers.end - 1))
+            .collect(),
+        threads: std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        prompt_tokens: args.prompt_tokens,
+        generated_tokens: args.gen_tokens,
+        runs: args.runs,
+        concurrency: args.concurrency,
+        figures,
+        peak_rss_bytes: peak_rss_bytes(),
+        load_average_before: load_before,
+        load_average_after: load_average(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let f = &report.figures;
+        println!(
+            "engine {} stages {:?} threads {} prompt {} gen {} runs {}",
+            report.engine,
+            report.stages,
+            report.threads,
+            report.prompt_tokens,
+            report.generated_tokens,
+            report.runs
+        );
+        println!(
+            "prefill tok/s median {:.1} (min {:.1} max {:.1})",
+            f.prefill_tokens_per_second.median,
+            f.prefill_tokens_per_second.min,
+            f.prefill_tokens_per_second.max
+        );
+        println!(
+            "decode  tok/s median {:.1} (min {:.1} max {:.1})",
+            f.decode_tokens_per_second.median,
+            f.decode_tokens_per_second.min,
+            f.decode_tokens_per_second.max
+        );
+        println!("ttft ms median {:.1}", f.time_to_first_token_ms.median);
+        if let Some(c) = &f.concurrent_decode_tokens_per_second {
+            println!(
+                "{} sequences together: decode tok/s median {:.1}",
+                report.concurrency, c.median
+            );
+        }
+        println!(
+            "peak RSS {} MiB, load average {:?} -> {:?}",
+            report.peak_rss_bytes.unwrap_or(0) >> 20,
+            report.load_average_before,
+            report.load_average_after
+        );
+    }
+    Ok(())
+}
+
+/// The process's peak resident memory (Linux `VmHWM`).
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The one-minute load average (Linux).
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}

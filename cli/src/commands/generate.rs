@@ -1,0 +1,92 @@
+//! `shardplane generate`: text from a model on this machine.
+
+use std::io::Write;
+
+use clap::Args;
+use shardplane_engine::chat::ChatMessage;
+use shardplane_engine::pipeline::generate;
+use shardplane_engine::sampler::SamplingParams;
+
+use super::model_args::ModelArgs;
+
+/// Options of `shardplane generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Send the prompt as a user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// The most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 is greedy; higher is more random.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens adding up to this probability.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only the K most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Drop tokens less likely than this fraction of the most likely one.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalize tokens already seen (1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Seed for sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print the generated token ids to stderr.
+    #[arg(long)]
+    print_tokens: bool,
+}
+
+/// Generates and streams the text to stdout.
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let (mut pipeline, text) = args.model.load()?;
+    let prompt = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", &args.prompt));
+        text.chat_prompt(&messages)?
+    } else {
+        text.raw_prompt(&args.prompt)?
+    };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+        ..Default::default()
+    };
+    let mut stdout = std::io::stdout().lock();
+    let generation = generate(&mut pipeline, &text, 1, &prompt, &params, |piece| {
+        // A closed stdout (e.g. `| head`) ends the output, not the program with a panic.
+        let _ = stdout
+            .write_all(piece.as_bytes())
+            .and_then(|()| stdout.flush());
+    })?;
+    writeln!(stdout)?;
+    if args.print_tokens {
+        eprintln!("prompt: {prompt:?}");
+        eprintln!("tokens: {:?}", generation.tokens);
+    }
+    Ok(())
+}

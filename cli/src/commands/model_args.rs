@@ -1,0 +1,52 @@
+//! Options shared by the commands that load a model.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use shardplane_engine::LoadOptions;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, parse_stages};
+
+/// Which model, how to split it and which engine runs it.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// The GGUF model file.
+    #[arg(long, env = "SHARDPLANE_MODEL")]
+    pub model: PathBuf,
+    /// Split the model into stages run in this process, passing hidden states
+    /// between them: inclusive layer ranges covering every layer, e.g.
+    /// `0-9,10-19,20-29`. One stage when unset.
+    #[arg(long)]
+    pub stages: Option<String>,
+    /// The engine: candle.
+    #[arg(long, default_value = "candle")]
+    pub engine: String,
+    /// The most tokens a sequence may hold; the model's context length when unset.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Keep Q4_1/Q5_0/Q5_1 weights as they are instead of re-quantizing them to
+    /// Q8_0 at load (less memory, slower on CPUs).
+    #[arg(long)]
+    pub keep_quantization: bool,
+}
+
+impl ModelArgs {
+    /// Opens the model and loads its stages and text parts.
+    pub fn load(&self) -> anyhow::Result<(LocalPipeline, TextModel)> {
+        let file = GgufFile::open(&self.model)?;
+        let splits = match &self.stages {
+            Some(spec) => parse_stages(spec, file.config().layers)?,
+            None => Vec::new(),
+        };
+        let engine: EngineKind = self.engine.parse()?;
+        let options = LoadOptions {
+            context_length: self.context,
+            requantize_slow_types: !self.keep_quantization,
+        };
+        let pipeline = LocalPipeline::load(&file, &splits, engine, &options)
+            .with_context(|| format!("cannot load {}", self.model.display()))?;
+        let text = TextModel::from_gguf(&file)?;
+        Ok((pipeline, text))
+    }
+}

@@ -1,0 +1,440 @@
+//! The candle backend: a shard computed with candle's CPU (or CUDA / Metal)
+//! kernels on GGUF weights.
+//!
+//! One code path serves prefill and batched decode: the inputs of all
+//! sequences are stacked into rows, the matmuls run once over all rows (the
+//! weights are read once per step, whatever the batch), and attention runs per
+//! sequence against its own KV cache.
+
+mod weights;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::kv_cache::KvCache;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::shard::{
+    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+};
+use weights::{LayerWeights, TensorLoader};
+
+/// KV caches grow in steps of this many tokens.
+const KV_CHUNK: usize = 256;
+
+/// A stage of a model computed with candle.
+pub struct CandleShard {
+    config: ModelConfig,
+    layout: StageLayout,
+    context_length: usize,
+    device: Device,
+    embedding: Option<QTensor>,
+    layers: Vec<LayerWeights>,
+    head: Option<(Tensor, QMatMul)>,
+    cos: Tensor,
+    sin: Tensor,
+    weight_bytes: usize,
+    sequences: HashMap<SequenceId, SequenceCache>,
+}
+
+/// The KV cache of one sequence in this stage's layers.
+struct SequenceCache {
+    position: usize,
+    layers: Vec<KvCache>,
+}
+
+/// One sequence's share of a step: its rows in the stacked input.
+struct Item {
+    seq: SequenceId,
+    offset: usize,
+    len: usize,
+    position: usize,
+}
+
+impl CandleShard {
+    /// Loads layers `layout.layers` of the GGUF model at `path` on the CPU.
+    pub fn load(
+        path: impl AsRef<Path>,
+        layout: StageLayout,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        Self::load_from(&file, layout, options, Device::Cpu)
+    }
+
+    /// Loads a stage from an opened GGUF file onto `device`.
+    pub fn load_from(
+        file: &GgufFile,
+        layout: StageLayout,
+        options: &LoadOptions,
+        device: Device,
+    ) -> Result<Self> {
+        let config = file.config().clone();
+        // The layout was built for the model the caller expected; check it against this one.
+        let layout = StageLayout::new(layout.layers, config.layers)?;
+        let context_length = options
+            .context_length
+            .unwrap_or(config.context_length)
+            .max(1);
+        let mut loader = TensorLoader {
+            file,
+            reader: file.reader()?,
+            device: device.clone(),
+            requantize: options.requantize_slow_types,
+            bytes: 0,
+        };
+        let embedding = if layout.is_first() {
+            Some(loader.quantized("token_embd.weight")?)
+        } else {
+            None
+        };
+        let layers = layout
+            .layers
+            .clone()
+            .map(|i| LayerWeights::load(&mut loader, i, config.architecture))
+            .collect::<Result<Vec<_>>>()?;
+        let head = if layout.is_last() {
+            let norm = loader.vector("output_norm.weight")?;
+            // Tied embeddings: the output head is the embedding matrix.
+            let name = if file.has_tensor("output.weight") {
+                "output.weight"
+            } else {
+                "token_embd.weight"
+            };
+            Some((norm, loader.matrix(name)?))
+        } else {
+            None
+        };
+        let (cos, sin) = rope_tables(&config, context_length, &device)?;
+        Ok(CandleShard {
+            weight_bytes: loader.bytes,
+            config,
+            layout,
+            context_length,
+            device,
+            embedding,
+            layers,
+            head,
+            cos,
+            sin,
+            sequences: HashMap::new(),
+        })
+    }
+
+    /// Stacks the inputs into rows and plans each sequence's share.
+    fn stack(&self, batch: &[(SequenceId, StageInput)]) -> Result<(Tensor, Vec<Item>)> {
+        let mut items = Vec::with_capacity(batch.len());
+        let mut rows = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for (seq, input) in batch {
+            if input.is_empty() {
+                return Err(Error::InvalidInput(format!("sequence {seq}: no tokens")));
+            }
+            if items.iter().any(|i: &Item| i.seq == *seq) {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {seq} appears twice in one step"
+                )));
+            }
+            let position = self.sequence_len(*seq);
+            let needed = position + input.len();
+            if needed > self.context_length {
+                return Err(Error::ContextOverflow {
+                    needed,
+                    context: self.context_length,
+                });
+            }
+            rows.push(self.input_rows(input)?);
+            items.push(Item {
+                seq: *seq,
+                offset,
+                len: input.len(),
+                position,
+            });
+            offset += input.len();
+        }
+        let x = if rows.len() == 1 {
+            rows.pop().expect("one row block")
+        } else {
+            Tensor::cat(&rows, 0)?
+        };
+        Ok((x, items))
+    }
+
+    fn input_rows(&self, input: &StageInput) -> Result<Tensor> {
+        match (input, &self.embedding) {
+            (StageInput::Tokens(ids), Some(embedding)) => {
+                if let Some(bad) = ids
+                    .iter()
+                    .find(|&&id| id as usize >= self.config.vocab_size)
+                {
+                    return Err(Error::InvalidInput(format!(
+                        "token id {bad} is outside the vocabulary of {} tokens",
+                        self.config.vocab_size
+                    )));
+                }
+                let ids = Tensor::new(ids.as_slice(), &self.device)?;
+                Ok(embedding.embedding(&ids)?.to_dtype(DType::F32)?)
+            }
+            (StageInput::Tokens(_), None) => Err(Error::InvalidInput(format!(
+                "stage with layers {:?} does not start the model: it takes hidden states, not tokens",
+                self.layout.layers
+            ))),
+            (StageInput::Hidden(a), _) => {
+                if a.hidden != self.config.hidden_size {
+                    return Err(Error::InvalidInput(format!(
+                        "hidden states of width {} for a model of width {}",
+                        a.hidden, self.config.hidden_size
+                    )));
+                }
+                Ok(Tensor::from_slice(
+                    &a.data,
+                    (a.tokens, a.hidden),
+                    &self.device,
+                )?)
+            }
+        }
+    }
+
+    fn run(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
+        let (mut x, items) = self.stack(&batch)?;
+        for item in &items {
+            let layers = self.layers.len();
+            self.sequences
+                .entry(item.seq)
+                .or_insert_with(|| SequenceCache {
+                    position: 0,
+                    layers: (0..layers).map(|_| KvCache::new(2, KV_CHUNK)).collect(),
+                });
+        }
+        let result = (|| {
+            for l in 0..self.layers.len() {
+                x = self.layer(l, &x, &items)?;
+            }
+            self.outputs(&x, &items)
+        })();
+        match result {
+            Ok(outputs) => {
+                for item in &items {
+                    if let Some(cache) = self.sequences.get_mut(&item.seq) {
+                        cache.position += item.len;
+                    }
+                }
+                Ok(outputs)
+            }
+            Err(e) => {
+                // A failed step leaves these caches half-written: drop them.
+                for item in &items {
+                    self.sequences.remove(&item.seq);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn layer(&mut self, l: usize, x: &Tensor, items: &[Item]) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let w = &self.layers[l];
+        let h = candle_nn::ops::rms_norm(x, &w.attn_norm, cfg.rms_eps as f32)?;
+        let q = w.q.forward(&h)?;
+        let k = w.k.forward(&h)?;
+        let v = w.v.forward(&h)?;
+        let mut ys = Vec::with_capacity(items.len());
+        for item in items {
+            let split = |t: &Tensor, n_heads: usize| -> Result<Tensor> {
+                Ok(t.narrow(0, item.offset, item.len)?
+                    .reshape((1, item.len, n_heads, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?)
+            };
+            let mut qi = split(&q, heads)?;
+            let mut ki = split(&k, kv_heads)?;
+            let vi = split(&v, kv_heads)?;
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                qi = candle_nn::ops::rms_norm(&qi, qn, cfg.rms_eps as f32)?;
+                ki = candle_nn::ops::rms_norm(&ki, kn, cfg.rms_eps as f32)?;
+            }
+            let cos = self.cos.narrow(0, item.position, item.len)?;
+            let sin = self.sin.narrow(0, item.position, item.len)?;
+            let rope = if cfg.architecture.interleaved_rope() {
+                candle_nn::rotary_emb::rope_i
+            } else {
+                candle_nn::rotary_emb::rope
+            };
+            let qi = rope(&qi, &cos, &sin)?;
+            let ki = rope(&ki, &cos, &sin)?;
+            let cache = &mut self
+                .sequences
+                .get_mut(&item.seq)
+                .expect("cache made in run")
+                .layers[l];
+            let (k_all, v_all) = cache.append(&ki, &vi)?;
+            ys.push(attention(&qi, &k_all, &v_all, item, heads, kv_heads, hd)?);
+        }
+        let y = if ys.len() == 1 {
+            ys.pop().expect("one item")
+        } else {
+            Tensor::cat(&ys, 0)?
+        };
+        let x = (x + w.o.forward(&y)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, cfg.rms_eps as f32)?;
+        let mlp = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
+        Ok((x + w.down.forward(&mlp)?)?)
+    }
+
+    fn outputs(&self, x: &Tensor, items: &[Item]) -> Result<Vec<StageOutput>> {
+        match &self.head {
+            Some((norm, head)) => {
+                let last_rows: Vec<u32> = items
+                    .iter()
+                    .map(|i| (i.offset + i.len - 1) as u32)
+                    .collect();
+                let rows = x.index_select(&Tensor::new(last_rows.as_slice(), &self.device)?, 0)?;
+                let rows = candle_nn::ops::rms_norm(&rows, norm, self.config.rms_eps as f32)?;
+                let logits = head.forward(&rows)?.to_dtype(DType::F32)?;
+                Ok(logits
+                    .to_vec2::<f32>()?
+                    .into_iter()
+                    .map(StageOutput::Logits)
+                    .collect())
+            }
+            None => items
+                .iter()
+                .map(|i| {
+                    let data = x
+                        .narrow(0, i.offset, i.len)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
+                    Ok(StageOutput::Hidden(Activations::new(
+                        i.len,
+                        self.config.hidden_size,
+                        data,
+                    )?))
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Grouped-query attention of one sequence's queries against its whole cache,
+/// without copying keys and values per query head: the query heads sharing a
+/// KV head are laid out as extra rows.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    item: &Item,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> Result<Tensor> {
+    let rep = heads / kv_heads;
+    let n = item.len;
+    let total = item.position + n;
+    let q = q.reshape((1, kv_heads, rep * n, hd))?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let att = (q.matmul(&k.t()?)? * scale)?;
+    let att = if n > 1 {
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    if j > item.position + i {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, total), q.device())?;
+        att.reshape((1, kv_heads, rep, n, total))?
+            .broadcast_add(&mask)?
+            .reshape((1, kv_heads, rep * n, total))?
+    } else {
+        att
+    };
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    let y = att.matmul(&v.contiguous()?)?;
+    Ok(y.reshape((1, heads, n, hd))?
+        .transpose(1, 2)?
+        .reshape((n, heads * hd))?)
+}
+
+fn rope_tables(cfg: &ModelConfig, context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let positions = Tensor::arange(0u32, context as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((context, 1))?;
+    let freqs = positions.broadcast_mul(&inv)?;
+    Ok((freqs.cos()?.contiguous()?, freqs.sin()?.contiguous()?))
+}
+
+impl Shard for CandleShard {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn layout(&self) -> &StageLayout {
+        &self.layout
+    }
+
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput> {
+        let mut out = self.run(vec![(seq, input)])?;
+        Ok(out.pop().expect("one output per input"))
+    }
+
+    fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some((seq, input)) = batch.iter().find(|(_, input)| input.len() != 1) {
+            return Err(Error::InvalidInput(format!(
+                "a batched decode step takes one token per sequence; sequence {seq} has {}",
+                input.len()
+            )));
+        }
+        self.run(batch)
+    }
+
+    fn release(&mut self, seq: SequenceId) -> bool {
+        self.sequences.remove(&seq).is_some()
+    }
+
+    fn sequence_len(&self, seq: SequenceId) -> usize {
+        self.sequences.get(&seq).map_or(0, |s| s.position)
+    }
+
+    fn sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn kv_cache_bytes(&self) -> usize {
+        self.sequences
+            .values()
+            .flat_map(|s| &s.layers)
+            .map(|kv| {
+                let size = |t: &Option<Tensor>| {
+                    t.as_ref()
+                        .map_or(0, |t| t.elem_count() * t.dtype().size_in_bytes())
+                };
+                size(kv.k_cache().all_data()) + size(kv.v_cache().all_data())
+            })
+            .sum()
+    }
+}

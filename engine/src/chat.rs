@@ -1,0 +1,100 @@
+//! Chat templates: the Jinja template a model ships (GGUF
+//! `tokenizer.chat_template`), rendered with minijinja for OpenAI-style messages.
+
+use candle_core::quantized::gguf_file::Content;
+use minijinja::{Environment, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+
+use crate::config::meta_str;
+use crate::error::{Error, Result};
+
+/// ChatML, for models that ship no template.
+const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (or `tool`).
+    pub role: String,
+    /// The text of the message.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+fn raise_exception(message: String) -> std::result::Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+impl ChatTemplate {
+    /// Compiles `source` as Hugging Face does (trimmed blocks, Python string methods).
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .expect("the default delimiters are valid");
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| {
+                Error::ChatTemplate(format!("the model's template does not compile: {e}"))
+            })?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        })
+    }
+
+    /// The template a GGUF file ships, or ChatML when it has none.
+    pub fn from_gguf(content: &Content, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let source = meta_str(content, "tokenizer.chat_template").unwrap_or_else(|_| {
+            tracing::warn!("the model ships no chat template; using ChatML");
+            CHATML
+        });
+        Self::new(source, bos_token, eos_token)
+    }
+
+    /// Renders a conversation; with `add_generation_prompt` the text ends where
+    /// the assistant's reply begins.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        if messages.is_empty() {
+            return Err(Error::ChatTemplate(
+                "a conversation needs at least one message".into(),
+            ));
+        }
+        let template = self.env.get_template("chat").expect("added in new");
+        template
+            .render(context! {
+                messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.as_str(),
+                eos_token => self.eos_token.as_str(),
+            })
+            .map_err(|e| Error::ChatTemplate(e.to_string()))
+    }
+}

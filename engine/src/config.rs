@@ -1,0 +1,173 @@
+//! What a model is, read from its GGUF metadata: the numbers every backend and
+//! the placement planner need.
+
+use candle_core::quantized::gguf_file::{Content, Value};
+
+use crate::error::{Error, Result};
+
+/// The transformer families the engine runs (the Llama family as GGUF names it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 2/3, SmolLM, Mistral: GGUF permutes Q/K for interleaved RoPE.
+    Llama,
+    /// Qwen2: biases on Q, K and V; NeoX RoPE.
+    Qwen2,
+    /// Qwen3: RMS norm on Q and K per head; NeoX RoPE.
+    Qwen3,
+}
+
+impl Architecture {
+    /// The name GGUF uses (`general.architecture`).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    fn from_gguf_name(name: &str) -> Result<Self> {
+        match name {
+            "llama" => Ok(Architecture::Llama),
+            "qwen2" => Ok(Architecture::Qwen2),
+            "qwen3" => Ok(Architecture::Qwen3),
+            other => Err(Error::UnsupportedArchitecture(other.to_string())),
+        }
+    }
+
+    /// Whether RoPE rotates interleaved pairs (GGUF Llama) rather than halves (NeoX).
+    pub fn interleaved_rope(self) -> bool {
+        matches!(self, Architecture::Llama)
+    }
+}
+
+/// The hyper-parameters of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// The architecture.
+    pub architecture: Architecture,
+    /// Number of transformer layers.
+    pub layers: usize,
+    /// Width of the hidden state.
+    pub hidden_size: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Attention (query) heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Context length the model was trained for.
+    pub context_length: usize,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Epsilon of the RMS norms.
+    pub rms_eps: f64,
+}
+
+pub(crate) fn meta<'a>(content: &'a Content, key: &str) -> Result<&'a Value> {
+    content
+        .metadata
+        .get(key)
+        .ok_or_else(|| Error::MissingMetadata {
+            what: key.to_string(),
+            detail: "the key is absent".into(),
+        })
+}
+
+pub(crate) fn meta_u32(content: &Content, key: &str) -> Result<u32> {
+    let v = meta(content, key)?;
+    match v {
+        Value::U8(x) => Some(*x as u32),
+        Value::U16(x) => Some(*x as u32),
+        Value::U32(x) => Some(*x),
+        Value::U64(x) => u32::try_from(*x).ok(),
+        Value::I32(x) => u32::try_from(*x).ok(),
+        Value::I64(x) => u32::try_from(*x).ok(),
+        _ => None,
+    }
+    .ok_or_else(|| Error::MissingMetadata {
+        what: key.to_string(),
+        detail: format!("expected a non-negative integer, found {v:?}"),
+    })
+}
+
+pub(crate) fn meta_f32(content: &Content, key: &str) -> Result<f32> {
+    let v = meta(content, key)?;
+    match v {
+        Value::F32(x) => Ok(*x),
+        Value::F64(x) => Ok(*x as f32),
+        _ => Err(Error::MissingMetadata {
+            what: key.to_string(),
+            detail: format!("expected a float, found {v:?}"),
+        }),
+    }
+}
+
+pub(crate) fn meta_str<'a>(content: &'a Content, key: &str) -> Result<&'a str> {
+    let v = meta(content, key)?;
+    match v {
+        Value::String(s) => Ok(s),
+        _ => Err(Error::MissingMetadata {
+            what: key.to_string(),
+            detail: format!("expected a string, found {v:?}"),
+        }),
+    }
+}
+
+impl ModelConfig {
+    /// Reads the configuration from GGUF metadata.
+    pub fn from_gguf(content: &Content) -> Result<Self> {
+        let arch_name = meta_str(content, "general.architecture")?;
+        let architecture = Architecture::from_gguf_name(arch_name)?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden_size = meta_u32(content, &key("embedding_length"))? as usize;
+        let heads = meta_u32(content, &key("attention.head_count"))? as usize;
+        let kv_heads =
+            meta_u32(content, &key("attention.head_count_kv")).unwrap_or(heads as u32) as usize;
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(Error::MissingMetadata {
+                what: key("attention.head_count_kv"),
+                detail: format!("{heads} heads cannot share {kv_heads} key/value heads"),
+            });
+        }
+        let head_dim = match meta_u32(content, &key("attention.key_length")) {
+            Ok(d) => d as usize,
+            Err(_) if hidden_size.is_multiple_of(heads) => hidden_size / heads,
+            Err(e) => return Err(e),
+        };
+        let vocab_size = match meta(content, "tokenizer.ggml.tokens") {
+            Ok(Value::Array(tokens)) => tokens.len(),
+            _ => content
+                .tensor_infos
+                .get("token_embd.weight")
+                .map(|t| t.shape.dims()[0])
+                .ok_or_else(|| Error::MissingMetadata {
+                    what: "token_embd.weight".into(),
+                    detail: "the tensor is absent".into(),
+                })?,
+        };
+        Ok(ModelConfig {
+            architecture,
+            layers: meta_u32(content, &key("block_count"))? as usize,
+            hidden_size,
+            intermediate_size: meta_u32(content, &key("feed_forward_length"))? as usize,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab_size,
+            context_length: meta_u32(content, &key("context_length"))? as usize,
+            rope_theta: meta_f32(content, &key("rope.freq_base")).unwrap_or(10_000.0),
+            rms_eps: meta_f32(content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5)
+                as f64,
+        })
+    }
+
+    /// Bytes of KV cache one token takes in one layer (keys and values, f32).
+    pub fn kv_bytes_per_token_per_layer(&self) -> usize {
+        2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+}

@@ -1,0 +1,31 @@
+//! Run any layer range of a model.
+//!
+//! Layout:
+//! - [`shard`]: the contract of a stage (the [`Shard`] trait) and what flows
+//!   between stages;
+//! - [`gguf`] and [`config`]: reading model files and their hyper-parameters;
+//! - [`candle`]: the candle backend;
+//! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
+//!   [`detokenizer`], [`sampler`], and [`pipeline`], which drives stages to
+//!   generate text in one process.
+//!
+//! This crate knows nothing of Kubernetes or the network.
+
+pub mod bench;
+pub mod candle;
+pub mod chat;
+pub mod config;
+pub mod detokenizer;
+pub mod error;
+pub mod gguf;
+pub mod pipeline;
+pub mod sampler;
+pub mod shard;
+pub mod stop;
+pub mod tokenizer;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::{Error, Result};
+pub use shard::{
+    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+};

@@ -1,0 +1,376 @@
+//! Generating text with the stages of one model in one process: the stages run
+//! in order, passing hidden states, exactly as they would across machines.
+//!
+//! ```text
+//!  prompt ─► tokenizer ─► stage 0 ─► stage 1 ─► … ─► logits ─► sampler ─► token
+//!                           ▲                                              │
+//!                           └──────────────── next step ◄──────────────────┘
+//! ```
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crate::candle::CandleShard;
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::detokenizer::Detokenizer;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::shard::{LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput};
+use crate::stop::StopMatcher;
+use crate::tokenizer::Tokenizer;
+
+/// The engines a stage can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// candle (CPU here; CUDA or Metal where built with them).
+    Candle,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "candle" => Ok(EngineKind::Candle),
+            other => Err(Error::InvalidInput(format!(
+                "engine {other:?} is not built into this binary: available is candle"
+            ))),
+        }
+    }
+}
+
+/// Parses a stage split such as `0-9,10-19,20-29` (inclusive layer ranges)
+/// into half-open ranges covering all `layers` in order.
+pub fn parse_stages(spec: &str, layers: usize) -> Result<Vec<Range<usize>>> {
+    let bad = |m: String| Error::InvalidInput(format!("stages {spec:?}: {m}"));
+    let mut ranges = Vec::new();
+    let mut next = 0;
+    for part in spec.split(',').map(str::trim) {
+        let (a, b) = part
+            .split_once('-')
+            .ok_or_else(|| bad(format!("{part:?} is not FIRST-LAST")))?;
+        let parse = |x: &str| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{x:?} is not a layer number")))
+        };
+        let (first, last) = (parse(a)?, parse(b)?);
+        if first != next {
+            return Err(bad(format!("stage {part} should start at layer {next}")));
+        }
+        if last < first {
+            return Err(bad(format!("stage {part} is reversed")));
+        }
+        if last >= layers {
+            return Err(bad(format!(
+                "layer {last} is past the model's {layers} layers (0-{})",
+                layers - 1
+            )));
+        }
+        ranges.push(first..last + 1);
+        next = last + 1;
+    }
+    if next != layers {
+        return Err(bad(format!(
+            "the stages end at layer {next} but the model has {layers} layers"
+        )));
+    }
+    Ok(ranges)
+}
+
+/// The stages of one model, run in order in this process.
+pub struct LocalPipeline {
+    stages: Vec<Box<dyn Shard>>,
+}
+
+impl LocalPipeline {
+    /// Loads `splits` (half-open layer ranges covering the model) of the GGUF
+    /// file with `engine`; one stage for the whole model when `splits` is empty.
+    pub fn load(
+        file: &GgufFile,
+        splits: &[Range<usize>],
+        engine: EngineKind,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let layers = file.config().layers;
+        let whole = std::iter::once(0..layers).collect::<Vec<_>>();
+        let splits = if splits.is_empty() {
+            &whole[..]
+        } else {
+            splits
+        };
+        let stages = splits
+            .iter()
+            .map(|range| {
+                let layout = StageLayout::new(range.clone(), layers)?;
+                let stage: Box<dyn Shard> = match engine {
+                    EngineKind::Candle => Box::new(CandleShard::load_from(
+                        file,
+                        layout,
+                        options,
+                        candle_core::Device::Cpu,
+                    )?),
+                };
+                Ok(stage)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(LocalPipeline { stages })
+    }
+
+    /// Builds a pipeline from stages already loaded (in order).
+    pub fn from_stages(stages: Vec<Box<dyn Shard>>) -> Self {
+        LocalPipeline { stages }
+    }
+
+    /// The stages.
+    pub fn stages(&self) -> &[Box<dyn Shard>] {
+        &self.stages
+    }
+
+    /// The stages, to drive one by one.
+    pub fn stages_mut(&mut self) -> &mut [Box<dyn Shard>] {
+        &mut self.stages
+    }
+
+    /// The most tokens one sequence may hold (the smallest over the stages).
+    pub fn context_length(&self) -> usize {
+        self.stages
+            .iter()
+            .map(|s| s.context_length())
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Runs tokens of several sequences through every stage; returns the
+    /// logits at each sequence's last token, in input order. Several sequences
+    /// must each bring one token (a decode step).
+    pub fn step(&mut self, batch: Vec<(SequenceId, Vec<u32>)>) -> Result<Vec<Vec<f32>>> {
+        let seqs: Vec<SequenceId> = batch.iter().map(|(s, _)| *s).collect();
+        let mut inputs: Vec<(SequenceId, StageInput)> = batch
+            .into_iter()
+            .map(|(s, t)| (s, StageInput::Tokens(t)))
+            .collect();
+        let n = self.stages.len();
+        for (i, stage) in self.stages.iter_mut().enumerate() {
+            let outputs = if inputs.len() == 1 {
+                let (seq, input) = inputs.pop().expect("one input");
+                vec![stage.forward(seq, input)?]
+            } else {
+                stage.forward_batch(inputs)?
+            };
+            if i + 1 == n {
+                return outputs
+                    .into_iter()
+                    .map(|o| match o {
+                        StageOutput::Logits(l) => Ok(l),
+                        StageOutput::Hidden(_) => Err(Error::InvalidInput(
+                            "the last stage gave hidden states".into(),
+                        )),
+                    })
+                    .collect();
+            }
+            inputs = seqs
+                .iter()
+                .zip(outputs)
+                .map(|(&s, o)| match o {
+                    StageOutput::Hidden(a) => Ok((s, StageInput::Hidden(a))),
+                    StageOutput::Logits(_) => Err(Error::InvalidInput(format!(
+                        "stage {i} is not the last but gave logits"
+                    ))),
+                })
+                .collect::<Result<_>>()?;
+        }
+        Err(Error::InvalidInput(
+            "a pipeline needs at least one stage".into(),
+        ))
+    }
+
+    /// Frees a sequence on every stage.
+    pub fn release(&mut self, seq: SequenceId) {
+        for stage in &mut self.stages {
+            stage.release(seq);
+        }
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+}
+
+/// The result of one generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated token ids (the stop token included, if one ended it).
+    pub tokens: Vec<u32>,
+    /// Generated text (stop strings and end tokens left out).
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Time to run the prompt and pick the first token.
+    pub time_to_first_token: Duration,
+    /// Time for every token after the first.
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    /// Prompt tokens per second of the prefill (first token included).
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        (self.tokens.len().saturating_sub(1)) as f64 / self.decode_time.as_secs_f64()
+    }
+}
+
+/// The text-side parts of a model: tokenizer and chat template.
+#[derive(Debug)]
+pub struct TextModel {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template.
+    pub template: ChatTemplate,
+}
+
+impl TextModel {
+    /// Builds both from a GGUF file.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(file.content())?;
+        let name = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
+        let bos = name(tokenizer.bos_token());
+        let eos = name(tokenizer.stop_tokens().first().copied());
+        let template = ChatTemplate::from_gguf(file.content(), &bos, &eos)?;
+        Ok(TextModel {
+            tokenizer,
+            template,
+        })
+    }
+
+    /// Token ids of a conversation, ready for the assistant's reply.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.template.render(messages, true)?;
+        // The template writes BOS itself where the model wants it.
+        self.tokenizer.encode(&text, false)
+    }
+
+    /// Token ids of a raw prompt (BOS added where the model wants it).
+    pub fn raw_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(prompt, true)
+    }
+}
+
+/// Makes `tokens` impossible to pick.
+pub fn ban(logits: &mut [f32], tokens: &[u32]) {
+    for &t in tokens {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Generates a reply to `prompt` for sequence `seq`, calling `on_text` with
+/// each piece of text as soon as it is whole. The sequence is freed on every
+/// stage afterwards, whatever happens.
+pub fn generate(
+    pipeline: &mut LocalPipeline,
+    text: &TextModel,
+    seq: SequenceId,
+    prompt: &[u32],
+    params: &SamplingParams,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let result = generate_inner(pipeline, text, seq, prompt, params, &mut on_text);
+    pipeline.release(seq);
+    result
+}
+
+fn generate_inner(
+    pipeline: &mut LocalPipeline,
+    text: &TextModel,
+    seq: SequenceId,
+    prompt: &[u32],
+    params: &SamplingParams,
+    on_text: &mut impl FnMut(&str),
+) -> Result<Generation> {
+    let context = pipeline.context_length();
+    if prompt.is_empty() {
+        return Err(Error::InvalidInput("the prompt is empty".into()));
+    }
+    if prompt.len() >= context {
+        return Err(Error::ContextOverflow {
+            needed: prompt.len() + 1,
+            context,
+        });
+    }
+    let max_new = params.max_tokens.min(context - prompt.len());
+    let mut sampler = Sampler::new(params.clone(), prompt)?;
+    let mut detok = Detokenizer::new();
+    let mut stops = StopMatcher::new(&params.stop);
+    let mut out = String::new();
+    let mut tokens = Vec::new();
+    let start = Instant::now();
+    let mut first_token_at = None;
+    let mut logits = pipeline
+        .step(vec![(seq, prompt.to_vec())])?
+        .pop()
+        .expect("one sequence");
+    let mut finish = FinishReason::Length;
+    let mut stopped_by_string = false;
+    while tokens.len() < max_new {
+        if params.ignore_eos {
+            ban(&mut logits, text.tokenizer.stop_tokens());
+        }
+        let token = sampler.sample(&mut logits);
+        first_token_at.get_or_insert_with(Instant::now);
+        tokens.push(token);
+        if !params.ignore_eos && text.tokenizer.stop_tokens().contains(&token) {
+            finish = FinishReason::Stop;
+            break;
+        }
+        let released = stops.push(&detok.push(&text.tokenizer, token)?);
+        on_text(&released.text);
+        out.push_str(&released.text);
+        if released.stopped {
+            finish = FinishReason::Stop;
+            stopped_by_string = true;
+            break;
+        }
+        if tokens.len() == max_new {
+            break;
+        }
+        logits = pipeline
+            .step(vec![(seq, vec![token])])?
+            .pop()
+            .expect("one sequence");
+    }
+    if !stopped_by_string {
+        // Text held back for an incomplete character or a possible stop string.
+        let rest = stops.push(&detok.finish(&text.tokenizer)?);
+        let tail = if rest.stopped {
+            rest.text
+        } else {
+            rest.text + &stops.finish()
+        };
+        on_text(&tail);
+        out.push_str(&tail);
+    }
+    let end = Instant::now();
+    let first = first_token_at.unwrap_or(end);
+    Ok(Generation {
+        tokens,
+        text: out,
+        finish,
+        prompt_tokens: prompt.len(),
+        time_to_first_token: first - start,
+        decode_time: end - first,
+    })
+}

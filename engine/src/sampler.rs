@@ -1,0 +1,381 @@
+//! Choosing the next token from logits: penalties, temperature, top-k, top-p,
+//! min-p, and a seeded random choice (greedy at temperature 0).
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::{Error, Result};
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 picks the most likely token (greedy); higher values flatten the distribution.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (0 or unset: all).
+    pub top_k: Option<usize>,
+    /// Keep the most likely tokens whose probabilities add up to `p` (0 < p <= 1).
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 <= min_p <= 1).
+    pub min_p: Option<f32>,
+    /// Divides the logits of tokens already seen (prompt and output) when above
+    /// 1 (llama.cpp and Hugging Face style); 1 is off.
+    pub repetition_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI style).
+    pub frequency_penalty: f32,
+    /// Subtracted from a token's logit if it was generated at all (OpenAI style).
+    pub presence_penalty: f32,
+    /// Seed of the random choice; the same seed gives the same tokens.
+    pub seed: Option<u64>,
+    /// The most tokens to generate.
+    pub max_tokens: usize,
+    /// Texts that end the generation when they appear (they are not returned).
+    pub stop: Vec<String>,
+    /// Never pick end-of-sequence tokens, so every run generates `max_tokens`
+    /// (for benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+            max_tokens: 256,
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks every parameter's range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Sampling(m));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!(
+                "temperature {} must be 0 or more",
+                self.temperature
+            ));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return bad(format!("top_p {p} must be above 0 and at most 1"));
+        }
+        if let Some(p) = self.min_p
+            && !(0.0..=1.0).contains(&p)
+        {
+            return bad(format!("min_p {p} must be between 0 and 1"));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!(
+                "repetition_penalty {} must be above 0",
+                self.repetition_penalty
+            ));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+                return bad(format!("{name} {v} must be between -2 and 2"));
+            }
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+/// Picks tokens for one sequence.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Tokens of the prompt and output, for the repetition penalty.
+    seen: HashMap<u32, ()>,
+    /// How often each token was generated, for frequency and presence penalties.
+    generated: HashMap<u32, u32>,
+}
+
+impl Sampler {
+    /// A sampler for `params` (validated) over a sequence starting with `prompt`.
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Result<Self> {
+        params.validate()?;
+        let rng = match params.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Ok(Sampler {
+            seen: prompt.iter().map(|&t| (t, ())).collect(),
+            generated: HashMap::new(),
+            params,
+            rng,
+        })
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (changed in place) and records it.
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_penalties(logits);
+        let token = if self.params.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            self.sample_random(logits)
+        };
+        self.seen.insert(token, ());
+        *self.generated.entry(token).or_default() += 1;
+        token
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &t in self.seen.keys() {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            for (&t, &n) in &self.generated {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
+                }
+            }
+        }
+    }
+
+    fn sample_random(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        // Candidates, most likely first.
+        let mut candidates: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .collect();
+        if candidates.is_empty() {
+            return argmax(logits);
+        }
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        match p.top_k {
+            Some(k) if k > 0 && k < candidates.len() => {
+                candidates.select_nth_unstable_by(k - 1, by_logit);
+                candidates.truncate(k);
+            }
+            _ => {}
+        }
+        candidates.sort_unstable_by(by_logit);
+        // Softmax over what is left.
+        let max = candidates[0].1;
+        let mut total = 0.0f64;
+        for c in candidates.iter_mut() {
+            c.1 = (c.1 - max).exp();
+            total += c.1 as f64;
+        }
+        for c in candidates.iter_mut() {
+            c.1 = (c.1 as f64 / total) as f32;
+        }
+        if let Some(min_p) = p.min_p {
+            let floor = candidates[0].1 * min_p;
+            let keep = candidates
+                .iter()
+                .take_while(|c| c.1 >= floor)
+                .count()
+                .max(1);
+            candidates.truncate(keep);
+        }
+        if let Some(top_p) = p.top_p {
+            let mut cumulative = 0.0;
+            let mut keep = candidates.len();
+            for (i, c) in candidates.iter().enumerate() {
+                cumulative += c.1;
+                if cumulative >= top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            candidates.truncate(keep);
+        }
+        let total: f32 = candidates.iter().map(|c| c.1).sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for &(token, prob) in &candidates {
+            if r < prob {
+                return token;
+            }
+            r -= prob;
+        }
+        candidates.last().expect("at least one candidate").0
+    }
+}
+
+/// The index of the largest logit (the lowest index among equals).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        };
+        f(&mut p);
+        p
+    }
+
+    fn draw(p: SamplingParams, logits: &[f32], n: usize) -> Vec<u32> {
+        let mut s = Sampler::new(p, &[]).unwrap();
+        (0..n).map(|_| s.sample(&mut logits.to_vec())).collect()
+    }
+
+    #[test]
+    fn greedy_takes_the_largest_and_the_first_of_ties() {
+        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
+        let p = SamplingParams::default();
+        assert_eq!(draw(p, &[0.0, 1.0, 5.0], 3), vec![2, 2, 2]);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let a = draw(params(|_| {}), &logits, 50);
+        let b = draw(params(|_| {}), &logits, 50);
+        let c = draw(params(|p| p.seed = Some(8)), &logits, 50);
+        assert_eq!(a, b);
+        assert_ne!(a, c, "another seed gives another sequence");
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_k_limits_the_choice() {
+        let logits = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert!(
+            draw(params(|p| p.top_k = Some(1)), &logits, 20)
+                .iter()
+                .all(|&t| t == 4)
+        );
+        let picks = draw(params(|p| p.top_k = Some(2)), &logits, 200);
+        assert!(picks.iter().all(|&t| t == 3 || t == 4), "{picks:?}");
+        assert!(picks.contains(&3) && picks.contains(&4));
+        // k larger than the vocabulary keeps everything.
+        assert_eq!(draw(params(|p| p.top_k = Some(99)), &logits, 5).len(), 5);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        // Probabilities about 0.64, 0.24, 0.09, 0.03.
+        let logits = [3.0, 2.0, 1.0, 0.0];
+        let picks = draw(params(|p| p.top_p = Some(0.5)), &logits, 100);
+        assert!(
+            picks.iter().all(|&t| t == 0),
+            "the first token alone reaches 0.5"
+        );
+        let picks = draw(params(|p| p.top_p = Some(0.8)), &logits, 300);
+        assert!(
+            picks.iter().all(|&t| t <= 1) && picks.contains(&1),
+            "{picks:?}"
+        );
+        let all = draw(params(|p| p.top_p = Some(1.0)), &logits, 2000);
+        assert!(all.contains(&3), "top_p 1 keeps every token");
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        let logits = [3.0, 2.9, 0.0, -1.0];
+        let picks = draw(params(|p| p.min_p = Some(0.5)), &logits, 300);
+        assert!(picks.iter().all(|&t| t <= 1), "{picks:?}");
+    }
+
+    #[test]
+    fn penalties_push_down_repeated_tokens() {
+        let prompt = [0u32];
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..Default::default()
+            },
+            &prompt,
+        )
+        .unwrap();
+        assert_eq!(
+            s.sample(&mut [2.0, 1.5]),
+            1,
+            "token 0 is in the prompt: 2.0 / 2 < 1.5"
+        );
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 1.0,
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.sample(&mut [2.0, 1.5]), 0);
+        assert_eq!(
+            s.sample(&mut [2.0, 1.5]),
+            1,
+            "generated once: 2.0 - 1.0 < 1.5"
+        );
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 0.4,
+                ..Default::default()
+            },
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.sample(&mut [2.0, 1.7]), 0);
+        assert_eq!(s.sample(&mut [2.0, 1.7]), 1);
+    }
+
+    #[test]
+    fn out_of_range_parameters_are_refused() {
+        for (p, words) in [
+            (params(|p| p.temperature = -1.0), "temperature"),
+            (params(|p| p.top_p = Some(0.0)), "top_p"),
+            (params(|p| p.top_p = Some(1.5)), "top_p"),
+            (params(|p| p.min_p = Some(2.0)), "min_p"),
+            (params(|p| p.repetition_penalty = 0.0), "repetition_penalty"),
+            (params(|p| p.frequency_penalty = 3.0), "frequency_penalty"),
+            (params(|p| p.stop = vec![String::new()]), "stop"),
+        ] {
+            let e = Sampler::new(p, &[]).unwrap_err().to_string();
+            assert!(e.contains(words), "{e}");
+        }
+    }
+
+    #[test]
+    fn non_finite_logits_are_never_picked() {
+        let logits = [f32::NEG_INFINITY, 0.5, f32::NAN, 0.4];
+        let picks = draw(params(|_| {}), &logits, 200);
+        assert!(picks.iter().all(|&t| t == 1 || t == 3), "{picks:?}");
+    }
+}

@@ -1,0 +1,375 @@
+//! The engine on the real test model (SmolLM2-135M-Instruct, GGUF Q4_1):
+//! token ids, chat template, whole vs split parity, interleaved and batched
+//! sequences, streaming text.
+
+use shardplane_engine::chat::ChatMessage;
+use shardplane_engine::detokenizer::Detokenizer;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::{
+    EngineKind, FinishReason, LocalPipeline, TextModel, generate, parse_stages,
+};
+use shardplane_engine::sampler::SamplingParams;
+use shardplane_engine::{Error, LoadOptions, StageInput};
+
+struct Loaded {
+    file: GgufFile,
+    text: TextModel,
+}
+
+fn load() -> Loaded {
+    let file = GgufFile::open(shardplane_testkit::test_model()).expect("the test model opens");
+    let text = TextModel::from_gguf(&file).expect("tokenizer and template build");
+    Loaded { file, text }
+}
+
+fn pipeline(m: &Loaded, stages: &str) -> LocalPipeline {
+    let splits = parse_stages(stages, 30).unwrap();
+    LocalPipeline::load(
+        &m.file,
+        &splits,
+        EngineKind::Candle,
+        &LoadOptions::default(),
+    )
+    .unwrap()
+}
+
+fn greedy(n: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn sky_prompt(m: &Loaded) -> Vec<u32> {
+    m.text
+        .chat_prompt(&[ChatMessage::new("user", "Why is the sky blue?")])
+        .unwrap()
+}
+
+#[test]
+fn config_is_read_from_the_header() {
+    let m = load();
+    let c = m.file.config();
+    assert_eq!(
+        (c.layers, c.hidden_size, c.heads, c.kv_heads, c.head_dim),
+        (30, 576, 9, 3, 64)
+    );
+    assert_eq!(
+        (c.intermediate_size, c.vocab_size, c.context_length),
+        (1536, 49152, 8192)
+    );
+    assert_eq!(c.rope_theta, 100_000.0);
+}
+
+#[test]
+fn token_ids_of_known_strings() {
+    let m = load();
+    let t = &m.text.tokenizer;
+    // Values from llama.cpp's tokenizer on the same file.
+    for (text, ids) in [
+        (
+            "Why is the sky blue?",
+            &[4898u32, 314, 260, 6376, 4461, 47][..],
+        ),
+        ("system", &[9690]),
+        ("<|im_start|>user\n", &[1, 4093, 198]),
+        ("assistant", &[520, 9531]),
+    ] {
+        assert_eq!(t.encode(text, true).unwrap(), ids, "{text:?}");
+    }
+    assert_eq!(
+        t.stop_tokens(),
+        &[0, 2],
+        "<|endoftext|> and <|im_end|> end a generation"
+    );
+}
+
+#[test]
+fn chat_template_renders_what_the_model_expects() {
+    let m = load();
+    let text = m
+        .text
+        .template
+        .render(&[ChatMessage::new("user", "Hi")], true)
+        .unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let with_system = m
+        .text
+        .template
+        .render(
+            &[
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "Hi"),
+            ],
+            false,
+        )
+        .unwrap();
+    assert_eq!(
+        with_system,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    );
+    assert!(
+        m.text.template.render(&[], true).is_err(),
+        "an empty conversation is an error"
+    );
+}
+
+#[test]
+fn whole_and_split_models_give_the_same_greedy_tokens() {
+    let m = load();
+    let prompt = sky_prompt(&m);
+    let run = |stages: &str| {
+        let mut p = pipeline(&m, stages);
+        generate(&mut p, &m.text, 1, &prompt, &greedy(32), |_| {})
+            .unwrap()
+            .tokens
+    };
+    let whole = run("0-29");
+    assert_eq!(whole.len(), 32);
+    for split in ["0-14,15-29", "0-9,10-19,20-29", "0-0,1-28,29-29"] {
+        assert_eq!(run(split), whole, "split {split}");
+    }
+    let text = m.text.tokenizer.decode(&whole, true).unwrap();
+    assert!(text.contains("sky") || text.contains("blue"), "{text}");
+}
+
+#[test]
+fn interleaved_and_batched_sequences_match_each_alone() {
+    let m = load();
+    let prompts = [
+        sky_prompt(&m),
+        m.text
+            .chat_prompt(&[ChatMessage::new("user", "Name three fruits.")])
+            .unwrap(),
+    ];
+    let mut p = pipeline(&m, "0-9,10-19,20-29");
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|pr| {
+            generate(&mut p, &m.text, 7, pr, &greedy(12), |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+
+    // Interleaved: prefill both, then alternate single decode steps.
+    let mut got = [Vec::new(), Vec::new()];
+    let mut next = [0u32; 2];
+    for (i, pr) in prompts.iter().enumerate() {
+        let logits = p.step(vec![(i as u64, pr.clone())]).unwrap();
+        next[i] = shardplane_engine::sampler::argmax(&logits[0]);
+    }
+    for _ in 0..12 {
+        for i in 0..2 {
+            got[i].push(next[i]);
+            let logits = p.step(vec![(i as u64, vec![next[i]])]).unwrap();
+            next[i] = shardplane_engine::sampler::argmax(&logits[0]);
+        }
+    }
+    assert_eq!(got[0], alone[0]);
+    assert_eq!(got[1], alone[1]);
+    p.release(0);
+    p.release(1);
+
+    // Batched: one decode step for both sequences at once.
+    let mut got = [Vec::new(), Vec::new()];
+    for (i, pr) in prompts.iter().enumerate() {
+        let logits = p.step(vec![(10 + i as u64, pr.clone())]).unwrap();
+        next[i] = shardplane_engine::sampler::argmax(&logits[0]);
+    }
+    for _ in 0..12 {
+        got[0].push(next[0]);
+        got[1].push(next[1]);
+        let logits = p
+            .step(vec![(10, vec![next[0]]), (11, vec![next[1]])])
+            .unwrap();
+        next = [0, 1].map(|i| shardplane_engine::sampler::argmax(&logits[i]));
+    }
+    assert_eq!(got[0], alone[0], "batched decode of sequence 0");
+    assert_eq!(got[1], alone[1], "batched decode of sequence 1");
+}
+
+#[test]
+fn released_sequences_free_their_kv_cache_on_every_stage() {
+    let m = load();
+    let mut p = pipeline(&m, "0-14,15-29");
+    let prompt = sky_prompt(&m);
+    p.step(vec![(3, prompt.clone())]).unwrap();
+    assert!(
+        p.stages()
+            .iter()
+            .all(|s| s.sequences() == 1 && s.kv_cache_bytes() > 0)
+    );
+    assert_eq!(p.stages()[1].sequence_len(3), prompt.len());
+    p.release(3);
+    assert!(
+        p.stages()
+            .iter()
+            .all(|s| s.sequences() == 0 && s.kv_cache_bytes() == 0)
+    );
+    // generate() frees its sequence itself.
+    generate(&mut p, &m.text, 4, &prompt, &greedy(3), |_| {}).unwrap();
+    assert!(p.stages().iter().all(|s| s.sequences() == 0));
+}
+
+#[test]
+fn streamed_text_is_the_whole_text_and_never_broken_utf8() {
+    let m = load();
+    let t = &m.text.tokenizer;
+    let sample = "Hello 🌍! 世界 — naïve café ☕️ 12345";
+    let ids = t.encode(sample, false).unwrap();
+    assert!(ids.len() > 10);
+    let mut d = Detokenizer::new();
+    let mut streamed = String::new();
+    for id in &ids {
+        let piece = d.push(t, *id).unwrap();
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "a broken character was streamed: {piece:?}"
+        );
+        streamed.push_str(&piece);
+    }
+    streamed.push_str(&d.finish(t).unwrap());
+    assert_eq!(streamed, sample);
+
+    // And the text a generation streams is the text it returns.
+    let mut p = pipeline(&m, "0-29");
+    let mut pieces = String::new();
+    let g = generate(&mut p, &m.text, 1, &sky_prompt(&m), &greedy(20), |s| {
+        pieces.push_str(s)
+    })
+    .unwrap();
+    assert_eq!(pieces, g.text);
+    assert_eq!(g.text, t.decode(&g.tokens, true).unwrap());
+}
+
+#[test]
+fn stop_strings_and_end_tokens_end_a_generation() {
+    let m = load();
+    let mut p = pipeline(&m, "0-29");
+    let prompt = sky_prompt(&m);
+    let full = generate(&mut p, &m.text, 1, &prompt, &greedy(40), |_| {}).unwrap();
+    // Stop at a word from the middle of the greedy reply.
+    let word = full.text.split_whitespace().nth(4).unwrap().to_string();
+    let params = SamplingParams {
+        stop: vec![word.clone()],
+        ..greedy(40)
+    };
+    let stopped = generate(&mut p, &m.text, 1, &prompt, &params, |_| {}).unwrap();
+    assert_eq!(stopped.finish, FinishReason::Stop);
+    assert!(
+        !stopped.text.contains(&word),
+        "{:?} still contains {word:?}",
+        stopped.text
+    );
+    assert!(full.text.starts_with(&stopped.text));
+
+    // Without banning end tokens a short answer ends on its own.
+    let params = SamplingParams {
+        max_tokens: 400,
+        ..Default::default()
+    };
+    let short = m
+        .text
+        .chat_prompt(&[ChatMessage::new("user", "Say hi.")])
+        .unwrap();
+    let g = generate(&mut p, &m.text, 1, &short, &params, |_| {}).unwrap();
+    assert_eq!(g.finish, FinishReason::Stop, "{:?}", g.text);
+    assert!(
+        m.text
+            .tokenizer
+            .stop_tokens()
+            .contains(g.tokens.last().unwrap())
+    );
+}
+
+#[test]
+fn seeded_sampling_repeats_itself() {
+    let m = load();
+    let mut p = pipeline(&m, "0-14,15-29");
+    let prompt = sky_prompt(&m);
+    let params = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: Some(0.95),
+        top_k: Some(40),
+        seed: Some(seed),
+        ..greedy(24)
+    };
+    let a = generate(&mut p, &m.text, 1, &prompt, &params(42), |_| {})
+        .unwrap()
+        .tokens;
+    let b = generate(&mut p, &m.text, 1, &prompt, &params(42), |_| {})
+        .unwrap()
+        .tokens;
+    let c = generate(&mut p, &m.text, 1, &prompt, &params(43), |_| {})
+        .unwrap()
+        .tokens;
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_an_error() {
+    let m = load();
+    let options = LoadOptions {
+        context_length: Some(16),
+        ..Default::default()
+    };
+    let mut p = LocalPipeline::load(&m.file, &[], EngineKind::Candle, &options).unwrap();
+    let prompt = sky_prompt(&m);
+    let e = generate(&mut p, &m.text, 1, &prompt, &greedy(4), |_| {}).unwrap_err();
+    assert!(
+        matches!(e, Error::ContextOverflow { context: 16, .. }),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("exceeds the context length of 16 tokens"),
+        "{e}"
+    );
+    // A generation that reaches the context stops there, by length.
+    let short: Vec<u32> = prompt[..10].to_vec();
+    let g = generate(&mut p, &m.text, 1, &short, &greedy(100), |_| {}).unwrap();
+    assert_eq!((g.tokens.len(), g.finish), (6, FinishReason::Length));
+}
+
+#[test]
+fn bad_stage_inputs_are_errors_not_panics() {
+    let m = load();
+    let mut p = pipeline(&m, "0-14,15-29");
+    let second = &mut p.stages_mut()[1];
+    let e = second
+        .forward(1, StageInput::Tokens(vec![1, 2]))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("takes hidden states, not tokens"),
+        "{e}"
+    );
+    let first = &mut p.stages_mut()[0];
+    let e = first
+        .forward(1, StageInput::Tokens(vec![49152]))
+        .unwrap_err();
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+    let bad = shardplane_engine::Activations::new(1, 100, vec![0.0; 100]).unwrap();
+    let e = p.stages_mut()[1]
+        .forward(1, StageInput::Hidden(bad))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("width 100 for a model of width 576"),
+        "{e}"
+    );
+    let e = p.stages_mut()[0]
+        .forward_batch(vec![(1, StageInput::Tokens(vec![1, 2]))])
+        .unwrap_err();
+    assert!(e.to_string().contains("one token per sequence"), "{e}");
+    assert_eq!(
+        p.stages()[0].sequences(),
+        0,
+        "failed steps leave no sequence behind"
+    );
+}
