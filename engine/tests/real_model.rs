@@ -75,6 +75,22 @@ fn token_ids_of_known_strings() {
         ("system", &[9690]),
         ("<|im_start|>user\n", &[1, 4093, 198]),
         ("assistant", &[520, 9531]),
+        ("12345 apples", &[33, 34, 35, 36, 37, 13855]),
+        (
+            "Hello 🌍! 世界 — naïve café",
+            &[
+                19556, 15107, 230, 231, 17, 216, 7906, 240, 178, 239, 230, 1841, 15486, 46494,
+                37366,
+            ],
+        ),
+        (
+            "  leading spaces\n\nnewlines\ttabs",
+            &[216, 2899, 5600, 198, 198, 2241, 5110, 197, 100, 7366],
+        ),
+        (
+            "I'm here, you're there; they'll go.",
+            &[57, 5248, 1535, 28, 346, 2316, 665, 43, 502, 3060, 685, 30],
+        ),
     ] {
         assert_eq!(t.encode(text, true).unwrap(), ids, "{text:?}");
     }
@@ -372,4 +388,31 @@ fn bad_stage_inputs_are_errors_not_panics() {
         0,
         "failed steps leave no sequence behind"
     );
+}
+
+#[test]
+fn logits_agree_with_llama_cpp_where_greedy_paths_part() {
+    // Greedy replies agree with llama.cpp's for 11 tokens; at the 12th two
+    // tokens are nearly tied. llama.cpp's own logits for the same 47 tokens
+    // evaluated at once rank them as we do (1420 " light": 22.724, 11367
+    // " atmospheric": 22.588); its token-by-token decode (F16 KV cache) then
+    // picks the other. Our logits must match llama.cpp's closely there.
+    let m = load();
+    let options = LoadOptions {
+        requantize_slow_types: false,
+        ..Default::default()
+    };
+    let mut p = LocalPipeline::load(&m.file, &[], EngineKind::Candle, &options).unwrap();
+    let mut tokens = sky_prompt(&m);
+    tokens.extend([504, 2988, 288, 451, 1962, 5721, 281, 260, 7564, 7180, 282]);
+    let logits = p.step(vec![(1, tokens)]).unwrap().pop().unwrap();
+    for (token, llama_cpp) in [(1420usize, 22.724277f32), (11367, 22.588215)] {
+        let diff = (logits[token] - llama_cpp).abs();
+        assert!(
+            diff < 0.1,
+            "token {token}: {} vs llama.cpp {llama_cpp}",
+            logits[token]
+        );
+    }
+    assert!(logits[1420] > logits[11367]);
 }

@@ -97,22 +97,25 @@ pub(super) struct LayerWeights {
 impl LayerWeights {
     pub fn load(l: &mut TensorLoader<'_>, i: usize, arch: Architecture) -> Result<Self> {
         let name = |s: &str| format!("blk.{i}.{s}");
-        let linear = |l: &mut TensorLoader<'_>, w: &str, b: &str| -> Result<Linear> {
-            let bias_name = name(b);
-            let bias = match arch {
-                Architecture::Qwen2 => Some(l.vector(&bias_name)?),
-                _ if l.file.has_tensor(&bias_name) => Some(l.vector(&bias_name)?),
-                _ => None,
+        // Qwen2 always has Q/K/V biases; elsewhere a bias is used when the file has one.
+        let linear =
+            |l: &mut TensorLoader<'_>, w: &str, b: &str, required: bool| -> Result<Linear> {
+                let bias_name = name(b);
+                let bias = if required || l.file.has_tensor(&bias_name) {
+                    Some(l.vector(&bias_name)?)
+                } else {
+                    None
+                };
+                Ok(Linear {
+                    weight: l.matrix(&name(w))?,
+                    bias,
+                })
             };
-            Ok(Linear {
-                weight: l.matrix(&name(w))?,
-                bias,
-            })
-        };
-        let q = linear(l, "attn_q.weight", "attn_q.bias")?;
-        let k = linear(l, "attn_k.weight", "attn_k.bias")?;
-        let v = linear(l, "attn_v.weight", "attn_v.bias")?;
-        let o = linear(l, "attn_output.weight", "attn_output.bias")?;
+        let qkv_bias = arch == Architecture::Qwen2;
+        let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias)?;
+        let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias)?;
+        let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias)?;
+        let o = linear(l, "attn_output.weight", "attn_output.bias", false)?;
         let (q_norm, k_norm) = match arch {
             Architecture::Qwen3 => (
                 Some(l.vector(&name("attn_q_norm.weight"))?),
