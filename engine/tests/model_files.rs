@@ -36,7 +36,7 @@ fn convert(dtype: GgmlDType, fallback: GgmlDType, dir: &Path) -> PathBuf {
             let row = *dims.last().unwrap();
             let target = if dims.len() == 1 {
                 GgmlDType::F32
-            } else if row % dtype.block_size() == 0 {
+            } else if row.is_multiple_of(dtype.block_size()) {
                 dtype
             } else {
                 fallback
@@ -147,7 +147,7 @@ fn as_architecture(arch: &str, dir: &Path) -> PathBuf {
     let content = Content::read(&mut reader).unwrap();
     let (heads, kv_heads, hd) = (9usize, 3usize, 64usize);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, _) in &content.tensor_infos {
+    for name in content.tensor_infos.keys() {
         let t = content.tensor(&mut reader, name, &Device::Cpu).unwrap();
         // Everything in F32, so the comparison is with the same numbers.
         let w = t.dequantize(&Device::Cpu).unwrap();
@@ -265,9 +265,7 @@ fn truncated_and_corrupt_files_fail_with_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     // Cut in the tensor data: the header reads, the last tensors are missing.
     let truncated = broken_copy(dir.path(), "truncated.gguf", |b| b.truncate(b.len() / 2));
-    let e = load_whole(&truncated)
-        .err()
-        .expect("a truncated file fails");
+    let e = load_whole(&truncated).expect_err("a truncated file fails");
     assert!(matches!(e, Error::CorruptModel { .. }), "{e}");
     assert!(e.to_string().contains("truncated or corrupt"), "{e}");
     assert!(
@@ -277,7 +275,7 @@ fn truncated_and_corrupt_files_fail_with_a_clear_error() {
 
     // Cut in the header.
     let stub = broken_copy(dir.path(), "stub.gguf", |b| b.truncate(4096));
-    let e = GgufFile::open(&stub).err().expect("a stub fails");
+    let e = GgufFile::open(&stub).expect_err("a stub fails");
     assert!(e.to_string().contains("not a valid GGUF model"), "{e}");
 
     // Not a GGUF file at all.
@@ -287,12 +285,10 @@ fn truncated_and_corrupt_files_fail_with_a_clear_error() {
             *x = (i * 7919 % 251) as u8;
         }
     });
-    let e = GgufFile::open(&garbage).err().expect("garbage fails");
+    let e = GgufFile::open(&garbage).expect_err("garbage fails");
     assert!(e.to_string().contains("not a valid GGUF model"), "{e}");
 
-    let e = GgufFile::open(dir.path().join("absent.gguf"))
-        .err()
-        .expect("a missing file fails");
+    let e = GgufFile::open(dir.path().join("absent.gguf")).expect_err("a missing file fails");
     assert!(e.to_string().contains("cannot read model file"), "{e}");
 }
 
@@ -305,9 +301,7 @@ fn an_unknown_tensor_type_or_architecture_is_named() {
         let at = find(b, name) + name.len() + 4 + 16;
         b[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
     });
-    let e = GgufFile::open(&unknown_type)
-        .err()
-        .expect("an unknown type fails");
+    let e = GgufFile::open(&unknown_type).expect_err("an unknown type fails");
     assert!(matches!(e, Error::UnsupportedTensorType { .. }), "{e}");
     assert!(e.to_string().contains("ggml type 99"), "{e}");
 
@@ -317,9 +311,7 @@ fn an_unknown_tensor_type_or_architecture_is_named() {
         assert_eq!(&b[at..at + 5], b"llama");
         b[at..at + 5].copy_from_slice(b"mamba");
     });
-    let e = GgufFile::open(&unknown_arch)
-        .err()
-        .expect("an unknown architecture fails");
+    let e = GgufFile::open(&unknown_arch).expect_err("an unknown architecture fails");
     assert!(
         e.to_string()
             .contains("architecture \"mamba\" is not supported"),
@@ -342,7 +334,6 @@ fn a_layer_range_past_the_model_is_an_error() {
     // A layout built for a bigger model is checked against the file too.
     let layout = StageLayout::new(20..40, 40).unwrap();
     let e = CandleShard::load_from(&file, layout, &LoadOptions::default(), Device::Cpu)
-        .err()
-        .expect("past the end");
+        .expect_err("past the end");
     assert!(matches!(e, Error::LayerRange { layers: 30, .. }), "{e}");
 }

@@ -41,6 +41,18 @@ pub struct CandleShard {
     sequences: HashMap<SequenceId, SequenceCache>,
 }
 
+impl std::fmt::Debug for CandleShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CandleShard")
+            .field("architecture", &self.config.architecture)
+            .field("layers", &self.layout.layers)
+            .field("total_layers", &self.layout.total_layers)
+            .field("sequences", &self.sequences.len())
+            .field("weight_bytes", &self.weight_bytes)
+            .finish()
+    }
+}
+
 /// The KV cache of one sequence in this stage's layers.
 struct SequenceCache {
     position: usize,
