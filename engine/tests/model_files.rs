@@ -323,7 +323,7 @@ fn an_unknown_tensor_type_or_architecture_is_named() {
 fn a_layer_range_past_the_model_is_an_error() {
     let file = GgufFile::open(model()).unwrap();
     for (start, end) in [(20, 31), (10, 10), (12, 5)] {
-        let e = StageLayout::new(start..end, 30).err().expect("bad range");
+        let e = StageLayout::new(start..end, 30).expect_err("bad range");
         assert!(
             e.to_string().contains(&format!(
                 "layer range {start}-{end} does not fit a model of 30 layers"
