@@ -205,6 +205,12 @@ impl Tokenizer {
         })
     }
 
+    /// The tokenizer as a `tokenizer.json` document (the format safetensors
+    /// models ship and [`Tokenizer::from_file`] reads).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(true).map_err(tok_err)
+    }
+
     /// Token ids of `text`; special tokens written in the text (`<|im_start|>`)
     /// become their ids. With `add_bos`, prepends BOS where the model wants it.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {

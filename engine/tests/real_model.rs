@@ -416,3 +416,169 @@ fn logits_agree_with_llama_cpp_where_greedy_paths_part() {
     }
     assert!(logits[1420] > logits[11367]);
 }
+
+#[test]
+fn pre_tokenizer_types_split_as_llama_cpp_does() {
+    // The test model's vocabulary with tokenizer.ggml.pre changed; the ids are
+    // llama.cpp's for the same edited files.
+    let mut content = {
+        let mut reader =
+            std::io::BufReader::new(std::fs::File::open(shardplane_testkit::test_model()).unwrap());
+        candle_core::quantized::gguf_file::Content::read(&mut reader).unwrap()
+    };
+    let cases: &[(&str, &str, &[u32])] = &[
+        (
+            "llama-bpe",
+            "Hello world! 12345 apples cost $3.50.",
+            &[
+                19556, 905, 17, 216, 33, 34, 35, 36, 37, 13855, 1708, 1885, 35, 30, 37, 32, 30,
+            ],
+        ),
+        (
+            "llama-bpe",
+            "I'm here, YOU'RE there; they'LL go.",
+            &[
+                57, 5248, 1535, 28, 12246, 23, 3256, 665, 43, 502, 23, 16421, 685, 30,
+            ],
+        ),
+        (
+            "llama-bpe",
+            "line one\n\n  line two\r\n\ttabbed   spaced",
+            &[
+                1311, 582, 1116, 216, 1761, 827, 2738, 197, 15999, 5776, 256, 23861,
+            ],
+        ),
+        (
+            "llama-bpe",
+            "日本語のテキスト と English 混合 123456789",
+            &[
+                23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                226, 46673, 118, 2321, 17097, 132, 132, 16357, 226, 216, 33, 34, 35, 36, 37, 38,
+                39, 40, 41,
+            ],
+        ),
+        (
+            "llama-bpe",
+            "emoji 🌍🚀 and naïve café — “quotes”",
+            &[
+                391, 33777, 15107, 230, 231, 10813, 244, 218, 284, 15486, 46494, 37366, 1841, 619,
+                385, 2346, 573,
+            ],
+        ),
+        (
+            "qwen2",
+            "Hello world! 12345 apples cost $3.50.",
+            &[
+                19556, 905, 17, 216, 33, 34, 35, 36, 37, 13855, 1708, 1885, 35, 30, 37, 32, 30,
+            ],
+        ),
+        (
+            "qwen2",
+            "I'm here, YOU'RE there; they'LL go.",
+            &[
+                57, 5248, 1535, 28, 12246, 23, 3256, 665, 43, 502, 23, 16421, 685, 30,
+            ],
+        ),
+        (
+            "qwen2",
+            "line one\n\n  line two\r\n\ttabbed   spaced",
+            &[
+                1311, 582, 1116, 216, 1761, 827, 2738, 197, 15999, 5776, 256, 23861,
+            ],
+        ),
+        (
+            "qwen2",
+            "日本語のテキスト と English 混合 123456789",
+            &[
+                23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                226, 46673, 118, 2321, 17097, 132, 132, 16357, 226, 216, 33, 34, 35, 36, 37, 38,
+                39, 40, 41,
+            ],
+        ),
+        (
+            "qwen2",
+            "emoji 🌍🚀 and naïve café — “quotes”",
+            &[
+                391, 33777, 15107, 230, 231, 10813, 244, 218, 284, 15486, 46494, 37366, 1841, 619,
+                385, 2346, 573,
+            ],
+        ),
+        (
+            "gpt-2",
+            "Hello world! 12345 apples cost $3.50.",
+            &[
+                19556, 905, 17, 216, 33, 34, 35, 36, 37, 13855, 1708, 1885, 35, 30, 37, 32, 30,
+            ],
+        ),
+        (
+            "gpt-2",
+            "I'm here, YOU'RE there; they'LL go.",
+            &[
+                57, 5248, 1535, 28, 12246, 23, 3256, 665, 43, 502, 23, 16421, 685, 30,
+            ],
+        ),
+        (
+            "gpt-2",
+            "line one\n\n  line two\r\n\ttabbed   spaced",
+            &[
+                1311, 582, 8866, 1761, 827, 2738, 197, 15999, 5776, 256, 23861,
+            ],
+        ),
+        (
+            "gpt-2",
+            "日本語のテキスト と English 混合 123456789",
+            &[
+                23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                226, 46673, 118, 2321, 17097, 132, 132, 16357, 226, 216, 33, 34, 35, 36, 37, 38,
+                39, 40, 41,
+            ],
+        ),
+        (
+            "gpt-2",
+            "emoji 🌍🚀 and naïve café — “quotes”",
+            &[
+                391, 33777, 15107, 230, 231, 10813, 244, 218, 284, 15486, 46494, 37366, 1841, 619,
+                385, 2346, 573,
+            ],
+        ),
+    ];
+    for (pre, text, ids) in cases {
+        content.metadata.insert(
+            "tokenizer.ggml.pre".into(),
+            candle_core::quantized::gguf_file::Value::String(pre.to_string()),
+        );
+        let tokenizer = shardplane_engine::tokenizer::Tokenizer::from_gguf(&content).unwrap();
+        assert_eq!(
+            tokenizer.encode(text, false).unwrap(),
+            *ids,
+            "pre {pre}: {text:?}"
+        );
+    }
+}
+
+#[test]
+fn a_tokenizer_json_gives_the_same_ids() {
+    let m = load();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, m.text.tokenizer.to_json().unwrap()).unwrap();
+    let from_json =
+        shardplane_engine::tokenizer::Tokenizer::from_file(&path, &[2], Some(1)).unwrap();
+    for text in [
+        "<|im_start|>user\nWhy is the sky blue?<|im_end|>",
+        "12345 apples 🌍 naïve",
+    ] {
+        assert_eq!(
+            from_json.encode(text, false).unwrap(),
+            m.text.tokenizer.encode(text, false).unwrap()
+        );
+    }
+    assert_eq!(from_json.stop_tokens(), &[2]);
+    let e = shardplane_engine::tokenizer::Tokenizer::from_file(
+        dir.path().join("absent.json"),
+        &[],
+        None,
+    )
+    .unwrap_err();
+    assert!(e.to_string().starts_with("tokenizer:"), "{e}");
+}
