@@ -86,24 +86,6 @@ pub fn format_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
 
-/// Formats bytes for people: `41.3 GiB`, `512.0 MiB`, `900 B`.
-pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: &[&str] = &["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut value = bytes as f64;
-    let mut unit = "B";
-    for u in UNITS {
-        if value < 1024.0 {
-            break;
-        }
-        value /= 1024.0;
-        unit = u;
-    }
-    format!("{value:.1} {unit}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,12 +119,5 @@ mod tests {
         for b in [0u64, 1, 1024, 3 << 29, 123_456_789] {
             assert_eq!(parse_bytes(&format_bytes(b)).unwrap(), b);
         }
-    }
-
-    #[test]
-    fn human_bytes_reads_well() {
-        assert_eq!(human_bytes(900), "900 B");
-        assert_eq!(human_bytes(512 << 20), "512.0 MiB");
-        assert_eq!(human_bytes(41_300_000_000), "38.5 GiB");
     }
 }

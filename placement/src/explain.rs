@@ -1,0 +1,133 @@
+//! Why nothing fits, in numbers a person can act on.
+
+use std::collections::BTreeSet;
+
+use crate::cluster::{Cluster, Node};
+use crate::plan::{Request, Strategy};
+
+/// Bytes for people: `41.3 GiB`, `512.0 MiB`, `900 B`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: &[&str] = &["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    format!("{value:.1} {unit}")
+}
+
+fn budget(request: &Request<'_>) -> String {
+    let s: &Strategy = request.strategy;
+    format!(
+        "{} weights + {} KV cache for {} tokens x {} sequences",
+        human_bytes(request.footprint.weight_bytes()),
+        human_bytes(request.footprint.kv_bytes(s.kv)),
+        s.kv.context_length,
+        s.kv.sequences
+    )
+}
+
+pub(crate) fn no_nodes(cluster: &Cluster, deployment: &str, daily: bool) -> String {
+    let total = cluster.nodes.len();
+    let cordoned = cluster.nodes.values().filter(|n| !n.schedulable).count();
+    let taken = cluster
+        .nodes
+        .values()
+        .filter(|n| n.schedulable && !n.admits(deployment, daily))
+        .count();
+    format!(
+        "no node can take shards: the pool has {total} nodes, {cordoned} not ready or cordoned, {taken} dedicated to other deployments; add nodes to the pool (label them to match its selector) or uncordon some"
+    )
+}
+
+pub(crate) fn no_spare_node(usable: usize) -> String {
+    format!(
+        "each of the {usable} nodes this deployment may use already runs one of its replicas, and daily replicas need a node each: add nodes to the pool or lower replicas"
+    )
+}
+
+pub(crate) fn whole(
+    request: &Request<'_>,
+    need: u64,
+    usable: &[(&String, &Node)],
+    others: &BTreeSet<&str>,
+) -> String {
+    let free: Vec<u64> = usable
+        .iter()
+        .filter(|(name, _)| !others.contains(name.as_str()))
+        .map(|(_, n)| n.free_bytes)
+        .collect();
+    let largest = free.iter().copied().max().unwrap_or(0);
+    format!(
+        "one replica needs {} on one node ({} + {} overhead); the largest free node of {} available has {}: use nodes with more memory, a smaller context or fewer sequences, or a pipeline strategy on a reasoning pool",
+        human_bytes(need),
+        budget(request),
+        human_bytes(request.strategy.stage_overhead),
+        free.len(),
+        human_bytes(largest)
+    )
+}
+
+pub(crate) fn pipeline(
+    request: &Request<'_>,
+    usable: &[(&String, &Node)],
+    min_k: usize,
+    max_k: usize,
+) -> String {
+    let s = request.strategy;
+    let total_free: u64 = usable.iter().map(|(_, n)| n.free_bytes).sum();
+    let largest = usable.iter().map(|(_, n)| n.free_bytes).max().unwrap_or(0);
+    let need = request.footprint.weight_bytes()
+        + request.footprint.kv_bytes(s.kv)
+        + s.stage_overhead * min_k.max(1) as u64;
+    let limit = if max_k < usable.len() {
+        format!(", and the strategy allows at most {max_k} nodes per instance")
+    } else {
+        String::new()
+    };
+    format!(
+        "one instance needs at least {} ({} + {} overhead per stage); the pool's {} schedulable nodes have {} free in all (largest {}){limit}: add nodes or memory, lower the KV budget, or raise maxNodes",
+        human_bytes(need),
+        budget(request),
+        human_bytes(s.stage_overhead),
+        usable.len(),
+        human_bytes(total_free),
+        human_bytes(largest)
+    )
+}
+
+pub(crate) fn links(s: &Strategy) -> String {
+    let mut wants = Vec::new();
+    if s.require_rdma {
+        wants.push("RDMA".to_string());
+    }
+    if let Some(l) = s.max_latency_micros {
+        wants.push(format!("latency at most {l} µs"));
+    }
+    if let Some(b) = s.min_bandwidth_mbps {
+        wants.push(format!("at least {b} Mbit/s"));
+    }
+    format!(
+        "memory would fit, but no order of the nodes has links with {} between every pair of adjacent stages (links not yet measured do not count): relax the strategy's links or wait for the agents to measure them",
+        wants.join(" and ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn human_bytes_reads_well() {
+        assert_eq!(human_bytes(900), "900 B");
+        assert_eq!(human_bytes(512 << 20), "512.0 MiB");
+        assert_eq!(human_bytes(41_300_000_000), "38.5 GiB");
+    }
+}

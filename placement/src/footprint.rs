@@ -1,0 +1,60 @@
+//! What a model needs in memory, stage by stage.
+
+use std::ops::Range;
+
+/// A model's memory, as placement counts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes of each layer's weights, in layer order.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes of the token embedding (first stage).
+    pub embedding_bytes: u64,
+    /// Bytes of the final norm and output head (last stage).
+    pub output_bytes: u64,
+    /// Bytes of KV cache one token takes in one layer.
+    pub kv_bytes_per_token_per_layer: u64,
+}
+
+/// The KV cache an instance reserves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBudget {
+    /// Tokens per sequence.
+    pub context_length: u64,
+    /// Sequences at once.
+    pub sequences: u64,
+}
+
+impl Footprint {
+    /// Number of layers.
+    pub fn layers(&self) -> u32 {
+        self.layer_bytes.len() as u32
+    }
+
+    /// Bytes one layer needs: its weights and its KV cache for the budget.
+    pub fn layer_cost(&self, layer: u32, kv: KvBudget) -> u64 {
+        self.layer_bytes[layer as usize]
+            + self.kv_bytes_per_token_per_layer * kv.context_length * kv.sequences
+    }
+
+    /// Bytes a stage running `layers` needs, with `overhead` on top.
+    pub fn stage_bytes(&self, layers: &Range<u32>, kv: KvBudget, overhead: u64) -> u64 {
+        let mut bytes = overhead + layers.clone().map(|l| self.layer_cost(l, kv)).sum::<u64>();
+        if layers.start == 0 {
+            bytes += self.embedding_bytes;
+        }
+        if layers.end == self.layers() {
+            bytes += self.output_bytes;
+        }
+        bytes
+    }
+
+    /// Bytes of weights of the whole model.
+    pub fn weight_bytes(&self) -> u64 {
+        self.layer_bytes.iter().sum::<u64>() + self.embedding_bytes + self.output_bytes
+    }
+
+    /// Bytes of KV cache of the whole model for the budget.
+    pub fn kv_bytes(&self, kv: KvBudget) -> u64 {
+        self.kv_bytes_per_token_per_layer * kv.context_length * kv.sequences * self.layers() as u64
+    }
+}

@@ -1,0 +1,546 @@
+//! Planning one deployment: keep what stands, repair what lost nodes, place
+//! what is missing.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use crate::cluster::Cluster;
+use crate::explain;
+use crate::footprint::{Footprint, KvBudget};
+use crate::order::order_ring;
+use crate::split::split_layers;
+
+/// The tier of the pool a deployment runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Whole models, one replica per dedicated node.
+    Daily,
+    /// Models sharded across nodes.
+    Reasoning,
+}
+
+/// How a model is split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parallelism {
+    /// The whole model on one node.
+    None,
+    /// Layer ranges on successive nodes.
+    Pipeline,
+    /// Layers split across nodes (not placed yet).
+    Tensor,
+}
+
+/// How layers are assigned to the chosen nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// In proportion to free memory.
+    MemoryWeighted,
+    /// Fill each node before the next.
+    FewestNodes,
+    /// Equal numbers of layers.
+    EvenLayers,
+}
+
+/// A sharding strategy, as placement needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Strategy {
+    /// How the model is split.
+    pub parallelism: Parallelism,
+    /// How layers are assigned.
+    pub policy: Policy,
+    /// Fewest nodes per instance.
+    pub min_nodes: u32,
+    /// Most nodes per instance (the model's layer count when unset).
+    pub max_nodes: Option<u32>,
+    /// KV cache every instance reserves.
+    pub kv: KvBudget,
+    /// Bytes each stage needs beyond weights and KV cache.
+    pub stage_overhead: u64,
+    /// Highest round-trip latency allowed between adjacent stages.
+    pub max_latency_micros: Option<u32>,
+    /// Lowest throughput allowed between adjacent stages.
+    pub min_bandwidth_mbps: Option<u32>,
+    /// Only RDMA links between stages.
+    pub require_rdma: bool,
+}
+
+/// One stage: a layer range on a node.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Stage {
+    /// The node.
+    pub node: String,
+    /// Layers `[start, end)`.
+    pub layers: Range<u32>,
+}
+
+/// One instance: a full copy of the model over its stages, in pipeline order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// Index within the deployment.
+    pub index: u32,
+    /// Stages in pipeline order.
+    pub stages: Vec<Stage>,
+}
+
+/// What to place.
+#[derive(Debug, Clone)]
+pub struct Request<'a> {
+    /// The deployment's name (unique in the cluster view).
+    pub deployment: &'a str,
+    /// The pool's tier.
+    pub tier: Tier,
+    /// Instances wanted.
+    pub replicas: u32,
+    /// The model's memory.
+    pub footprint: &'a Footprint,
+    /// The strategy.
+    pub strategy: &'a Strategy,
+    /// The deployment's current placement (from its Shards); the cluster's free
+    /// memory must not count it.
+    pub current: &'a [Instance],
+}
+
+/// Why instances could not be placed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnplaceableReason {
+    /// No node in the pool may take shards.
+    NoSchedulableNodes,
+    /// Not enough memory on the nodes there are.
+    InsufficientMemory,
+    /// The links between nodes do not meet the strategy's requirements.
+    LinkRequirements,
+    /// The strategy cannot be placed (e.g. tensor parallelism).
+    UnsupportedStrategy,
+}
+
+impl UnplaceableReason {
+    /// The CamelCase word for conditions and events.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnplaceableReason::NoSchedulableNodes => "NoSchedulableNodes",
+            UnplaceableReason::InsufficientMemory => "InsufficientMemory",
+            UnplaceableReason::LinkRequirements => "LinkRequirements",
+            UnplaceableReason::UnsupportedStrategy => "UnsupportedStrategy",
+        }
+    }
+}
+
+/// Instances that could not be placed, and why, in numbers a person can act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unplaceable {
+    /// Why.
+    pub reason: UnplaceableReason,
+    /// What is needed and what there is.
+    pub message: String,
+}
+
+/// The placement of one deployment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Placed instances, by index.
+    pub instances: Vec<Instance>,
+    /// Set when fewer than `replicas` instances could be placed.
+    pub unplaced: Option<Unplaceable>,
+}
+
+/// Plans one deployment and reserves what the plan uses in `cluster` (so a
+/// later request sees the memory taken).
+pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
+    let planner = Planner { request };
+    if request.strategy.parallelism == Parallelism::Tensor {
+        return Plan {
+            instances: Vec::new(),
+            unplaced: Some(Unplaceable {
+                reason: UnplaceableReason::UnsupportedStrategy,
+                message: "tensor parallelism is not placed yet: use a pipeline strategy".into(),
+            }),
+        };
+    }
+    let wanted: Vec<u32> = (0..request.replicas).collect();
+    let mut placed: Vec<Option<Instance>> = vec![None; wanted.len()];
+
+    // Keep what still stands before placing anything new, so new instances do
+    // not take the memory of existing ones.
+    for instance in request
+        .current
+        .iter()
+        .filter(|i| i.index < request.replicas)
+    {
+        if planner.stands(cluster, instance, &placed) {
+            planner.reserve(cluster, instance);
+            placed[instance.index as usize] = Some(instance.clone());
+        }
+    }
+    // Repair instances that lost stages, moving only those.
+    for instance in request
+        .current
+        .iter()
+        .filter(|i| i.index < request.replicas)
+    {
+        if placed[instance.index as usize].is_none()
+            && let Some(repaired) = planner.repair(cluster, instance, &placed)
+        {
+            planner.reserve(cluster, &repaired);
+            placed[instance.index as usize] = Some(repaired);
+        }
+    }
+    let mut unplaced = None;
+    for index in wanted {
+        if placed[index as usize].is_some() {
+            continue;
+        }
+        match planner.place(cluster, index, &placed) {
+            Ok(instance) => {
+                planner.reserve(cluster, &instance);
+                placed[index as usize] = Some(instance);
+            }
+            Err(why) => {
+                unplaced = Some(why);
+                break;
+            }
+        }
+    }
+    let instances: Vec<Instance> = placed.into_iter().flatten().collect();
+    if let Some(why) = &mut unplaced {
+        why.message = format!(
+            "placed {} of {} instances: {}",
+            instances.len(),
+            request.replicas,
+            why.message
+        );
+    }
+    Plan {
+        instances,
+        unplaced,
+    }
+}
+
+struct Planner<'r, 'a> {
+    request: &'r Request<'a>,
+}
+
+impl Planner<'_, '_> {
+    fn daily(&self) -> bool {
+        self.request.tier == Tier::Daily || self.request.strategy.parallelism == Parallelism::None
+    }
+
+    fn kv(&self) -> KvBudget {
+        self.request.strategy.kv
+    }
+
+    fn stage_bytes(&self, layers: &Range<u32>) -> u64 {
+        self.request
+            .footprint
+            .stage_bytes(layers, self.kv(), self.request.strategy.stage_overhead)
+    }
+
+    /// Nodes other instances of this deployment use.
+    fn nodes_in_use(placed: &[Option<Instance>], except: u32) -> BTreeSet<&str> {
+        placed
+            .iter()
+            .flatten()
+            .filter(|i| i.index != except)
+            .flat_map(|i| i.stages.iter().map(|s| s.node.as_str()))
+            .collect()
+    }
+
+    fn node_usable(&self, cluster: &Cluster, node: &str) -> bool {
+        cluster
+            .nodes
+            .get(node)
+            .is_some_and(|n| n.schedulable && n.admits(self.request.deployment, self.daily()))
+    }
+
+    fn link_ok(&self, cluster: &Cluster, a: &str, b: &str) -> bool {
+        let s = self.request.strategy;
+        if a == b {
+            return true;
+        }
+        let link = cluster.link(a, b);
+        let needs_measurement =
+            s.require_rdma || s.max_latency_micros.is_some() || s.min_bandwidth_mbps.is_some();
+        match link {
+            None => !needs_measurement,
+            Some(l) => {
+                (!s.require_rdma || l.rdma)
+                    && s.max_latency_micros
+                        .is_none_or(|max| l.latency_micros <= max)
+                    && s.min_bandwidth_mbps
+                        .is_none_or(|min| l.bandwidth_mbps.is_some_and(|b| b >= min))
+            }
+        }
+    }
+
+    fn links_ok(&self, cluster: &Cluster, stages: &[Stage]) -> bool {
+        stages
+            .windows(2)
+            .all(|w| self.link_ok(cluster, &w[0].node, &w[1].node))
+    }
+
+    /// Whether an existing instance still stands as it is.
+    fn stands(&self, cluster: &Cluster, instance: &Instance, placed: &[Option<Instance>]) -> bool {
+        let layers = self.request.footprint.layers();
+        let k = instance.stages.len() as u32;
+        let s = self.request.strategy;
+        let shape_ok = if self.daily() {
+            k == 1
+        } else {
+            k >= s.min_nodes.max(1) && s.max_nodes.is_none_or(|m| k <= m)
+        };
+        let covers = instance.stages.first().is_some_and(|f| f.layers.start == 0)
+            && instance
+                .stages
+                .last()
+                .is_some_and(|l| l.layers.end == layers)
+            && instance
+                .stages
+                .windows(2)
+                .all(|w| w[0].layers.end == w[1].layers.start)
+            && instance
+                .stages
+                .iter()
+                .all(|st| st.layers.start < st.layers.end);
+        let others = Self::nodes_in_use(placed, instance.index);
+        let distinct_ok = !self.daily()
+            || instance
+                .stages
+                .iter()
+                .all(|st| !others.contains(st.node.as_str()));
+        // Memory per node (two stages may share a node).
+        let mut need: std::collections::BTreeMap<&str, u64> = Default::default();
+        for st in &instance.stages {
+            *need.entry(st.node.as_str()).or_default() += self.stage_bytes(&st.layers);
+        }
+        shape_ok
+            && covers
+            && distinct_ok
+            && instance
+                .stages
+                .iter()
+                .all(|st| self.node_usable(cluster, &st.node))
+            && need.iter().all(|(n, b)| cluster.nodes[*n].free_bytes >= *b)
+            && self.links_ok(cluster, &instance.stages)
+    }
+
+    /// Moves only the stages whose nodes are gone, when replacements fit.
+    fn repair(
+        &self,
+        cluster: &Cluster,
+        instance: &Instance,
+        placed: &[Option<Instance>],
+    ) -> Option<Instance> {
+        let layers = self.request.footprint.layers();
+        let covers = instance.stages.first().is_some_and(|f| f.layers.start == 0)
+            && instance
+                .stages
+                .last()
+                .is_some_and(|l| l.layers.end == layers)
+            && instance
+                .stages
+                .windows(2)
+                .all(|w| w[0].layers.end == w[1].layers.start);
+        if !covers || instance.stages.is_empty() {
+            return None;
+        }
+        let others = Self::nodes_in_use(placed, instance.index);
+        let mut stages = instance.stages.clone();
+        let mut taken: BTreeSet<String> = stages
+            .iter()
+            .filter(|s| self.node_usable(cluster, &s.node))
+            .map(|s| s.node.clone())
+            .collect();
+        for i in 0..stages.len() {
+            let ok = self.node_usable(cluster, &stages[i].node)
+                && cluster.nodes[&stages[i].node].free_bytes >= self.stage_bytes(&stages[i].layers);
+            if ok {
+                continue;
+            }
+            let need = self.stage_bytes(&stages[i].layers);
+            let replacement = cluster
+                .nodes
+                .iter()
+                .filter(|(name, n)| {
+                    n.free_bytes >= need
+                        && self.node_usable(cluster, name)
+                        && !taken.contains(*name)
+                        && !(self.daily() && others.contains(name.as_str()))
+                })
+                .filter(|(name, _)| {
+                    let prev = i.checked_sub(1).map(|p| stages[p].node.as_str());
+                    let next = stages.get(i + 1).map(|s| s.node.as_str());
+                    prev.is_none_or(|p| self.link_ok(cluster, p, name))
+                        && next.is_none_or(|n| self.link_ok(cluster, name, n))
+                })
+                .min_by_key(|(name, n)| {
+                    let prev = i.checked_sub(1).map(|p| stages[p].node.as_str());
+                    let next = stages.get(i + 1).map(|s| s.node.as_str());
+                    let latency = prev.map_or(0, |p| cluster.latency(p, name))
+                        + next.map_or(0, |x| cluster.latency(name, x));
+                    (
+                        !n.has_weights,
+                        latency,
+                        std::cmp::Reverse(n.free_bytes),
+                        (*name).clone(),
+                    )
+                })
+                .map(|(name, _)| name.clone())?;
+            taken.insert(replacement.clone());
+            stages[i].node = replacement;
+        }
+        Some(Instance {
+            index: instance.index,
+            stages,
+        })
+    }
+
+    /// Places one instance from scratch.
+    fn place(
+        &self,
+        cluster: &Cluster,
+        index: u32,
+        placed: &[Option<Instance>],
+    ) -> Result<Instance, Unplaceable> {
+        let others = Self::nodes_in_use(placed, index);
+        let usable: Vec<(&String, &crate::cluster::Node)> = cluster
+            .nodes
+            .iter()
+            .filter(|(name, _)| self.node_usable(cluster, name))
+            .collect();
+        if usable.is_empty() {
+            return Err(Unplaceable {
+                reason: UnplaceableReason::NoSchedulableNodes,
+                message: explain::no_nodes(cluster, self.request.deployment, self.daily()),
+            });
+        }
+        if self.daily() {
+            return self.place_whole(index, &usable, &others);
+        }
+        self.place_pipeline(cluster, index, &usable, &others)
+    }
+
+    fn place_whole(
+        &self,
+        index: u32,
+        usable: &[(&String, &crate::cluster::Node)],
+        others: &BTreeSet<&str>,
+    ) -> Result<Instance, Unplaceable> {
+        let all = 0..self.request.footprint.layers();
+        let need = self.stage_bytes(&all);
+        if usable
+            .iter()
+            .all(|(name, _)| others.contains(name.as_str()))
+        {
+            return Err(Unplaceable {
+                reason: UnplaceableReason::NoSchedulableNodes,
+                message: explain::no_spare_node(usable.len()),
+            });
+        }
+        // Nodes with the weights first, then the tightest fit (big nodes stay free for big models).
+        let best = usable
+            .iter()
+            .filter(|(name, n)| n.free_bytes >= need && !others.contains(name.as_str()))
+            .min_by(|(a, na), (b, nb)| {
+                (!na.has_weights, na.free_bytes)
+                    .cmp(&(!nb.has_weights, nb.free_bytes))
+                    .then_with(|| a.cmp(b))
+            });
+        match best {
+            Some((name, _)) => Ok(Instance {
+                index,
+                stages: vec![Stage {
+                    node: (*name).clone(),
+                    layers: all,
+                }],
+            }),
+            None => Err(Unplaceable {
+                reason: UnplaceableReason::InsufficientMemory,
+                message: explain::whole(self.request, need, usable, others),
+            }),
+        }
+    }
+
+    fn place_pipeline(
+        &self,
+        cluster: &Cluster,
+        index: u32,
+        usable: &[(&String, &crate::cluster::Node)],
+        others: &BTreeSet<&str>,
+    ) -> Result<Instance, Unplaceable> {
+        let s = self.request.strategy;
+        let layers = self.request.footprint.layers();
+        let min_k = s.min_nodes.max(1) as usize;
+        let max_k = (s.max_nodes.unwrap_or(layers).min(layers) as usize).min(usable.len());
+        // Preference: holds the weights, not used by another instance of this
+        // deployment, most free memory, name.
+        let mut ranked: Vec<&(&String, &crate::cluster::Node)> = usable.iter().collect();
+        ranked.sort_by(|(a, na), (b, nb)| {
+            let key = |name: &str, n: &crate::cluster::Node| {
+                (
+                    !n.has_weights,
+                    others.contains(name),
+                    std::cmp::Reverse(n.free_bytes),
+                )
+            };
+            key(a, na).cmp(&key(b, nb)).then_with(|| a.cmp(b))
+        });
+        let mut by_memory = ranked.clone();
+        by_memory
+            .sort_by(|(a, na), (b, nb)| nb.free_bytes.cmp(&na.free_bytes).then_with(|| a.cmp(b)));
+        let mut link_blocked = false;
+        for k in min_k..=max_k {
+            for pool in [&ranked, &by_memory] {
+                let chosen: Vec<&str> =
+                    pool.iter().take(k).map(|(name, _)| name.as_str()).collect();
+                let order = order_ring(cluster, &chosen);
+                let free: Vec<u64> = order.iter().map(|n| cluster.nodes[*n].free_bytes).collect();
+                let Some(ranges) = split_layers(
+                    self.request.footprint,
+                    self.kv(),
+                    s.stage_overhead,
+                    &free,
+                    s.policy,
+                ) else {
+                    continue;
+                };
+                let stages: Vec<Stage> = order
+                    .iter()
+                    .zip(ranges)
+                    .map(|(n, layers)| Stage {
+                        node: n.to_string(),
+                        layers,
+                    })
+                    .collect();
+                if !self.links_ok(cluster, &stages) {
+                    link_blocked = true;
+                    continue;
+                }
+                return Ok(Instance { index, stages });
+            }
+        }
+        if link_blocked {
+            return Err(Unplaceable {
+                reason: UnplaceableReason::LinkRequirements,
+                message: explain::links(s),
+            });
+        }
+        Err(Unplaceable {
+            reason: UnplaceableReason::InsufficientMemory,
+            message: explain::pipeline(self.request, usable, min_k, max_k),
+        })
+    }
+
+    /// Takes the memory `instance` uses from the cluster, and the daily
+    /// deployment's nodes for itself.
+    fn reserve(&self, cluster: &mut Cluster, instance: &Instance) {
+        for st in &instance.stages {
+            let bytes = self.stage_bytes(&st.layers);
+            if let Some(node) = cluster.nodes.get_mut(&st.node) {
+                node.free_bytes = node.free_bytes.saturating_sub(bytes);
+                node.occupants.insert(self.request.deployment.to_string());
+                if self.daily() {
+                    node.dedicated_to = Some(self.request.deployment.to_string());
+                }
+            }
+        }
+    }
+}
