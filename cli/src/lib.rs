@@ -28,6 +28,19 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Measure prefill and decode speed; prints a report (JSON with --json).
     Bench(commands::bench::BenchArgs),
+    /// Run the operator: resolve models, track nodes and pools, place
+    /// deployments as Shards.
+    Operator(commands::operator::OperatorArgs),
+}
+
+impl Command {
+    /// Long-running components log what they do; tools only warnings.
+    fn default_log(&self) -> &'static str {
+        match self {
+            Command::Operator(_) => "info,kube=warn",
+            _ => "warn",
+        }
+    }
 }
 
 impl Cli {
@@ -37,7 +50,7 @@ impl Cli {
         tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| "warn".into()),
+                    .unwrap_or_else(|_| cli.command.default_log().into()),
             )
             .with_writer(std::io::stderr)
             .init();
@@ -45,6 +58,7 @@ impl Cli {
             Command::Crds(args) => commands::crds::run(args),
             Command::Generate(args) => commands::generate::run(args),
             Command::Bench(args) => commands::bench::run(args),
+            Command::Operator(args) => commands::operator::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

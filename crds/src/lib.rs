@@ -40,6 +40,15 @@ pub const DEPLOYMENT_LABEL: &str = "shardplane.dev/deployment";
 pub const INSTANCE_LABEL: &str = "shardplane.dev/instance";
 /// The field manager every shardplane component writes with (server-side apply).
 pub const FIELD_MANAGER: &str = "shardplane";
+/// The field manager of the operator (status of Models, pools, deployments,
+/// the `Ready` condition of nodes, and Shard specs).
+pub const OPERATOR_MANAGER: &str = "shardplane-operator";
+/// The field manager of agents (InferenceNode and Shard status but conditions).
+pub const AGENT_MANAGER: &str = "shardplane-agent";
+/// The namespace holding one Lease per InferenceNode, renewed by its agent.
+pub const NODE_LEASE_NAMESPACE: &str = "shardplane-node-lease";
+/// The finalizer the operator puts on a ModelDeployment to delete its Shards.
+pub const DEPLOYMENT_FINALIZER: &str = "modeldeployments.shardplane.dev/finalizer";
 
 /// Every CRD of the API, in a stable order.
 pub fn all_crds() -> Vec<CustomResourceDefinition> {

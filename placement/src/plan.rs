@@ -487,7 +487,14 @@ impl Planner<'_, '_> {
         by_memory
             .sort_by(|(a, na), (b, nb)| nb.free_bytes.cmp(&na.free_bytes).then_with(|| a.cmp(b)));
         let mut link_blocked = false;
-        for k in min_k..=max_k {
+        // Even layers spread over maxNodes nodes when it is set (the strategy
+        // asks for that many stages); the other policies take the fewest that fit.
+        let counts: Vec<usize> = if s.policy == Policy::EvenLayers && s.max_nodes.is_some() {
+            (min_k..=max_k).rev().collect()
+        } else {
+            (min_k..=max_k).collect()
+        };
+        for k in counts {
             for pool in [&ranked, &by_memory] {
                 let chosen: Vec<&str> =
                     pool.iter().take(k).map(|(name, _)| name.as_str()).collect();

@@ -78,6 +78,29 @@ fn a_pipeline_uses_the_fewest_nodes_that_fit() {
 }
 
 #[test]
+fn even_layers_spread_over_max_nodes() {
+    let mut c = cluster(&[("a", 40), ("b", 40), ("c", 40), ("d", 40)]);
+    let f = model();
+    let s = Strategy {
+        policy: Policy::EvenLayers,
+        min_nodes: 2,
+        max_nodes: Some(3),
+        ..strategy(Parallelism::Pipeline)
+    };
+    let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &[]));
+    let layers: Vec<_> = p.instances[0]
+        .stages
+        .iter()
+        .map(|s| s.layers.clone())
+        .collect();
+    assert_eq!(
+        layers,
+        vec![0..10, 10..20, 20..30],
+        "three stages though one node would fit"
+    );
+}
+
+#[test]
 fn layers_follow_memory() {
     let mut c = cluster(&[("big", 24), ("small", 12)]);
     let (f, s) = (model(), strategy(Parallelism::Pipeline));

@@ -3,4 +3,6 @@
 pub mod bench;
 pub mod crds;
 pub mod generate;
+mod kube_client;
 mod model_args;
+pub mod operator;

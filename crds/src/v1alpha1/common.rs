@@ -57,6 +57,23 @@ pub enum ModelSource {
     Path(PathSource),
 }
 
+impl ModelSource {
+    /// The key a node's cache knows these weights by (`InferenceNode`
+    /// `status.cachedModels[].key`).
+    pub fn cache_key(&self) -> String {
+        match self {
+            ModelSource::HuggingFace(hf) => format!(
+                "hf:{}/{}@{}",
+                hf.repo,
+                hf.file.as_deref().unwrap_or_default(),
+                hf.revision.as_deref().unwrap_or("main")
+            ),
+            ModelSource::Url(u) => format!("url:{}", u.url),
+            ModelSource::Path(p) => format!("path:{}", p.path),
+        }
+    }
+}
+
 /// A model in a Hugging Face repository.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

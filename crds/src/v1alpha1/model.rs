@@ -96,7 +96,8 @@ pub struct ModelStatus {
     /// because a last stage on another node needs its own copy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_bytes: Option<u64>,
-    /// Bytes of KV cache one token needs across all layers (keys and values, f16).
+    /// Bytes of KV cache one token needs across all layers (keys and values, as
+    /// the engines hold them: f32).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_bytes_per_token: Option<u64>,
     /// Total bytes of the weights as stored.

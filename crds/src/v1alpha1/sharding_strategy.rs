@@ -39,7 +39,8 @@ pub enum PlacementPolicy {
     MemoryWeighted,
     /// As few nodes as possible, each filled before the next is used.
     FewestNodes,
-    /// An equal number of layers on each node, using `maxNodes` nodes when set.
+    /// An equal number of layers on each node, on `maxNodes` nodes when set
+    /// (fewer only when that many do not fit or are not there).
     EvenLayers,
 }
 

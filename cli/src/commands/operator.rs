@@ -1,0 +1,67 @@
+//! `shardplane operator`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use shardplane_operator::{OperatorConfig, leader::Election};
+
+use super::kube_client::client;
+
+/// Options of `shardplane operator`.
+#[derive(Args, Debug)]
+pub struct OperatorArgs {
+    /// The kubeconfig to use; KUBECONFIG, ~/.kube/config or in-cluster when unset.
+    #[arg(long, env = "SHARDPLANE_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    #[arg(
+        long,
+        env = "SHARDPLANE_ADMIN_ADDRESS",
+        default_value = "127.0.0.1:9090"
+    )]
+    admin_address: SocketAddr,
+    /// Namespace of the leader election Lease.
+    #[arg(
+        long,
+        env = "SHARDPLANE_LEADER_NAMESPACE",
+        default_value = "shardplane-system"
+    )]
+    leader_namespace: String,
+    /// This replica's identity in the election (host name and process id when unset).
+    #[arg(long, env = "SHARDPLANE_IDENTITY")]
+    identity: Option<String>,
+    /// Seconds the leader Lease holds without renewal.
+    #[arg(long, env = "SHARDPLANE_LEADER_LEASE_SECONDS", default_value_t = 15)]
+    leader_lease_seconds: u64,
+    /// Seconds a node's Lease holds when it does not say.
+    #[arg(long, env = "SHARDPLANE_NODE_LEASE_SECONDS", default_value_t = 15)]
+    node_lease_seconds: u64,
+}
+
+/// Runs the operator until Ctrl-C or lost leadership.
+pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
+    let identity = args.identity.unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "operator".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let lease = Duration::from_secs(args.leader_lease_seconds.max(3));
+    let config = OperatorConfig {
+        admin_address: args.admin_address,
+        election: Election {
+            namespace: args.leader_namespace,
+            name: "shardplane-operator".into(),
+            identity,
+            lease_duration: lease,
+            renew_every: lease / 3,
+        },
+        default_node_lease: Duration::from_secs(args.node_lease_seconds),
+    };
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let client = client(args.kubeconfig.as_deref()).await?;
+        shardplane_operator::run(client, config)
+            .await
+            .map_err(anyhow::Error::msg)
+    })
+}

@@ -1,0 +1,70 @@
+//! The controllers: observe → validate → plan → apply → status, one per kind.
+
+pub mod deployment;
+pub mod model;
+pub mod node;
+pub mod node_pool;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use kube::runtime::controller::Action;
+use kube::runtime::events::Reporter;
+
+use crate::error::Error;
+use crate::metrics::Metrics;
+
+/// What every reconcile gets.
+pub struct Context {
+    /// The API client.
+    pub client: Client,
+    /// The metrics.
+    pub metrics: Metrics,
+    /// Who publishes events.
+    pub reporter: Reporter,
+    /// How long after its last renewal a node's Lease counts as expired when
+    /// the Lease does not say.
+    pub default_lease_duration: Duration,
+}
+
+/// Runs `reconcile` and records its outcome and duration under `controller`.
+pub(crate) async fn instrumented<F>(
+    ctx: &Arc<Context>,
+    controller: &str,
+    reconcile: F,
+) -> Result<Action, Error>
+where
+    F: std::future::Future<Output = Result<Action, Error>>,
+{
+    let start = Instant::now();
+    let result = reconcile.await;
+    ctx.metrics
+        .reconcile_duration
+        .with_label_values(&[controller])
+        .observe(start.elapsed().as_secs_f64());
+    match &result {
+        Ok(_) => ctx
+            .metrics
+            .reconciles
+            .with_label_values(&[controller, "ok"])
+            .inc(),
+        Err(e) => {
+            ctx.metrics
+                .reconciles
+                .with_label_values(&[controller, "error"])
+                .inc();
+            ctx.metrics
+                .reconcile_errors
+                .with_label_values(&[controller, e.metric_label()])
+                .inc();
+        }
+    }
+    result
+}
+
+/// Transient errors retry after a short wait; the watch brings spec changes.
+pub(crate) fn retry_after_error<K>(_object: Arc<K>, error: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(%error, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}

@@ -1,0 +1,130 @@
+//! `Model`: fills status with what placement needs, read from the weights.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use shardplane_crds::validation::Validate;
+use shardplane_crds::{
+    CONDITION_READY, CONDITION_RESOLVED, Model, ModelSource, ModelStatus, OPERATOR_MANAGER,
+};
+
+use super::{Context, instrumented, retry_after_error};
+use crate::conditions;
+use crate::error::{Error, Result};
+use crate::resolve::{Unresolved, resolve_gguf};
+
+/// Runs the Model controller until the stream ends.
+pub async fn run(ctx: Arc<Context>) {
+    let models: Api<Model> = Api::all(ctx.client.clone());
+    Controller::new(models, watcher::Config::default())
+        .shutdown_on_signal()
+        .run(
+            |m, ctx| async move { instrumented(&ctx, "model", reconcile(m, ctx.clone())).await },
+            retry_after_error,
+            ctx,
+        )
+        .for_each(|_| async {})
+        .await;
+}
+
+fn resolve(model: &Model) -> Result<ModelStatus, Unresolved> {
+    if let Err(e) = model.validate() {
+        return Err(Unresolved {
+            reason: "InvalidSpec",
+            message: e.to_string(),
+        });
+    }
+    match &model.spec.source {
+        ModelSource::Path(p) => match model.spec.format {
+            shardplane_crds::ModelFormat::Gguf => resolve_gguf(Path::new(&p.path), &model.spec),
+            shardplane_crds::ModelFormat::Safetensors => Err(Unresolved {
+                reason: "FormatNotResolvable",
+                message: "the operator reads GGUF headers only; safetensors models are not resolved yet".into(),
+            }),
+        },
+        ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Unresolved {
+            reason: "SourceNotResolvable",
+            message: "the operator resolves models from a path readable where it runs; url and huggingFace sources are not resolved yet".into(),
+        }),
+    }
+}
+
+async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
+    let name = model.name_any();
+    let ns = model
+        .namespace()
+        .ok_or_else(|| Error::MissingField(format!("Model {name}"), "namespace"))?;
+    let generation = model.metadata.generation;
+    let previous = model
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let (mut status, requeue) = match resolve(&model) {
+        Ok(mut status) => {
+            conditions::set(
+                &mut status.conditions,
+                &previous,
+                CONDITION_RESOLVED,
+                true,
+                "HeaderRead",
+                "",
+                generation,
+            );
+            conditions::set(
+                &mut status.conditions,
+                &previous,
+                CONDITION_READY,
+                true,
+                "Resolved",
+                "",
+                generation,
+            );
+            (status, Action::await_change())
+        }
+        Err(why) => {
+            tracing::info!(model = %name, reason = why.reason, message = %why.message, "model not resolved");
+            let mut status = ModelStatus::default();
+            conditions::set(
+                &mut status.conditions,
+                &previous,
+                CONDITION_RESOLVED,
+                false,
+                why.reason,
+                why.message.clone(),
+                generation,
+            );
+            conditions::set(
+                &mut status.conditions,
+                &previous,
+                CONDITION_READY,
+                false,
+                why.reason,
+                why.message,
+                generation,
+            );
+            // The file may appear later (copied to the node, mount attached).
+            (status, Action::requeue(Duration::from_secs(30)))
+        }
+    };
+    status.observed_generation = generation;
+    if model.status.as_ref() != Some(&status) || model.status.is_none() {
+        let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
+        let patch =
+            json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Model", "status": status});
+        api.patch_status(
+            &name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    }
+    Ok(requeue)
+}

@@ -1,0 +1,29 @@
+//! The operator's errors, each with a metric label.
+
+/// What can go wrong in a reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The Kubernetes API failed (transient: retried with backoff).
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// An object is missing a field the API guarantees (a name, a namespace).
+    #[error("{0} has no {1}")]
+    MissingField(String, &'static str),
+    /// The finalizer machinery failed.
+    #[error("finalizer: {0}")]
+    Finalizer(String),
+}
+
+impl Error {
+    /// A short, bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::MissingField(..) => "missing_field",
+            Error::Finalizer(_) => "finalizer",
+        }
+    }
+}
+
+/// The operator's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,95 @@
+//! The shardplane operator.
+//!
+//! ```text
+//!  Model ──► model controller ──► status: architecture, layers, bytes per layer…
+//!  Lease ──► node controller ──► InferenceNode Ready
+//!  InferenceNode ──► node-pool controller ──► NodePool members, ready, allocatable
+//!  ModelDeployment + Model + NodePool + ShardingStrategy + nodes + Shards
+//!     ──► deployment controller: validate → plan (shardplane-placement) → Shards → status
+//! ```
+//!
+//! Only the replica holding the leader Lease runs controllers. Every replica
+//! serves `/metrics`, `/livez` and `/readyz` on its admin port.
+
+pub mod admin;
+pub mod conditions;
+pub mod controllers;
+pub mod error;
+pub mod leader;
+pub mod metrics;
+pub mod resolve;
+pub mod world;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kube::Client;
+use kube::runtime::events::Reporter;
+use shardplane_crds::NODE_LEASE_NAMESPACE;
+
+pub use error::{Error, Result};
+
+/// How the operator runs.
+#[derive(Debug, Clone)]
+pub struct OperatorConfig {
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    pub admin_address: SocketAddr,
+    /// The leader election.
+    pub election: leader::Election,
+    /// How long a node's Lease lasts when it does not say.
+    pub default_node_lease: Duration,
+}
+
+/// Runs the operator until a signal arrives or leadership is lost; returns an
+/// error in the latter case so the process exits non-zero and is restarted.
+pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<(), String> {
+    let metrics = metrics::Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let listener = admin::bind(config.admin_address)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
+    tracing::info!(address = %config.admin_address, "admin endpoints up");
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        metrics.clone(),
+        ready.clone(),
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
+    ));
+
+    config
+        .election
+        .acquire(&client)
+        .await
+        .map_err(|e| format!("leader election failed: {e}"))?;
+    metrics.leader.set(1);
+    leader::ensure_namespace(&client, NODE_LEASE_NAMESPACE)
+        .await
+        .map_err(|e| format!("cannot create namespace {NODE_LEASE_NAMESPACE}: {e}"))?;
+    let ctx = Arc::new(controllers::Context {
+        client: client.clone(),
+        metrics: metrics.clone(),
+        reporter: Reporter {
+            controller: "shardplane-operator".into(),
+            instance: Some(config.election.identity.clone()),
+        },
+        default_lease_duration: config.default_node_lease,
+    });
+    ready.store(true, Ordering::Relaxed);
+    let controllers = futures::future::join4(
+        controllers::model::run(ctx.clone()),
+        controllers::node::run(ctx.clone()),
+        controllers::node_pool::run(ctx.clone()),
+        controllers::deployment::run(ctx),
+    );
+    let outcome = tokio::select! {
+        _ = controllers => Ok(()),
+        _ = config.election.hold(&client) => Err("lost the leader lease".to_string()),
+    };
+    metrics.leader.set(0);
+    admin.abort();
+    outcome
+}

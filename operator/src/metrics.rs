@@ -1,0 +1,105 @@
+//! The operator's Prometheus metrics, in one registry served on `/metrics`.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Every metric the operator exposes.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry to serve.
+    pub registry: Registry,
+    /// Reconciles by controller and result (`ok`, `error`).
+    pub reconciles: IntCounterVec,
+    /// Reconcile duration by controller.
+    pub reconcile_duration: HistogramVec,
+    /// Reconcile errors by controller and error kind.
+    pub reconcile_errors: IntCounterVec,
+    /// Placement outcomes (`placed`, `partial`, `unplaceable`, `invalid`).
+    pub placements: IntCounterVec,
+    /// Instances of all deployments by phase (`ready`, `progressing`, `unplaced`).
+    pub instances: IntGaugeVec,
+    /// 1 while this replica holds the leader lease.
+    pub leader: prometheus::IntGauge,
+}
+
+impl Metrics {
+    /// Registers every metric in a new registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let reconciles = IntCounterVec::new(
+            Opts::new(
+                "shardplane_operator_reconciles_total",
+                "Reconciles by controller and result.",
+            ),
+            &["controller", "result"],
+        )
+        .expect("valid metric");
+        let reconcile_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "shardplane_operator_reconcile_duration_seconds",
+                "Time one reconcile takes.",
+            )
+            .buckets(vec![0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+            &["controller"],
+        )
+        .expect("valid metric");
+        let reconcile_errors = IntCounterVec::new(
+            Opts::new(
+                "shardplane_operator_reconcile_errors_total",
+                "Reconcile errors by controller and kind.",
+            ),
+            &["controller", "error"],
+        )
+        .expect("valid metric");
+        let placements = IntCounterVec::new(
+            Opts::new(
+                "shardplane_operator_placements_total",
+                "Placement decisions by outcome.",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let instances = IntGaugeVec::new(
+            Opts::new(
+                "shardplane_operator_instances",
+                "Instances of all deployments by phase.",
+            ),
+            &["phase"],
+        )
+        .expect("valid metric");
+        let leader =
+            prometheus::IntGauge::new("shardplane_operator_leader", "1 while this replica leads.")
+                .expect("valid metric");
+        for c in [
+            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconcile_duration.clone()),
+            Box::new(reconcile_errors.clone()),
+            Box::new(placements.clone()),
+            Box::new(instances.clone()),
+            Box::new(leader.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            reconciles,
+            reconcile_duration,
+            reconcile_errors,
+            placements,
+            instances,
+            leader,
+        }
+    }
+
+    /// Renders the registry in the Prometheus text format.
+    pub fn render(&self) -> String {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,177 @@
+//! What a deployment's reconcile observes, turned into the planner's terms.
+
+use std::collections::BTreeMap;
+
+use kube::ResourceExt;
+use shardplane_crds::quantity::parse_bytes;
+use shardplane_crds::*;
+use shardplane_placement as placement;
+
+use crate::controllers::node_pool::{node_allocatable, node_ready, selects};
+
+/// Overhead assumed for another deployment's stage (its strategy is not read).
+const DEFAULT_STAGE_OVERHEAD: u64 = 256 << 20;
+
+/// The label on a Shard giving its deployment's tier.
+pub const TIER_LABEL: &str = "shardplane.dev/tier";
+
+/// A deployment's key in the planner: `namespace/name`.
+pub fn deployment_key(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
+/// The planner's view of a model.
+pub fn footprint(status: &ModelStatus) -> Option<placement::Footprint> {
+    let layers = status.layers? as u64;
+    if layers == 0 || status.layer_bytes.len() as u64 != layers {
+        return None;
+    }
+    Some(placement::Footprint {
+        layer_bytes: status.layer_bytes.clone(),
+        embedding_bytes: status.embedding_bytes.unwrap_or(0),
+        output_bytes: status.output_bytes.unwrap_or(0),
+        kv_bytes_per_token_per_layer: status.kv_bytes_per_token.unwrap_or(0) / layers,
+    })
+}
+
+/// The planner's view of a strategy.
+pub fn strategy(spec: &ShardingStrategySpec) -> placement::Strategy {
+    let links = spec.links.clone().unwrap_or_default();
+    placement::Strategy {
+        parallelism: match spec.parallelism {
+            Parallelism::None => placement::Parallelism::None,
+            Parallelism::Pipeline => placement::Parallelism::Pipeline,
+            Parallelism::Tensor => placement::Parallelism::Tensor,
+        },
+        policy: match spec.placement {
+            PlacementPolicy::MemoryWeighted => placement::Policy::MemoryWeighted,
+            PlacementPolicy::FewestNodes => placement::Policy::FewestNodes,
+            PlacementPolicy::EvenLayers => placement::Policy::EvenLayers,
+        },
+        min_nodes: spec.min_nodes.unwrap_or(1),
+        max_nodes: match spec.parallelism {
+            Parallelism::None => Some(1),
+            _ => spec.max_nodes,
+        },
+        kv: placement::KvBudget {
+            context_length: spec.kv_cache.context_length as u64,
+            sequences: spec.kv_cache.concurrent_sequences as u64,
+        },
+        stage_overhead: spec
+            .stage_overhead
+            .as_ref()
+            .and_then(|q| parse_bytes(q).ok())
+            .unwrap_or(DEFAULT_STAGE_OVERHEAD),
+        max_latency_micros: links.max_latency_micros,
+        min_bandwidth_mbps: links.min_bandwidth_mbps,
+        require_rdma: links.require_rdma,
+    }
+}
+
+/// Bytes a Shard of another deployment holds: what its agent reports, else
+/// what its model and KV budget imply.
+fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Model>) -> u64 {
+    if let Some(b) = shard.status.as_ref().and_then(|s| s.memory_bytes) {
+        return b;
+    }
+    let ns = shard.namespace().unwrap_or_default();
+    let fp = models
+        .get(&(ns, shard.spec.model.clone()))
+        .and_then(|m| m.status.as_ref())
+        .and_then(footprint);
+    let Some(fp) = fp else {
+        return DEFAULT_STAGE_OVERHEAD;
+    };
+    let kv = placement::KvBudget {
+        context_length: shard.spec.kv_cache.context_length as u64,
+        sequences: shard.spec.kv_cache.concurrent_sequences as u64,
+    };
+    fp.stage_bytes(
+        &(shard.spec.layers.start..shard.spec.layers.end),
+        kv,
+        DEFAULT_STAGE_OVERHEAD,
+    )
+}
+
+/// Builds the cluster a deployment is placed on: the pool's nodes with what
+/// other deployments already use.
+pub fn cluster(
+    me: &str,
+    pool: &NodePool,
+    model: &Model,
+    nodes: &[InferenceNode],
+    shards: &[Shard],
+    models: &BTreeMap<(String, String), Model>,
+) -> placement::Cluster {
+    let source = model.spec.source.cache_key();
+    let mut cluster = placement::Cluster::new();
+    for node in nodes.iter().filter(|n| selects(pool, n)) {
+        let status = node.status.clone().unwrap_or_default();
+        let mut n = placement::Node::new(node_allocatable(pool, node));
+        n.schedulable = node_ready(node) && !node.spec.unschedulable;
+        n.has_weights = status.cached_models.iter().any(|c| c.key == source);
+        cluster.add_node(node.name_any(), n);
+    }
+    for shard in shards {
+        let key = deployment_key(
+            &shard.namespace().unwrap_or_default(),
+            &shard.spec.deployment,
+        );
+        if key == me {
+            continue;
+        }
+        let bytes = shard_bytes(shard, models);
+        if let Some(n) = cluster.nodes.get_mut(&shard.spec.node) {
+            n.free_bytes = n.free_bytes.saturating_sub(bytes);
+            n.occupants.insert(key.clone());
+            if shard.labels().get(TIER_LABEL).map(String::as_str) == Some("daily") {
+                n.dedicated_to = Some(key);
+            }
+        }
+    }
+    // Measured links, as the agents report them.
+    for node in nodes {
+        for link in node.status.iter().flat_map(|s| &s.links) {
+            cluster.add_link(
+                &node.name_any(),
+                &link.node,
+                placement::Link {
+                    latency_micros: link.latency_micros,
+                    bandwidth_mbps: link.bandwidth_mbps,
+                    rdma: link.rdma,
+                },
+            );
+        }
+    }
+    cluster
+}
+
+/// A deployment's current placement, from its Shards (complete instances only).
+pub fn current_instances(shards: &[&Shard]) -> Vec<placement::Instance> {
+    let mut by_instance: BTreeMap<u32, Vec<&Shard>> = BTreeMap::new();
+    for s in shards {
+        by_instance.entry(s.spec.instance).or_default().push(s);
+    }
+    by_instance
+        .into_iter()
+        .filter_map(|(index, mut stages)| {
+            stages.sort_by_key(|s| s.spec.stage);
+            let count = stages.first()?.spec.stage_count as usize;
+            let complete = stages.len() == count
+                && stages
+                    .iter()
+                    .enumerate()
+                    .all(|(i, s)| s.spec.stage as usize == i);
+            complete.then(|| placement::Instance {
+                index,
+                stages: stages
+                    .iter()
+                    .map(|s| placement::Stage {
+                        node: s.spec.node.clone(),
+                        layers: s.spec.layers.start..s.spec.layers.end,
+                    })
+                    .collect(),
+            })
+        })
+        .collect()
+}

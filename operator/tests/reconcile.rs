@@ -1,0 +1,494 @@
+//! The operator on a real kube-apiserver. Nodes are registered here the way
+//! agents register them (InferenceNode status and a renewed Lease), and Shard
+//! phases are reported the way agents report them.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use shardplane_crds::*;
+use shardplane_operator::{OperatorConfig, leader::Election};
+use shardplane_testkit::{control_plane, fixtures, unique_name};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Starts the operator in this process (once per test binary's runtime).
+async fn start_operator(client: &Client) -> SocketAddr {
+    // The operator's log, shown with a failing test's output.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("info,kube=warn")
+        .with_test_writer()
+        .try_init();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let admin = listener.local_addr().unwrap();
+    drop(listener);
+    let config = OperatorConfig {
+        admin_address: admin,
+        election: Election {
+            namespace: unique_name("leader"),
+            name: "shardplane-operator".into(),
+            identity: unique_name("test-operator"),
+            lease_duration: Duration::from_secs(6),
+            renew_every: Duration::from_secs(2),
+        },
+        default_node_lease: Duration::from_secs(4),
+    };
+    let client = client.clone();
+    tokio::spawn(async move {
+        if let Err(e) = shardplane_operator::run(client, config).await {
+            panic!("operator stopped: {e}");
+        }
+    });
+    admin
+}
+
+/// Polls `check` until it returns Some, or fails after WAIT with `what`.
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Registers a node as its agent would: the InferenceNode with memory and a fresh Lease.
+async fn register_node(client: &Client, name: &str, labels: &[(&str, &str)], allocatable: &str) {
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+    let mut node = fixtures::inference_node(name);
+    node.metadata.labels = Some(
+        labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    );
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode", "status": {
+        "memory": {"total": "64Gi", "allocatable": allocatable, "available": allocatable},
+        "engines": ["candle"], "dataPlaneEndpoint": format!("{name}.invalid:7070"),
+    }});
+    nodes
+        .patch_status(
+            name,
+            &PatchParams::apply(AGENT_MANAGER),
+            &Patch::Apply(&status),
+        )
+        .await
+        .unwrap();
+    renew_lease(client, name, 3600).await;
+}
+
+/// Renews a node's Lease, as its agent does every few seconds.
+async fn renew_lease(client: &Client, node: &str, seconds: i32) {
+    shardplane_operator::leader::ensure_namespace(client, NODE_LEASE_NAMESPACE)
+        .await
+        .unwrap();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(node.to_string()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.to_string()),
+            lease_duration_seconds: Some(seconds),
+            renew_time: Some(MicroTime(Timestamp::now())),
+            ..Default::default()
+        }),
+    };
+    leases
+        .patch(
+            node,
+            &PatchParams::apply(AGENT_MANAGER).force(),
+            &Patch::Apply(&lease),
+        )
+        .await
+        .unwrap();
+}
+
+/// Reports every Shard of `deployment` Ready, as agents would.
+async fn report_ready(client: &Client, ns: &str, deployment: &str) {
+    let shards: Api<Shard> = Api::namespaced(client.clone(), ns);
+    for s in shards
+        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_LABEL}={deployment}")))
+        .await
+        .unwrap()
+        .items
+    {
+        let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard",
+                            "status": {"phase": "Ready", "endpoint": "127.0.0.1:1"}});
+        shards
+            .patch_status(
+                &s.name_any(),
+                &PatchParams::apply(AGENT_MANAGER).force(),
+                &Patch::Apply(&status),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+fn condition<'a>(
+    d: &'a ModelDeployment,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    d.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+async fn shards_of(client: &Client, ns: &str, deployment: &str) -> Vec<Shard> {
+    let mut v = Api::<Shard>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("{DEPLOYMENT_LABEL}={deployment}")))
+        .await
+        .unwrap()
+        .items;
+    v.sort_by_key(|s| (s.spec.instance, s.spec.stage));
+    v
+}
+
+struct Setup {
+    ns: String,
+    daily_pool: String,
+    reasoning_pool: String,
+    whole: String,
+    pipeline: String,
+    nodes: Vec<String>,
+}
+
+/// A model (the real test GGUF), two pools, two strategies and `n` nodes in both pools.
+async fn setup(client: &Client, n: usize) -> Setup {
+    let ns = control_plane().namespace(client, "op").await.unwrap();
+    let tag = unique_name("t");
+    let mut model = fixtures::model("smollm2");
+    model.spec.source = ModelSource::Path(PathSource {
+        path: shardplane_testkit::test_model().display().to_string(),
+        sha256: None,
+    });
+    Api::<Model>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &model)
+        .await
+        .unwrap();
+    let pool_label = format!("pool-{tag}");
+    let mut daily = fixtures::node_pool(&format!("daily-{tag}"), Tier::Daily);
+    daily.spec.node_selector.match_labels =
+        Some(BTreeMap::from([(pool_label.clone(), "daily".into())]));
+    let mut reasoning = fixtures::node_pool(&format!("reasoning-{tag}"), Tier::Reasoning);
+    reasoning.spec.node_selector.match_labels =
+        Some(BTreeMap::from([(pool_label.clone(), "reasoning".into())]));
+    for p in [&daily, &reasoning] {
+        Api::<NodePool>::all(client.clone())
+            .create(&PostParams::default(), p)
+            .await
+            .unwrap();
+    }
+    let mut whole = fixtures::strategy(&format!("whole-{tag}"), Parallelism::None);
+    whole.spec.kv_cache = KvCacheBudget {
+        context_length: 512,
+        concurrent_sequences: 2,
+    };
+    let mut pipeline = fixtures::strategy(&format!("pipe-{tag}"), Parallelism::Pipeline);
+    pipeline.spec.placement = PlacementPolicy::EvenLayers;
+    pipeline.spec.min_nodes = Some(2);
+    pipeline.spec.max_nodes = Some(3);
+    pipeline.spec.kv_cache = KvCacheBudget {
+        context_length: 512,
+        concurrent_sequences: 2,
+    };
+    for s in [&whole, &pipeline] {
+        Api::<ShardingStrategy>::all(client.clone())
+            .create(&PostParams::default(), s)
+            .await
+            .unwrap();
+    }
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let name = format!("{tag}-n{i}");
+        let role = if i < 2 { "daily" } else { "reasoning" };
+        register_node(client, &name, &[(&pool_label, role)], "1Gi").await;
+        nodes.push(name);
+    }
+    Setup {
+        ns,
+        daily_pool: daily.name_any(),
+        reasoning_pool: reasoning.name_any(),
+        whole: whole.name_any(),
+        pipeline: pipeline.name_any(),
+        nodes,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
+    let client = control_plane().client().await.unwrap();
+    let admin = start_operator(&client).await;
+    // Two daily nodes (n0, n1) and four reasoning nodes (n2..n5).
+    let s = setup(&client, 6).await;
+    let models: Api<Model> = Api::namespaced(client.clone(), &s.ns);
+    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &s.ns);
+
+    // The Model resolves from the real GGUF header.
+    let status = eventually("the model resolves", || async {
+        models
+            .get("smollm2")
+            .await
+            .ok()?
+            .status
+            .filter(|st| st.layers.is_some())
+    })
+    .await;
+    assert_eq!(status.architecture.as_deref(), Some("llama"));
+    assert_eq!(
+        (status.layers, status.hidden_size, status.kv_heads),
+        (Some(30), Some(576), Some(3))
+    );
+    assert_eq!(status.layer_bytes.len(), 30);
+    assert_eq!(status.kv_bytes_per_token, Some(2 * 3 * 64 * 4 * 30));
+    assert!(
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == CONDITION_RESOLVED && c.status == "True")
+    );
+
+    // Pools see their members.
+    let pools: Api<NodePool> = Api::all(client.clone());
+    eventually("the reasoning pool sees its 4 ready nodes", || async {
+        pools
+            .get(&s.reasoning_pool)
+            .await
+            .ok()?
+            .status
+            .filter(|p| p.ready_nodes == 4)
+            .map(|_| ())
+    })
+    .await;
+
+    // A daily deployment of 2 replicas: distinct nodes, whole model each.
+    let mut daily = fixtures::deployment("chat", "smollm2", &s.daily_pool, &s.whole);
+    daily.spec.replicas = 2;
+    deployments
+        .create(&PostParams::default(), &daily)
+        .await
+        .unwrap();
+    let chat = eventually("2 daily shards", || async {
+        let v = shards_of(&client, &s.ns, "chat").await;
+        (v.len() == 2).then_some(v)
+    })
+    .await;
+    assert_ne!(chat[0].spec.node, chat[1].spec.node);
+    assert!(
+        chat.iter()
+            .all(|sh| sh.spec.layers == LayerRange { start: 0, end: 30 }
+                && s.nodes[..2].contains(&sh.spec.node))
+    );
+
+    // A 3-stage pipeline over the reasoning nodes, stages chained.
+    let pipe = fixtures::deployment("reason", "smollm2", &s.reasoning_pool, &s.pipeline);
+    deployments
+        .create(&PostParams::default(), &pipe)
+        .await
+        .unwrap();
+    let stages = eventually("3 pipeline shards", || async {
+        let v = shards_of(&client, &s.ns, "reason").await;
+        (v.len() == 3).then_some(v)
+    })
+    .await;
+    let ranges: Vec<(u32, u32)> = stages
+        .iter()
+        .map(|x| (x.spec.layers.start, x.spec.layers.end))
+        .collect();
+    assert_eq!(ranges, vec![(0, 10), (10, 20), (20, 30)]);
+    assert_eq!(
+        stages[0].spec.next.as_deref(),
+        Some(stages[1].name_any().as_str())
+    );
+    assert_eq!(
+        stages[2].spec.previous.as_deref(),
+        Some(stages[1].name_any().as_str())
+    );
+    for sh in &stages {
+        use shardplane_crds::validation::Validate;
+        sh.validate().unwrap();
+        assert_eq!(sh.labels()[NODE_LABEL], sh.spec.node);
+    }
+    let d = eventually("Placed, not yet Ready", || async {
+        let d = deployments.get("reason").await.ok()?;
+        (condition(&d, CONDITION_PLACED)?.status == "True").then_some(d)
+    })
+    .await;
+    assert_eq!(condition(&d, CONDITION_READY).unwrap().status, "False");
+
+    // Agents report the shards Ready: the deployment becomes Ready.
+    report_ready(&client, &s.ns, "reason").await;
+    let d = eventually("Ready", || async {
+        let d = deployments.get("reason").await.ok()?;
+        (condition(&d, CONDITION_READY)?.status == "True").then_some(d)
+    })
+    .await;
+    let st = d.status.unwrap();
+    assert_eq!((st.replicas, st.ready_replicas), (1, 1));
+    assert_eq!(st.instances[0].stages.len(), 3);
+
+    // A node stops renewing its Lease: only its stage moves, to the spare node.
+    let lost = stages[1].spec.node.clone();
+    renew_lease(&client, &lost, 1).await;
+    let healed = eventually("the lost stage is re-placed", || async {
+        let v = shards_of(&client, &s.ns, "reason").await;
+        (v.len() == 3 && v.iter().all(|x| x.spec.node != lost)).then_some(v)
+    })
+    .await;
+    assert_eq!(
+        healed[0].name_any(),
+        stages[0].name_any(),
+        "stage 0 is untouched"
+    );
+    assert_eq!(
+        healed[2].name_any(),
+        stages[2].name_any(),
+        "stage 2 is untouched"
+    );
+    assert_eq!(healed[1].spec.layers, stages[1].spec.layers);
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+    let lost_node = nodes.get(&lost).await.unwrap();
+    let ready = lost_node
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == CONDITION_READY)
+        .unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "LeaseExpired")
+    );
+
+    // Cordoning a node moves the daily replica off it.
+    let cordoned = chat[0].spec.node.clone();
+    // Only two daily nodes exist: add a third so the replica has somewhere to go.
+    let pool_label = pools
+        .get(&s.daily_pool)
+        .await
+        .unwrap()
+        .spec
+        .node_selector
+        .match_labels
+        .unwrap();
+    let (k, v) = pool_label.into_iter().next().unwrap();
+    let spare = format!("{}-spare", s.nodes[0]);
+    register_node(&client, &spare, &[(&k, &v)], "1Gi").await;
+    nodes
+        .patch(
+            &cordoned,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+        .unwrap();
+    eventually("the cordoned node is emptied", || async {
+        let v = shards_of(&client, &s.ns, "chat").await;
+        (v.len() == 2 && v.iter().all(|x| x.spec.node != cordoned)).then_some(())
+    })
+    .await;
+
+    // Scaling to 1 removes an instance; scaling up again cannot exceed the nodes.
+    deployments
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
+        .await
+        .unwrap();
+    eventually("one daily shard left", || async {
+        (shards_of(&client, &s.ns, "chat").await.len() == 1).then_some(())
+    })
+    .await;
+
+    // Deleting a deployment removes its shards (finalizer; no garbage collector here).
+    deployments
+        .delete("reason", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        "the pipeline's shards and the deployment are gone",
+        || async {
+            let gone = shards_of(&client, &s.ns, "reason").await.is_empty()
+                && deployments.get_opt("reason").await.ok()?.is_none();
+            gone.then_some(())
+        },
+    )
+    .await;
+
+    // Metrics are served.
+    let body = String::from_utf8(
+        tokio::process::Command::new("curl")
+            .args(["-sf", &format!("http://{admin}/metrics")])
+            .output()
+            .await
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for name in [
+        "shardplane_operator_reconciles_total",
+        "shardplane_operator_placements_total",
+        "shardplane_operator_reconcile_duration_seconds",
+        "shardplane_operator_leader 1",
+    ] {
+        assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
+    }
+
+    // Bad input: Ready=False with a reason naming what to change, and no shards.
+    let bad = [
+        (
+            "no-model",
+            fixtures::deployment("no-model", "absent", &s.daily_pool, &s.whole),
+            "ModelNotFound",
+        ),
+        (
+            "no-pool",
+            fixtures::deployment("no-pool", "smollm2", "absent-pool", &s.whole),
+            "NodePoolNotFound",
+        ),
+        (
+            "wrong-tier",
+            fixtures::deployment("wrong-tier", "smollm2", &s.daily_pool, &s.pipeline),
+            "StrategyDoesNotFitTier",
+        ),
+    ];
+    for (name, d, _) in &bad {
+        deployments.create(&PostParams::default(), d).await.unwrap();
+        let _ = name;
+    }
+    for (name, _, reason) in &bad {
+        let d = eventually(&format!("{name} is Ready=False {reason}"), || async {
+            let d = deployments.get(name).await.ok()?;
+            let c = condition(&d, CONDITION_READY)?;
+            (c.status == "False" && c.reason == *reason).then_some(d)
+        })
+        .await;
+        assert!(!condition(&d, CONDITION_READY).unwrap().message.is_empty());
+        assert!(
+            shards_of(&client, &s.ns, name).await.is_empty(),
+            "{name} created shards"
+        );
+    }
+}
