@@ -31,13 +31,16 @@ enum Command {
     /// Run the operator: resolve models, track nodes and pools, place
     /// deployments as Shards.
     Operator(commands::operator::OperatorArgs),
+    /// Run the node agent: register this machine, renew its Lease, run the
+    /// Shards bound to it.
+    Agent(commands::agent::AgentArgs),
 }
 
 impl Command {
     /// Long-running components log what they do; tools only warnings.
     fn default_log(&self) -> &'static str {
         match self {
-            Command::Operator(_) => "info,kube=warn",
+            Command::Operator(_) | Command::Agent(_) => "info,kube=warn",
             _ => "warn",
         }
     }
@@ -59,6 +62,7 @@ impl Cli {
             Command::Generate(args) => commands::generate::run(args),
             Command::Bench(args) => commands::bench::run(args),
             Command::Operator(args) => commands::operator::run(args),
+            Command::Agent(args) => commands::agent::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

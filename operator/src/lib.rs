@@ -11,7 +11,6 @@
 //! Only the replica holding the leader Lease runs controllers. Every replica
 //! serves `/metrics`, `/livez` and `/readyz` on its admin port.
 
-pub mod admin;
 pub mod conditions;
 pub mod controllers;
 pub mod error;
@@ -47,13 +46,13 @@ pub struct OperatorConfig {
 pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<(), String> {
     let metrics = metrics::Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
-    let listener = admin::bind(config.admin_address)
+    let listener = shardplane_admin::bind(config.admin_address)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
     tracing::info!(address = %config.admin_address, "admin endpoints up");
-    let admin = tokio::spawn(admin::serve(
+    let admin = tokio::spawn(shardplane_admin::serve(
         listener,
-        metrics.clone(),
+        metrics.registry.clone(),
         ready.clone(),
         async {
             let _ = tokio::signal::ctrl_c().await;

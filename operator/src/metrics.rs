@@ -89,13 +89,6 @@ impl Metrics {
             leader,
         }
     }
-
-    /// Renders the registry in the Prometheus text format.
-    pub fn render(&self) -> String {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&self.registry.gather())
-            .unwrap_or_default()
-    }
 }
 
 impl Default for Metrics {

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod agent;
 pub mod bench;
 pub mod crds;
 pub mod generate;

@@ -1,4 +1,6 @@
-//! The admin port: `/metrics`, `/livez`, `/readyz`.
+//! The admin port every shardplane process serves: `/metrics` (the process's
+//! Prometheus registry), `/livez` (the process runs) and `/readyz` (it is
+//! ready for work).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,17 +10,24 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
 
-use crate::metrics::Metrics;
+use prometheus::Registry;
 
 /// Serves the admin endpoints on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    metrics: Metrics,
+    registry: Registry,
     ready: Arc<AtomicBool>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
-        .route("/metrics", get(move || async move { metrics.render() }))
+        .route(
+            "/metrics",
+            get(move || async move {
+                prometheus::TextEncoder::new()
+                    .encode_to_string(&registry.gather())
+                    .unwrap_or_default()
+            }),
+        )
         .route("/livez", get(|| async { "ok" }))
         .route(
             "/readyz",

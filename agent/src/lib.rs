@@ -1,0 +1,143 @@
+//! The shardplane node agent: this system's kubelet.
+//!
+//! ```text
+//!  agent ──► InferenceNode (create; status: chip, memory, addresses, engines)
+//!        ──► Lease in shardplane-node-lease (renewed every few seconds)
+//!        ◄── Shards labelled shardplane.dev/node=<me>: fetch, load, report, unload
+//! ```
+//!
+//! On shutdown it drains: says so in its status, unloads its shards and gives
+//! up its Lease so the operator re-places them at once.
+
+pub mod machine;
+pub mod metrics;
+pub mod registration;
+pub mod shards;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kube::Client;
+
+use crate::machine::Machine;
+use crate::registration::Registration;
+
+/// How the agent runs.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Registration: node name, labels, reserve, lease.
+    pub registration: Registration,
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    pub admin_address: SocketAddr,
+    /// How often the Lease is renewed.
+    pub renew_every: Duration,
+    /// How often the machine's facts are written.
+    pub report_every: Duration,
+}
+
+/// Runs the agent until `shutdown` resolves, then drains.
+pub async fn run(
+    client: Client,
+    config: AgentConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), String> {
+    let metrics = metrics::Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let listener = shardplane_admin::bind(config.admin_address)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
+    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = tokio::spawn(shardplane_admin::serve(
+        listener,
+        metrics.registry.clone(),
+        ready.clone(),
+        async {
+            let _ = admin_stopped.await;
+        },
+    ));
+
+    let reg = &config.registration;
+    ensure_lease_namespace(&client).await?;
+    reg.ensure_node(&client)
+        .await
+        .map_err(|e| format!("cannot register node {}: {e}", reg.node))?;
+    reg.report(&client, &Machine::read(), false, &metrics)
+        .await
+        .map_err(|e| format!("cannot report node {}: {e}", reg.node))?;
+    reg.renew(&client)
+        .await
+        .map_err(|e| format!("cannot take the Lease of node {}: {e}", reg.node))?;
+    tracing::info!(node = %reg.node, "registered");
+    ready.store(true, Ordering::Relaxed);
+
+    let shard_set = shards::ShardSet::default();
+    let shard_task = tokio::spawn(shards::run(
+        client.clone(),
+        reg.node.clone(),
+        shard_set.clone(),
+        metrics.clone(),
+    ));
+    let heartbeat = {
+        let (client, reg, metrics) = (client.clone(), reg.clone(), metrics.clone());
+        let (renew_every, report_every) = (config.renew_every, config.report_every);
+        tokio::spawn(async move {
+            let mut last_report = tokio::time::Instant::now();
+            loop {
+                tokio::time::sleep(renew_every).await;
+                match reg.renew(&client).await {
+                    Ok(()) => metrics.lease_renewals.inc(),
+                    Err(e) => {
+                        metrics.lease_failures.inc();
+                        tracing::warn!(error = %e, "cannot renew the Lease");
+                    }
+                }
+                if last_report.elapsed() >= report_every {
+                    last_report = tokio::time::Instant::now();
+                    if let Err(e) = reg.report(&client, &Machine::read(), false, &metrics).await {
+                        tracing::warn!(error = %e, "cannot report the node");
+                    }
+                }
+            }
+        })
+    };
+
+    shutdown.await;
+    tracing::info!(node = %reg.node, "draining");
+    ready.store(false, Ordering::Relaxed);
+    heartbeat.abort();
+    shard_task.abort();
+    let _ = reg.report(&client, &Machine::read(), true, &metrics).await;
+    shard_set.unload_all();
+    if let Err(e) = reg.release(&client).await {
+        tracing::warn!(error = %e, "cannot give up the Lease; it will expire");
+    }
+    let _ = stop_admin.send(());
+    let _ = admin.await;
+    tracing::info!(node = %reg.node, "stopped");
+    Ok(())
+}
+
+/// Creates the node-lease namespace if the operator has not yet.
+async fn ensure_lease_namespace(client: &Client) -> Result<(), String> {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::Api;
+    use kube::api::{ObjectMeta, PostParams};
+    let api: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(shardplane_crds::NODE_LEASE_NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match api.create(&PostParams::default(), &ns).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 || e.code == 403 => Ok(()),
+        Err(e) => Err(format!(
+            "cannot create namespace {}: {e}",
+            shardplane_crds::NODE_LEASE_NAMESPACE
+        )),
+    }
+}

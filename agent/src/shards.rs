@@ -1,0 +1,339 @@
+//! The Shards bound to this node: fetched, loaded, reported, unloaded.
+//!
+//! ```text
+//!  watch Shards (label shardplane.dev/node=<me>)
+//!    Apply  ──► Pending ─► Downloading (check / verify weights) ─► Loading ─► Ready
+//!                                                         any failure ──► Failed + reason
+//!    Delete ──► unload (free weights and KV cache)
+//! ```
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use shardplane_crds::validation::Validate;
+use shardplane_crds::{
+    AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardStatus,
+};
+use shardplane_engine::candle::CandleShard;
+use shardplane_engine::{LoadOptions, StageLayout};
+
+use crate::metrics::Metrics;
+
+/// A Shard's key: `namespace/name`.
+type Key = (String, String);
+
+/// A loaded stage and what it was loaded from.
+pub struct Loaded {
+    /// The engine's stage, shared with the data plane.
+    pub engine: Arc<Mutex<CandleShard>>,
+    /// The Shard's layers when it was loaded.
+    pub layers: (u32, u32),
+}
+
+/// The shards this agent runs.
+#[derive(Default, Clone)]
+pub struct ShardSet {
+    loaded: Arc<Mutex<BTreeMap<Key, Loaded>>>,
+    phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
+}
+
+impl ShardSet {
+    /// Number of loaded shards.
+    pub fn loaded(&self) -> usize {
+        self.loaded.lock().expect("shard set lock").len()
+    }
+
+    /// Unloads everything (shutdown).
+    pub fn unload_all(&self) {
+        self.loaded.lock().expect("shard set lock").clear();
+    }
+}
+
+/// Why a shard failed, for its status.
+struct Failure {
+    reason: &'static str,
+    message: String,
+}
+
+/// Watches the Shards bound to `node` and runs them until the stream ends.
+pub async fn run(client: Client, node: String, shards: ShardSet, metrics: Metrics) {
+    let api: Api<Shard> = Api::all(client.clone());
+    let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
+    let mut seen_during_init: HashSet<Key> = HashSet::new();
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
+                seen_during_init.insert(key(&s));
+                ensure(&client, s, &shards, &metrics);
+            }
+            Ok(watcher::Event::Delete(s)) => unload(&key(&s), &shards, &metrics),
+            Ok(watcher::Event::Init) => seen_during_init.clear(),
+            Ok(watcher::Event::InitDone) => {
+                // Shards deleted while the watch was down.
+                let gone: Vec<Key> = shards
+                    .loaded
+                    .lock()
+                    .expect("shard set lock")
+                    .keys()
+                    .filter(|k| !seen_during_init.contains(*k))
+                    .cloned()
+                    .collect();
+                for k in gone {
+                    unload(&k, &shards, &metrics);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "shard watch failed; retrying"),
+        }
+    }
+}
+
+fn key(s: &Shard) -> Key {
+    (s.namespace().unwrap_or_default(), s.name_any())
+}
+
+fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
+    let mut phases = shards.phases.lock().expect("phase lock");
+    match phase {
+        Some(p) => {
+            phases.insert(key.clone(), p);
+        }
+        None => {
+            phases.remove(key);
+        }
+    }
+    for p in [
+        ShardPhase::Pending,
+        ShardPhase::Downloading,
+        ShardPhase::Loading,
+        ShardPhase::Ready,
+        ShardPhase::Failed,
+    ] {
+        let n = phases.values().filter(|x| **x == p).count();
+        metrics
+            .shards
+            .with_label_values(&[&p.to_string()])
+            .set(n as i64);
+    }
+}
+
+fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics) {
+    if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
+        let bytes = l
+            .engine
+            .lock()
+            .map(|e| shardplane_engine::Shard::weight_bytes(&*e))
+            .unwrap_or(0);
+        metrics.weight_bytes.sub(bytes as i64);
+        tracing::info!(shard = %key.1, namespace = %key.0, "unloaded");
+    }
+    set_phase(shards, metrics, key, None);
+}
+
+/// Starts bringing `shard` to Ready unless it is already loaded or on its way.
+fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics) {
+    let k = key(&shard);
+    let layers = (shard.spec.layers.start, shard.spec.layers.end);
+    if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
+        && l.layers == layers
+    {
+        return;
+    }
+    let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
+    if matches!(
+        phase,
+        Some(ShardPhase::Downloading | ShardPhase::Loading | ShardPhase::Failed)
+    ) {
+        return;
+    }
+    set_phase(shards, metrics, &k, Some(ShardPhase::Downloading));
+    let (client, shards, metrics) = (client.clone(), shards.clone(), metrics.clone());
+    tokio::spawn(async move {
+        let result = bring_up(&client, &shard, &shards, &metrics).await;
+        let status = match result {
+            Ok(bytes) => ShardStatus {
+                phase: Some(ShardPhase::Ready),
+                reason: Some("Loaded".into()),
+                message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
+                engine: Some(Engine::Candle),
+                memory_bytes: Some(bytes as u64),
+                observed_generation: shard.metadata.generation,
+                ..Default::default()
+            },
+            Err(f) => {
+                tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed");
+                ShardStatus {
+                    phase: Some(ShardPhase::Failed),
+                    reason: Some(f.reason.into()),
+                    message: Some(f.message),
+                    observed_generation: shard.metadata.generation,
+                    ..Default::default()
+                }
+            }
+        };
+        set_phase(&shards, &metrics, &k, status.phase);
+        if let Err(e) = write_status(&client, &k, &status).await {
+            tracing::warn!(shard = %k.1, error = %e, "cannot report shard status");
+        }
+    });
+}
+
+async fn write_status(client: &Client, k: &Key, status: &ShardStatus) -> kube::Result<()> {
+    let api: Api<Shard> = Api::namespaced(client.clone(), &k.0);
+    let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard", "status": status});
+    api.patch_status(
+        &k.1,
+        &PatchParams::apply(AGENT_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Fetches and loads a shard; returns the bytes it holds.
+async fn bring_up(
+    client: &Client,
+    shard: &Shard,
+    shards: &ShardSet,
+    metrics: &Metrics,
+) -> Result<usize, Failure> {
+    let k = key(shard);
+    shard.validate().map_err(|e| Failure {
+        reason: "InvalidSpec",
+        message: e.to_string(),
+    })?;
+    let status = |phase, message: String| ShardStatus {
+        phase: Some(phase),
+        message: Some(message),
+        observed_generation: shard.metadata.generation,
+        ..Default::default()
+    };
+    let _ = write_status(
+        client,
+        &k,
+        &status(ShardPhase::Downloading, "checking the weights".into()),
+    )
+    .await;
+    let path = fetch(&shard.spec.source, shard.spec.format).await?;
+
+    let _ = write_status(
+        client,
+        &k,
+        &status(
+            ShardPhase::Loading,
+            format!("loading layers {}", shard.spec.layers),
+        ),
+    )
+    .await;
+    set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
+    let spec = shard.spec.clone();
+    let engine = tokio::task::spawn_blocking(move || {
+        let layout = StageLayout::new(
+            spec.layers.start as usize..spec.layers.end as usize,
+            spec.total_layers as usize,
+        )?;
+        let options = LoadOptions {
+            context_length: Some(spec.kv_cache.context_length as usize),
+            ..Default::default()
+        };
+        CandleShard::load(&path, layout, &options)
+    })
+    .await
+    .map_err(|e| Failure {
+        reason: "LoadPanicked",
+        message: e.to_string(),
+    })?
+    .map_err(|e| Failure {
+        reason: match e {
+            shardplane_engine::Error::CorruptModel { .. }
+            | shardplane_engine::Error::MissingMetadata { .. } => "CorruptWeights",
+            shardplane_engine::Error::UnsupportedArchitecture(_)
+            | shardplane_engine::Error::UnsupportedTensorType { .. } => "UnsupportedModel",
+            shardplane_engine::Error::LayerRange { .. } => "LayerRangeDoesNotFit",
+            shardplane_engine::Error::Io { .. } => "WeightsUnreadable",
+            _ => "LoadFailed",
+        },
+        message: e.to_string(),
+    })?;
+    let bytes = shardplane_engine::Shard::weight_bytes(&engine);
+    metrics.weight_bytes.add(bytes as i64);
+    shards.loaded.lock().expect("shard set lock").insert(
+        k,
+        Loaded {
+            engine: Arc::new(Mutex::new(engine)),
+            layers: (shard.spec.layers.start, shard.spec.layers.end),
+        },
+    );
+    Ok(bytes)
+}
+
+/// Makes sure the weights are on this node; returns their path.
+async fn fetch(source: &ModelSource, format: ModelFormat) -> Result<PathBuf, Failure> {
+    if format != ModelFormat::Gguf {
+        return Err(Failure {
+            reason: "FormatNotSupported",
+            message: "this agent loads GGUF models; safetensors needs the MLX engine".into(),
+        });
+    }
+    match source {
+        ModelSource::Path(p) => {
+            let path = PathBuf::from(&p.path);
+            if !path.is_file() {
+                return Err(Failure {
+                    reason: "WeightsNotFound",
+                    message: format!("{} is not a file on this node: copy the model there or fix the Model's path", p.path),
+                });
+            }
+            if let Some(expected) = &p.sha256 {
+                let file = path.clone();
+                let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
+                    .await
+                    .map_err(|e| Failure {
+                        reason: "ChecksumFailed",
+                        message: e.to_string(),
+                    })?
+                    .map_err(|e| Failure {
+                        reason: "WeightsUnreadable",
+                        message: format!("{}: {e}", p.path),
+                    })?;
+                if &actual != expected {
+                    return Err(Failure {
+                        reason: "ChecksumMismatch",
+                        message: format!("{} has SHA-256 {actual}, the Model says {expected}: the file is corrupt or another file", p.path),
+                    });
+                }
+            }
+            Ok(path)
+        }
+        ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Failure {
+            reason: "SourceNotSupported",
+            message: "this agent loads models from a path on the node; url, huggingFace and peer downloads are not built yet".into(),
+        }),
+    }
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}

@@ -1,0 +1,88 @@
+//! `shardplane agent`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use shardplane_agent::AgentConfig;
+use shardplane_agent::registration::Registration;
+use shardplane_crds::quantity::parse_bytes_str;
+
+use super::kube_client::client;
+
+/// Options of `shardplane agent`.
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// The kubeconfig to use; KUBECONFIG, ~/.kube/config or in-cluster when unset.
+    #[arg(long, env = "SHARDPLANE_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name (the host name when unset).
+    #[arg(long, env = "SHARDPLANE_NODE_NAME")]
+    node_name: Option<String>,
+    /// Labels for the InferenceNode when it is first created, `key=value`
+    /// (repeatable); they decide which pools the node joins.
+    #[arg(long = "label", env = "SHARDPLANE_NODE_LABELS", value_delimiter = ',')]
+    labels: Vec<String>,
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    #[arg(
+        long,
+        env = "SHARDPLANE_ADMIN_ADDRESS",
+        default_value = "127.0.0.1:9091"
+    )]
+    admin_address: SocketAddr,
+    /// Memory kept back from shards (e.g. `4Gi`).
+    #[arg(long, env = "SHARDPLANE_MEMORY_RESERVE", default_value = "1Gi")]
+    memory_reserve: String,
+    /// Seconds the node's Lease holds without renewal.
+    #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
+    lease_seconds: u64,
+}
+
+/// Runs the agent until Ctrl-C or SIGTERM, then drains.
+pub fn run(args: AgentArgs) -> anyhow::Result<()> {
+    let node = match args.node_name {
+        Some(n) => n,
+        None => std::fs::read_to_string("/etc/hostname")
+            .context("no --node-name and no /etc/hostname")?
+            .trim()
+            .to_lowercase(),
+    };
+    let mut labels = BTreeMap::new();
+    for l in &args.labels {
+        let Some((k, v)) = l.split_once('=') else {
+            bail!("label {l:?} is not key=value");
+        };
+        labels.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let memory_reserve = parse_bytes_str(&args.memory_reserve)?;
+    let lease = Duration::from_secs(args.lease_seconds.max(3));
+    let config = AgentConfig {
+        registration: Registration {
+            node,
+            labels,
+            memory_reserve,
+            lease_duration: lease,
+        },
+        admin_address: args.admin_address,
+        renew_every: lease / 3,
+        report_every: Duration::from_secs(30),
+    };
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let client = client(args.kubeconfig.as_deref()).await?;
+        shardplane_agent::run(client, config, shutdown_signal())
+            .await
+            .map_err(anyhow::Error::msg)
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,368 @@
+//! The agent and the operator as real processes on a real API server: an
+//! agent registers with this machine's memory and renews its Lease, runs the
+//! Shards bound to it (and fails broken ones without falling over), stops
+//! renewing when killed, drains when asked; with the operator, deployments
+//! become Ready on real agents.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use shardplane_crds::*;
+use shardplane_testkit::{control_plane, fixtures, unique_name};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// A child process killed when dropped.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Process {
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn shardplane(args: &[&str]) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(control_plane().kubeconfig())
+        .env("RUST_LOG", "warn,kube_client=error")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    Process(child)
+}
+
+/// Starts an agent for `node`; returns it and its admin address.
+fn agent(node: &str, labels: &[&str]) -> (Process, String) {
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut args = vec![
+        "agent",
+        "--node-name",
+        node,
+        "--admin-address",
+        &admin,
+        "--lease-seconds",
+        "3",
+        "--memory-reserve",
+        "1Gi",
+    ];
+    for l in labels {
+        args.extend(["--label", l]);
+    }
+    (shardplane(&args), admin)
+}
+
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn renew_time(client: &Client, node: &str) -> Option<String> {
+    let lease = Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE)
+        .get_opt(node)
+        .await
+        .ok()??;
+    Some(format!("{:?}", lease.spec?.renew_time?))
+}
+
+async fn metrics(admin: &str) -> String {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .await
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn mem_total() -> u64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = info
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    kib * 1024
+}
+
+fn model_source(path: &std::path::Path, sha256: Option<&str>) -> ModelSource {
+    ModelSource::Path(PathSource {
+        path: path.display().to_string(),
+        sha256: sha256.map(str::to_string),
+    })
+}
+
+const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_when_killed() {
+    let client = control_plane().client().await.unwrap();
+    let node = unique_name("agent");
+    let (agent, admin) = agent(&node, &["role=test"]);
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+
+    // Registered with this machine's real memory, and the label it was given.
+    let n = eventually("the node registers", || async {
+        nodes
+            .get_opt(&node)
+            .await
+            .ok()?
+            .filter(|n| n.status.is_some())
+    })
+    .await;
+    let status = n.status.clone().unwrap();
+    let memory = status.memory.unwrap();
+    assert_eq!(quantity::parse_bytes(&memory.total).unwrap(), mem_total());
+    assert_eq!(
+        quantity::parse_bytes(&memory.allocatable).unwrap(),
+        mem_total() - (1 << 30)
+    );
+    assert_eq!(n.labels().get("role").map(String::as_str), Some("test"));
+    assert_eq!(status.engines, vec![Engine::Candle]);
+    assert!(
+        status
+            .addresses
+            .iter()
+            .any(|a| a.kind == LinkKind::Loopback)
+    );
+    assert!(!status.draining);
+
+    // The Lease is renewed.
+    let first = eventually("a Lease", || renew_time(&client, &node)).await;
+    eventually("the Lease is renewed", || async {
+        (renew_time(&client, &node).await? != first).then_some(())
+    })
+    .await;
+
+    // A Shard made by hand (no operator) goes Ready; deleting it unloads it.
+    let ns = control_plane().namespace(&client, "agent").await.unwrap();
+    let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
+    let model = shardplane_testkit::test_model();
+    let mut shard = fixtures::shard("hand", &node, 0, 1, LayerRange { start: 0, end: 30 });
+    shard.spec.source = model_source(&model, Some(MODEL_SHA256));
+    shards.create(&PostParams::default(), &shard).await.unwrap();
+    let ready = eventually("the shard is Ready", || async {
+        let s = shards.get("hand-0-0").await.ok()?;
+        (s.status.as_ref()?.phase == Some(ShardPhase::Ready)).then_some(s)
+    })
+    .await;
+    let st = ready.status.unwrap();
+    assert!(st.memory_bytes.unwrap() > 50_000_000, "{st:?}");
+    assert_eq!(st.engine, Some(Engine::Candle));
+    assert!(
+        metrics(&admin)
+            .await
+            .contains("shardplane_agent_shards{phase=\"Ready\"} 1")
+    );
+    shards
+        .delete("hand-0-0", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the shard is unloaded", || async {
+        let m = metrics(&admin).await;
+        (m.contains("shardplane_agent_shards{phase=\"Ready\"} 0")
+            && m.contains("shardplane_agent_weight_bytes 0"))
+        .then_some(())
+    })
+    .await;
+
+    // Broken weights fail their Shard with a reason; the agent keeps running.
+    let dir = tempfile::tempdir().unwrap();
+    let truncated = dir.path().join("truncated.gguf");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    for (name, source, reason) in [
+        ("cut", model_source(&truncated, None), "CorruptWeights"),
+        (
+            "sum",
+            model_source(&model, Some(&"0".repeat(64))),
+            "ChecksumMismatch",
+        ),
+        (
+            "gone",
+            model_source(&dir.path().join("absent.gguf"), None),
+            "WeightsNotFound",
+        ),
+    ] {
+        let mut s = fixtures::shard(name, &node, 0, 1, LayerRange { start: 0, end: 30 });
+        s.spec.source = source;
+        shards.create(&PostParams::default(), &s).await.unwrap();
+        let failed = eventually(&format!("{name} fails"), || async {
+            let s = shards.get(&format!("{name}-0-0")).await.ok()?;
+            (s.status.as_ref()?.phase == Some(ShardPhase::Failed)).then_some(s)
+        })
+        .await;
+        let st = failed.status.unwrap();
+        assert_eq!(st.reason.as_deref(), Some(reason), "{st:?}");
+        assert!(!st.message.unwrap_or_default().is_empty());
+    }
+    let before = renew_time(&client, &node).await.unwrap();
+    eventually("the agent still renews its Lease", || async {
+        (renew_time(&client, &node).await? != before).then_some(())
+    })
+    .await;
+
+    // Killed with SIGKILL: the Lease is no longer renewed.
+    agent.signal("-KILL");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let last = renew_time(&client, &node).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        renew_time(&client, &node).await.unwrap(),
+        last,
+        "a killed agent renewed its Lease"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_agent_drains_and_gives_up_its_lease() {
+    let client = control_plane().client().await.unwrap();
+    let node = unique_name("drain");
+    let (agent, _) = agent(&node, &[]);
+    eventually("a Lease", || renew_time(&client, &node)).await;
+    agent.signal("-TERM");
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+    eventually("draining and no Lease", || async {
+        let draining = nodes.get(&node).await.ok()?.status?.draining;
+        (draining && renew_time(&client, &node).await.is_none()).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_operator_deployments_become_ready_on_real_agents() {
+    let client = control_plane().client().await.unwrap();
+    let ns = control_plane().namespace(&client, "e2e").await.unwrap();
+    let tag = unique_name("e2e");
+    let _operator = shardplane(&[
+        "operator",
+        "--admin-address",
+        &format!("127.0.0.1:{}", free_port()),
+        "--leader-namespace",
+        &format!("leader-{tag}"),
+        "--node-lease-seconds",
+        "3",
+    ]);
+    let label = format!("e2e={tag}");
+    let agents: Vec<(Process, String)> = (0..3)
+        .map(|i| agent(&format!("{tag}-n{i}"), &[&label]))
+        .collect();
+
+    let mut model = fixtures::model("smollm2");
+    model.spec.source = model_source(&shardplane_testkit::test_model(), Some(MODEL_SHA256));
+    Api::<Model>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &model)
+        .await
+        .unwrap();
+    let mut pool = fixtures::node_pool(&format!("pool-{tag}"), Tier::Reasoning);
+    pool.spec.node_selector.match_labels = Some([("e2e".to_string(), tag.clone())].into());
+    Api::<NodePool>::all(client.clone())
+        .create(&PostParams::default(), &pool)
+        .await
+        .unwrap();
+    let mut strategy = fixtures::strategy(&format!("pipe-{tag}"), Parallelism::Pipeline);
+    strategy.spec.placement = PlacementPolicy::EvenLayers;
+    strategy.spec.min_nodes = Some(2);
+    strategy.spec.max_nodes = Some(3);
+    strategy.spec.kv_cache = KvCacheBudget {
+        context_length: 512,
+        concurrent_sequences: 2,
+    };
+    Api::<ShardingStrategy>::all(client.clone())
+        .create(&PostParams::default(), &strategy)
+        .await
+        .unwrap();
+    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
+    deployments
+        .create(
+            &PostParams::default(),
+            &fixtures::deployment("reason", "smollm2", &pool.name_any(), &strategy.name_any()),
+        )
+        .await
+        .unwrap();
+
+    let ready = |d: &ModelDeployment| {
+        d.status.as_ref().is_some_and(|s| {
+            s.ready_replicas == 1 && s.instances.first().is_some_and(|i| i.stages.len() == 3)
+        })
+    };
+    let d = eventually("the 3-stage deployment is Ready on the agents", || async {
+        deployments.get("reason").await.ok().filter(|d| ready(d))
+    })
+    .await;
+    let stages = &d.status.unwrap().instances[0].stages;
+    let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
+    assert_eq!(nodes.len(), 3, "three stages on three agents");
+
+    // Kill the agent of the middle stage: the instance is re-planned on the
+    // two left and becomes Ready again without anyone acting.
+    let victim = stages[1].node.clone();
+    let index = (0..3).find(|i| format!("{tag}-n{i}") == victim).unwrap();
+    agents[index].0.signal("-KILL");
+    let d = eventually("Ready again without the killed agent", || async {
+        let d = deployments.get("reason").await.ok()?;
+        let st = d.status.as_ref()?;
+        (st.ready_replicas == 1 && st.instances[0].stages.iter().all(|s| s.node != victim))
+            .then_some(d)
+    })
+    .await;
+    assert_eq!(d.status.unwrap().instances[0].stages.len(), 2);
+
+    // Deleting the deployment removes every Shard.
+    deployments
+        .delete("reason", &DeleteParams::default())
+        .await
+        .unwrap();
+    let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
+    eventually("no shards left", || async {
+        shards
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    drop(agents);
+}
