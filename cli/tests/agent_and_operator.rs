@@ -339,6 +339,7 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
     let victim = stages[1].node.clone();
     let index = (0..3).find(|i| format!("{tag}-n{i}") == victim).unwrap();
     agents[index].0.signal("-KILL");
+    let killed_at = std::time::Instant::now();
     let d = eventually("Ready again without the killed agent", || async {
         let d = deployments.get("reason").await.ok()?;
         let st = d.status.as_ref()?;
@@ -346,6 +347,10 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
             .then_some(d)
     })
     .await;
+    eprintln!(
+        "node loss to Ready again: {:.1} s (Lease of 3 s)",
+        killed_at.elapsed().as_secs_f64()
+    );
     assert_eq!(d.status.unwrap().instances[0].stages.len(), 2);
 
     // Deleting the deployment removes every Shard.
