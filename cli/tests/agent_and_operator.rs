@@ -76,22 +76,12 @@ fn agent(node: &str, labels: &[&str]) -> (Process, String) {
     (shardplane(&args), admin)
 }
 
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    shardplane_testkit::eventually(what, WAIT, check).await
 }
 
 async fn renew_time(client: &Client, node: &str) -> Option<String> {

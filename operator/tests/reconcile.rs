@@ -48,23 +48,12 @@ async fn start_operator(client: &Client) -> SocketAddr {
     admin
 }
 
-/// Polls `check` until it returns Some, or fails after WAIT with `what`.
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    shardplane_testkit::eventually(what, WAIT, check).await
 }
 
 /// Registers a node as its agent would: the InferenceNode with memory and a fresh Lease.

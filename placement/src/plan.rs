@@ -215,6 +215,17 @@ pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
     }
 }
 
+/// Whether the stages run every layer once, in order, none empty.
+fn covers_model(instance: &Instance, layers: u32) -> bool {
+    let stages = &instance.stages;
+    stages.first().is_some_and(|f| f.layers.start == 0)
+        && stages.last().is_some_and(|l| l.layers.end == layers)
+        && stages
+            .windows(2)
+            .all(|w| w[0].layers.end == w[1].layers.start)
+        && stages.iter().all(|st| st.layers.start < st.layers.end)
+}
+
 struct Planner<'r, 'a> {
     request: &'r Request<'a>,
 }
@@ -287,19 +298,7 @@ impl Planner<'_, '_> {
         } else {
             k >= s.min_nodes.max(1) && s.max_nodes.is_none_or(|m| k <= m)
         };
-        let covers = instance.stages.first().is_some_and(|f| f.layers.start == 0)
-            && instance
-                .stages
-                .last()
-                .is_some_and(|l| l.layers.end == layers)
-            && instance
-                .stages
-                .windows(2)
-                .all(|w| w[0].layers.end == w[1].layers.start)
-            && instance
-                .stages
-                .iter()
-                .all(|st| st.layers.start < st.layers.end);
+        let covers = covers_model(instance, layers);
         let others = Self::nodes_in_use(placed, instance.index);
         let distinct_ok = !self.daily()
             || instance
@@ -330,16 +329,8 @@ impl Planner<'_, '_> {
         placed: &[Option<Instance>],
     ) -> Option<Instance> {
         let layers = self.request.footprint.layers();
-        let covers = instance.stages.first().is_some_and(|f| f.layers.start == 0)
-            && instance
-                .stages
-                .last()
-                .is_some_and(|l| l.layers.end == layers)
-            && instance
-                .stages
-                .windows(2)
-                .all(|w| w[0].layers.end == w[1].layers.start);
-        if !covers || instance.stages.is_empty() {
+        let covers = covers_model(instance, layers);
+        if !covers {
             return None;
         }
         let others = Self::nodes_in_use(placed, instance.index);

@@ -220,3 +220,23 @@ pub fn test_model() -> PathBuf {
         ),
     }
 }
+
+/// Polls `check` every 250 ms until it gives `Some`, or panics after `within`
+/// naming `what` was awaited.
+pub async fn eventually<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {within:?} waiting for: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
