@@ -102,7 +102,9 @@ start() {
   prefix="/shardplane-$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
   token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 
-  etcd --name sp --data-dir "$dir/etcd" \
+  # Own sessions: a Ctrl-C meant for the caller must not stop the control plane
+  # before the caller's components have drained; `stop` stops it.
+  setsid etcd --name sp --data-dir "$dir/etcd" \
     --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
     --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
     --initial-cluster "sp=http://127.0.0.1:$etcd_peer" \
@@ -114,7 +116,7 @@ start() {
   openssl rsa -in "$dir/sa.key" -pubout -out "$dir/sa.pub" 2>/dev/null
   echo "$token,admin,admin,system:masters" > "$dir/tokens.csv"
   mkdir -p "$dir/certs"
-  "$APISERVER" --etcd-servers "http://127.0.0.1:$etcd_port" --etcd-prefix "$prefix" \
+  setsid "$APISERVER" --etcd-servers "http://127.0.0.1:$etcd_port" --etcd-prefix "$prefix" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
     --cert-dir "$dir/certs" --token-auth-file "$dir/tokens.csv" --authorization-mode RBAC \
     --service-account-key-file "$dir/sa.pub" --service-account-signing-key-file "$dir/sa.key" \

@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
 # The main job: a local shardplane cluster on this machine. Installs what it
-# needs (cached), starts a real control plane, installs the shardplane.dev API
-# and applies manifests/quickstart/. Ctrl-C stops everything it started.
+# needs (cached), starts a real control plane, the operator and node agents,
+# applies manifests/quickstart/ and waits until both deployments are Ready.
+# Ctrl-C stops everything it started.
 #
-# Today this brings up the control plane and the API with the quickstart
-# applied; the operator, agents and gateway join as they land.
+#   scripts/up.sh [--agents N] [--manifests DIR]
+#
+# Agents 0 and 1 join the daily pool, the others the reasoning pool. The
+# gateway and the data plane (chatting with the model) are not built yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+AGENTS=5
+MANIFESTS=manifests/quickstart
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --agents) AGENTS=$2; shift 2 ;;
+    --manifests) MANIFESTS=$2; shift 2 ;;
+    *) echo "usage: $0 [--agents N] [--manifests DIR]" >&2; exit 2 ;;
+  esac
+done
+[ "$AGENTS" -ge 3 ] || { echo "up: need at least 3 agents (2 daily, 1+ reasoning)" >&2; exit 2; }
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
 STATE="${SHARDPLANE_UP_DIR:-$HOME/.cache/shardplane/up}"
 MODELS=/var/lib/shardplane/models
@@ -15,22 +28,57 @@ bash scripts/setup.sh
 cargo build --release --locked -p shardplane
 bin="$CARGO_TARGET_DIR/release/shardplane"
 
+pids=()
+stop_all() {
+  echo; echo "stopping"
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # Agents drain (bounded); whatever still runs after 15 s is killed.
+  for _ in $(seq 1 30); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.5
+  done
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  bash scripts/control-plane.sh stop "$STATE"
+  jobs -p | xargs -r kill 2>/dev/null || true
+}
 bash scripts/control-plane.sh stop "$STATE" 2>/dev/null || true
-trap 'echo; echo "stopping"; bash scripts/control-plane.sh stop "$STATE"' EXIT
+trap stop_all EXIT
 bash scripts/control-plane.sh start "$STATE" >/dev/null
 export KUBECONFIG="$STATE/kubeconfig"
+mkdir -p "$STATE/logs"
 
 "$bin" crds | kubectl apply -f - >/dev/null
 kubectl wait --for=condition=Established --timeout=60s $("$bin" crds | awk '/^  name: /{print "crd/"$2}') >/dev/null
 bash scripts/model.sh --install-to "$MODELS" >/dev/null
-kubectl apply -f manifests/quickstart/
+
+"$bin" operator --kubeconfig "$KUBECONFIG" --admin-address 127.0.0.1:9090 >"$STATE/logs/operator.log" 2>&1 &
+pids+=($!)
+for i in $(seq 0 $((AGENTS - 1))); do
+  if [ "$i" -lt 2 ]; then tier=daily; else tier=reasoning; fi
+  "$bin" agent --kubeconfig "$KUBECONFIG" --node-name "node-$i" --label "tier.shardplane.dev/$tier=true" \
+    --admin-address "127.0.0.1:$((9100 + i))" --memory-reserve 1Gi >"$STATE/logs/agent-$i.log" 2>&1 &
+  pids+=($!)
+done
+
+kubectl apply -f "$MANIFESTS"
+echo "waiting for the deployments to become Ready (logs in $STATE/logs)"
+if ! kubectl wait --for=condition=Ready --timeout=300s modeldeployment --all >/dev/null; then
+  kubectl get shardplane
+  echo "up: the deployments did not become Ready; see $STATE/logs" >&2
+  exit 1
+fi
+kubectl get shardplane
 
 cat <<MSG
 
-shardplane is up.
+shardplane is up: operator, $AGENTS agents, the quickstart deployments Ready.
   export KUBECONFIG=$KUBECONFIG
   kubectl get shardplane
-  kubectl explain modeldeployment.spec
+  kubectl get shards -o wide
+  curl -s 127.0.0.1:9090/metrics | grep shardplane_
 Press Ctrl-C to stop everything.
 MSG
-while true; do sleep 3600; done
+# `wait` returns on a signal (a foreground sleep would hold the trap back).
+while true; do sleep 3600 & wait $!; done

@@ -24,6 +24,9 @@ use kube::Client;
 use crate::machine::Machine;
 use crate::registration::Registration;
 
+/// The longest one step of draining may take.
+const DRAIN_STEP: Duration = Duration::from_secs(5);
+
 /// How the agent runs.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -108,13 +111,25 @@ pub async fn run(
     ready.store(false, Ordering::Relaxed);
     heartbeat.abort();
     shard_task.abort();
-    let _ = reg.report(&client, &Machine::read(), true, &metrics).await;
+    // Every step is bounded: a drain must end even when the API server is gone.
+    let bounded = |what: &'static str| {
+        move |r: Result<kube::Result<()>, tokio::time::error::Elapsed>| match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "drain: cannot {what}"),
+            Err(_) => tracing::warn!("drain: timed out trying to {what}"),
+        }
+    };
+    bounded("report draining")(
+        tokio::time::timeout(
+            DRAIN_STEP,
+            reg.report(&client, &Machine::read(), true, &metrics),
+        )
+        .await,
+    );
     shard_set.unload_all();
-    if let Err(e) = reg.release(&client).await {
-        tracing::warn!(error = %e, "cannot give up the Lease; it will expire");
-    }
+    bounded("give up the Lease")(tokio::time::timeout(DRAIN_STEP, reg.release(&client)).await);
     let _ = stop_admin.send(());
-    let _ = admin.await;
+    let _ = tokio::time::timeout(DRAIN_STEP, admin).await;
     tracing::info!(node = %reg.node, "stopped");
     Ok(())
 }
