@@ -1,6 +1,6 @@
 //! The operator's Prometheus metrics, in one registry served on `/metrics`.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 
 /// Every metric the operator exposes.
 #[derive(Clone)]
@@ -15,8 +15,6 @@ pub struct Metrics {
     pub reconcile_errors: IntCounterVec,
     /// Placement outcomes (`placed`, `partial`, `unplaceable`, `invalid`).
     pub placements: IntCounterVec,
-    /// Instances of all deployments by phase (`ready`, `progressing`, `unplaced`).
-    pub instances: IntGaugeVec,
     /// 1 while this replica holds the leader lease.
     pub leader: prometheus::IntGauge,
 }
@@ -58,14 +56,6 @@ impl Metrics {
             &["outcome"],
         )
         .expect("valid metric");
-        let instances = IntGaugeVec::new(
-            Opts::new(
-                "shardplane_operator_instances",
-                "Instances of all deployments by phase.",
-            ),
-            &["phase"],
-        )
-        .expect("valid metric");
         let leader =
             prometheus::IntGauge::new("shardplane_operator_leader", "1 while this replica leads.")
                 .expect("valid metric");
@@ -74,7 +64,6 @@ impl Metrics {
             Box::new(reconcile_duration.clone()),
             Box::new(reconcile_errors.clone()),
             Box::new(placements.clone()),
-            Box::new(instances.clone()),
             Box::new(leader.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -85,7 +74,6 @@ impl Metrics {
             reconcile_duration,
             reconcile_errors,
             placements,
-            instances,
             leader,
         }
     }
