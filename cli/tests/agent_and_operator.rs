@@ -274,10 +274,30 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         "3",
     ]);
     let label = format!("e2e={tag}");
-    let agents: Vec<(Process, String)> = (0..3)
+    let agents: Vec<(Process, String)> = (0..4)
         .map(|i| agent(&format!("{tag}-n{i}"), &[&label]))
         .collect();
 
+    let inodes: Api<InferenceNode> = Api::all(client.clone());
+    eventually("the four agents are Ready", || async {
+        let nodes = inodes
+            .list(&ListParams::default().labels(&label))
+            .await
+            .ok()?
+            .items;
+        let ready = nodes
+            .iter()
+            .filter(|n| {
+                n.status.as_ref().is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.type_ == CONDITION_READY && c.status == "True")
+                })
+            })
+            .count();
+        (ready == 4).then_some(())
+    })
+    .await;
     let mut model = fixtures::model("smollm2");
     model.spec.source = model_source(&shardplane_testkit::test_model(), Some(MODEL_SHA256));
     Api::<Model>::namespaced(client.clone(), &ns)
@@ -324,10 +344,10 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");
 
-    // Kill the agent of the middle stage: the instance is re-planned on the
-    // two left and becomes Ready again without anyone acting.
+    // Kill the agent of the middle stage: only that stage moves, to the spare
+    // agent, and the instance is Ready again without anyone acting.
     let victim = stages[1].node.clone();
-    let index = (0..3).find(|i| format!("{tag}-n{i}") == victim).unwrap();
+    let index = (0..4).find(|i| format!("{tag}-n{i}") == victim).unwrap();
     agents[index].0.signal("-KILL");
     let killed_at = std::time::Instant::now();
     let d = eventually("Ready again without the killed agent", || async {
@@ -341,7 +361,47 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         "node loss to Ready again: {:.1} s (Lease of 3 s)",
         killed_at.elapsed().as_secs_f64()
     );
-    assert_eq!(d.status.unwrap().instances[0].stages.len(), 2);
+    let healed = d.status.unwrap().instances[0].stages.clone();
+    assert_eq!(healed.len(), 3);
+    assert_eq!(
+        (&healed[0].node, &healed[2].node),
+        (&stages[0].node, &stages[2].node),
+        "the other stages stay"
+    );
+
+    // Cordon a node in use: its stage leaves it; two nodes are left, so two stages.
+    let cordoned = healed[0].node.clone();
+    let nodes_api: Api<InferenceNode> = Api::all(client.clone());
+    nodes_api
+        .patch(
+            &cordoned,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+        .unwrap();
+    eventually("Ready off the cordoned node", || async {
+        let d = deployments.get("reason").await.ok()?;
+        let st = d.status.as_ref()?;
+        (st.ready_replicas == 1 && st.instances[0].stages.iter().all(|s| s.node != cordoned))
+            .then_some(())
+    })
+    .await;
+
+    // Scale to two instances: both become Ready on the agents.
+    deployments
+        .patch(
+            "reason",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .unwrap();
+    eventually("two instances Ready", || async {
+        let d = deployments.get("reason").await.ok()?;
+        (d.status.as_ref()?.ready_replicas == 2).then_some(())
+    })
+    .await;
 
     // Deleting the deployment removes every Shard.
     deployments

@@ -497,3 +497,35 @@ fn plans_reserve_memory_for_the_next_deployment() {
     );
     assert!(c.nodes.values().all(|n| n.free_bytes < 40 * GIB));
 }
+
+#[test]
+fn a_lost_stage_moves_to_a_spare_even_when_fewer_nodes_would_do() {
+    let mut c = cluster(&[("n0", 20), ("n1", 20), ("n2", 20), ("n3", 20)]);
+    let f = model();
+    let s = Strategy {
+        policy: Policy::EvenLayers,
+        min_nodes: 2,
+        max_nodes: Some(3),
+        ..strategy(Parallelism::Pipeline)
+    };
+    let current = vec![Instance {
+        index: 0,
+        stages: vec![
+            Stage {
+                node: "n0".into(),
+                layers: 0..10,
+            },
+            Stage {
+                node: "n1".into(),
+                layers: 10..20,
+            },
+            Stage {
+                node: "n2".into(),
+                layers: 20..30,
+            },
+        ],
+    }];
+    c.nodes.get_mut("n1").unwrap().schedulable = false;
+    let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &current));
+    assert_eq!(nodes_of(&p.instances[0]), ["n0", "n3", "n2"]);
+}
