@@ -38,6 +38,22 @@ impl GgufFile {
         })
     }
 
+    /// Reads a header from `reader` (e.g. the first bytes of a remote file);
+    /// `origin` names it in errors. Tensors cannot be read from such a file.
+    pub fn from_header<R: std::io::Read + std::io::Seek>(
+        origin: &str,
+        reader: &mut R,
+    ) -> Result<Self> {
+        let path = PathBuf::from(origin);
+        let content = Content::read(reader).map_err(|e| header_error(&path, e))?;
+        let config = ModelConfig::from_gguf(&content)?;
+        Ok(GgufFile {
+            path,
+            content,
+            config,
+        })
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

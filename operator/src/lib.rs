@@ -39,6 +39,23 @@ pub struct OperatorConfig {
     pub election: leader::Election,
     /// How long a node's Lease lasts when it does not say.
     pub default_node_lease: Duration,
+    /// Base URL of the Hugging Face hub (or a mirror) for `huggingFace` sources.
+    pub hugging_face_endpoint: String,
+}
+
+/// The public Hugging Face hub.
+pub const HUGGING_FACE_HUB: &str = "https://huggingface.co";
+
+/// An HTTP client for model sources (rustls with the ring provider, as kube uses).
+pub fn http_client() -> std::result::Result<reqwest::Client, String> {
+    // Several crates bring rustls; name the provider once for the process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .user_agent(concat!("shardplane/", env!("CARGO_PKG_VERSION")))
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(120))
+        .build()
+        .map_err(|e| format!("cannot build an HTTP client: {e}"))
 }
 
 /// Runs the operator until a signal arrives or leadership is lost; returns an
@@ -76,6 +93,8 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
             instance: Some(config.election.identity.clone()),
         },
         default_lease_duration: config.default_node_lease,
+        http: http_client()?,
+        hugging_face_endpoint: config.hugging_face_endpoint.clone(),
     });
     ready.store(true, Ordering::Relaxed);
     let controllers = futures::future::join4(

@@ -32,6 +32,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
             renew_every: Duration::from_secs(1),
         },
         default_node_lease: Duration::from_secs(30),
+        hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
     };
     let client = client.clone();
     let task = tokio::spawn(async move {

@@ -38,6 +38,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
             renew_every: Duration::from_secs(2),
         },
         default_node_lease: Duration::from_secs(4),
+        hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
     };
     let client = client.clone();
     tokio::spawn(async move {

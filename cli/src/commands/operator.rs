@@ -35,6 +35,9 @@ pub struct OperatorArgs {
     /// Seconds the leader Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEADER_LEASE_SECONDS", default_value_t = 15)]
     leader_lease_seconds: u64,
+    /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
+    #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_operator::HUGGING_FACE_HUB)]
+    hugging_face_endpoint: String,
     /// Seconds a node's Lease holds when it does not say.
     #[arg(long, env = "SHARDPLANE_NODE_LEASE_SECONDS", default_value_t = 15)]
     node_lease_seconds: u64,
@@ -57,6 +60,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
             renew_every: lease / 3,
         },
         default_node_lease: Duration::from_secs(args.node_lease_seconds),
+        hugging_face_endpoint: args.hugging_face_endpoint,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

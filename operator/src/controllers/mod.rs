@@ -26,6 +26,10 @@ pub struct Context {
     /// How long after its last renewal a node's Lease counts as expired when
     /// the Lease does not say.
     pub default_lease_duration: Duration,
+    /// HTTP client for reading remote model headers.
+    pub http: reqwest::Client,
+    /// Base URL of the Hugging Face hub (or a mirror).
+    pub hugging_face_endpoint: String,
 }
 
 /// Runs `reconcile` and records its outcome and duration under `controller`.

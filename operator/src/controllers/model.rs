@@ -12,13 +12,14 @@ use kube::{Api, ResourceExt};
 use serde_json::json;
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    CONDITION_READY, CONDITION_RESOLVED, Model, ModelSource, ModelStatus, OPERATOR_MANAGER,
+    CONDITION_READY, CONDITION_RESOLVED, Model, ModelFormat, ModelSource, ModelStatus,
+    OPERATOR_MANAGER,
 };
 
 use super::{Context, instrumented, retry_after_error};
 use crate::conditions;
 use crate::error::{Error, Result};
-use crate::resolve::{Unresolved, resolve_gguf};
+use crate::resolve::{Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url};
 
 /// Runs the Model controller until the stream ends.
 pub async fn run(ctx: Arc<Context>) {
@@ -34,25 +35,34 @@ pub async fn run(ctx: Arc<Context>) {
         .await;
 }
 
-fn resolve(model: &Model) -> Result<ModelStatus, Unresolved> {
+async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved> {
     if let Err(e) = model.validate() {
         return Err(Unresolved {
             reason: "InvalidSpec",
             message: e.to_string(),
         });
     }
+    if model.spec.format != ModelFormat::Gguf {
+        return Err(Unresolved {
+            reason: "FormatNotResolvable",
+            message:
+                "the operator reads GGUF headers only; safetensors models are not resolved yet"
+                    .into(),
+        });
+    }
     match &model.spec.source {
-        ModelSource::Path(p) => match model.spec.format {
-            shardplane_crds::ModelFormat::Gguf => resolve_gguf(Path::new(&p.path), &model.spec),
-            shardplane_crds::ModelFormat::Safetensors => Err(Unresolved {
-                reason: "FormatNotResolvable",
-                message: "the operator reads GGUF headers only; safetensors models are not resolved yet".into(),
-            }),
-        },
-        ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Unresolved {
-            reason: "SourceNotResolvable",
-            message: "the operator resolves models from a path readable where it runs; url and huggingFace sources are not resolved yet".into(),
-        }),
+        ModelSource::Path(p) => resolve_gguf(Path::new(&p.path), &model.spec),
+        ModelSource::Url(u) => resolve_gguf_url(&ctx.http, &u.url, &model.spec).await,
+        ModelSource::HuggingFace(hf) => {
+            let file = hf.file.as_deref().unwrap_or_default();
+            let url = hugging_face_url(
+                &ctx.hugging_face_endpoint,
+                &hf.repo,
+                file,
+                hf.revision.as_deref(),
+            );
+            resolve_gguf_url(&ctx.http, &url, &model.spec).await
+        }
     }
 }
 
@@ -67,7 +77,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
-    let (mut status, requeue) = match resolve(&model) {
+    let (mut status, requeue) = match resolve(&model, &ctx).await {
         Ok(mut status) => {
             conditions::set(
                 &mut status.conditions,
