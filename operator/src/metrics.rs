@@ -15,6 +15,8 @@ pub struct Metrics {
     pub reconcile_errors: IntCounterVec,
     /// Placement outcomes (`placed`, `partial`, `unplaceable`, `invalid`).
     pub placements: IntCounterVec,
+    /// Instances of all deployments by phase (`ready`, `starting`, `unplaced`).
+    pub instances: prometheus::IntGaugeVec,
     /// 1 while this replica holds the leader lease.
     pub leader: prometheus::IntGauge,
 }
@@ -56,6 +58,14 @@ impl Metrics {
             &["outcome"],
         )
         .expect("valid metric");
+        let instances = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "shardplane_operator_instances",
+                "Instances of all deployments by phase.",
+            ),
+            &["phase"],
+        )
+        .expect("valid metric");
         let leader =
             prometheus::IntGauge::new("shardplane_operator_leader", "1 while this replica leads.")
                 .expect("valid metric");
@@ -64,6 +74,7 @@ impl Metrics {
             Box::new(reconcile_duration.clone()),
             Box::new(reconcile_errors.clone()),
             Box::new(placements.clone()),
+            Box::new(instances.clone()),
             Box::new(leader.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -74,6 +85,7 @@ impl Metrics {
             reconcile_duration,
             reconcile_errors,
             placements,
+            instances,
             leader,
         }
     }

@@ -442,6 +442,7 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         "shardplane_operator_placements_total",
         "shardplane_operator_reconcile_duration_seconds",
         "shardplane_operator_leader 1",
+        "shardplane_operator_instances{phase=\"ready\"}",
     ] {
         assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
     }
@@ -464,6 +465,36 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
             "StrategyDoesNotFitTier",
         ),
     ];
+    let mut huge = fixtures::strategy(&unique_name("huge"), Parallelism::Pipeline);
+    huge.spec.kv_cache = KvCacheBudget {
+        context_length: 1 << 20,
+        concurrent_sequences: 64,
+    };
+    Api::<ShardingStrategy>::all(client.clone())
+        .create(&PostParams::default(), &huge)
+        .await
+        .unwrap();
+    let too_big = fixtures::deployment("too-big", "smollm2", &s.reasoning_pool, &huge.name_any());
+    deployments
+        .create(&PostParams::default(), &too_big)
+        .await
+        .unwrap();
+    let d = eventually("too-big is Ready=False InsufficientMemory", || async {
+        let d = deployments.get("too-big").await.ok()?;
+        let c = condition(&d, CONDITION_READY)?;
+        (c.status == "False" && c.reason == "InsufficientMemory").then_some(d)
+    })
+    .await;
+    let message = &condition(&d, CONDITION_READY).unwrap().message;
+    assert!(
+        message.contains("KV cache for 1048576 tokens x 64 sequences")
+            && message.contains("free in all"),
+        "{message}"
+    );
+    assert!(
+        shards_of(&client, &s.ns, "too-big").await.is_empty(),
+        "too-big created shards"
+    );
     for (name, d, _) in &bad {
         deployments.create(&PostParams::default(), d).await.unwrap();
         let _ = name;

@@ -38,6 +38,7 @@ pub async fn run(ctx: Arc<Context>) {
     };
     let (all_nodes, all_pools, all_models, all_strategies) =
         (all.clone(), all.clone(), all.clone(), all);
+    tokio::spawn(count_instances(controller.store(), ctx.clone()));
     controller
         .owns(
             Api::<Shard>::all(ctx.client.clone()),
@@ -73,6 +74,33 @@ pub async fn run(ctx: Arc<Context>) {
         )
         .for_each(|_| async {})
         .await;
+}
+
+/// Keeps the instances-by-phase gauge, summed over every deployment.
+async fn count_instances(
+    store: kube::runtime::reflector::Store<ModelDeployment>,
+    ctx: Arc<Context>,
+) {
+    loop {
+        let (mut ready, mut starting, mut unplaced) = (0i64, 0i64, 0i64);
+        for d in store.state() {
+            let wanted = i64::from(d.spec.replicas.max(0));
+            let (placed, ok) = d.status.as_ref().map_or((0, 0), |s| {
+                (i64::from(s.replicas), i64::from(s.ready_replicas))
+            });
+            ready += ok;
+            starting += (placed - ok).max(0);
+            unplaced += (wanted - placed).max(0);
+        }
+        for (phase, n) in [
+            ("ready", ready),
+            ("starting", starting),
+            ("unplaced", unplaced),
+        ] {
+            ctx.metrics.instances.with_label_values(&[phase]).set(n);
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
 }
 
 async fn reconcile(deployment: Arc<ModelDeployment>, ctx: Arc<Context>) -> Result<Action> {
