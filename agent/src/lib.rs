@@ -11,6 +11,7 @@
 
 pub mod machine;
 pub mod metrics;
+pub mod models;
 pub mod registration;
 pub mod shards;
 
@@ -82,6 +83,7 @@ pub async fn run(
         shard_set.clone(),
         metrics.clone(),
     ));
+    let model_task = tokio::spawn(models::run(client.clone()));
     let heartbeat = {
         let (client, reg, metrics) = (client.clone(), reg.clone(), metrics.clone());
         let (renew_every, report_every) = (config.renew_every, config.report_every);
@@ -111,6 +113,7 @@ pub async fn run(
     ready.store(false, Ordering::Relaxed);
     heartbeat.abort();
     shard_task.abort();
+    model_task.abort();
     // Every step is bounded: a drain must end even when the API server is gone.
     let bounded = |what: &'static str| {
         move |r: Result<kube::Result<()>, tokio::time::error::Elapsed>| match r {

@@ -340,6 +340,22 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         deployments.get("reason").await.ok().filter(|d| ready(d))
     })
     .await;
+    // The operator cannot see the nodes' files (no --read-model-paths): an agent reported the model.
+    let model = Api::<Model>::namespaced(client.clone(), &ns)
+        .get("smollm2")
+        .await
+        .unwrap();
+    let resolved = model
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == CONDITION_RESOLVED)
+        .unwrap();
+    assert_eq!(
+        (resolved.status.as_str(), resolved.reason.as_str()),
+        ("True", "ReportedByAgent")
+    );
     let stages = &d.status.unwrap().instances[0].stages;
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");

@@ -16,7 +16,6 @@ pub mod controllers;
 pub mod error;
 pub mod leader;
 pub mod metrics;
-pub mod resolve;
 pub mod world;
 
 use std::net::SocketAddr;
@@ -41,22 +40,12 @@ pub struct OperatorConfig {
     pub default_node_lease: Duration,
     /// Base URL of the Hugging Face hub (or a mirror) for `huggingFace` sources.
     pub hugging_face_endpoint: String,
+    /// Read `path` model sources where the operator runs (one machine); when
+    /// false, agents holding the file report its metadata.
+    pub read_model_paths: bool,
 }
 
-/// The public Hugging Face hub.
-pub const HUGGING_FACE_HUB: &str = "https://huggingface.co";
-
-/// An HTTP client for model sources (rustls with the ring provider, as kube uses).
-pub fn http_client() -> std::result::Result<reqwest::Client, String> {
-    // Several crates bring rustls; name the provider once for the process.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder()
-        .user_agent(concat!("shardplane/", env!("CARGO_PKG_VERSION")))
-        .connect_timeout(Duration::from_secs(10))
-        .timeout(Duration::from_secs(120))
-        .build()
-        .map_err(|e| format!("cannot build an HTTP client: {e}"))
-}
+pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
 
 /// Runs the operator until a signal arrives or leadership is lost; returns an
 /// error in the latter case so the process exits non-zero and is restarted.
@@ -95,6 +84,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         default_lease_duration: config.default_node_lease,
         http: http_client()?,
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
+        read_model_paths: config.read_model_paths,
     });
     ready.store(true, Ordering::Relaxed);
     let controllers = futures::future::join4(

@@ -38,6 +38,10 @@ pub struct OperatorArgs {
     /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
     #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_operator::HUGGING_FACE_HUB)]
     hugging_face_endpoint: String,
+    /// Read `path` model sources where the operator runs (all on one machine)
+    /// instead of waiting for an agent holding the file to report it.
+    #[arg(long, env = "SHARDPLANE_READ_MODEL_PATHS")]
+    read_model_paths: bool,
     /// Seconds a node's Lease holds when it does not say.
     #[arg(long, env = "SHARDPLANE_NODE_LEASE_SECONDS", default_value_t = 15)]
     node_lease_seconds: u64,
@@ -61,6 +65,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
         },
         default_node_lease: Duration::from_secs(args.node_lease_seconds),
         hugging_face_endpoint: args.hugging_face_endpoint,
+        read_model_paths: args.read_model_paths,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -30,6 +30,8 @@ pub struct Context {
     pub http: reqwest::Client,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
+    /// Read `path` model sources here rather than wait for an agent's report.
+    pub read_model_paths: bool,
 }
 
 /// Runs `reconcile` and records its outcome and duration under `controller`.

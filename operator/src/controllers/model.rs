@@ -19,7 +19,7 @@ use shardplane_crds::{
 use super::{Context, instrumented, retry_after_error};
 use crate::conditions;
 use crate::error::{Error, Result};
-use crate::resolve::{Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url};
+use shardplane_models::{Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url};
 
 /// Runs the Model controller until the stream ends.
 pub async fn run(ctx: Arc<Context>) {
@@ -51,7 +51,23 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
         });
     }
     match &model.spec.source {
-        ModelSource::Path(p) => resolve_gguf(Path::new(&p.path), &model.spec),
+        ModelSource::Path(p) if ctx.read_model_paths => {
+            resolve_gguf(Path::new(&p.path), &model.spec)
+        }
+        ModelSource::Path(p) => match model.status.as_ref().filter(|s| reported(s)) {
+            // An agent holding the file read its header: keep what it wrote.
+            Some(status) => Ok(ModelStatus {
+                conditions: Vec::new(),
+                ..status.clone()
+            }),
+            None => Err(Unresolved {
+                reason: "WaitingForAgent",
+                message: format!(
+                    "no agent has reported {} yet: the file must be at that path on the nodes (agents read its header)",
+                    p.path
+                ),
+            }),
+        },
         ModelSource::Url(u) => resolve_gguf_url(&ctx.http, &u.url, &model.spec).await,
         ModelSource::HuggingFace(hf) => {
             let file = hf.file.as_deref().unwrap_or_default();
@@ -64,6 +80,14 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
             resolve_gguf_url(&ctx.http, &url, &model.spec).await
         }
     }
+}
+
+/// Whether an agent reported the model's metadata into its status.
+fn reported(status: &ModelStatus) -> bool {
+    status.architecture.is_some()
+        && status
+            .layers
+            .is_some_and(|l| l as usize == status.layer_bytes.len())
 }
 
 async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
@@ -79,12 +103,16 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
         .unwrap_or_default();
     let (mut status, requeue) = match resolve(&model, &ctx).await {
         Ok(mut status) => {
+            let how = match &model.spec.source {
+                ModelSource::Path(_) if !ctx.read_model_paths => "ReportedByAgent",
+                _ => "HeaderRead",
+            };
             conditions::set(
                 &mut status.conditions,
                 &previous,
                 CONDITION_RESOLVED,
                 true,
-                "HeaderRead",
+                how,
                 "",
                 generation,
             );

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use shardplane_crds::{ModelSpec, ModelStatus};
 use shardplane_engine::gguf::GgufFile;
@@ -164,4 +165,19 @@ fn status_from_gguf(file: &GgufFile, spec: &ModelSpec, total_bytes: Option<u64>)
         layer_bytes,
         ..Default::default()
     }
+}
+
+/// The public Hugging Face hub.
+pub const HUGGING_FACE_HUB: &str = "https://huggingface.co";
+
+/// An HTTP client for model sources (rustls with the ring provider, as kube uses).
+pub fn http_client() -> Result<reqwest::Client, String> {
+    // Several crates bring rustls; name the provider once for the process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .user_agent(concat!("shardplane/", env!("CARGO_PKG_VERSION")))
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(120))
+        .build()
+        .map_err(|e| format!("cannot build an HTTP client: {e}"))
 }

@@ -7,7 +7,7 @@ use axum::Router;
 use axum::extract::Request;
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use shardplane_operator::resolve::{hugging_face_url, resolve_gguf_url};
+use shardplane_models::{http_client, hugging_face_url, resolve_gguf_url};
 use shardplane_testkit::fixtures;
 use tower_http::services::ServeFile;
 
@@ -47,7 +47,7 @@ async fn remote_gguf_headers_resolve_with_range_requests() {
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, vec![7u8; 1 << 20]).unwrap();
     let (base, ranges) = server(junk).await;
-    let http = shardplane_operator::http_client().unwrap();
+    let http = http_client().unwrap();
     let spec = fixtures::model("m").spec;
 
     let status = resolve_gguf_url(&http, &format!("{base}/m.gguf"), &spec)
