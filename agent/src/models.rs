@@ -43,16 +43,21 @@ async fn report(client: &Client, model: &Model) -> kube::Result<()> {
     let ModelSource::Path(p) = &model.spec.source else {
         return Ok(());
     };
-    if model.spec.format != ModelFormat::Gguf || !Path::new(&p.path).is_file() {
+    let present = match model.spec.format {
+        ModelFormat::Gguf => Path::new(&p.path).is_file(),
+        ModelFormat::Safetensors => Path::new(&p.path).join("config.json").is_file(),
+    };
+    if !present {
         return Ok(());
     }
-    let path = p.path.clone();
-    let spec = model.spec.clone();
-    let Ok(Ok(status)) = tokio::task::spawn_blocking(move || {
-        shardplane_models::resolve_gguf(Path::new(&path), &spec)
-    })
-    .await
-    else {
+    let (path, spec, format) = (p.path.clone(), model.spec.clone(), model.spec.format);
+    let read = move || match format {
+        ModelFormat::Gguf => shardplane_models::resolve_gguf(Path::new(&path), &spec),
+        ModelFormat::Safetensors => {
+            shardplane_models::safetensors::resolve_dir(Path::new(&path), &spec)
+        }
+    };
+    let Ok(Ok(status)) = tokio::task::spawn_blocking(read).await else {
         // A file this agent cannot read is reported by the Shards that use it.
         return Ok(());
     };

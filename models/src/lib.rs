@@ -2,6 +2,8 @@
 //! (tensor directory and hyper-parameters), never the tensor data — from a
 //! path, or from a URL with HTTP range requests.
 
+pub mod safetensors;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;

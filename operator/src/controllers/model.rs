@@ -19,7 +19,9 @@ use shardplane_crds::{
 use super::{Context, instrumented, retry_after_error};
 use crate::conditions;
 use crate::error::{Error, Result};
-use shardplane_models::{Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url};
+use shardplane_models::{
+    Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url, safetensors,
+};
 
 /// Runs the Model controller until the stream ends.
 pub async fn run(ctx: Arc<Context>) {
@@ -42,19 +44,15 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
             message: e.to_string(),
         });
     }
-    if model.spec.format != ModelFormat::Gguf {
-        return Err(Unresolved {
-            reason: "FormatNotResolvable",
-            message:
-                "the operator reads GGUF headers only; safetensors models are not resolved yet"
-                    .into(),
-        });
-    }
-    match &model.spec.source {
-        ModelSource::Path(p) if ctx.read_model_paths => {
-            resolve_gguf(Path::new(&p.path), &model.spec)
+    let spec = &model.spec;
+    match (&spec.source, spec.format) {
+        (ModelSource::Path(p), ModelFormat::Gguf) if ctx.read_model_paths => {
+            resolve_gguf(Path::new(&p.path), spec)
         }
-        ModelSource::Path(p) => match model.status.as_ref().filter(|s| reported(s)) {
+        (ModelSource::Path(p), ModelFormat::Safetensors) if ctx.read_model_paths => {
+            safetensors::resolve_dir(Path::new(&p.path), spec)
+        }
+        (ModelSource::Path(p), _) => match model.status.as_ref().filter(|s| reported(s)) {
             // An agent holding the file read its header: keep what it wrote.
             Some(status) => Ok(ModelStatus {
                 conditions: Vec::new(),
@@ -63,13 +61,13 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
             None => Err(Unresolved {
                 reason: "WaitingForAgent",
                 message: format!(
-                    "no agent has reported {} yet: the file must be at that path on the nodes (agents read its header)",
+                    "no agent has reported {} yet: the model must be at that path on the nodes (agents read its header)",
                     p.path
                 ),
             }),
         },
-        ModelSource::Url(u) => resolve_gguf_url(&ctx.http, &u.url, &model.spec).await,
-        ModelSource::HuggingFace(hf) => {
+        (ModelSource::Url(u), _) => resolve_gguf_url(&ctx.http, &u.url, spec).await,
+        (ModelSource::HuggingFace(hf), ModelFormat::Gguf) => {
             let file = hf.file.as_deref().unwrap_or_default();
             let url = hugging_face_url(
                 &ctx.hugging_face_endpoint,
@@ -77,7 +75,16 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
                 file,
                 hf.revision.as_deref(),
             );
-            resolve_gguf_url(&ctx.http, &url, &model.spec).await
+            resolve_gguf_url(&ctx.http, &url, spec).await
+        }
+        (ModelSource::HuggingFace(hf), ModelFormat::Safetensors) => {
+            let base = hugging_face_url(
+                &ctx.hugging_face_endpoint,
+                &hf.repo,
+                "",
+                hf.revision.as_deref(),
+            );
+            safetensors::resolve_repo(&ctx.http, base.trim_end_matches('/'), spec).await
         }
     }
 }

@@ -1,0 +1,258 @@
+//! Safetensors models (the MLX-community layout): `config.json` for the
+//! hyper-parameters and each weights file's header for tensor sizes. Only
+//! headers are read: a local directory, or a Hugging Face repository with
+//! HTTP range requests.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::Value;
+use shardplane_crds::{ModelSpec, ModelStatus};
+
+use crate::{Unresolved, kv_bytes_per_token_per_layer};
+
+/// Bytes of each tensor named in a safetensors header.
+pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, String> {
+    let len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or("shorter than the 8-byte header length")?;
+    let json = bytes
+        .get(8..8 + len as usize)
+        .ok_or_else(|| format!("header of {len} bytes is cut short"))?;
+    let header: BTreeMap<String, Value> =
+        serde_json::from_slice(json).map_err(|e| format!("header is not JSON: {e}"))?;
+    header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, info)| {
+            let offsets = info["data_offsets"].as_array().filter(|o| o.len() == 2);
+            let (start, end) = offsets
+                .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+                .ok_or_else(|| format!("tensor {name} has no data_offsets"))?;
+            Ok((name, end.saturating_sub(start)))
+        })
+        .collect()
+}
+
+/// Length of the header (with its 8-byte prefix) from the first 8 bytes.
+pub fn header_len(first8: &[u8]) -> Option<u64> {
+    Some(8 + u64::from_le_bytes(first8.get(..8)?.try_into().ok()?))
+}
+
+fn field(config: &Value, key: &str) -> Option<u64> {
+    config.get(key).and_then(Value::as_u64)
+}
+
+/// What placement needs, from `config.json` and the tensors' sizes.
+pub fn status_from(
+    config: &Value,
+    tensors: &BTreeMap<String, u64>,
+    spec: &ModelSpec,
+) -> Result<ModelStatus, Unresolved> {
+    let bad = |message: String| Unresolved {
+        reason: "CorruptModel",
+        message,
+    };
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let architecture = match model_type {
+        "llama" | "mistral" => "llama",
+        "qwen2" => "qwen2",
+        "qwen3" => "qwen3",
+        other => {
+            return Err(Unresolved {
+                reason: "UnsupportedArchitecture",
+                message: format!(
+                    "architecture {other:?} is not supported: supported are llama (SmolLM, Llama 2/3, Mistral), qwen2 and qwen3"
+                ),
+            });
+        }
+    };
+    let need =
+        |key: &str| field(config, key).ok_or_else(|| bad(format!("config.json has no {key}")));
+    let layers = need("num_hidden_layers")?;
+    let hidden = need("hidden_size")?;
+    let heads = need("num_attention_heads")?;
+    let kv_heads = field(config, "num_key_value_heads").unwrap_or(heads);
+    let head_dim = field(config, "head_dim").unwrap_or(hidden / heads.max(1));
+    let context = field(config, "max_position_embeddings").unwrap_or(4096) as u32;
+    let sum = |prefix: &str| {
+        tensors
+            .iter()
+            .filter(|(n, _)| n.starts_with(prefix))
+            .map(|(_, b)| b)
+            .sum::<u64>()
+    };
+    let layer_bytes: Vec<u64> = (0..layers)
+        .map(|i| sum(&format!("model.layers.{i}.")))
+        .collect();
+    let embedding = sum("model.embed_tokens.");
+    let head = match sum("lm_head.") {
+        0 => embedding, // tied embeddings
+        b => b,
+    };
+    let quantization = config
+        .get("quantization")
+        .and_then(|q| q.get("bits"))
+        .and_then(Value::as_u64)
+        .map(|bits| format!("{bits}bit"))
+        .or_else(|| {
+            config
+                .get("torch_dtype")
+                .and_then(Value::as_str)
+                .map(str::to_uppercase)
+        });
+    Ok(ModelStatus {
+        architecture: Some(architecture.into()),
+        layers: Some(layers as u32),
+        hidden_size: Some(hidden as u32),
+        attention_heads: Some(heads as u32),
+        kv_heads: Some(kv_heads as u32),
+        head_dim: Some(head_dim as u32),
+        vocab_size: field(config, "vocab_size").map(|v| v as u32),
+        context_length: Some(spec.max_context_length.map_or(context, |m| m.min(context))),
+        quantization,
+        embedding_bytes: Some(embedding),
+        output_bytes: Some(head + sum("model.norm.")),
+        kv_bytes_per_token: Some(kv_bytes_per_token_per_layer(kv_heads, head_dim) * layers),
+        total_bytes: Some(tensors.values().sum()),
+        layer_bytes,
+        ..Default::default()
+    })
+}
+
+/// Reads a local safetensors model directory.
+pub fn resolve_dir(dir: &Path, spec: &ModelSpec) -> Result<ModelStatus, Unresolved> {
+    let unreadable = |message: String| Unresolved {
+        reason: "SourceUnreadable",
+        message,
+    };
+    let config_path = dir.join("config.json");
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(&config_path)
+            .map_err(|e| unreadable(format!("{}: {e}", config_path.display())))?,
+    )
+    .map_err(|e| Unresolved {
+        reason: "CorruptModel",
+        message: format!("{}: {e}", config_path.display()),
+    })?;
+    let mut tensors = BTreeMap::new();
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| unreadable(format!("{}: {e}", dir.display())))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let header = read_header_file(&path).map_err(|e| Unresolved {
+            reason: "CorruptModel",
+            message: format!("{}: {e}", path.display()),
+        })?;
+        tensors.extend(header);
+    }
+    if tensors.is_empty() {
+        return Err(unreadable(format!(
+            "{} holds no .safetensors file",
+            dir.display()
+        )));
+    }
+    status_from(&config, &tensors, spec)
+}
+
+fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut first = [0u8; 8];
+    file.read_exact(&mut first).map_err(|e| e.to_string())?;
+    let len = header_len(&first).ok_or("no header length")?;
+    if len > 100 << 20 {
+        return Err(format!("header of {len} bytes is implausibly large"));
+    }
+    let mut bytes = first.to_vec();
+    bytes.resize(len as usize, 0);
+    file.read_exact(&mut bytes[8..])
+        .map_err(|e| format!("header cut short: {e}"))?;
+    parse_header(&bytes)
+}
+
+/// Reads a safetensors model in a Hugging Face repository at `base`
+/// (`<endpoint>/<repo>/resolve/<revision>`): `config.json`, the index of
+/// weight files (or the single `model.safetensors`), and each file's header.
+pub async fn resolve_repo(
+    client: &reqwest::Client,
+    base: &str,
+    spec: &ModelSpec,
+) -> Result<ModelStatus, Unresolved> {
+    let unreachable = |message: String| Unresolved {
+        reason: "SourceUnreachable",
+        message,
+    };
+    let get = |path: &str, range: Option<(u64, u64)>| {
+        let url = format!("{base}/{path}");
+        let mut req = client.get(&url);
+        if let Some((a, b)) = range {
+            req = req.header(reqwest::header::RANGE, format!("bytes={a}-{b}"));
+        }
+        async move {
+            let resp = req.send().await.map_err(|e| format!("GET {url}: {e}"))?;
+            let status = resp.status();
+            let bytes = resp.bytes().await.map_err(|e| format!("GET {url}: {e}"))?;
+            Ok::<_, String>((status, bytes))
+        }
+    };
+    let (status, config) = get("config.json", None).await.map_err(unreachable)?;
+    if !status.is_success() {
+        return Err(unreachable(format!(
+            "GET {base}/config.json: HTTP {status}"
+        )));
+    }
+    let config: Value = serde_json::from_slice(&config).map_err(|e| Unresolved {
+        reason: "CorruptModel",
+        message: format!("config.json: {e}"),
+    })?;
+    let (status, index) = get("model.safetensors.index.json", None)
+        .await
+        .map_err(unreachable)?;
+    let files: Vec<String> = if status.is_success() {
+        let index: Value = serde_json::from_slice(&index).map_err(|e| Unresolved {
+            reason: "CorruptModel",
+            message: format!("model.safetensors.index.json: {e}"),
+        })?;
+        let mut files: Vec<String> = index["weight_map"]
+            .as_object()
+            .map(|m| {
+                m.values()
+                    .filter_map(Value::as_str)
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        files.sort();
+        files.dedup();
+        files
+    } else {
+        vec!["model.safetensors".into()]
+    };
+    let mut tensors = BTreeMap::new();
+    for file in &files {
+        let (status, first) = get(file, Some((0, 7))).await.map_err(unreachable)?;
+        if !status.is_success() {
+            return Err(unreachable(format!("GET {base}/{file}: HTTP {status}")));
+        }
+        let len = header_len(&first).ok_or_else(|| Unresolved {
+            reason: "CorruptModel",
+            message: format!("{file}: no header length"),
+        })?;
+        let (_, header) = get(file, Some((0, len - 1))).await.map_err(unreachable)?;
+        let parsed =
+            parse_header(&header[..(len as usize).min(header.len())]).map_err(|e| Unresolved {
+                reason: "CorruptModel",
+                message: format!("{file}: {e}"),
+            })?;
+        tensors.extend(parsed);
+    }
+    status_from(&config, &tensors, spec)
+}
