@@ -4,45 +4,18 @@
 //! renewing when killed, drains when asked; with the operator, deployments
 //! become Ready on real agents.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::*;
-use shardplane_testkit::{control_plane, fixtures, unique_name};
+use shardplane_testkit::{
+    ChildGuard as Process, control_plane, fixtures, free_address, unique_name,
+};
 
 const WAIT: Duration = Duration::from_secs(90);
-
-/// A child process killed when dropped.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Process {
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.0.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn shardplane(args: &[&str]) -> Process {
     let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
@@ -58,7 +31,7 @@ fn shardplane(args: &[&str]) -> Process {
 
 /// Starts an agent for `node`; returns it and its admin address.
 fn agent(node: &str, labels: &[&str]) -> (Process, String) {
-    let admin = format!("127.0.0.1:{}", free_port());
+    let admin = free_address().to_string();
     let mut args = vec![
         "agent",
         "--node-name",
@@ -267,7 +240,7 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
     let _operator = shardplane(&[
         "operator",
         "--admin-address",
-        &format!("127.0.0.1:{}", free_port()),
+        &free_address().to_string(),
         "--leader-namespace",
         &format!("leader-{tag}"),
         "--node-lease-seconds",

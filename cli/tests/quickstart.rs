@@ -3,22 +3,15 @@
 //! their shards where the planner puts them.
 
 use std::collections::BTreeSet;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use kube::Api;
 use kube::api::ListParams;
 use shardplane_crds::*;
-use shardplane_testkit::{control_plane, eventually, repo_root, unique_name};
-
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use shardplane_testkit::{
+    ChildGuard as Process, control_plane, eventually, free_address, repo_root, unique_name,
+};
 
 fn shardplane(args: &[&str]) -> Process {
     Process(
@@ -31,11 +24,6 @@ fn shardplane(args: &[&str]) -> Process {
             .spawn()
             .unwrap(),
     )
-}
-
-fn port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,7 +46,7 @@ async fn the_quickstart_becomes_ready_on_five_agents() {
     let _operator = shardplane(&[
         "operator",
         "--admin-address",
-        &port(),
+        &free_address().to_string(),
         "--leader-namespace",
         &unique_name("qs"),
     ]);
@@ -73,7 +61,7 @@ async fn the_quickstart_becomes_ready_on_five_agents() {
                 "--label",
                 &format!("tier.shardplane.dev/{tier}=true"),
                 "--admin-address",
-                &port(),
+                &free_address().to_string(),
                 "--lease-seconds",
                 "3",
             ])

@@ -240,3 +240,33 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
 }
+
+/// A child process killed (and reaped) when dropped, so a failing test leaves
+/// nothing running.
+#[derive(Debug)]
+pub struct ChildGuard(pub std::process::Child);
+
+impl ChildGuard {
+    /// Sends `signal` (e.g. `-TERM`, `-KILL`) to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.0.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill {signal} failed");
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback address with a port free right now (`127.0.0.1:N`).
+pub fn free_address() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+}
