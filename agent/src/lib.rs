@@ -9,6 +9,7 @@
 //! On shutdown it drains: says so in its status, unloads its shards and gives
 //! up its Lease so the operator re-places them at once.
 
+pub mod cache;
 pub mod machine;
 pub mod metrics;
 pub mod models;
@@ -39,6 +40,10 @@ pub struct AgentConfig {
     pub renew_every: Duration,
     /// How often the machine's facts are written.
     pub report_every: Duration,
+    /// Where downloaded weights are kept.
+    pub cache_dir: std::path::PathBuf,
+    /// Base URL of the Hugging Face hub (or a mirror).
+    pub hugging_face_endpoint: String,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -67,7 +72,7 @@ pub async fn run(
     reg.ensure_node(&client)
         .await
         .map_err(|e| format!("cannot register node {}: {e}", reg.node))?;
-    reg.report(&client, &Machine::read(), false, &metrics)
+    reg.report(&client, &Machine::read(), false, &[], &metrics)
         .await
         .map_err(|e| format!("cannot report node {}: {e}", reg.node))?;
     reg.renew(&client)
@@ -77,20 +82,37 @@ pub async fn run(
     ready.store(true, Ordering::Relaxed);
 
     let shard_set = shards::ShardSet::default();
+    let http = shardplane_models::http_client()?;
+    let cache = cache::Cache::new(config.cache_dir.clone(), http).map_err(|e| {
+        format!(
+            "cannot use cache directory {}: {e}",
+            config.cache_dir.display()
+        )
+    })?;
+    let sources = shards::Sources {
+        cache: cache.clone(),
+        hugging_face_endpoint: config.hugging_face_endpoint.clone(),
+    };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),
         reg.node.clone(),
         shard_set.clone(),
         metrics.clone(),
+        sources,
     ));
     let model_task = tokio::spawn(models::run(client.clone()));
     let heartbeat = {
-        let (client, reg, metrics) = (client.clone(), reg.clone(), metrics.clone());
+        let (client, reg, metrics, cache) =
+            (client.clone(), reg.clone(), metrics.clone(), cache.clone());
         let (renew_every, report_every) = (config.renew_every, config.report_every);
         tokio::spawn(async move {
             let mut last_report = tokio::time::Instant::now();
             loop {
-                tokio::time::sleep(renew_every).await;
+                // A new model in the cache is reported at once; otherwise on the timer.
+                let cache_changed = tokio::select! {
+                    _ = tokio::time::sleep(renew_every) => false,
+                    _ = cache.changed() => true,
+                };
                 match reg.renew(&client).await {
                     Ok(()) => metrics.lease_renewals.inc(),
                     Err(e) => {
@@ -98,9 +120,12 @@ pub async fn run(
                         tracing::warn!(error = %e, "cannot renew the Lease");
                     }
                 }
-                if last_report.elapsed() >= report_every {
+                if cache_changed || last_report.elapsed() >= report_every {
                     last_report = tokio::time::Instant::now();
-                    if let Err(e) = reg.report(&client, &Machine::read(), false, &metrics).await {
+                    if let Err(e) = reg
+                        .report(&client, &Machine::read(), false, &cache.listed(), &metrics)
+                        .await
+                    {
                         tracing::warn!(error = %e, "cannot report the node");
                     }
                 }
@@ -125,7 +150,7 @@ pub async fn run(
     bounded("report draining")(
         tokio::time::timeout(
             DRAIN_STEP,
-            reg.report(&client, &Machine::read(), true, &metrics),
+            reg.report(&client, &Machine::read(), true, &cache.listed(), &metrics),
         )
         .await,
     );

@@ -12,7 +12,8 @@ use kube::{Api, Client};
 use serde_json::json;
 use shardplane_crds::quantity::format_bytes;
 use shardplane_crds::{
-    AGENT_MANAGER, Engine, InferenceNode, InferenceNodeSpec, NODE_LEASE_NAMESPACE, NodeMemory,
+    AGENT_MANAGER, CachedModel, Engine, InferenceNode, InferenceNodeSpec, NODE_LEASE_NAMESPACE,
+    NodeMemory,
 };
 
 use crate::machine::Machine;
@@ -62,6 +63,7 @@ impl Registration {
         client: &Client,
         machine: &Machine,
         draining: bool,
+        cached: &[CachedModel],
         metrics: &Metrics,
     ) -> kube::Result<()> {
         let allocatable = machine.memory_total.saturating_sub(self.memory_reserve);
@@ -91,6 +93,8 @@ impl Registration {
             "engines": [Engine::Candle],
             "addresses": machine.addresses,
             "draining": draining,
+            "cachedModels": cached,
+            "cachedModels": cached,
             "agentVersion": env!("CARGO_PKG_VERSION"),
         });
         let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode", "status": status});

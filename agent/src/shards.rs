@@ -8,8 +8,7 @@
 //! ```
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
@@ -17,7 +16,6 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use sha2::{Digest, Sha256};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
     AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardStatus,
@@ -25,6 +23,7 @@ use shardplane_crds::{
 use shardplane_engine::candle::CandleShard;
 use shardplane_engine::{LoadOptions, StageLayout};
 
+use crate::cache::{Cache, sha256_file};
 use crate::metrics::Metrics;
 
 /// A Shard's key: `namespace/name`.
@@ -63,8 +62,23 @@ struct Failure {
     message: String,
 }
 
+/// Where weights come from besides paths on the node.
+#[derive(Clone)]
+pub struct Sources {
+    /// The download cache.
+    pub cache: Cache,
+    /// Base URL of the Hugging Face hub (or a mirror).
+    pub hugging_face_endpoint: String,
+}
+
 /// Watches the Shards bound to `node` and runs them until the stream ends.
-pub async fn run(client: Client, node: String, shards: ShardSet, metrics: Metrics) {
+pub async fn run(
+    client: Client,
+    node: String,
+    shards: ShardSet,
+    metrics: Metrics,
+    sources: Sources,
+) {
     let api: Api<Shard> = Api::all(client.clone());
     let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
     let mut seen_during_init: HashSet<Key> = HashSet::new();
@@ -73,7 +87,7 @@ pub async fn run(client: Client, node: String, shards: ShardSet, metrics: Metric
         match event {
             Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
                 seen_during_init.insert(key(&s));
-                ensure(&client, s, &shards, &metrics);
+                ensure(&client, s, &shards, &metrics, &sources);
             }
             Ok(watcher::Event::Delete(s)) => unload(&key(&s), &shards, &metrics),
             Ok(watcher::Event::Init) => seen_during_init.clear(),
@@ -139,7 +153,7 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics) {
 }
 
 /// Starts bringing `shard` to Ready unless it is already loaded or on its way.
-fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics) {
+fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, sources: &Sources) {
     let k = key(&shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
@@ -155,9 +169,14 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics) {
         return;
     }
     set_phase(shards, metrics, &k, Some(ShardPhase::Downloading));
-    let (client, shards, metrics) = (client.clone(), shards.clone(), metrics.clone());
+    let (client, shards, metrics, sources) = (
+        client.clone(),
+        shards.clone(),
+        metrics.clone(),
+        sources.clone(),
+    );
     tokio::spawn(async move {
-        let result = bring_up(&client, &shard, &shards, &metrics).await;
+        let result = bring_up(&client, &shard, &shards, &metrics, &sources).await;
         let status = match result {
             Ok(bytes) => ShardStatus {
                 phase: Some(ShardPhase::Ready),
@@ -204,6 +223,7 @@ async fn bring_up(
     shard: &Shard,
     shards: &ShardSet,
     metrics: &Metrics,
+    sources: &Sources,
 ) -> Result<usize, Failure> {
     let k = key(shard);
     shard.validate().map_err(|e| Failure {
@@ -222,7 +242,7 @@ async fn bring_up(
         &status(ShardPhase::Downloading, "checking the weights".into()),
     )
     .await;
-    let path = fetch(&shard.spec.source, shard.spec.format).await?;
+    let path = fetch(client, shard, sources).await?;
 
     let _ = write_status(
         client,
@@ -276,64 +296,105 @@ async fn bring_up(
 }
 
 /// Makes sure the weights are on this node; returns their path.
-async fn fetch(source: &ModelSource, format: ModelFormat) -> Result<PathBuf, Failure> {
-    if format != ModelFormat::Gguf {
+async fn fetch(client: &Client, shard: &Shard, sources: &Sources) -> Result<PathBuf, Failure> {
+    if shard.spec.format != ModelFormat::Gguf {
         return Err(Failure {
             reason: "FormatNotSupported",
             message: "this agent loads GGUF models; safetensors needs the MLX engine".into(),
         });
     }
-    match source {
-        ModelSource::Path(p) => {
-            let path = PathBuf::from(&p.path);
-            if !path.is_file() {
-                return Err(Failure {
-                    reason: "WeightsNotFound",
-                    message: format!("{} is not a file on this node: copy the model there or fix the Model's path", p.path),
-                });
+    let (url, sha256) = match &shard.spec.source {
+        ModelSource::Path(p) => return local(p).await,
+        ModelSource::Url(u) => (u.url.clone(), u.sha256.clone()),
+        ModelSource::HuggingFace(hf) => (
+            shardplane_models::hugging_face_url(
+                &sources.hugging_face_endpoint,
+                &hf.repo,
+                hf.file.as_deref().unwrap_or_default(),
+                hf.revision.as_deref(),
+            ),
+            None,
+        ),
+    };
+    // Progress goes to the Shard's status once a second while the download runs.
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reporter = {
+        let (client, k, done, total, generation) = (
+            client.clone(),
+            key(shard),
+            done.clone(),
+            total.clone(),
+            shard.metadata.generation,
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                use std::sync::atomic::Ordering::Relaxed;
+                let status = ShardStatus {
+                    phase: Some(ShardPhase::Downloading),
+                    downloaded_bytes: Some(done.load(Relaxed)),
+                    total_bytes: Some(total.load(Relaxed)).filter(|t| *t > 0),
+                    observed_generation: generation,
+                    ..Default::default()
+                };
+                let _ = write_status(&client, &k, &status).await;
             }
-            if let Some(expected) = &p.sha256 {
-                let file = path.clone();
-                let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
-                    .await
-                    .map_err(|e| Failure {
-                        reason: "ChecksumFailed",
-                        message: e.to_string(),
-                    })?
-                    .map_err(|e| Failure {
-                        reason: "WeightsUnreadable",
-                        message: format!("{}: {e}", p.path),
-                    })?;
-                if &actual != expected {
-                    return Err(Failure {
-                        reason: "ChecksumMismatch",
-                        message: format!("{} has SHA-256 {actual}, the Model says {expected}: the file is corrupt or another file", p.path),
-                    });
-                }
-            }
-            Ok(path)
-        }
-        ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Failure {
-            reason: "SourceNotSupported",
-            message: "this agent loads models from a path on the node; url, huggingFace and peer downloads are not built yet".into(),
-        }),
-    }
+        })
+    };
+    let result = sources
+        .cache
+        .fetch(
+            &shard.spec.source.cache_key(),
+            &url,
+            sha256.as_deref(),
+            |d, t| {
+                use std::sync::atomic::Ordering::Relaxed;
+                done.store(d, Relaxed);
+                total.store(t.unwrap_or(0), Relaxed);
+            },
+        )
+        .await;
+    reporter.abort();
+    result.map_err(|e| Failure {
+        reason: e.reason,
+        message: e.message,
+    })
 }
 
-fn sha256_file(path: &Path) -> std::io::Result<String> {
-    let mut file = std::fs::File::open(path)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
+/// A model file already on the node, checked against its SHA-256 when given.
+async fn local(p: &shardplane_crds::PathSource) -> Result<PathBuf, Failure> {
+    let path = PathBuf::from(&p.path);
+    if !path.is_file() {
+        return Err(Failure {
+            reason: "WeightsNotFound",
+            message: format!(
+                "{} is not a file on this node: copy the model there or fix the Model's path",
+                p.path
+            ),
+        });
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    if let Some(expected) = &p.sha256 {
+        let file = path.clone();
+        let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
+            .await
+            .map_err(|e| Failure {
+                reason: "ChecksumFailed",
+                message: e.to_string(),
+            })?
+            .map_err(|e| Failure {
+                reason: "WeightsUnreadable",
+                message: format!("{}: {e}", p.path),
+            })?;
+        if &actual != expected {
+            return Err(Failure {
+                reason: "ChecksumMismatch",
+                message: format!(
+                    "{} has SHA-256 {actual}, the Model says {expected}: the file is corrupt or another file",
+                    p.path
+                ),
+            });
+        }
+    }
+    Ok(path)
 }

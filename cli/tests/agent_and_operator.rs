@@ -29,9 +29,17 @@ fn shardplane(args: &[&str]) -> Process {
     Process(child)
 }
 
+/// The download cache of the agent of `node` (under the tests' scratch directory).
+fn cache_dir(node: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("agent-cache")
+        .join(node)
+}
+
 /// Starts an agent for `node`; returns it and its admin address.
 fn agent(node: &str, labels: &[&str]) -> (Process, String) {
     let admin = free_address().to_string();
+    let cache = cache_dir(node);
     let mut args = vec![
         "agent",
         "--node-name",
@@ -42,6 +50,8 @@ fn agent(node: &str, labels: &[&str]) -> (Process, String) {
         "3",
         "--memory-reserve",
         "1Gi",
+        "--cache-dir",
+        cache.to_str().unwrap(),
     ];
     for l in labels {
         args.extend(["--label", l]);
@@ -72,6 +82,32 @@ async fn metrics(admin: &str) -> String {
         .await
         .unwrap();
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// Serves the test model at `/m.gguf` on loopback; records Range headers.
+async fn serve_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::extract::Request;
+    use axum::middleware::{self, Next};
+    let ranges = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = ranges.clone();
+    let app = axum::Router::new()
+        .route_service(
+            "/m.gguf",
+            tower_http::services::ServeFile::new(shardplane_testkit::test_model()),
+        )
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let seen = seen.clone();
+            async move {
+                if let Some(r) = req.headers().get("range").and_then(|v| v.to_str().ok()) {
+                    seen.lock().unwrap().push(r.to_string());
+                }
+                next.run(req).await
+            }
+        }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (base, ranges)
 }
 
 fn mem_total() -> u64 {
@@ -168,6 +204,68 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
         .then_some(())
     })
     .await;
+
+    // A url source is downloaded into the cache, resuming an interrupted
+    // download, verified, and listed in the node's status.
+    let (base, ranges) = serve_model().await;
+    let url = format!("{base}/m.gguf");
+    let key = format!("url:{url}");
+    let bytes = std::fs::read(&model).unwrap();
+    let cache =
+        shardplane_agent::cache::Cache::new(cache_dir(&node), reqwest::Client::new()).unwrap();
+    let partial = cache.file_for(&key).with_extension("gguf.partial");
+    std::fs::write(&partial, &bytes[..bytes.len() / 3]).unwrap();
+    let mut remote = fixtures::shard("remote", &node, 0, 1, LayerRange { start: 0, end: 30 });
+    remote.spec.source = ModelSource::Url(UrlSource {
+        url: url.clone(),
+        sha256: Some(MODEL_SHA256.into()),
+    });
+    shards
+        .create(&PostParams::default(), &remote)
+        .await
+        .unwrap();
+    eventually("the downloaded shard is Ready", || async {
+        let s = shards.get("remote-0-0").await.ok()?;
+        (s.status.as_ref()?.phase == Some(ShardPhase::Ready)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        *ranges.lock().unwrap(),
+        vec![format!("bytes={}-", bytes.len() / 3)],
+        "the download resumed"
+    );
+    assert_eq!(std::fs::read(cache.file_for(&key)).unwrap(), bytes);
+    let listed = eventually("the node lists the cached model", || async {
+        let st = nodes.get(&node).await.ok()?.status?;
+        st.cached_models.into_iter().find(|c| c.key == key)
+    })
+    .await;
+    assert_eq!(
+        (listed.bytes, listed.sha256.as_deref()),
+        (bytes.len() as u64, Some(MODEL_SHA256))
+    );
+    // A checksum that does not match fails the Shard and discards the file.
+    let mut bad = fixtures::shard("badsum", &node, 0, 1, LayerRange { start: 0, end: 30 });
+    let other = format!("{base}/m.gguf?copy");
+    bad.spec.source = ModelSource::Url(UrlSource {
+        url: other.clone(),
+        sha256: Some("1".repeat(64)),
+    });
+    shards.create(&PostParams::default(), &bad).await.unwrap();
+    let failed = eventually("badsum fails", || async {
+        let s = shards.get("badsum-0-0").await.ok()?;
+        (s.status.as_ref()?.phase == Some(ShardPhase::Failed)).then_some(s)
+    })
+    .await;
+    assert_eq!(
+        failed.status.unwrap().reason.as_deref(),
+        Some("ChecksumMismatch")
+    );
+    assert!(
+        !cache.file_for(&format!("url:{other}")).exists(),
+        "a mismatching download is discarded"
+    );
+    std::fs::remove_dir_all(cache_dir(&node)).unwrap();
 
     // Broken weights fail their Shard with a reason; the agent keeps running.
     let dir = tempfile::tempdir().unwrap();

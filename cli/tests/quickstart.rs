@@ -64,6 +64,11 @@ async fn the_quickstart_becomes_ready_on_five_agents() {
                 &free_address().to_string(),
                 "--lease-seconds",
                 "3",
+                "--cache-dir",
+                std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+                    .join("quickstart-cache")
+                    .to_str()
+                    .unwrap(),
             ])
         })
         .collect();

@@ -36,6 +36,16 @@ pub struct AgentArgs {
     /// Memory kept back from shards (e.g. `4Gi`).
     #[arg(long, env = "SHARDPLANE_MEMORY_RESERVE", default_value = "1Gi")]
     memory_reserve: String,
+    /// Directory for downloaded weights.
+    #[arg(
+        long,
+        env = "SHARDPLANE_CACHE_DIR",
+        default_value = "/var/lib/shardplane/cache"
+    )]
+    cache_dir: PathBuf,
+    /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
+    #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_models::HUGGING_FACE_HUB)]
+    hugging_face_endpoint: String,
     /// Seconds the node's Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
@@ -69,6 +79,8 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         admin_address: args.admin_address,
         renew_every: lease / 3,
         report_every: Duration::from_secs(30),
+        cache_dir: args.cache_dir,
+        hugging_face_endpoint: args.hugging_face_endpoint,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;
