@@ -20,9 +20,9 @@ pub struct Cache {
     changed: Arc<tokio::sync::Notify>,
 }
 
-/// A download that failed: a reason for the Shard's status and a message.
+/// Why weights could not be had: a reason for the Shard's status and a message.
 #[derive(Debug)]
-pub struct FetchError {
+pub struct Failure {
     /// CamelCase reason.
     pub reason: &'static str,
     /// What happened.
@@ -46,6 +46,35 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
         hasher.update(&buf[..n]);
     }
     Ok(hex(&hasher.finalize()))
+}
+
+/// Hashes the file at `path` and, when `expected` is given, checks it;
+/// `what` names the file in errors. Returns the SHA-256.
+pub async fn verify_sha256(
+    path: &Path,
+    expected: Option<&str>,
+    what: &str,
+) -> Result<String, Failure> {
+    let file = path.to_path_buf();
+    let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
+        .await
+        .map_err(|e| Failure {
+            reason: "ChecksumFailed",
+            message: e.to_string(),
+        })?
+        .map_err(|e| Failure {
+            reason: "WeightsUnreadable",
+            message: format!("{what}: {e}"),
+        })?;
+    match expected {
+        Some(expected) if actual != expected => Err(Failure {
+            reason: "ChecksumMismatch",
+            message: format!(
+                "{what} has SHA-256 {actual}, the Model says {expected}: the file is corrupt or another file"
+            ),
+        }),
+        _ => Ok(actual),
+    }
 }
 
 impl Cache {
@@ -92,9 +121,9 @@ impl Cache {
         url: &str,
         sha256: Option<&str>,
         mut progress: impl FnMut(u64, Option<u64>),
-    ) -> Result<PathBuf, FetchError> {
+    ) -> Result<PathBuf, Failure> {
         let path = self.file_for(key);
-        let io = |e: std::io::Error| FetchError {
+        let io = |e: std::io::Error| Failure {
             reason: "CacheUnwritable",
             message: format!("{}: {e}", self.dir.display()),
         };
@@ -105,7 +134,7 @@ impl Cache {
             if offset > 0 {
                 request = request.header(reqwest::header::RANGE, format!("bytes={offset}-"));
             }
-            let unreachable = |e: String| FetchError {
+            let unreachable = |e: String| Failure {
                 reason: "DownloadFailed",
                 message: format!("GET {url}: {e}"),
             };
@@ -151,25 +180,14 @@ impl Cache {
             }
             std::fs::rename(&partial, &path).map_err(io)?;
         }
-        let file = path.clone();
-        let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
-            .await
-            .map_err(|e| FetchError {
-                reason: "ChecksumFailed",
-                message: e.to_string(),
-            })?
-            .map_err(io)?;
-        if let Some(expected) = sha256
-            && actual != expected
-        {
-            let _ = std::fs::remove_file(&path);
-            return Err(FetchError {
-                reason: "ChecksumMismatch",
-                message: format!(
-                    "{url} has SHA-256 {actual}, the Model says {expected}: the download was discarded"
-                ),
-            });
-        }
+        let actual = match verify_sha256(&path, sha256, url).await {
+            Err(mut e) if e.reason == "ChecksumMismatch" => {
+                let _ = std::fs::remove_file(&path);
+                e.message.push_str(" (the download was discarded)");
+                return Err(e);
+            }
+            other => other?,
+        };
         let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         self.entries.lock().expect("cache lock").insert(
             key.to_string(),

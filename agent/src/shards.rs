@@ -23,7 +23,7 @@ use shardplane_crds::{
 use shardplane_engine::candle::CandleShard;
 use shardplane_engine::{LoadOptions, StageLayout};
 
-use crate::cache::{Cache, sha256_file};
+use crate::cache::{Cache, Failure, verify_sha256};
 use crate::metrics::Metrics;
 
 /// A Shard's key: `namespace/name`.
@@ -54,12 +54,6 @@ impl ShardSet {
     pub fn unload_all(&self) {
         self.loaded.lock().expect("shard set lock").clear();
     }
-}
-
-/// Why a shard failed, for its status.
-struct Failure {
-    reason: &'static str,
-    message: String,
 }
 
 /// Where weights come from besides paths on the node.
@@ -356,10 +350,7 @@ async fn fetch(client: &Client, shard: &Shard, sources: &Sources) -> Result<Path
         )
         .await;
     reporter.abort();
-    result.map_err(|e| Failure {
-        reason: e.reason,
-        message: e.message,
-    })
+    result
 }
 
 /// A model file already on the node, checked against its SHA-256 when given.
@@ -375,26 +366,7 @@ async fn local(p: &shardplane_crds::PathSource) -> Result<PathBuf, Failure> {
         });
     }
     if let Some(expected) = &p.sha256 {
-        let file = path.clone();
-        let actual = tokio::task::spawn_blocking(move || sha256_file(&file))
-            .await
-            .map_err(|e| Failure {
-                reason: "ChecksumFailed",
-                message: e.to_string(),
-            })?
-            .map_err(|e| Failure {
-                reason: "WeightsUnreadable",
-                message: format!("{}: {e}", p.path),
-            })?;
-        if &actual != expected {
-            return Err(Failure {
-                reason: "ChecksumMismatch",
-                message: format!(
-                    "{} has SHA-256 {actual}, the Model says {expected}: the file is corrupt or another file",
-                    p.path
-                ),
-            });
-        }
+        verify_sha256(&path, Some(expected), &p.path).await?;
     }
     Ok(path)
 }

@@ -4,7 +4,6 @@
 //! renewing when killed, drains when asked; with the operator, deployments
 //! become Ready on real agents.
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -18,15 +17,7 @@ use shardplane_testkit::{
 const WAIT: Duration = Duration::from_secs(90);
 
 fn shardplane(args: &[&str]) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(control_plane().kubeconfig())
-        .env("RUST_LOG", "warn,kube_client=error")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    Process(child)
+    shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
 }
 
 /// The download cache of the agent of `node` (under the tests' scratch directory).

@@ -3,7 +3,7 @@
 //! their shards where the planner puts them.
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use kube::Api;
@@ -14,16 +14,7 @@ use shardplane_testkit::{
 };
 
 fn shardplane(args: &[&str]) -> Process {
-    Process(
-        Command::new(env!("CARGO_BIN_EXE_shardplane"))
-            .args(args)
-            .arg("--kubeconfig")
-            .arg(control_plane().kubeconfig())
-            .env("RUST_LOG", "warn,kube_client=error")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,14 +5,12 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::Timestamp;
-use kube::api::{ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use shardplane_crds::*;
 use shardplane_operator::{OperatorConfig, leader::Election};
+use shardplane_testkit::as_agent::register_node;
 use shardplane_testkit::{control_plane, eventually, fixtures, unique_name};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -59,45 +57,6 @@ async fn ready(admin: SocketAddr) -> bool {
     String::from_utf8_lossy(&out.stdout) == "200"
 }
 
-async fn node(client: &Client, name: &str, label: (&str, &str)) {
-    let nodes: Api<InferenceNode> = Api::all(client.clone());
-    let mut n = fixtures::inference_node(name);
-    n.metadata.labels = Some([(label.0.to_string(), label.1.to_string())].into());
-    nodes.create(&PostParams::default(), &n).await.unwrap();
-    let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode",
-        "status": {"memory": {"total": "8Gi", "allocatable": "4Gi", "available": "4Gi"}}});
-    nodes
-        .patch_status(
-            name,
-            &PatchParams::apply(AGENT_MANAGER),
-            &Patch::Apply(&status),
-        )
-        .await
-        .unwrap();
-    shardplane_operator::leader::ensure_namespace(client, NODE_LEASE_NAMESPACE)
-        .await
-        .unwrap();
-    let lease = Lease {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        spec: Some(LeaseSpec {
-            lease_duration_seconds: Some(3600),
-            renew_time: Some(MicroTime(Timestamp::now())),
-            ..Default::default()
-        }),
-    };
-    Api::<Lease>::namespaced(client.clone(), NODE_LEASE_NAMESPACE)
-        .patch(
-            name,
-            &PatchParams::apply(AGENT_MANAGER),
-            &Patch::Apply(&lease),
-        )
-        .await
-        .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_leads_and_the_other_takes_over_without_duplicates() {
     let client = control_plane().client().await.unwrap();
@@ -142,7 +101,7 @@ async fn one_replica_leads_and_the_other_takes_over_without_duplicates() {
         .await
         .unwrap();
     for i in 0..4 {
-        node(&client, &format!("{tag}-{i}"), ("lead", &tag)).await;
+        register_node(&client, &format!("{tag}-{i}"), &[("lead", &tag)], "4Gi").await;
     }
     let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
     let mut d = fixtures::deployment("chat", "m", &pool.name_any(), &strategy.name_any());

@@ -6,14 +6,12 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::Timestamp;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use shardplane_crds::*;
 use shardplane_operator::{OperatorConfig, leader::Election};
+use shardplane_testkit::as_agent::{register_node, renew_lease};
 use shardplane_testkit::{control_plane, fixtures, unique_name};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -57,60 +55,6 @@ where
     Fut: std::future::Future<Output = Option<T>>,
 {
     shardplane_testkit::eventually(what, WAIT, check).await
-}
-
-/// Registers a node as its agent would: the InferenceNode with memory and a fresh Lease.
-async fn register_node(client: &Client, name: &str, labels: &[(&str, &str)], allocatable: &str) {
-    let nodes: Api<InferenceNode> = Api::all(client.clone());
-    let mut node = fixtures::inference_node(name);
-    node.metadata.labels = Some(
-        labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    );
-    nodes.create(&PostParams::default(), &node).await.unwrap();
-    let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode", "status": {
-        "memory": {"total": "64Gi", "allocatable": allocatable, "available": allocatable},
-        "engines": ["candle"], "dataPlaneEndpoint": format!("{name}.invalid:7070"),
-    }});
-    nodes
-        .patch_status(
-            name,
-            &PatchParams::apply(AGENT_MANAGER),
-            &Patch::Apply(&status),
-        )
-        .await
-        .unwrap();
-    renew_lease(client, name, 3600).await;
-}
-
-/// Renews a node's Lease, as its agent does every few seconds.
-async fn renew_lease(client: &Client, node: &str, seconds: i32) {
-    shardplane_operator::leader::ensure_namespace(client, NODE_LEASE_NAMESPACE)
-        .await
-        .unwrap();
-    let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
-    let lease = Lease {
-        metadata: ObjectMeta {
-            name: Some(node.to_string()),
-            ..Default::default()
-        },
-        spec: Some(LeaseSpec {
-            holder_identity: Some(node.to_string()),
-            lease_duration_seconds: Some(seconds),
-            renew_time: Some(MicroTime(Timestamp::now())),
-            ..Default::default()
-        }),
-    };
-    leases
-        .patch(
-            node,
-            &PatchParams::apply(AGENT_MANAGER).force(),
-            &Patch::Apply(&lease),
-        )
-        .await
-        .unwrap();
 }
 
 /// Reports every Shard of `deployment` Ready, as agents would.

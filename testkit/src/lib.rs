@@ -27,6 +27,7 @@ use kube::api::{ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
+pub mod as_agent;
 pub mod fixtures;
 
 /// The root of the repository (where `scripts/` lives).
@@ -269,4 +270,18 @@ pub fn free_address() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free loopback port")
+}
+
+/// Starts the `shardplane` binary at `bin` with `args` against the test control
+/// plane (quiet logs, stdout discarded); it is killed when the guard drops.
+pub fn spawn_component(bin: &str, args: &[&str]) -> ChildGuard {
+    let child = Command::new(bin)
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(control_plane().kubeconfig())
+        .env("RUST_LOG", "warn,kube_client=error")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+    ChildGuard(child)
 }

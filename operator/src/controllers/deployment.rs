@@ -373,7 +373,7 @@ async fn apply(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
                     generation,
                 );
             }
-            status.replicas = current_count(&mine);
+            status.replicas = world::current_instances(&mine).len() as i32;
             write_status(ctx, &ns, &name, d, status).await?;
             // A missing Model, pool or strategy may be created any moment; watches bring it.
             return Ok(Action::requeue(Duration::from_secs(60)));
@@ -550,12 +550,11 @@ async fn apply(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
         }
     }
     let all_ready = status.ready_replicas >= replicas;
-    let progressing = plan
-        .instances
-        .iter()
-        .zip(&status.instances)
-        .any(|(_, i)| !i.ready && i.stages.iter().all(|s| s.phase != Some(ShardPhase::Failed)))
-        || changed > 0;
+    let progressing = changed > 0
+        || status
+            .instances
+            .iter()
+            .any(|i| !i.ready && i.stages.iter().all(|s| s.phase != Some(ShardPhase::Failed)));
     let (ready_reason, ready_message) = if replicas == 0 {
         ("ScaledToZero", "no replicas requested".to_string())
     } else if all_ready {
@@ -620,10 +619,6 @@ async fn apply(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
     } else {
         Action::requeue(Duration::from_secs(10))
     })
-}
-
-fn current_count(shards: &[&Shard]) -> i32 {
-    world::current_instances(shards).len() as i32
 }
 
 fn describe(plan: &placement::Plan) -> String {
