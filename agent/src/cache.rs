@@ -112,6 +112,12 @@ impl Cache {
         ))
     }
 
+    /// The cached file of `key`, when it is whole (not being downloaded).
+    pub fn complete_file(&self, key: &str) -> Option<PathBuf> {
+        let path = self.file_for(key);
+        path.is_file().then_some(path)
+    }
+
     /// Makes sure the file at `url` is in the cache under `key`; returns its
     /// path. An interrupted download resumes where it stopped; `sha256`, when
     /// given, must match. `progress(done, total)` follows the download.

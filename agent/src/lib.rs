@@ -10,11 +10,13 @@
 //! up its Lease so the operator re-places them at once.
 
 pub mod cache;
+pub mod dataplane;
 pub mod machine;
 pub mod metrics;
 pub mod models;
 pub mod registration;
 pub mod shards;
+pub mod stage;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,6 +46,14 @@ pub struct AgentConfig {
     pub cache_dir: std::path::PathBuf,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
+    /// Where the gRPC data plane listens (port 0 picks a free one).
+    pub data_plane_address: SocketAddr,
+    /// The `host:port` peers reach the data plane at; derived from the
+    /// listening address (or, when that is unspecified, the first address on
+    /// the fastest link) when unset.
+    pub advertise_address: Option<String>,
+    /// The cluster's data-plane token.
+    pub token: shardplane_dataplane::Token,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -67,7 +77,19 @@ pub async fn run(
         },
     ));
 
-    let reg = &config.registration;
+    let data_listener = tokio::net::TcpListener::bind(config.data_plane_address)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.data_plane_address))?;
+    let bound = data_listener
+        .local_addr()
+        .map_err(|e| format!("data plane: {e}"))?;
+    let endpoint = match &config.advertise_address {
+        Some(a) => a.clone(),
+        None => advertised(bound, &Machine::read()),
+    };
+    let mut registration = config.registration.clone();
+    registration.data_plane_endpoint = Some(endpoint.clone());
+    let reg = &registration;
     ensure_lease_namespace(&client).await?;
     reg.ensure_node(&client)
         .await
@@ -81,7 +103,7 @@ pub async fn run(
     tracing::info!(node = %reg.node, "registered");
     ready.store(true, Ordering::Relaxed);
 
-    let shard_set = shards::ShardSet::default();
+    let shard_set = shards::ShardSet::new(&endpoint);
     let http = shardplane_models::http_client()?;
     let cache = cache::Cache::new(config.cache_dir.clone(), http).map_err(|e| {
         format!(
@@ -101,9 +123,39 @@ pub async fn run(
         sources,
     ));
     let model_task = tokio::spawn(models::run(client.clone()));
+    let (directory, directory_task) = shard_directory(client.clone());
+    let service = dataplane::Service::new(
+        reg.node.clone(),
+        shard_set.clone(),
+        directory,
+        config.token.clone(),
+        metrics.clone(),
+        cache.clone(),
+    );
+    let (stop_data, data_stopped) = tokio::sync::oneshot::channel::<()>();
+    let data_plane = tokio::spawn(
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20))
+            .add_service(service.into_server(config.token.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(data_listener).with_nodelay(Some(true)),
+                async {
+                    let _ = data_stopped.await;
+                },
+            ),
+    );
+    tracing::info!(listen = %bound, endpoint = %endpoint, "data plane up");
     let heartbeat = {
-        let (client, reg, metrics, cache) =
-            (client.clone(), reg.clone(), metrics.clone(), cache.clone());
+        let (client, reg, metrics, cache, shard_set) = (
+            client.clone(),
+            reg.clone(),
+            metrics.clone(),
+            cache.clone(),
+            shard_set.clone(),
+        );
         let (renew_every, report_every) = (config.renew_every, config.report_every);
         tokio::spawn(async move {
             let mut last_report = tokio::time::Instant::now();
@@ -113,6 +165,12 @@ pub async fn run(
                     _ = tokio::time::sleep(renew_every) => false,
                     _ = cache.changed() => true,
                 };
+                for stage in shard_set.all_served() {
+                    metrics
+                        .sequences
+                        .with_label_values(&[&stage.name])
+                        .set(stage.worker.stats.sequences.load(Ordering::Relaxed) as i64);
+                }
                 match reg.renew(&client).await {
                     Ok(()) => metrics.lease_renewals.inc(),
                     Err(e) => {
@@ -139,6 +197,15 @@ pub async fn run(
     heartbeat.abort();
     shard_task.abort();
     model_task.abort();
+    directory_task.abort();
+    // In-flight generations end when the data plane stops; new ones are refused.
+    let _ = stop_data.send(());
+    match tokio::time::timeout(DRAIN_STEP, data_plane).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "data plane failed"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "data plane panicked"),
+        Err(_) => tracing::warn!("drain: in-flight streams outlived the drain step"),
+    }
     // Every step is bounded: a drain must end even when the API server is gone.
     let bounded = |what: &'static str| {
         move |r: Result<kube::Result<()>, tokio::time::error::Elapsed>| match r {
@@ -160,6 +227,66 @@ pub async fn run(
     let _ = tokio::time::timeout(DRAIN_STEP, admin).await;
     tracing::info!(node = %reg.node, "stopped");
     Ok(())
+}
+
+/// The endpoint peers reach a data plane bound to `bound` at: the bound
+/// address itself, or, when it is unspecified (`0.0.0.0`), the machine's
+/// address on its fastest link.
+pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let best = machine
+        .addresses
+        .iter()
+        .filter(|a| a.kind != shardplane_crds::LinkKind::Loopback)
+        .filter(|a| {
+            a.address
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_ipv4() == bound.is_ipv4())
+        })
+        .max_by_key(|a| machine::link_rank(a.kind));
+    match best {
+        Some(a) => {
+            SocketAddr::new(a.address.parse().expect("checked above"), bound.port()).to_string()
+        }
+        None => SocketAddr::new(
+            if bound.is_ipv4() {
+                std::net::Ipv4Addr::LOCALHOST.into()
+            } else {
+                std::net::Ipv6Addr::LOCALHOST.into()
+            },
+            bound.port(),
+        )
+        .to_string(),
+    }
+}
+
+/// Every Shard of the cluster, kept current by a watch: how a stage finds the
+/// endpoint of the next one.
+fn shard_directory(
+    client: Client,
+) -> (
+    kube::runtime::reflector::Store<shardplane_crds::Shard>,
+    tokio::task::JoinHandle<()>,
+) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let (reader, writer) = reflector::store();
+    let api: kube::Api<shardplane_crds::Shard> = kube::Api::all(client);
+    let task = tokio::spawn(async move {
+        watcher(api, watcher::Config::default())
+            .default_backoff()
+            .reflect(writer)
+            .for_each(|e| {
+                if let Err(e) = e {
+                    tracing::warn!(error = %e, "shard directory watch failed; retrying");
+                }
+                std::future::ready(())
+            })
+            .await;
+    });
+    (reader, task)
 }
 
 /// Creates the node-lease namespace if the operator has not yet.

@@ -133,6 +133,19 @@ pub fn link_kind(interface: &str, loopback: bool) -> LinkKind {
     }
 }
 
+/// How fast a kind of link usually is, higher first: Thunderbolt (40–80
+/// Gb/s), then Ethernet, then other wired or virtual links, then Wi-Fi.
+/// Loopback ranks lowest because it only reaches this machine.
+pub fn link_rank(kind: LinkKind) -> u8 {
+    match kind {
+        LinkKind::Thunderbolt => 4,
+        LinkKind::Ethernet => 3,
+        LinkKind::Other => 2,
+        LinkKind::Wifi => 1,
+        LinkKind::Loopback => 0,
+    }
+}
+
 fn addresses() -> Vec<NodeAddress> {
     let mut out: Vec<NodeAddress> = if_addrs::get_if_addrs()
         .unwrap_or_default()

@@ -30,6 +30,8 @@ pub struct Registration {
     pub memory_reserve: u64,
     /// How long the Lease holds.
     pub lease_duration: Duration,
+    /// The data plane's advertised endpoint (set once it listens).
+    pub data_plane_endpoint: Option<String>,
 }
 
 impl Registration {
@@ -93,7 +95,7 @@ impl Registration {
             "engines": [Engine::Candle],
             "addresses": machine.addresses,
             "draining": draining,
-            "cachedModels": cached,
+            "dataPlaneEndpoint": self.data_plane_endpoint,
             "cachedModels": cached,
             "agentVersion": env!("CARGO_PKG_VERSION"),
         });

@@ -18,36 +18,81 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardStatus,
+    AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardSpec,
+    ShardStatus,
 };
-use shardplane_engine::candle::CandleShard;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::{EngineKind, TextModel, load_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
 
 use crate::cache::{Cache, Failure, verify_sha256};
 use crate::metrics::Metrics;
+use crate::stage::StageWorker;
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
 
-/// A loaded stage and what it was loaded from.
-pub struct Loaded {
-    /// The engine's stage, shared with the data plane.
-    pub engine: Arc<Mutex<CandleShard>>,
-    /// The Shard's layers when it was loaded.
-    pub layers: (u32, u32),
+/// A loaded stage, served on the data plane.
+pub struct ServedStage {
+    /// The Shard's namespace.
+    pub namespace: String,
+    /// The Shard's name.
+    pub name: String,
+    /// The Shard's spec when it was loaded.
+    pub spec: ShardSpec,
+    /// The stage's thread.
+    pub worker: StageWorker,
+    /// Tokenizer and chat template, on a first stage.
+    pub text: Option<Arc<TextModel>>,
+}
+
+impl ServedStage {
+    /// Whether the stage applies the output head (and so samples).
+    pub fn is_last(&self) -> bool {
+        self.spec.layers.end == self.spec.total_layers
+    }
 }
 
 /// The shards this agent runs.
-#[derive(Default, Clone)]
+#[derive(Clone)]
 pub struct ShardSet {
-    loaded: Arc<Mutex<BTreeMap<Key, Loaded>>>,
+    loaded: Arc<Mutex<BTreeMap<Key, Arc<ServedStage>>>>,
     phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
+    endpoint: Arc<str>,
 }
 
 impl ShardSet {
+    /// No shard yet; loaded ones are served at the data-plane `endpoint`.
+    pub fn new(endpoint: &str) -> Self {
+        ShardSet {
+            loaded: Arc::default(),
+            phases: Arc::default(),
+            endpoint: endpoint.into(),
+        }
+    }
+
     /// Number of loaded shards.
     pub fn loaded(&self) -> usize {
         self.loaded.lock().expect("shard set lock").len()
+    }
+
+    /// The loaded stage of Shard `namespace/name`.
+    pub fn served(&self, namespace: &str, name: &str) -> Option<Arc<ServedStage>> {
+        self.loaded
+            .lock()
+            .expect("shard set lock")
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    /// Every loaded stage.
+    pub fn all_served(&self) -> Vec<Arc<ServedStage>> {
+        self.loaded
+            .lock()
+            .expect("shard set lock")
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// Unloads everything (shutdown).
@@ -135,12 +180,9 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
 
 fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics) {
     if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
-        let bytes = l
-            .engine
-            .lock()
-            .map(|e| shardplane_engine::Shard::weight_bytes(&*e))
-            .unwrap_or(0);
-        metrics.weight_bytes.sub(bytes as i64);
+        // In-flight sequences hold the stage until their streams end.
+        metrics.weight_bytes.sub(l.worker.weight_bytes as i64);
+        metrics.forget_shard(&l.name);
         tracing::info!(shard = %key.1, namespace = %key.0, "unloaded");
     }
     set_phase(shards, metrics, key, None);
@@ -151,7 +193,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let k = key(&shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
-        && l.layers == layers
+        && (l.spec.layers.start, l.spec.layers.end) == layers
     {
         return;
     }
@@ -177,6 +219,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 reason: Some("Loaded".into()),
                 message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
                 engine: Some(Engine::Candle),
+                endpoint: Some(shards.endpoint.to_string()),
                 memory_bytes: Some(bytes as u64),
                 observed_generation: shard.metadata.generation,
                 ..Default::default()
@@ -249,7 +292,7 @@ async fn bring_up(
     .await;
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
-    let engine = tokio::task::spawn_blocking(move || {
+    let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
             spec.layers.start as usize..spec.layers.end as usize,
             spec.total_layers as usize,
@@ -258,7 +301,14 @@ async fn bring_up(
             context_length: Some(spec.kv_cache.context_length as usize),
             ..Default::default()
         };
-        CandleShard::load(&path, layout, &options)
+        let file = GgufFile::open(&path)?;
+        let text = if layout.is_first() {
+            Some(Arc::new(TextModel::from_gguf(&file)?))
+        } else {
+            None
+        };
+        let engine = load_stage(&file, layout, EngineKind::Candle, &options)?;
+        Ok::<_, shardplane_engine::Error>((engine, text))
     })
     .await
     .map_err(|e| Failure {
@@ -277,14 +327,19 @@ async fn bring_up(
         },
         message: e.to_string(),
     })?;
-    let bytes = shardplane_engine::Shard::weight_bytes(&engine);
+    let (engine, text) = loaded;
+    let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1));
+    let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
     shards.loaded.lock().expect("shard set lock").insert(
-        k,
-        Loaded {
-            engine: Arc::new(Mutex::new(engine)),
-            layers: (shard.spec.layers.start, shard.spec.layers.end),
-        },
+        k.clone(),
+        Arc::new(ServedStage {
+            namespace: k.0,
+            name: k.1,
+            spec: shard.spec.clone(),
+            worker,
+            text,
+        }),
     );
     Ok(bytes)
 }

@@ -79,6 +79,23 @@ pub fn parse_stages(spec: &str, layers: usize) -> Result<Vec<Range<usize>>> {
     Ok(ranges)
 }
 
+/// Loads one stage of the GGUF model with `engine`.
+pub fn load_stage(
+    file: &GgufFile,
+    layout: StageLayout,
+    engine: EngineKind,
+    options: &LoadOptions,
+) -> Result<Box<dyn Shard>> {
+    Ok(match engine {
+        EngineKind::Candle => Box::new(CandleShard::load_from(
+            file,
+            layout,
+            options,
+            candle_core::Device::Cpu,
+        )?),
+    })
+}
+
 /// The stages of one model, run in order in this process.
 pub struct LocalPipeline {
     stages: Vec<Box<dyn Shard>>,
@@ -103,16 +120,12 @@ impl LocalPipeline {
         let stages = splits
             .iter()
             .map(|range| {
-                let layout = StageLayout::new(range.clone(), layers)?;
-                let stage: Box<dyn Shard> = match engine {
-                    EngineKind::Candle => Box::new(CandleShard::load_from(
-                        file,
-                        layout,
-                        options,
-                        candle_core::Device::Cpu,
-                    )?),
-                };
-                Ok(stage)
+                load_stage(
+                    file,
+                    StageLayout::new(range.clone(), layers)?,
+                    engine,
+                    options,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(LocalPipeline { stages })

@@ -243,6 +243,11 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Number of token ids, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
     /// The beginning-of-sequence token, if the model has one.
     pub fn bos_token(&self) -> Option<u32> {
         self.bos

@@ -280,8 +280,25 @@ pub fn spawn_component(bin: &str, args: &[&str]) -> ChildGuard {
         .arg("--kubeconfig")
         .arg(control_plane().kubeconfig())
         .env("RUST_LOG", "warn,kube_client=error")
+        .env("SHARDPLANE_DATA_PLANE_TOKEN_FILE", token_file())
+        .env("SHARDPLANE_DATA_PLANE_ADDRESS", "127.0.0.1:0")
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
     ChildGuard(child)
+}
+
+/// The data-plane token every component a test starts shares.
+pub const DATA_PLANE_TOKEN: &str = "test-data-plane-token-0123456789";
+
+/// A file holding [`DATA_PLANE_TOKEN`] (written once per test binary).
+pub fn token_file() -> &'static Path {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("shardplane-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        let path = dir.join("data-plane-token");
+        std::fs::write(&path, DATA_PLANE_TOKEN).expect("write the token file");
+        path
+    })
 }

@@ -46,6 +46,22 @@ pub struct AgentArgs {
     /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
     #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_models::HUGGING_FACE_HUB)]
     hugging_face_endpoint: String,
+    /// Where the gRPC data plane listens (`0.0.0.0:7070` listens everywhere; port 0 picks a free one).
+    #[arg(
+        long,
+        env = "SHARDPLANE_DATA_PLANE_ADDRESS",
+        default_value = "0.0.0.0:7070"
+    )]
+    data_plane_address: SocketAddr,
+    /// The `host:port` other agents and the gateway reach the data plane at;
+    /// by default the listening address, or this machine's address on its
+    /// fastest link when listening everywhere.
+    #[arg(long, env = "SHARDPLANE_ADVERTISE_ADDRESS")]
+    advertise_address: Option<String>,
+    /// File holding the cluster's data-plane token (the same on every agent
+    /// and the gateway; calls without it are refused).
+    #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
+    token_file: PathBuf,
     /// Seconds the node's Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
@@ -69,18 +85,24 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     let memory_reserve = parse_bytes_str(&args.memory_reserve)?;
     let lease = Duration::from_secs(args.lease_seconds.max(3));
+    let token =
+        shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
     let config = AgentConfig {
         registration: Registration {
             node,
             labels,
             memory_reserve,
             lease_duration: lease,
+            data_plane_endpoint: None,
         },
         admin_address: args.admin_address,
         renew_every: lease / 3,
         report_every: Duration::from_secs(30),
         cache_dir: args.cache_dir,
         hugging_face_endpoint: args.hugging_face_endpoint,
+        data_plane_address: args.data_plane_address,
+        advertise_address: args.advertise_address,
+        token,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -1,0 +1,400 @@
+//! The data plane between real agents: a 2-stage pipeline on two agent
+//! processes generates exactly what the model generates in one process, many
+//! sequences at once; calls without the token are refused; a client that goes
+//! away frees its sequence on every stage; bad calls get clear errors.
+
+use std::time::Duration;
+
+use kube::Api;
+use kube::api::PostParams;
+use shardplane_crds::*;
+use shardplane_dataplane as dp;
+use shardplane_dataplane::tonic::Code;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate};
+use shardplane_engine::sampler::SamplingParams;
+use shardplane_engine::{LoadOptions, chat::ChatMessage};
+use shardplane_testkit::{
+    ChildGuard as Process, control_plane, fixtures, free_address, unique_name,
+};
+use tokio_stream::wrappers::ReceiverStream;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn agent(node: &str) -> Process {
+    let admin = free_address().to_string();
+    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("agent-cache")
+        .join(node);
+    shardplane_testkit::spawn_component(
+        env!("CARGO_BIN_EXE_shardplane"),
+        &[
+            "agent",
+            "--node-name",
+            node,
+            "--admin-address",
+            &admin,
+            "--lease-seconds",
+            "3",
+            "--cache-dir",
+            cache.to_str().unwrap(),
+        ],
+    )
+}
+
+fn client(endpoint: &str) -> dp::Client {
+    dp::client(
+        dp::channel(endpoint).unwrap(),
+        dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
+    )
+}
+
+fn shard_ref(ns: &str, name: &str) -> Option<dp::ShardRef> {
+    Some(dp::ShardRef {
+        namespace: ns.into(),
+        name: name.into(),
+    })
+}
+
+fn conversation(text: &str) -> Option<dp::generate_request::Input> {
+    Some(dp::generate_request::Input::Chat(dp::Conversation {
+        messages: vec![dp::ChatMessage {
+            role: "user".into(),
+            content: text.into(),
+        }],
+    }))
+}
+
+/// What one process generates for `prompt`, greedy.
+fn reference(
+    text: &TextModel,
+    pipeline: &mut LocalPipeline,
+    prompt: &str,
+    n: usize,
+) -> (Vec<u32>, String) {
+    let ids = text
+        .chat_prompt(&[ChatMessage {
+            role: "user".into(),
+            content: prompt.into(),
+        }])
+        .unwrap();
+    let params = SamplingParams {
+        max_tokens: n,
+        ..Default::default()
+    };
+    let g = generate(pipeline, text, 1, &ids, &params, |_| {}).unwrap();
+    (g.tokens, g.text)
+}
+
+/// Runs a Generate to the end; returns the tokens, the text and the finish.
+async fn run(
+    mut c: dp::Client,
+    req: dp::GenerateRequest,
+) -> Result<(Vec<u32>, String, dp::Finished), dp::tonic::Status> {
+    let mut stream = c.generate(req).await?.into_inner();
+    let (mut tokens, mut text, mut finished) = (Vec::new(), String::new(), None);
+    while let Some(ev) = stream.message().await? {
+        match ev.event {
+            Some(dp::generate_response::Event::Delta(d)) => {
+                tokens.extend(d.tokens);
+                text.push_str(&d.text);
+            }
+            Some(dp::generate_response::Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    Ok((tokens, text, finished.expect("a Finished event")))
+}
+
+/// Sequences held by each stage an agent serves.
+async fn sequences(endpoint: &str) -> Vec<(String, u32)> {
+    let status = client(endpoint)
+        .status(dp::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    status
+        .stages
+        .into_iter()
+        .map(|s| (s.shard.unwrap().name, s.sequences))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
+    let client_k = control_plane().client().await.unwrap();
+    let ns = control_plane()
+        .namespace(&client_k, "dataplane")
+        .await
+        .unwrap();
+    let (a, b) = (unique_name("dp-a"), unique_name("dp-b"));
+    let _agents = (agent(&a), agent(&b));
+    let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
+    for s in [
+        fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 13 }),
+        fixtures::shard("pipe", &b, 1, 2, LayerRange { start: 13, end: 30 }),
+        fixtures::shard("whole", &b, 0, 1, LayerRange { start: 0, end: 30 }),
+    ] {
+        shards.create(&PostParams::default(), &s).await.unwrap();
+    }
+    let mut endpoints = Vec::new();
+    for name in ["pipe-0-0", "pipe-0-1", "whole-0-0"] {
+        let e = shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
+            let st = shards.get(name).await.ok()?.status?;
+            (st.phase == Some(ShardPhase::Ready)).then_some(st.endpoint?)
+        })
+        .await;
+        endpoints.push(e);
+    }
+    let (head, tail, whole) = (
+        endpoints[0].clone(),
+        endpoints[1].clone(),
+        endpoints[2].clone(),
+    );
+    assert_ne!(head, tail, "two agents, two endpoints");
+    assert_eq!(tail, whole);
+
+    // The reference: the whole model in this process.
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    let mut local =
+        LocalPipeline::load(&file, &[], EngineKind::Candle, &LoadOptions::default()).unwrap();
+    let prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+    ];
+    let expected: Vec<_> = prompts
+        .iter()
+        .map(|p| reference(&text, &mut local, p, 24))
+        .collect();
+    let request = |shard: &str, prompt: &str| dp::GenerateRequest {
+        shard: shard_ref(&ns, shard),
+        input: conversation(prompt),
+        sampling: Some(dp::Sampling {
+            max_tokens: 24,
+            ..Default::default()
+        }),
+    };
+
+    // One at a time, through the 2-stage pipeline and the whole-model stage.
+    for (p, (tokens, text)) in prompts.iter().zip(&expected) {
+        for (endpoint, shard) in [(&head, "pipe-0-0"), (&whole, "whole-0-0")] {
+            let (got, got_text, finished) = run(client(endpoint), request(shard, p)).await.unwrap();
+            assert_eq!(&got, tokens, "{shard}: {p}");
+            assert_eq!(&got_text, text, "{shard}: {p}");
+            assert_eq!(finished.completion_tokens as usize, tokens.len());
+            assert!(finished.prompt_tokens > 5);
+        }
+    }
+
+    // All at once: sequences interleave (and batch) on both stages.
+    let runs = prompts
+        .iter()
+        .map(|p| tokio::spawn(run(client(&head), request("pipe-0-0", p))))
+        .collect::<Vec<_>>();
+    for (r, (tokens, _)) in runs.into_iter().zip(&expected) {
+        assert_eq!(&r.await.unwrap().unwrap().0, tokens);
+    }
+    shardplane_testkit::eventually("every sequence is freed", WAIT, || async {
+        let all = [sequences(&head).await, sequences(&tail).await].concat();
+        all.iter().all(|(_, n)| *n == 0).then_some(())
+    })
+    .await;
+
+    // A client that goes away mid-stream frees its sequence on every stage.
+    let long = dp::GenerateRequest {
+        sampling: Some(dp::Sampling {
+            max_tokens: 3000,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..request("pipe-0-0", prompts[0])
+    };
+    let mut stream = client(&head).generate(long).await.unwrap().into_inner();
+    for _ in 0..4 {
+        stream.message().await.unwrap().unwrap();
+    }
+    let held = [sequences(&head).await, sequences(&tail).await].concat();
+    assert!(
+        held.iter()
+            .filter(|(n, _)| n.starts_with("pipe"))
+            .all(|(_, n)| *n == 1),
+        "both stages hold the running sequence: {held:?}"
+    );
+    drop(stream);
+    shardplane_testkit::eventually(
+        "the cancelled sequence is freed on both stages",
+        WAIT,
+        || async {
+            let all = [sequences(&head).await, sequences(&tail).await].concat();
+            all.iter().all(|(_, n)| *n == 0).then_some(())
+        },
+    )
+    .await;
+
+    // Stop strings, sampling with a seed and max_tokens are honoured.
+    let (tokens, text_out, finished) = run(
+        client(&head),
+        dp::GenerateRequest {
+            sampling: Some(dp::Sampling {
+                max_tokens: 12,
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(7),
+                ..Default::default()
+            }),
+            ..request("pipe-0-0", prompts[1])
+        },
+    )
+    .await
+    .unwrap();
+    let again = run(
+        client(&whole),
+        dp::GenerateRequest {
+            sampling: Some(dp::Sampling {
+                max_tokens: 12,
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(7),
+                ..Default::default()
+            }),
+            ..request("whole-0-0", prompts[1])
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        tokens, again.0,
+        "the same seed samples the same tokens on both"
+    );
+    assert!(tokens.len() <= 12 && finished.completion_tokens as usize == tokens.len());
+    assert_eq!(text_out, again.1);
+    let stop_at = &expected[0].1[..expected[0].1.len() / 2];
+    let stop_word = stop_at.split_whitespace().last().unwrap().to_string();
+    let (_, stopped_text, finished) = run(
+        client(&head),
+        dp::GenerateRequest {
+            sampling: Some(dp::Sampling {
+                max_tokens: 24,
+                stop: vec![stop_word.clone()],
+                ..Default::default()
+            }),
+            ..request("pipe-0-0", prompts[0])
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        !stopped_text.contains(&stop_word),
+        "{stopped_text:?} stops before {stop_word:?}"
+    );
+    assert_eq!(finished.reason, dp::FinishReason::Stop as i32);
+
+    // Without the token, or with a wrong one, every call is refused.
+    let bare = dp::data_plane_client::DataPlaneClient::new(dp::channel(&head).unwrap());
+    let err = bare
+        .clone()
+        .generate(request("pipe-0-0", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let err = bare.clone().status(dp::StatusRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+    let wrong = dp::client(
+        dp::channel(&head).unwrap(),
+        dp::Token::new("not-the-cluster-token-at-all").unwrap(),
+    );
+    let err = wrong
+        .clone()
+        .status(dp::StatusRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+    // Forward from an outsider is refused too, so hidden states cannot be injected.
+    let (_tx, rx) = tokio::sync::mpsc::channel::<dp::ForwardRequest>(1);
+    let err = bare
+        .clone()
+        .forward(ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+
+    // Bad calls get clear errors.
+    let err = run(client(&tail), request("pipe-0-1", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let err = run(client(&head), request("no-such-shard", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let err = run(client(&head), request("pipe-0-0", &"word ".repeat(5000)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("context"), "{err:?}");
+    let err = run(
+        client(&head),
+        dp::GenerateRequest {
+            sampling: Some(dp::Sampling {
+                temperature: -1.0,
+                ..Default::default()
+            }),
+            ..request("pipe-0-0", "hi")
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let err = run(
+        client(&head),
+        dp::GenerateRequest {
+            input: Some(dp::generate_request::Input::Tokens(dp::TokenIds {
+                ids: vec![1, 10_000_000],
+            })),
+            ..request("pipe-0-0", "hi")
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    // Hidden states of the wrong width are refused by a later stage.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(dp::ForwardRequest {
+        message: Some(dp::forward_request::Message::Open(dp::Open {
+            shard: shard_ref(&ns, "pipe-0-1"),
+            sequence: 99,
+            sampling: None,
+            prompt: vec![],
+            banned: vec![],
+        })),
+    })
+    .await
+    .unwrap();
+    tx.send(dp::ForwardRequest {
+        message: Some(dp::forward_request::Message::Step(dp::Step {
+            hidden: Some(dp::Hidden {
+                tokens: 1,
+                width: 3,
+                data: dp::encode_f32(&[1.0, 2.0, 3.0]),
+            }),
+            sample: true,
+        })),
+    })
+    .await
+    .unwrap();
+    let mut answers = client(&tail)
+        .forward(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let err = answers.message().await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    drop(tx);
+    // The agents are still serving.
+    let (got, _, _) = run(client(&head), request("pipe-0-0", prompts[2]))
+        .await
+        .unwrap();
+    assert_eq!(got, expected[2].0);
+}

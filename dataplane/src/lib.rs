@@ -1,0 +1,189 @@
+//! The gRPC data plane: the protocol (`proto/shardplane/dataplane/v1`), and
+//! the data-plane token every call carries.
+//!
+//! ```text
+//!  gateway ──Generate──► head stage ──Forward──► stage 1 ──Forward──► last stage
+//!          ◄─ text ──────┘          ◄────────── sampled tokens ◄──────┘
+//! ```
+
+#[allow(missing_docs, clippy::all)]
+mod generated {
+    tonic::include_proto!("shardplane.dataplane.v1");
+}
+
+pub use generated::*;
+/// The gRPC library the protocol is built on, for callers' status codes and requests.
+pub use tonic;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
+
+/// The largest message either side accepts: a prefill chunk of hidden states.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// The cluster's shared data-plane secret. Servers refuse calls without it;
+/// clients attach it to every call.
+#[derive(Clone)]
+pub struct Token(Arc<str>);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(…)")
+    }
+}
+
+impl Token {
+    /// A token from its text (surrounding white space is dropped).
+    pub fn new(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        if t.len() < 16 {
+            return Err("the data-plane token must be at least 16 characters".into());
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the data-plane token must be printable ASCII without spaces".into());
+        }
+        Ok(Token(t.into()))
+    }
+
+    /// Reads a token file.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read data-plane token {}: {e}", path.display()))?;
+        Token::new(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Whether `presented` (an `authorization` header value) carries this token.
+    /// The comparison takes the same time wherever the first difference is.
+    pub fn accepts(&self, presented: &[u8]) -> bool {
+        let Some(given) = presented.strip_prefix(b"Bearer ") else {
+            return false;
+        };
+        let want = self.0.as_bytes();
+        given.len() == want.len() && given.iter().zip(want).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+    }
+}
+
+/// Server side: refuses calls that do not carry the token.
+#[derive(Clone, Debug)]
+pub struct RequireToken(pub Token);
+
+impl Interceptor for RequireToken {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        match request.metadata().get("authorization") {
+            Some(v) if self.0.accepts(v.as_bytes()) => Ok(request),
+            Some(_) => Err(Status::unauthenticated("wrong data-plane token")),
+            None => Err(Status::unauthenticated(
+                "no data-plane token: send `authorization: Bearer <token>`",
+            )),
+        }
+    }
+}
+
+/// Client side: attaches the token to every call.
+#[derive(Clone, Debug)]
+pub struct AttachToken(pub Token);
+
+impl Interceptor for AttachToken {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let value = MetadataValue::try_from(format!("Bearer {}", self.0.0))
+            .map_err(|_| Status::internal("the data-plane token is not a valid header"))?;
+        request.metadata_mut().insert("authorization", value);
+        Ok(request)
+    }
+}
+
+/// A client of a peer's data plane that carries the token.
+pub type Client = data_plane_client::DataPlaneClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AttachToken>,
+>;
+
+/// A client for `channel` carrying `token`, with the data plane's message limits.
+pub fn client(channel: tonic::transport::Channel, token: Token) -> Client {
+    data_plane_client::DataPlaneClient::with_interceptor(channel, AttachToken(token))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// A lazily connected channel to `endpoint` (`host:port`), tuned for the
+/// data plane: no Nagle delay, large HTTP/2 windows for bulk copies.
+pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, String> {
+    let uri = if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    };
+    Ok(tonic::transport::Endpoint::from_shared(uri)
+        .map_err(|e| format!("bad data-plane endpoint {endpoint:?}: {e}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .http2_keep_alive_interval(std::time::Duration::from_secs(10))
+        .keep_alive_timeout(std::time::Duration::from_secs(10))
+        .initial_stream_window_size(Some(8 << 20))
+        .initial_connection_window_size(Some(32 << 20))
+        .connect_lazy())
+}
+
+/// Encodes f32 rows as little-endian bytes.
+pub fn encode_f32(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 4);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes hidden states, checking their shape.
+pub fn decode_hidden(h: &Hidden) -> Result<Vec<f32>, String> {
+    let want = (h.tokens as u64) * (h.width as u64) * 4;
+    if h.tokens == 0 || h.width == 0 || h.data.len() as u64 != want {
+        return Err(format!(
+            "hidden states of {} bytes cannot be {} rows of {} f32 values",
+            h.data.len(),
+            h.tokens,
+            h.width
+        ));
+    }
+    Ok(h.data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_checked_exactly() {
+        let t = Token::new("  0123456789abcdef\n").unwrap();
+        assert!(t.accepts(b"Bearer 0123456789abcdef"));
+        assert!(!t.accepts(b"Bearer 0123456789abcdeg"));
+        assert!(!t.accepts(b"Bearer 0123456789abcde"));
+        assert!(!t.accepts(b"0123456789abcdef"));
+        assert!(Token::new("short").is_err());
+        assert!(Token::new("has a space in it!!").is_err());
+    }
+
+    #[test]
+    fn hidden_states_round_trip_and_bad_shapes_are_refused() {
+        let v = vec![1.5f32, -2.0, 0.0, f32::MIN_POSITIVE, 3.25, 7.0];
+        let h = Hidden {
+            tokens: 2,
+            width: 3,
+            data: encode_f32(&v),
+        };
+        assert_eq!(decode_hidden(&h).unwrap(), v);
+        for (tokens, width) in [(3, 3), (0, 6), (6, 0), (u32::MAX, u32::MAX)] {
+            let bad = Hidden {
+                tokens,
+                width,
+                data: h.data.clone(),
+            };
+            assert!(decode_hidden(&bad).is_err(), "{tokens}x{width}");
+        }
+    }
+}
