@@ -53,12 +53,18 @@ mkdir -p "$STATE/logs"
 kubectl wait --for=condition=Established --timeout=60s $("$bin" crds | awk '/^  name: /{print "crd/"$2}') >/dev/null
 bash scripts/model.sh --install-to "$MODELS" >/dev/null
 
+# The data-plane token every agent (and, later, the gateway) shares.
+TOKEN_FILE="$STATE/data-plane-token"
+[ -s "$TOKEN_FILE" ] || (umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TOKEN_FILE")
+
 "$bin" operator --kubeconfig "$KUBECONFIG" --admin-address 127.0.0.1:9090 >"$STATE/logs/operator.log" 2>&1 &
 pids+=($!)
 for i in $(seq 0 $((AGENTS - 1))); do
   if [ "$i" -lt 2 ]; then tier=daily; else tier=reasoning; fi
   "$bin" agent --kubeconfig "$KUBECONFIG" --node-name "node-$i" --label "tier.shardplane.dev/$tier=true" \
-    --admin-address "127.0.0.1:$((9100 + i))" --memory-reserve 1Gi >"$STATE/logs/agent-$i.log" 2>&1 &
+    --admin-address "127.0.0.1:$((9100 + i))" --data-plane-address "127.0.0.1:$((7100 + i))" \
+    --token-file "$TOKEN_FILE" --cache-dir "$STATE/cache/node-$i" --memory-reserve 1Gi \
+    >"$STATE/logs/agent-$i.log" 2>&1 &
   pids+=($!)
 done
 

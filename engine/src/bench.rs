@@ -45,7 +45,8 @@ pub struct Spread {
 }
 
 impl Spread {
-    fn of(mut values: Vec<f64>) -> Spread {
+    /// The spread of `values` (at least one).
+    pub fn of(mut values: Vec<f64>) -> Spread {
         values.sort_by(f64::total_cmp);
         let n = values.len();
         let median = if n % 2 == 1 {

@@ -32,6 +32,16 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Measure a running pipeline instead: the data-plane endpoint of its head
+    /// stage (`host:port`); `--model` is then only read for its tokenizer.
+    #[arg(long, requires_all = ["shard", "token_file"])]
+    endpoint: Option<String>,
+    /// The head Shard to measure, `namespace/name` (with `--endpoint`).
+    #[arg(long)]
+    shard: Option<String>,
+    /// The data-plane token file (with `--endpoint`).
+    #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
+    token_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -67,22 +77,44 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     let load_before = load_average();
-    let (mut pipeline, text) = args.model.load()?;
-    let config = BenchConfig {
-        prompt_tokens: args.prompt_tokens,
-        gen_tokens: args.gen_tokens,
-        runs: args.runs,
-        concurrency: args.concurrency,
-    };
-    let figures = bench::run(&mut pipeline, &text, &config)?;
-    let report = Report {
-        engine: &args.model.engine,
-        model: args.model.model.display().to_string(),
-        stages: pipeline
+    let (figures, stages) = if let Some(endpoint) = &args.endpoint {
+        let file = shardplane_engine::gguf::GgufFile::open(&args.model.model)?;
+        let text = shardplane_engine::pipeline::TextModel::from_gguf(&file)?;
+        let token_file = args.token_file.as_deref().context("--token-file")?;
+        let remote = super::bench_remote::Remote {
+            endpoint: endpoint.clone(),
+            shard: args.shard.clone().context("--shard")?,
+            token: shardplane_dataplane::Token::from_file(token_file)
+                .map_err(anyhow::Error::msg)?,
+        };
+        let figures = remote.run(
+            &text,
+            args.prompt_tokens,
+            args.gen_tokens,
+            args.runs,
+            args.concurrency,
+        )?;
+        (figures, vec![format!("remote {endpoint} {}", remote.shard)])
+    } else {
+        let (mut pipeline, text) = args.model.load()?;
+        let config = BenchConfig {
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            runs: args.runs,
+            concurrency: args.concurrency,
+        };
+        let figures = bench::run(&mut pipeline, &text, &config)?;
+        let stages = pipeline
             .stages()
             .iter()
             .map(|s| format!("{}-{}", s.layout().layers.start, s.layout().layers.end - 1))
-            .collect(),
+            .collect();
+        (figures, stages)
+    };
+    let report = Report {
+        engine: &args.model.engine,
+        model: args.model.model.display().to_string(),
+        stages,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
             .and_then(|t| t.parse().ok())

@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod bench;
+mod bench_remote;
 pub mod crds;
 pub mod generate;
 mod kube_client;

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Decode speed of pipelines of real agents on loopback against the same engine
+# in one process, measured in one run, alternating so drift hits every
+# configuration alike.
+#
+#   scripts/bench-pipeline.sh [--rounds N] [--gen-tokens N] [--prompt-tokens N]
+#
+# Starts a control plane and three agents (each with RAYON_NUM_THREADS=2), makes
+# Shards by hand (no operator): the whole model on agent 0, a 2-stage pipeline
+# on agents 0-1 and a 3-stage one on agents 0-2. Then, each round, runs
+# `shardplane bench` in-process (whole and 3 stages) and against each head
+# stage's data plane. Prints every report as JSON and a summary of medians and
+# ratios to the in-process whole model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=3 GEN=64 PROMPT=41
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rounds) ROUNDS=$2; shift 2 ;;
+    --gen-tokens) GEN=$2; shift 2 ;;
+    --prompt-tokens) PROMPT=$2; shift 2 ;;
+    *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N]" >&2; exit 2 ;;
+  esac
+done
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
+STATE=$(mktemp -d /tmp/shardplane-bench.XXXXXX)
+bash scripts/setup.sh >/dev/null
+cargo build --release --locked -p shardplane 2>&1 | tail -1
+bin="$CARGO_TARGET_DIR/release/shardplane"
+MODEL=$(bash scripts/model.sh)
+
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  bash scripts/control-plane.sh stop "$STATE" >/dev/null 2>&1 || true
+  rm -rf "$STATE"
+}
+trap cleanup EXIT
+bash scripts/control-plane.sh start "$STATE" >/dev/null
+export KUBECONFIG="$STATE/kubeconfig"
+"$bin" crds | kubectl apply -f - >/dev/null
+kubectl wait --for=condition=Established --timeout=60s $("$bin" crds | awk '/^  name: /{print "crd/"$2}') >/dev/null
+TOKEN_FILE="$STATE/token"
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TOKEN_FILE"
+for i in 0 1 2; do
+  RAYON_NUM_THREADS=2 "$bin" agent --kubeconfig "$KUBECONFIG" --node-name "bench-$i" \
+    --admin-address "127.0.0.1:$((9300 + i))" --data-plane-address "127.0.0.1:0" --token-file "$TOKEN_FILE" \
+    --cache-dir "$STATE/cache-$i" >"$STATE/agent-$i.log" 2>&1 &
+  pids+=($!)
+done
+
+# shard NAME DEPLOYMENT NODE STAGE COUNT START END [NEXT] [PREVIOUS]
+shard() {
+  cat <<YAML
+---
+apiVersion: shardplane.dev/v1alpha1
+kind: Shard
+metadata:
+  name: $1
+  namespace: default
+  labels: {shardplane.dev/node: $3}
+spec:
+  deployment: $2
+  model: bench
+  source: {path: {path: "$MODEL"}}
+  format: gguf
+  node: $3
+  stage: $4
+  stageCount: $5
+  layers: {start: $6, end: $7}
+  totalLayers: 30
+  kvCache: {contextLength: 2048, concurrentSequences: 8}
+${8:+  next: $8}
+${9:+  previous: $9}
+YAML
+}
+{
+  shard whole-0 whole bench-0 0 1 0 30
+  shard p2-0 p2 bench-0 0 2 0 15 p2-1
+  shard p2-1 p2 bench-1 1 2 15 30 "" p2-0
+  shard p3-0 p3 bench-0 0 3 0 10 p3-1
+  shard p3-1 p3 bench-1 1 3 10 20 p3-2 p3-0
+  shard p3-2 p3 bench-2 2 3 20 30 "" p3-1
+} | kubectl apply -f - >/dev/null
+kubectl wait --for=jsonpath='{.status.phase}'=Ready --timeout=120s shard --all -n default >/dev/null
+endpoint() { kubectl get shard "$1" -n default -o jsonpath='{.status.endpoint}'; }
+
+common=(--model "$MODEL" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --runs 5 --json)
+results="$STATE/results.jsonl"
+for round in $(seq 1 "$ROUNDS"); do
+  for config in local-whole agents-whole agents-2 agents-3 local-3; do
+    case $config in
+      local-whole) out=$("$bin" bench "${common[@]}" --threads 2) ;;
+      local-3) out=$("$bin" bench "${common[@]}" --threads 2 --stages 0-9,10-19,20-29) ;;
+      agents-whole) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint whole-0)" --shard default/whole-0 --token-file "$TOKEN_FILE") ;;
+      agents-2) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p2-0)" --shard default/p2-0 --token-file "$TOKEN_FILE") ;;
+      agents-3) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p3-0)" --shard default/p3-0 --token-file "$TOKEN_FILE") ;;
+    esac
+    echo "$out" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["config"]=sys.argv[1]; d["round"]=int(sys.argv[2]); print(json.dumps(d))' "$config" "$round" | tee -a "$results"
+  done
+done
+# Each agent's forward passes: time per pass, by shard.
+for i in 0 1 2; do curl -s "127.0.0.1:$((9300 + i))/metrics"; done | python3 -c '
+import re, sys
+sums, counts = {}, {}
+for line in sys.stdin:
+    m = re.match(r"shardplane_agent_forward_seconds_(sum|count)\{shard=\"([^\"]+)\"\} (\S+)", line)
+    if m:
+        (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+for s in sorted(sums):
+    print(f"agent stage {s}: {counts[s]:.0f} passes, {sums[s] / counts[s] * 1e3:.2f} ms mean per pass")
+'
+python3 - "$results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = {}
+for r in rows:
+    by.setdefault(r["config"], []).append(r)
+def med(cfg, key):
+    return statistics.median(r[key]["median"] for r in by[cfg])
+base_decode = med("local-whole", "decode_tokens_per_second")
+print()
+print(f"{'configuration':<14} {'decode tok/s':>12} {'vs local whole':>15} {'prefill tok/s':>14} {'ttft ms':>8}")
+for cfg in ["local-whole", "local-3", "agents-whole", "agents-2", "agents-3"]:
+    d = med(cfg, "decode_tokens_per_second")
+    print(f"{cfg:<14} {d:>12.1f} {d / base_decode:>15.3f} {med(cfg, 'prefill_tokens_per_second'):>14.1f} {med(cfg, 'time_to_first_token_ms'):>8.1f}")
+# Hop cost per token: the extra time per decoded token of an n-stage pipeline
+# over the whole model on one agent, divided by its hops (n - 1).
+w = 1 / med("agents-whole", "decode_tokens_per_second")
+for n, cfg in [(2, "agents-2"), (3, "agents-3")]:
+    extra = 1 / med(cfg, "decode_tokens_per_second") - w
+    print(f"{cfg}: {extra * 1e6:.0f} us more per token than one agent, {extra * 1e6 / (n - 1):.0f} us per hop")
+PY
