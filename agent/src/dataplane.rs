@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use futures::Stream;
 use kube::runtime::reflector::{ObjectRef, Store};
-use shardplane_crds::{Shard, ShardPhase};
+use shardplane_crds::{InferenceNode, NodeAddress, Shard, ShardPhase};
 use shardplane_dataplane as dp;
 use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
 use shardplane_engine::detokenizer::Detokenizer;
@@ -32,6 +32,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::cache::Cache;
+use crate::links::route;
 use crate::metrics::Metrics;
 use crate::shards::{ServedStage, ShardSet};
 
@@ -51,6 +52,8 @@ pub struct Service {
     node: String,
     shards: ShardSet,
     directory: Store<Shard>,
+    nodes: Store<InferenceNode>,
+    addresses: Arc<Vec<NodeAddress>>,
     peers: Peers,
     metrics: Metrics,
     cache: Cache,
@@ -63,6 +66,7 @@ impl Service {
         node: String,
         shards: ShardSet,
         directory: Store<Shard>,
+        nodes: Store<InferenceNode>,
         token: dp::Token,
         metrics: Metrics,
         cache: Cache,
@@ -71,10 +75,17 @@ impl Service {
             node,
             shards,
             directory,
+            nodes,
+            addresses: Arc::new(crate::machine::Machine::read().addresses),
             peers: Peers::new(token),
             metrics,
             cache,
         }
+    }
+
+    /// The channels to peers, shared with the link prober.
+    pub fn peers(&self) -> Peers {
+        self.peers.clone()
     }
 
     /// The tonic service, refusing calls without `token`.
@@ -124,7 +135,13 @@ impl Service {
             })?;
         let status = shard.status.clone().unwrap_or_default();
         let endpoint = match (status.phase, status.endpoint) {
-            (Some(ShardPhase::Ready), Some(e)) => e,
+            // The fastest link to the next stage's node, when it is known.
+            (Some(ShardPhase::Ready), Some(e)) => self
+                .nodes
+                .get(&ObjectRef::new(&shard.spec.node))
+                .and_then(|n| n.status.as_ref().and_then(|st| route(&self.addresses, st)))
+                .map(|r| r.endpoint)
+                .unwrap_or(e),
             (phase, _) => {
                 return Err(Status::unavailable(format!(
                     "next stage {}/{next} is not ready (phase {})",

@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod dataplane;
+pub mod links;
 pub mod machine;
 pub mod metrics;
 pub mod models;
@@ -54,6 +55,8 @@ pub struct AgentConfig {
     pub advertise_address: Option<String>,
     /// The cluster's data-plane token.
     pub token: shardplane_dataplane::Token,
+    /// How often the links to the other nodes are measured.
+    pub probe_links_every: Duration,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -123,15 +126,24 @@ pub async fn run(
         sources,
     ));
     let model_task = tokio::spawn(models::run(client.clone()));
-    let (directory, directory_task) = shard_directory(client.clone());
+    let (shard_directory, shard_directory_task) = directory(client.clone());
+    let (node_directory, node_directory_task) = directory(client.clone());
     let service = dataplane::Service::new(
         reg.node.clone(),
         shard_set.clone(),
-        directory,
+        shard_directory,
+        node_directory.clone(),
         config.token.clone(),
         metrics.clone(),
         cache.clone(),
     );
+    let link_task = tokio::spawn(links::run(
+        client.clone(),
+        reg.node.clone(),
+        node_directory,
+        service.peers(),
+        config.probe_links_every,
+    ));
     let (stop_data, data_stopped) = tokio::sync::oneshot::channel::<()>();
     let data_plane = tokio::spawn(
         tonic::transport::Server::builder()
@@ -197,7 +209,9 @@ pub async fn run(
     heartbeat.abort();
     shard_task.abort();
     model_task.abort();
-    directory_task.abort();
+    shard_directory_task.abort();
+    node_directory_task.abort();
+    link_task.abort();
     // In-flight generations end when the data plane stops; new ones are refused.
     let _ = stop_data.send(());
     match tokio::time::timeout(DRAIN_STEP, data_plane).await {
@@ -262,25 +276,35 @@ pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
     }
 }
 
-/// Every Shard of the cluster, kept current by a watch: how a stage finds the
-/// endpoint of the next one.
-fn shard_directory(
+/// Every object of kind `K` in the cluster, kept current by a watch: how a
+/// stage finds the next one (Shards) and the way to reach its node
+/// (InferenceNodes).
+fn directory<K>(
     client: Client,
 ) -> (
-    kube::runtime::reflector::Store<shardplane_crds::Shard>,
+    kube::runtime::reflector::Store<K>,
     tokio::task::JoinHandle<()>,
-) {
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, reflector, watcher};
     let (reader, writer) = reflector::store();
-    let api: kube::Api<shardplane_crds::Shard> = kube::Api::all(client);
+    let api: kube::Api<K> = kube::Api::all(client);
     let task = tokio::spawn(async move {
         watcher(api, watcher::Config::default())
             .default_backoff()
             .reflect(writer)
             .for_each(|e| {
                 if let Err(e) = e {
-                    tracing::warn!(error = %e, "shard directory watch failed; retrying");
+                    tracing::warn!(error = %e, "directory watch failed; retrying");
                 }
                 std::future::ready(())
             })

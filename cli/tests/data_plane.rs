@@ -38,6 +38,8 @@ fn agent(node: &str) -> Process {
             "3",
             "--cache-dir",
             cache.to_str().unwrap(),
+            "--probe-links-seconds",
+            "2",
         ],
     )
 }
@@ -397,4 +399,33 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         .await
         .unwrap();
     assert_eq!(got, expected[2].0);
+
+    // Each agent measured its link to the other and wrote it where the planner reads it.
+    let nodes: Api<InferenceNode> = Api::all(client_k.clone());
+    for (me, peer, peer_endpoint) in [(&a, &b, &tail), (&b, &a, &head)] {
+        let link =
+            shardplane_testkit::eventually(&format!("{me} measures {peer}"), WAIT, || async {
+                nodes
+                    .get(me)
+                    .await
+                    .ok()?
+                    .status?
+                    .links
+                    .into_iter()
+                    .find(|l| &l.node == peer)
+            })
+            .await;
+        eprintln!(
+            "link {me} -> {peer}: {} us, {} Mb/s",
+            link.latency_micros,
+            link.bandwidth_mbps.unwrap_or(0)
+        );
+        assert_eq!(&link.address, peer_endpoint);
+        assert_eq!(link.kind, LinkKind::Loopback);
+        assert!(
+            link.latency_micros > 0 && link.latency_micros < 1_000_000,
+            "{link:?}"
+        );
+        assert!(link.bandwidth_mbps.unwrap() > 100, "{link:?}");
+    }
 }

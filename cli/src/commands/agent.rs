@@ -62,6 +62,10 @@ pub struct AgentArgs {
     /// and the gateway; calls without it are refused).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: PathBuf,
+    /// Seconds between measurements of the links to the other nodes (each a
+    /// few small round trips and one 8 MiB answer per peer).
+    #[arg(long, env = "SHARDPLANE_PROBE_LINKS_SECONDS", default_value_t = 30)]
+    probe_links_seconds: u64,
     /// Seconds the node's Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
@@ -103,6 +107,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         data_plane_address: args.data_plane_address,
         advertise_address: args.advertise_address,
         token,
+        probe_links_every: Duration::from_secs(args.probe_links_seconds.max(1)),
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

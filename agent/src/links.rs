@@ -1,0 +1,268 @@
+//! Links to the other nodes: which of a peer's addresses to use (the fastest
+//! link both machines are on), and periodic, bounded measurements of latency
+//! and throughput written to the InferenceNode's `status.links`, where the
+//! planner reads them.
+//!
+//! ```text
+//!  every --probe-links-every: for each peer with a data plane
+//!    route: peer address on the best link kind we share ─► its data-plane port
+//!    latency: 9 empty Pings, median round trip
+//!    throughput: one Ping answered with PROBE_BYTES
+//!    ─► InferenceNode status.links (field manager shardplane-agent-links)
+//! ```
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::Store;
+use kube::{Api, Client};
+use serde_json::json;
+use shardplane_crds::{InferenceNode, InferenceNodeStatus, LinkKind, LinkStatus, NodeAddress};
+use shardplane_dataplane as dp;
+
+use crate::dataplane::Peers;
+use crate::machine::{Machine, link_rank};
+
+/// The field manager of `status.links` (separate from the agent's other
+/// status fields, which are applied whole on every report).
+pub const LINKS_MANAGER: &str = "shardplane-agent-links";
+
+/// Bytes of the throughput probe: enough to fill a fast link's pipe for a
+/// moment, small enough to be harmless every half minute.
+pub const PROBE_BYTES: u32 = 8 << 20;
+
+/// Round trips in a latency measurement.
+const LATENCY_SAMPLES: usize = 9;
+
+/// A peer's reachable data plane: the endpoint and the link it is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// `host:port` to dial.
+    pub endpoint: String,
+    /// The kind of link the address is on.
+    pub kind: LinkKind,
+}
+
+fn same_subnet(a: &str, b: &str) -> bool {
+    match (a.parse::<IpAddr>(), b.parse::<IpAddr>()) {
+        (Ok(IpAddr::V4(a)), Ok(IpAddr::V4(b))) => a.octets()[..3] == b.octets()[..3],
+        (Ok(IpAddr::V6(a)), Ok(IpAddr::V6(b))) => a.segments()[..4] == b.segments()[..4],
+        _ => false,
+    }
+}
+
+/// The best way from a machine with addresses `mine` to a peer: the peer's
+/// address on the fastest link kind this machine also has, preferring one on
+/// a subnet this machine is on; the peer's advertised endpoint otherwise.
+/// A peer advertising a loopback endpoint is on this machine.
+pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> {
+    let advertised = peer.data_plane_endpoint.as_deref()?;
+    let port = advertised.rsplit_once(':')?.1.parse::<u16>().ok()?;
+    let advertised_ip = advertised
+        .parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| {
+            advertised
+                .rsplit_once(':')
+                .map(|(h, _)| h)
+                .unwrap_or("")
+                .parse()
+        });
+    if advertised_ip.is_ok_and(|ip| ip.is_loopback()) {
+        return Some(Route {
+            endpoint: advertised.to_string(),
+            kind: LinkKind::Loopback,
+        });
+    }
+    let best = peer
+        .addresses
+        .iter()
+        .filter(|p| p.kind != LinkKind::Loopback)
+        .filter_map(|p| {
+            let shared = mine.iter().filter(|m| m.kind == p.kind);
+            let mut score = None;
+            for m in shared {
+                let s = (link_rank(p.kind), same_subnet(&m.address, &p.address));
+                score = score.max(Some(s));
+            }
+            score.map(|s| (s, p))
+        })
+        .max_by_key(|(s, _)| *s)
+        .map(|(_, p)| p);
+    match best {
+        Some(p) => {
+            let ip: IpAddr = p.address.parse().ok()?;
+            Some(Route {
+                endpoint: SocketAddr::new(ip, port).to_string(),
+                kind: p.kind,
+            })
+        }
+        None => Some(Route {
+            endpoint: advertised.to_string(),
+            kind: LinkKind::Other,
+        }),
+    }
+}
+
+/// One link measurement.
+#[derive(Debug, Clone, Copy)]
+pub struct Measurement {
+    /// Median round trip of an empty Ping.
+    pub latency: Duration,
+    /// Throughput of a `PROBE_BYTES` answer, in megabits per second.
+    pub bandwidth_mbps: u32,
+}
+
+/// Measures the link to `client`'s data plane.
+pub async fn measure(client: &dp::Client) -> Result<Measurement, tonic::Status> {
+    let mut rtts = Vec::with_capacity(LATENCY_SAMPLES);
+    // The first call also connects; it is not counted.
+    client.clone().ping(dp::PingRequest::default()).await?;
+    for _ in 0..LATENCY_SAMPLES {
+        let t = Instant::now();
+        client.clone().ping(dp::PingRequest::default()).await?;
+        rtts.push(t.elapsed());
+    }
+    rtts.sort();
+    let latency = rtts[rtts.len() / 2];
+    let t = Instant::now();
+    client
+        .clone()
+        .ping(dp::PingRequest {
+            payload: Vec::new(),
+            reply_bytes: PROBE_BYTES,
+        })
+        .await?;
+    let secs = t.elapsed().saturating_sub(latency).as_secs_f64().max(1e-6);
+    let bandwidth_mbps = (PROBE_BYTES as f64 * 8.0 / secs / 1e6).min(u32::MAX as f64) as u32;
+    Ok(Measurement {
+        latency,
+        bandwidth_mbps,
+    })
+}
+
+/// Measures the links to every other node with a data plane, once every
+/// `every`, and writes them to `node`'s status.
+pub async fn run(
+    client: Client,
+    node: String,
+    nodes: Store<InferenceNode>,
+    peers: Peers,
+    every: Duration,
+) {
+    let api: Api<InferenceNode> = Api::all(client);
+    loop {
+        let mine = Machine::read().addresses;
+        let mut links = Vec::new();
+        for peer in nodes.state() {
+            let name = peer.metadata.name.clone().unwrap_or_default();
+            let Some(status) = &peer.status else { continue };
+            if name == node || status.draining {
+                continue;
+            }
+            let Some(r) = route(&mine, status) else {
+                continue;
+            };
+            let Ok(c) = peers.client(&r.endpoint) else {
+                continue;
+            };
+            match tokio::time::timeout(Duration::from_secs(10), measure(&c)).await {
+                Ok(Ok(m)) => links.push(LinkStatus {
+                    node: name,
+                    address: r.endpoint,
+                    kind: r.kind,
+                    latency_micros: m.latency.as_micros().clamp(1, u32::MAX as u128) as u32,
+                    bandwidth_mbps: Some(m.bandwidth_mbps),
+                    rdma: false,
+                    measured_at: Time(Timestamp::now()),
+                }),
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %name, error = %e, "link probe failed")
+                }
+                Err(_) => tracing::debug!(peer = %name, "link probe timed out"),
+            }
+        }
+        links.sort_by(|a, b| a.node.cmp(&b.node));
+        let patch = json!({
+            "apiVersion": "shardplane.dev/v1alpha1",
+            "kind": "InferenceNode",
+            "status": {"links": links},
+        });
+        if let Err(e) = api
+            .patch_status(
+                &node,
+                &PatchParams::apply(LINKS_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+        {
+            tracing::warn!(error = %e, "cannot write the measured links");
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(address: &str, kind: LinkKind) -> NodeAddress {
+        NodeAddress {
+            address: address.into(),
+            interface: "x".into(),
+            kind,
+        }
+    }
+
+    #[test]
+    fn the_fastest_shared_link_wins() {
+        let mine = vec![
+            addr("127.0.0.1", LinkKind::Loopback),
+            addr("192.168.1.10", LinkKind::Wifi),
+            addr("10.0.5.1", LinkKind::Ethernet),
+            addr("169.254.7.1", LinkKind::Thunderbolt),
+        ];
+        let peer = InferenceNodeStatus {
+            data_plane_endpoint: Some("192.168.1.20:7070".into()),
+            addresses: vec![
+                addr("127.0.0.1", LinkKind::Loopback),
+                addr("192.168.1.20", LinkKind::Wifi),
+                addr("10.0.5.2", LinkKind::Ethernet),
+                addr("169.254.9.9", LinkKind::Thunderbolt),
+            ],
+            ..Default::default()
+        };
+        assert_eq!(
+            route(&mine, &peer),
+            Some(Route {
+                endpoint: "169.254.9.9:7070".into(),
+                kind: LinkKind::Thunderbolt
+            })
+        );
+        // Without Thunderbolt here, Ethernet; a shared subnet beats another.
+        let mine = vec![
+            addr("10.9.0.1", LinkKind::Ethernet),
+            addr("10.0.5.1", LinkKind::Ethernet),
+        ];
+        let mut peer = peer;
+        peer.addresses.push(addr("10.7.0.2", LinkKind::Ethernet));
+        assert_eq!(route(&mine, &peer).unwrap().endpoint, "10.0.5.2:7070");
+        // Nothing shared: the advertised endpoint.
+        assert_eq!(
+            route(&[addr("172.16.0.1", LinkKind::Other)], &peer)
+                .unwrap()
+                .endpoint,
+            "192.168.1.20:7070"
+        );
+        // A loopback endpoint: same machine.
+        let local = InferenceNodeStatus {
+            data_plane_endpoint: Some("127.0.0.1:4000".into()),
+            ..Default::default()
+        };
+        assert_eq!(route(&mine, &local).unwrap().kind, LinkKind::Loopback);
+        assert_eq!(route(&mine, &InferenceNodeStatus::default()), None);
+    }
+}
