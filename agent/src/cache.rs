@@ -135,6 +135,8 @@ impl Cache {
         };
         if !path.is_file() {
             let partial = path.with_extension("gguf.partial");
+            // A peer copy left pieces here: keep what runs on from the start.
+            contiguous_prefix(&partial).map_err(io)?;
             let offset = std::fs::metadata(&partial).map(|m| m.len()).unwrap_or(0);
             let mut request = self.http.get(url);
             if offset > 0 {
@@ -186,7 +188,18 @@ impl Cache {
             }
             std::fs::rename(&partial, &path).map_err(io)?;
         }
-        let actual = match verify_sha256(&path, sha256, url).await {
+        self.admit(key, &path, sha256, url).await
+    }
+
+    /// Verifies a file that has just arrived in the cache and lists it.
+    async fn admit(
+        &self,
+        key: &str,
+        path: &Path,
+        sha256: Option<&str>,
+        from: &str,
+    ) -> Result<PathBuf, Failure> {
+        let actual = match verify_sha256(path, sha256, from).await {
             Err(mut e) if e.reason == "ChecksumMismatch" => {
                 let _ = std::fs::remove_file(&path);
                 e.message.push_str(" (the download was discarded)");
@@ -194,7 +207,7 @@ impl Cache {
             }
             other => other?,
         };
-        let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         self.entries.lock().expect("cache lock").insert(
             key.to_string(),
             CachedModel {
@@ -204,6 +217,184 @@ impl Cache {
             },
         );
         self.changed.notify_waiters();
-        Ok(path)
+        Ok(path.to_path_buf())
     }
+
+    /// Copies the model `key` (`size` bytes) from a peer's cache over the
+    /// data plane: `PIECE`-sized pieces fetched by `COPY_STREAMS` parallel
+    /// streams and written in place. Finished pieces are recorded, so an
+    /// interrupted copy resumes with the pieces it lacks. The file is checked
+    /// against `sha256` before it is used. `copied(bytes)` counts what arrives.
+    pub async fn fetch_from_peer(
+        &self,
+        peer: &shardplane_dataplane::Client,
+        from: &str,
+        key: &str,
+        size: u64,
+        sha256: Option<&str>,
+        copied: impl Fn(u64) + Send + Sync + 'static,
+    ) -> Result<PathBuf, Failure> {
+        let path = self.file_for(key);
+        if !path.is_file() {
+            let partial = path.with_extension("gguf.partial");
+            let io = |e: std::io::Error| Failure {
+                reason: "CacheUnwritable",
+                message: format!("{}: {e}", partial.display()),
+            };
+            let done = pieces_done(&partial, size).map_err(io)?;
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&partial)
+                .map_err(io)?;
+            file.set_len(size).map_err(io)?;
+            let pieces = size.div_ceil(PIECE);
+            let todo: Vec<u64> = (0..pieces).filter(|p| !done.contains(p)).collect();
+            let queue = Arc::new(Mutex::new(todo.into_iter()));
+            let file = Arc::new(file);
+            let record = Arc::new(Mutex::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(pieces_file(&partial))
+                    .map_err(io)?,
+            ));
+            let copied = Arc::new(copied);
+            let workers = (0..COPY_STREAMS).map(|_| {
+                let (peer, queue, file, record, copied) = (
+                    peer.clone(),
+                    queue.clone(),
+                    file.clone(),
+                    record.clone(),
+                    copied.clone(),
+                );
+                let key = key.to_string();
+                async move {
+                    loop {
+                        let Some(piece) = queue.lock().expect("queue lock").next() else {
+                            return Ok::<(), String>(());
+                        };
+                        let offset = piece * PIECE;
+                        let length = PIECE.min(size - offset);
+                        copy_piece(&peer, &key, offset, length, &file, &*copied).await?;
+                        file.sync_data().map_err(|e| e.to_string())?;
+                        writeln!(record.lock().expect("record lock"), "{piece}")
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+            });
+            futures::future::try_join_all(workers)
+                .await
+                .map_err(|message| Failure {
+                    reason: "PeerCopyFailed",
+                    message: format!("copying {key} from {from}: {message}"),
+                })?;
+            std::fs::rename(&partial, &path).map_err(io)?;
+            let _ = std::fs::remove_file(pieces_file(&partial));
+        }
+        self.admit(key, &path, sha256, &format!("{key} from {from}"))
+            .await
+    }
+}
+
+/// Bytes per piece of a peer copy.
+pub const PIECE: u64 = 16 << 20;
+
+/// Parallel streams of a peer copy.
+pub const COPY_STREAMS: usize = 4;
+
+/// The record of a peer copy's finished pieces, beside its partial file.
+fn pieces_file(partial: &Path) -> PathBuf {
+    let mut name = partial.as_os_str().to_owned();
+    name.push(".pieces");
+    PathBuf::from(name)
+}
+
+/// The pieces of `partial` already there: those its record lists, or, for a
+/// partial file without a record (an interrupted download from a URL), the
+/// whole pieces it starts with.
+fn pieces_done(partial: &Path, size: u64) -> std::io::Result<std::collections::BTreeSet<u64>> {
+    let record = pieces_file(partial);
+    let pieces = size.div_ceil(PIECE);
+    match std::fs::read_to_string(&record) {
+        Ok(text) => Ok(text
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .filter(|p| *p < pieces)
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let len = std::fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
+            let whole = if len >= size { pieces } else { len / PIECE };
+            let done: std::collections::BTreeSet<u64> = (0..whole).collect();
+            let mut f = std::fs::File::create(&record)?;
+            for p in &done {
+                writeln!(f, "{p}")?;
+            }
+            Ok(done)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Turns a peer copy's partial file into a plain prefix (for a download from
+/// the start of the missing part): keeps the pieces that run on from the start.
+fn contiguous_prefix(partial: &Path) -> std::io::Result<()> {
+    let record = pieces_file(partial);
+    let Ok(text) = std::fs::read_to_string(&record) else {
+        return Ok(());
+    };
+    let done: std::collections::BTreeSet<u64> =
+        text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let run = (0..).take_while(|p| done.contains(p)).count() as u64;
+    if let Ok(f) = std::fs::OpenOptions::new().write(true).open(partial) {
+        let len = f.metadata()?.len();
+        f.set_len((run * PIECE).min(len))?;
+    }
+    std::fs::remove_file(record)
+}
+
+async fn copy_piece(
+    peer: &shardplane_dataplane::Client,
+    key: &str,
+    offset: u64,
+    length: u64,
+    file: &std::fs::File,
+    copied: &(dyn Fn(u64) + Send + Sync),
+) -> Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    let mut stream = peer
+        .clone()
+        .read_blob(shardplane_dataplane::ReadBlobRequest {
+            key: key.to_string(),
+            offset,
+            length,
+        })
+        .await
+        .map_err(|e| e.message().to_string())?
+        .into_inner();
+    let mut at = offset;
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|e| e.message().to_string())?
+    {
+        if chunk.offset != at || at + chunk.data.len() as u64 > offset + length {
+            return Err(format!(
+                "the peer sent bytes at {} when {at} was expected",
+                chunk.offset
+            ));
+        }
+        file.write_all_at(&chunk.data, at)
+            .map_err(|e| e.to_string())?;
+        at += chunk.data.len() as u64;
+        copied(chunk.data.len() as u64);
+    }
+    if at != offset + length {
+        return Err(format!(
+            "the peer stopped at byte {at} of the piece {offset}..{}",
+            offset + length
+        ));
+    }
+    Ok(())
 }

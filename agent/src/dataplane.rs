@@ -67,7 +67,7 @@ impl Service {
         shards: ShardSet,
         directory: Store<Shard>,
         nodes: Store<InferenceNode>,
-        token: dp::Token,
+        peers: Peers,
         metrics: Metrics,
         cache: Cache,
     ) -> Self {
@@ -77,7 +77,7 @@ impl Service {
             directory,
             nodes,
             addresses: Arc::new(crate::machine::Machine::read().addresses),
-            peers: Peers::new(token),
+            peers,
             metrics,
             cache,
         }

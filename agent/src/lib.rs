@@ -114,9 +114,18 @@ pub async fn run(
             config.cache_dir.display()
         )
     })?;
+    let (shard_directory, shard_directory_task) = directory(client.clone());
+    let (node_directory, node_directory_task) = directory(client.clone());
+    let peers = dataplane::Peers::new(config.token.clone());
     let sources = shards::Sources {
         cache: cache.clone(),
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
+        peers: Some(shards::PeerSources {
+            node: reg.node.clone(),
+            nodes: node_directory.clone(),
+            peers: peers.clone(),
+            addresses: Machine::read().addresses,
+        }),
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),
@@ -126,14 +135,12 @@ pub async fn run(
         sources,
     ));
     let model_task = tokio::spawn(models::run(client.clone()));
-    let (shard_directory, shard_directory_task) = directory(client.clone());
-    let (node_directory, node_directory_task) = directory(client.clone());
     let service = dataplane::Service::new(
         reg.node.clone(),
         shard_set.clone(),
         shard_directory,
         node_directory.clone(),
-        config.token.clone(),
+        peers,
         metrics.clone(),
         cache.clone(),
     );

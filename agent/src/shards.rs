@@ -108,6 +108,73 @@ pub struct Sources {
     pub cache: Cache,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
+    /// Other agents whose caches hold models, tried before the source.
+    pub peers: Option<PeerSources>,
+}
+
+/// Other agents to copy weights from.
+#[derive(Clone)]
+pub struct PeerSources {
+    /// This node's name.
+    pub node: String,
+    /// Every InferenceNode (their cached models, addresses and links).
+    pub nodes: kube::runtime::reflector::Store<shardplane_crds::InferenceNode>,
+    /// Channels to peers' data planes.
+    pub peers: crate::dataplane::Peers,
+    /// This machine's addresses.
+    pub addresses: Vec<shardplane_crds::NodeAddress>,
+}
+
+/// A peer holding a model: who, where, and what it says of the file.
+struct Holder {
+    node: String,
+    endpoint: String,
+    bytes: u64,
+    sha256: Option<String>,
+}
+
+impl PeerSources {
+    /// The peers whose caches hold `key`, best first: the fastest kind of
+    /// link, then the lowest measured latency.
+    fn holders(&self, key: &str) -> Vec<Holder> {
+        use kube::runtime::reflector::ObjectRef;
+        let my_links = self
+            .nodes
+            .get(&ObjectRef::new(&self.node))
+            .and_then(|n| n.status.clone())
+            .map(|s| s.links)
+            .unwrap_or_default();
+        let mut found: Vec<(u8, u32, Holder)> = self
+            .nodes
+            .state()
+            .iter()
+            .filter_map(|n| {
+                let name = n.metadata.name.clone()?;
+                let status = n.status.as_ref()?;
+                if name == self.node || status.draining {
+                    return None;
+                }
+                let model = status.cached_models.iter().find(|m| m.key == key)?;
+                let route = crate::links::route(&self.addresses, status)?;
+                let latency = my_links
+                    .iter()
+                    .find(|l| l.node == name)
+                    .map_or(u32::MAX, |l| l.latency_micros);
+                Some((
+                    crate::machine::link_rank(route.kind),
+                    latency,
+                    Holder {
+                        node: name,
+                        endpoint: route.endpoint,
+                        bytes: model.bytes,
+                        sha256: model.sha256.clone(),
+                    },
+                ))
+            })
+            .collect();
+        found.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.into_iter().map(|(_, _, h)| h).collect()
+    }
 }
 
 /// Watches the Shards bound to `node` and runs them until the stream ends.
@@ -279,7 +346,7 @@ async fn bring_up(
         &status(ShardPhase::Downloading, "checking the weights".into()),
     )
     .await;
-    let path = fetch(client, shard, sources).await?;
+    let path = fetch(client, shard, sources, metrics).await?;
 
     let _ = write_status(
         client,
@@ -345,7 +412,12 @@ async fn bring_up(
 }
 
 /// Makes sure the weights are on this node; returns their path.
-async fn fetch(client: &Client, shard: &Shard, sources: &Sources) -> Result<PathBuf, Failure> {
+async fn fetch(
+    client: &Client,
+    shard: &Shard,
+    sources: &Sources,
+    metrics: &Metrics,
+) -> Result<PathBuf, Failure> {
     if shard.spec.format != ModelFormat::Gguf {
         return Err(Failure {
             reason: "FormatNotSupported",
@@ -391,6 +463,49 @@ async fn fetch(client: &Client, shard: &Shard, sources: &Sources) -> Result<Path
             }
         })
     };
+    let key = shard.spec.source.cache_key();
+    if sources.cache.complete_file(&key).is_none()
+        && let Some(peers) = &sources.peers
+    {
+        for holder in peers.holders(&key) {
+            let Ok(client) = peers.peers.client(&holder.endpoint) else {
+                continue;
+            };
+            let (done_bytes, counter) = (
+                done.clone(),
+                metrics.download_bytes.with_label_values(&["peer"]),
+            );
+            total.store(holder.bytes, std::sync::atomic::Ordering::Relaxed);
+            let from = format!("node {} ({})", holder.node, holder.endpoint);
+            let copied = sources
+                .cache
+                .fetch_from_peer(
+                    &client,
+                    &from,
+                    &key,
+                    holder.bytes,
+                    sha256.as_deref().or(holder.sha256.as_deref()),
+                    move |n| {
+                        done_bytes.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                        counter.inc_by(n);
+                    },
+                )
+                .await;
+            match copied {
+                Ok(path) => {
+                    reporter.abort();
+                    tracing::info!(%key, %from, "copied from a peer");
+                    return Ok(path);
+                }
+                Err(f) => {
+                    tracing::warn!(%key, %from, reason = f.reason, message = %f.message, "peer copy failed; trying the next source");
+                    done.store(0, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    let counter = metrics.download_bytes.with_label_values(&["url"]);
+    let counted = std::sync::atomic::AtomicU64::new(0);
     let result = sources
         .cache
         .fetch(
@@ -401,6 +516,8 @@ async fn fetch(client: &Client, shard: &Shard, sources: &Sources) -> Result<Path
                 use std::sync::atomic::Ordering::Relaxed;
                 done.store(d, Relaxed);
                 total.store(t.unwrap_or(0), Relaxed);
+                let before = counted.swap(d, Relaxed);
+                counter.inc_by(d.saturating_sub(before));
             },
         )
         .await;

@@ -75,32 +75,6 @@ async fn metrics(admin: &str) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// Serves the test model at `/m.gguf` on loopback; records Range headers.
-async fn serve_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    use axum::extract::Request;
-    use axum::middleware::{self, Next};
-    let ranges = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = ranges.clone();
-    let app = axum::Router::new()
-        .route_service(
-            "/m.gguf",
-            tower_http::services::ServeFile::new(shardplane_testkit::test_model()),
-        )
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            let seen = seen.clone();
-            async move {
-                if let Some(r) = req.headers().get("range").and_then(|v| v.to_str().ok()) {
-                    seen.lock().unwrap().push(r.to_string());
-                }
-                next.run(req).await
-            }
-        }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (base, ranges)
-}
-
 fn mem_total() -> u64 {
     let info = std::fs::read_to_string("/proc/meminfo").unwrap();
     let kib: u64 = info
@@ -198,7 +172,7 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
 
     // A url source is downloaded into the cache, resuming an interrupted
     // download, verified, and listed in the node's status.
-    let (base, ranges) = serve_model().await;
+    let (base, ranges) = shardplane_testkit::serve_test_model().await;
     let url = format!("{base}/m.gguf");
     let key = format!("url:{url}");
     let bytes = std::fs::read(&model).unwrap();

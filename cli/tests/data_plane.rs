@@ -22,7 +22,16 @@ use tokio_stream::wrappers::ReceiverStream;
 const WAIT: Duration = Duration::from_secs(90);
 
 fn agent(node: &str) -> Process {
-    let admin = free_address().to_string();
+    agent_with_admin(node, &free_address().to_string())
+}
+
+fn cache_of(node: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("agent-cache")
+        .join(node)
+}
+
+fn agent_with_admin(node: &str, admin: &str) -> Process {
     let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("agent-cache")
         .join(node);
@@ -33,7 +42,7 @@ fn agent(node: &str) -> Process {
             "--node-name",
             node,
             "--admin-address",
-            &admin,
+            admin,
             "--lease-seconds",
             "3",
             "--cache-dir",
@@ -428,4 +437,113 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         );
         assert!(link.bandwidth_mbps.unwrap() > 100, "{link:?}");
     }
+}
+
+async fn metric(admin: &str, name: &str) -> f64 {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .await
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted_copy() {
+    let client_k = control_plane().client().await.unwrap();
+    let ns = control_plane()
+        .namespace(&client_k, "peercopy")
+        .await
+        .unwrap();
+    let (a, b) = (unique_name("pc-a"), unique_name("pc-b"));
+    let (admin_a, admin_b) = (free_address().to_string(), free_address().to_string());
+    let _a = agent_with_admin(&a, &admin_a);
+    let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
+    let nodes: Api<InferenceNode> = Api::all(client_k.clone());
+    let (base, log) = shardplane_testkit::serve_test_model().await;
+    let source = ModelSource::Url(UrlSource {
+        url: format!("{base}/m.gguf"),
+        sha256: None,
+    });
+    let key = source.cache_key();
+    let ready = |name: &'static str| {
+        let shards = shards.clone();
+        async move {
+            shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
+                let st = shards.get(name).await.ok()?.status?;
+                if st.phase == Some(ShardPhase::Failed) {
+                    panic!("{name} failed: {st:?}");
+                }
+                (st.phase == Some(ShardPhase::Ready)).then_some(())
+            })
+            .await
+        }
+    };
+
+    // A downloads the model from its URL and lists it.
+    let mut first = fixtures::shard("first", &a, 0, 1, LayerRange { start: 0, end: 30 });
+    first.spec.source = source.clone();
+    shards.create(&PostParams::default(), &first).await.unwrap();
+    ready("first-0-0").await;
+    shardplane_testkit::eventually("A lists the model", WAIT, || async {
+        let st = nodes.get(&a).await.ok()?.status?;
+        st.cached_models.iter().any(|m| m.key == key).then_some(())
+    })
+    .await;
+    let downloads = log.lock().unwrap().len();
+    assert!(downloads >= 1);
+
+    // B already has two pieces of an interrupted copy.
+    let model = std::fs::read(shardplane_testkit::test_model()).unwrap();
+    let piece = shardplane_agent::cache::PIECE as usize;
+    let cache_b =
+        shardplane_agent::cache::Cache::new(cache_of(&b), reqwest::Client::new()).unwrap();
+    let partial = cache_b.file_for(&key).with_extension("gguf.partial");
+    std::fs::write(&partial, &model[..2 * piece]).unwrap();
+    let mut pieces = partial.as_os_str().to_owned();
+    pieces.push(".pieces");
+    std::fs::write(&pieces, "0\n1\n").unwrap();
+
+    // B gets a shard of the same model: it copies the rest from A, not from the URL.
+    let _b = agent_with_admin(&b, &admin_b);
+    let mut second = fixtures::shard("second", &b, 0, 1, LayerRange { start: 0, end: 30 });
+    second.spec.source = source.clone();
+    shards
+        .create(&PostParams::default(), &second)
+        .await
+        .unwrap();
+    ready("second-0-0").await;
+    assert_eq!(
+        log.lock().unwrap().len(),
+        downloads,
+        "no request went to the URL"
+    );
+    assert_eq!(
+        std::fs::read(cache_b.file_for(&key)).unwrap(),
+        model,
+        "the copy is whole"
+    );
+    assert!(!partial.exists() && !std::path::Path::new(&pieces).exists());
+    let served = metric(&admin_a, "shardplane_agent_peer_bytes_served_total").await;
+    assert_eq!(
+        served as usize,
+        model.len() - 2 * piece,
+        "only the missing pieces travelled"
+    );
+    let fetched = metric(
+        &admin_b,
+        "shardplane_agent_download_bytes_total{source=\"peer\"}",
+    )
+    .await;
+    assert_eq!(fetched as usize, model.len() - 2 * piece);
+    let listed = shardplane_testkit::eventually("B lists the model", WAIT, || async {
+        let st = nodes.get(&b).await.ok()?.status?;
+        st.cached_models.into_iter().find(|m| m.key == key)
+    })
+    .await;
+    assert_eq!(listed.bytes as usize, model.len());
 }

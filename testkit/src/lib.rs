@@ -302,3 +302,33 @@ pub fn token_file() -> &'static Path {
         path
     })
 }
+
+/// Serves the test model at `/m.gguf` on loopback; returns the base URL and
+/// the log of requests for it: each request's Range header, or `full`.
+pub async fn serve_test_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::extract::Request;
+    use axum::middleware::{self, Next};
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = log.clone();
+    let app = axum::Router::new()
+        .route_service(
+            "/m.gguf",
+            tower_http::services::ServeFile::new(test_model()),
+        )
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let seen = seen.clone();
+            async move {
+                let range = req.headers().get("range").and_then(|v| v.to_str().ok());
+                seen.lock()
+                    .expect("log lock")
+                    .push(range.unwrap_or("full").to_string());
+                next.run(req).await
+            }
+        }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("bound"));
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve the model") });
+    (base, log)
+}
