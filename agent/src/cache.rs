@@ -199,7 +199,31 @@ impl Cache {
         sha256: Option<&str>,
         from: &str,
     ) -> Result<PathBuf, Failure> {
-        let actual = match verify_sha256(path, sha256, from).await {
+        self.admit_hashed(key, path, sha256, None, from).await
+    }
+
+    /// As [`Cache::admit`], with the file's SHA-256 already computed when `hashed`.
+    async fn admit_hashed(
+        &self,
+        key: &str,
+        path: &Path,
+        sha256: Option<&str>,
+        hashed: Option<String>,
+        from: &str,
+    ) -> Result<PathBuf, Failure> {
+        let checked = match hashed {
+            Some(actual) => match sha256 {
+                Some(expected) if actual != expected => Err(Failure {
+                    reason: "ChecksumMismatch",
+                    message: format!(
+                        "{from} has SHA-256 {actual}, expected {expected}: the file is corrupt or another file"
+                    ),
+                }),
+                _ => Ok(actual),
+            },
+            None => verify_sha256(path, sha256, from).await,
+        };
+        let actual = match checked {
             Err(mut e) if e.reason == "ChecksumMismatch" => {
                 let _ = std::fs::remove_file(&path);
                 e.message.push_str(" (the download was discarded)");
@@ -261,13 +285,16 @@ impl Cache {
                     .map_err(io)?,
             ));
             let copied = Arc::new(copied);
+            // The file is hashed in order while later pieces still travel.
+            let (finished, hasher) = ordered_hasher(partial.clone(), size, done.clone());
             let workers = (0..COPY_STREAMS).map(|_| {
-                let (peer, queue, file, record, copied) = (
+                let (peer, queue, file, record, copied, finished) = (
                     peer.clone(),
                     queue.clone(),
                     file.clone(),
                     record.clone(),
                     copied.clone(),
+                    finished.clone(),
                 );
                 let key = key.to_string();
                 async move {
@@ -281,17 +308,35 @@ impl Cache {
                         file.sync_data().map_err(|e| e.to_string())?;
                         writeln!(record.lock().expect("record lock"), "{piece}")
                             .map_err(|e| e.to_string())?;
+                        let _ = finished.send(piece);
                     }
                 }
             });
-            futures::future::try_join_all(workers)
+            let copy = futures::future::try_join_all(workers).await;
+            drop(finished);
+            copy.map_err(|message| Failure {
+                reason: "PeerCopyFailed",
+                message: format!("copying {key} from {from}: {message}"),
+            })?;
+            let hashed = hasher
                 .await
-                .map_err(|message| Failure {
-                    reason: "PeerCopyFailed",
-                    message: format!("copying {key} from {from}: {message}"),
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()))
+                .map_err(|e| Failure {
+                    reason: "WeightsUnreadable",
+                    message: format!("{}: {e}", partial.display()),
                 })?;
             std::fs::rename(&partial, &path).map_err(io)?;
             let _ = std::fs::remove_file(pieces_file(&partial));
+            return self
+                .admit_hashed(
+                    key,
+                    &path,
+                    sha256,
+                    Some(hashed),
+                    &format!("{key} from {from}"),
+                )
+                .await;
         }
         self.admit(key, &path, sha256, &format!("{key} from {from}"))
             .await
@@ -335,6 +380,52 @@ fn pieces_done(partial: &Path, size: u64) -> std::io::Result<std::collections::B
         }
         Err(e) => Err(e),
     }
+}
+
+/// Hashes `path`'s pieces in order as they are reported finished (those in
+/// `done` already are); resolves to the file's SHA-256 once every piece has
+/// been hashed, or to an error if the reports stop first.
+fn ordered_hasher(
+    path: PathBuf,
+    size: u64,
+    done: std::collections::BTreeSet<u64>,
+) -> (
+    std::sync::mpsc::Sender<u64>,
+    tokio::task::JoinHandle<std::io::Result<String>>,
+) {
+    use std::os::unix::fs::FileExt;
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let handle = tokio::task::spawn_blocking(move || {
+        let file = std::fs::File::open(&path)?;
+        let pieces = size.div_ceil(PIECE);
+        let mut ready = done;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; PIECE as usize];
+        let mut next = 0;
+        loop {
+            while ready.remove(&next) {
+                let offset = next * PIECE;
+                let len = PIECE.min(size - offset) as usize;
+                file.read_exact_at(&mut buf[..len], offset)?;
+                hasher.update(&buf[..len]);
+                next += 1;
+            }
+            if next >= pieces {
+                return Ok(hex(&hasher.finalize()));
+            }
+            match rx.recv() {
+                Ok(p) => {
+                    ready.insert(p);
+                }
+                Err(_) => {
+                    return Err(std::io::Error::other(
+                        "the copy stopped before every piece arrived",
+                    ));
+                }
+            }
+        }
+    });
+    (tx, handle)
 }
 
 /// Turns a peer copy's partial file into a plain prefix (for a download from

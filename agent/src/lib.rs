@@ -158,6 +158,7 @@ pub async fn run(
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20))
+            .max_frame_size(shardplane_dataplane::MAX_FRAME_BYTES)
             .add_service(service.into_server(config.token.clone()))
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(data_listener).with_nodelay(Some(true)),

@@ -22,6 +22,10 @@ use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
+/// The largest HTTP/2 frame either side accepts: bulk copies and prefill
+/// chunks go in few frames instead of thousands of 16 KiB ones.
+pub const MAX_FRAME_BYTES: u32 = 1 << 20;
+
 /// The largest message either side accepts: a prefill chunk of hidden states.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -124,16 +128,17 @@ pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, String> {
         .keep_alive_timeout(std::time::Duration::from_secs(10))
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20))
+        .max_frame_size(MAX_FRAME_BYTES)
         .connect_lazy())
 }
 
 /// Encodes f32 rows as little-endian bytes.
-pub fn encode_f32(values: &[f32]) -> Vec<u8> {
+pub fn encode_f32(values: &[f32]) -> prost::bytes::Bytes {
     let mut out = Vec::with_capacity(values.len() * 4);
     for v in values {
         out.extend_from_slice(&v.to_le_bytes());
     }
-    out
+    out.into()
 }
 
 /// Decodes hidden states, checking their shape.

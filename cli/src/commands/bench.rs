@@ -39,7 +39,17 @@ pub struct BenchArgs {
     /// The head Shard to measure, `namespace/name` (with `--endpoint`).
     #[arg(long)]
     shard: Option<String>,
-    /// The data-plane token file (with `--endpoint`).
+    /// Measure a peer copy instead: copy the cached model `--copy-key` from
+    /// the agent whose data plane is at this endpoint into `--copy-to`.
+    #[arg(long, requires_all = ["copy_key", "copy_to", "token_file"], conflicts_with = "endpoint")]
+    copy_from: Option<String>,
+    /// The cache key of the model to copy (with `--copy-from`).
+    #[arg(long)]
+    copy_key: Option<String>,
+    /// An empty directory to copy into (with `--copy-from`).
+    #[arg(long)]
+    copy_to: Option<std::path::PathBuf>,
+    /// The data-plane token file (with `--endpoint` or `--copy-from`).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
 }
@@ -63,6 +73,9 @@ struct Report<'a> {
 
 /// Runs the benchmark and prints the report.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(endpoint) = &args.copy_from {
+        return copy(&args, endpoint);
+    }
     if let Some(threads) = args.threads {
         let wanted = threads.to_string();
         if std::env::var("RAYON_NUM_THREADS").ok().as_deref() != Some(wanted.as_str()) {
@@ -186,4 +199,67 @@ fn load_average() -> Option<f64> {
         .next()?
         .parse()
         .ok()
+}
+
+#[derive(Serialize)]
+struct CopyReport {
+    bytes: u64,
+    runs: usize,
+    seconds: bench::Spread,
+    gigabytes_per_second: bench::Spread,
+}
+
+/// Times peer copies of one cached model into a fresh cache, `runs` times.
+fn copy(args: &BenchArgs, endpoint: &str) -> anyhow::Result<()> {
+    let key = args.copy_key.clone().context("--copy-key")?;
+    let dir = args.copy_to.clone().context("--copy-to")?;
+    let token =
+        shardplane_dataplane::Token::from_file(args.token_file.as_deref().context("--token-file")?)
+            .map_err(anyhow::Error::msg)?;
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let client = shardplane_dataplane::client(
+            shardplane_dataplane::channel(endpoint).map_err(anyhow::Error::msg)?,
+            token,
+        );
+        // The size, from the first chunk of the file.
+        let mut probe = client
+            .clone()
+            .read_blob(shardplane_dataplane::ReadBlobRequest {
+                key: key.clone(),
+                offset: 0,
+                length: 1,
+            })
+            .await?
+            .into_inner();
+        let size = probe.message().await?.context("empty answer")?.size;
+        let (mut seconds, mut rates) = (Vec::new(), Vec::new());
+        for run in 0..=args.runs {
+            let _ = std::fs::remove_dir_all(&dir);
+            let cache = shardplane_agent::cache::Cache::new(dir.clone(), reqwest_client()?)?;
+            let start = std::time::Instant::now();
+            cache
+                .fetch_from_peer(&client, endpoint, &key, size, None, |_| {})
+                .await
+                .map_err(|f| anyhow::anyhow!("{}: {}", f.reason, f.message))?;
+            // Hashing the copy is part of every copy; it is timed too.
+            let secs = start.elapsed().as_secs_f64();
+            if run > 0 {
+                seconds.push(secs);
+                rates.push(size as f64 / secs / 1e9);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let report = CopyReport {
+            bytes: size,
+            runs: args.runs,
+            seconds: bench::Spread::of(seconds),
+            gigabytes_per_second: bench::Spread::of(rates),
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        Ok(())
+    })
+}
+
+fn reqwest_client() -> anyhow::Result<reqwest::Client> {
+    shardplane_models::http_client().map_err(anyhow::Error::msg)
 }
