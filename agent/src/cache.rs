@@ -18,6 +18,16 @@ pub struct Cache {
     http: reqwest::Client,
     entries: Arc<Mutex<BTreeMap<String, CachedModel>>>,
     changed: Arc<tokio::sync::Notify>,
+    budget: Option<u64>,
+    pins: Arc<Mutex<BTreeMap<String, usize>>>,
+}
+
+/// What the cache knows of a file, kept beside it (`<file>.json`) so the
+/// listing survives restarts.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Sidecar {
+    key: String,
+    sha256: Option<String>,
 }
 
 /// Why weights could not be had: a reason for the Shard's status and a message.
@@ -78,15 +88,140 @@ pub async fn verify_sha256(
 }
 
 impl Cache {
-    /// A cache in `dir` (created if missing).
+    /// A cache in `dir` (created if missing) without a size budget; the
+    /// models already there are listed.
     pub fn new(dir: PathBuf, http: reqwest::Client) -> std::io::Result<Self> {
         std::fs::create_dir_all(&dir)?;
+        let mut entries = BTreeMap::new();
+        for entry in std::fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let model = path.with_extension("gguf");
+            let (Ok(text), Ok(meta)) = (std::fs::read_to_string(&path), std::fs::metadata(&model))
+            else {
+                continue;
+            };
+            if let Ok(side) = serde_json::from_str::<Sidecar>(&text) {
+                entries.insert(
+                    side.key.clone(),
+                    CachedModel {
+                        key: side.key,
+                        bytes: meta.len(),
+                        sha256: side.sha256,
+                    },
+                );
+            }
+        }
         Ok(Cache {
             dir,
             http,
-            entries: Arc::default(),
+            entries: Arc::new(Mutex::new(entries)),
             changed: Arc::default(),
+            budget: None,
+            pins: Arc::default(),
         })
+    }
+
+    /// Keeps the cache within `bytes`: least recently used models no shard
+    /// uses are evicted to make room.
+    pub fn with_budget(mut self, bytes: Option<u64>) -> Self {
+        self.budget = bytes;
+        self
+    }
+
+    /// Marks `key` as used by a shard: it is never evicted while pinned.
+    pub fn pin(&self, key: &str) {
+        *self
+            .pins
+            .lock()
+            .expect("pin lock")
+            .entry(key.to_string())
+            .or_default() += 1;
+    }
+
+    /// Undoes one [`Cache::pin`].
+    pub fn unpin(&self, key: &str) {
+        let mut pins = self.pins.lock().expect("pin lock");
+        if let Some(n) = pins.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(key);
+            }
+        }
+    }
+
+    /// Bytes of the models in the cache.
+    pub fn total_bytes(&self) -> u64 {
+        self.entries
+            .lock()
+            .expect("cache lock")
+            .values()
+            .map(|m| m.bytes)
+            .sum()
+    }
+
+    /// Evicts least recently used, unpinned models until `needed` more bytes
+    /// fit the budget; returns the evicted keys. Pinned models stay even when
+    /// the budget cannot be met.
+    pub fn make_room(&self, needed: u64) -> Vec<String> {
+        let Some(budget) = self.budget else {
+            return Vec::new();
+        };
+        let pins = self.pins.lock().expect("pin lock").clone();
+        let mut entries = self.entries.lock().expect("cache lock");
+        let mut total: u64 = entries.values().map(|m| m.bytes).sum();
+        let mut idle: Vec<(std::time::SystemTime, String)> = entries
+            .keys()
+            .filter(|k| !pins.contains_key(*k))
+            .map(|k| {
+                let used = std::fs::metadata(self.file_for(k))
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                (used, k.clone())
+            })
+            .collect();
+        idle.sort();
+        let mut evicted = Vec::new();
+        for (_, key) in idle {
+            if total + needed <= budget {
+                break;
+            }
+            let path = self.file_for(&key);
+            if std::fs::remove_file(&path).is_ok() || !path.exists() {
+                let _ = std::fs::remove_file(path.with_extension("json"));
+                if let Some(m) = entries.remove(&key) {
+                    total -= m.bytes;
+                }
+                tracing::info!(%key, "evicted from the cache (least recently used)");
+                evicted.push(key);
+            }
+        }
+        if total + needed > budget {
+            tracing::warn!(
+                total,
+                needed,
+                budget,
+                "the cache is over its budget: every remaining model is in use"
+            );
+        }
+        drop(entries);
+        if !evicted.is_empty() {
+            self.changed.notify_waiters();
+        }
+        evicted
+    }
+
+    /// Records that `key`'s file was just used (its modification time orders
+    /// eviction).
+    fn touch(&self, key: &str) {
+        if let Ok(f) = std::fs::File::options()
+            .append(true)
+            .open(self.file_for(key))
+        {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
     }
 
     /// The models in the cache, for the node's status.
@@ -232,6 +367,15 @@ impl Cache {
             other => other?,
         };
         let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        let side = Sidecar {
+            key: key.to_string(),
+            sha256: Some(actual.clone()),
+        };
+        let _ = std::fs::write(
+            path.with_extension("json"),
+            serde_json::to_vec(&side).unwrap_or_default(),
+        );
+        self.touch(key);
         self.entries.lock().expect("cache lock").insert(
             key.to_string(),
             CachedModel {
@@ -488,4 +632,68 @@ async fn copy_piece(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn http() -> reqwest::Client {
+        shardplane_models::http_client().unwrap()
+    }
+
+    fn put(cache: &Cache, key: &str, bytes: usize, age_secs: u64) {
+        let path = cache.file_for(key);
+        std::fs::write(&path, vec![7u8; bytes]).unwrap();
+        let side = Sidecar {
+            key: key.into(),
+            sha256: None,
+        };
+        std::fs::write(
+            path.with_extension("json"),
+            serde_json::to_vec(&side).unwrap(),
+        )
+        .unwrap();
+        let when = std::time::SystemTime::now() - std::time::Duration::from_secs(age_secs);
+        std::fs::File::options()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(when)
+            .unwrap();
+    }
+
+    #[test]
+    fn the_budget_evicts_the_least_recently_used_models_no_shard_uses() {
+        let dir = tempfile::tempdir().unwrap();
+        let setup = Cache::new(dir.path().into(), http()).unwrap();
+        put(&setup, "old", 400, 300);
+        put(&setup, "older-but-pinned", 400, 600);
+        put(&setup, "recent", 400, 10);
+        // A restart lists what is there.
+        let cache = Cache::new(dir.path().into(), http())
+            .unwrap()
+            .with_budget(Some(1000));
+        let mut keys: Vec<_> = cache.listed().into_iter().map(|m| m.key).collect();
+        keys.sort();
+        assert_eq!(keys, ["old", "older-but-pinned", "recent"]);
+        assert_eq!(cache.total_bytes(), 1200);
+
+        cache.pin("older-but-pinned");
+        assert_eq!(cache.make_room(0), ["old"]);
+        assert!(!cache.file_for("old").exists());
+        assert!(!cache.file_for("old").with_extension("json").exists());
+        assert_eq!(cache.total_bytes(), 800);
+        // Room for 500 more: the unpinned one goes, the pinned one stays even
+        // though the budget cannot be met.
+        assert_eq!(cache.make_room(500), ["recent"]);
+        assert_eq!(cache.make_room(500), Vec::<String>::new());
+        assert!(cache.complete_file("older-but-pinned").is_some());
+        cache.unpin("older-but-pinned");
+        assert_eq!(cache.make_room(700), ["older-but-pinned"]);
+        // Without a budget nothing is evicted.
+        put(&setup, "kept", 5000, 0);
+        let unlimited = Cache::new(dir.path().into(), http()).unwrap();
+        assert!(unlimited.make_room(1 << 40).is_empty());
+    }
 }

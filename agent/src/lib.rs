@@ -47,6 +47,9 @@ pub struct AgentConfig {
     pub cache_dir: std::path::PathBuf,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
+    /// The most bytes the cache may hold (least recently used models no
+    /// shard uses are evicted); unlimited when unset.
+    pub cache_budget: Option<u64>,
     /// Where the gRPC data plane listens (port 0 picks a free one).
     pub data_plane_address: SocketAddr,
     /// The `host:port` peers reach the data plane at; derived from the
@@ -108,12 +111,15 @@ pub async fn run(
 
     let shard_set = shards::ShardSet::new(&endpoint);
     let http = shardplane_models::http_client()?;
-    let cache = cache::Cache::new(config.cache_dir.clone(), http).map_err(|e| {
-        format!(
-            "cannot use cache directory {}: {e}",
-            config.cache_dir.display()
-        )
-    })?;
+    let cache = cache::Cache::new(config.cache_dir.clone(), http)
+        .map_err(|e| {
+            format!(
+                "cannot use cache directory {}: {e}",
+                config.cache_dir.display()
+            )
+        })?
+        .with_budget(config.cache_budget);
+    cache.make_room(0);
     let (shard_directory, shard_directory_task) = directory(client.clone());
     let (node_directory, node_directory_task) = directory(client.clone());
     let peers = dataplane::Peers::new(config.token.clone());
@@ -185,6 +191,7 @@ pub async fn run(
                     _ = tokio::time::sleep(renew_every) => false,
                     _ = cache.changed() => true,
                 };
+                metrics.cache_bytes.set(cache.total_bytes() as i64);
                 for stage in shard_set.all_served() {
                     metrics
                         .sequences

@@ -195,7 +195,7 @@ pub async fn run(
                 seen_during_init.insert(key(&s));
                 ensure(&client, s, &shards, &metrics, &sources);
             }
-            Ok(watcher::Event::Delete(s)) => unload(&key(&s), &shards, &metrics),
+            Ok(watcher::Event::Delete(s)) => unload(&key(&s), &shards, &metrics, &sources.cache),
             Ok(watcher::Event::Init) => seen_during_init.clear(),
             Ok(watcher::Event::InitDone) => {
                 // Shards deleted while the watch was down.
@@ -208,7 +208,7 @@ pub async fn run(
                     .cloned()
                     .collect();
                 for k in gone {
-                    unload(&k, &shards, &metrics);
+                    unload(&k, &shards, &metrics, &sources.cache);
                 }
             }
             Err(e) => tracing::warn!(error = %e, "shard watch failed; retrying"),
@@ -245,8 +245,9 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
     }
 }
 
-fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics) {
+fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
     if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
+        cache.unpin(&l.spec.source.cache_key());
         // In-flight sequences hold the stage until their streams end.
         metrics.weight_bytes.sub(l.worker.weight_bytes as i64);
         metrics.forget_shard(&l.name);
@@ -272,6 +273,9 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         return;
     }
     set_phase(shards, metrics, &k, Some(ShardPhase::Downloading));
+    // The weights stay in the cache while the shard runs.
+    let cache_key = shard.spec.source.cache_key();
+    sources.cache.pin(&cache_key);
     let (client, shards, metrics, sources) = (
         client.clone(),
         shards.clone(),
@@ -292,6 +296,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 ..Default::default()
             },
             Err(f) => {
+                sources.cache.unpin(&cache_key);
                 tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed");
                 ShardStatus {
                     phase: Some(ShardPhase::Failed),
@@ -471,6 +476,7 @@ async fn fetch(
             let Ok(client) = peers.peers.client(&holder.endpoint) else {
                 continue;
             };
+            sources.cache.make_room(holder.bytes);
             let (done_bytes, counter) = (
                 done.clone(),
                 metrics.download_bytes.with_label_values(&["peer"]),
@@ -494,6 +500,7 @@ async fn fetch(
             match copied {
                 Ok(path) => {
                     reporter.abort();
+                    sources.cache.make_room(0);
                     tracing::info!(%key, %from, "copied from a peer");
                     return Ok(path);
                 }
@@ -522,6 +529,7 @@ async fn fetch(
         )
         .await;
     reporter.abort();
+    sources.cache.make_room(0);
     result
 }
 

@@ -43,6 +43,10 @@ pub struct AgentArgs {
         default_value = "/var/lib/shardplane/cache"
     )]
     cache_dir: PathBuf,
+    /// The most the cache may hold (e.g. `200Gi`): least recently used
+    /// models no shard uses are evicted to make room. Unlimited when unset.
+    #[arg(long, env = "SHARDPLANE_CACHE_BUDGET")]
+    cache_budget: Option<String>,
     /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
     #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_models::HUGGING_FACE_HUB)]
     hugging_face_endpoint: String,
@@ -107,6 +111,11 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         data_plane_address: args.data_plane_address,
         advertise_address: args.advertise_address,
         token,
+        cache_budget: args
+            .cache_budget
+            .as_deref()
+            .map(parse_bytes_str)
+            .transpose()?,
         probe_links_every: Duration::from_secs(args.probe_links_seconds.max(1)),
     };
     tokio::runtime::Runtime::new()?.block_on(async {
