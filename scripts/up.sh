@@ -6,8 +6,9 @@
 #
 #   scripts/up.sh [--agents N] [--manifests DIR]
 #
-# Agents 0 and 1 join the daily pool, the others the reasoning pool. The
-# gateway and the data plane (chatting with the model) are not built yet.
+# Agents 0 and 1 join the daily pool, the others the reasoning pool. Once both
+# deployments are Ready, each answers one chat over the data plane. (The
+# OpenAI-compatible gateway is not built yet.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 AGENTS=5
@@ -77,13 +78,27 @@ if ! kubectl wait --for=condition=Ready --timeout=300s modeldeployment --all >/d
 fi
 kubectl get shardplane
 
+# Every deployment answers: one short chat through each instance's head stage.
+chat_lines=()
+while read -r ns name endpoint dep; do
+  [ -n "$endpoint" ] || continue
+  line="$bin generate --endpoint $endpoint --shard $ns/$name --token-file $TOKEN_FILE --chat --prompt 'Why is the sky blue?' --max-tokens 64"
+  chat_lines+=("$line")
+  echo
+  echo "$dep ($ns/$name at $endpoint) says:"
+  "$bin" generate --endpoint "$endpoint" --shard "$ns/$name" --token-file "$TOKEN_FILE" \
+    --chat --prompt "In one sentence, what is a GPU?" --max-tokens 48
+done < <(kubectl get shards -A -o jsonpath='{range .items[?(@.spec.stage==0)]}{.metadata.namespace} {.metadata.name} {.status.endpoint} {.spec.deployment}{"\n"}{end}')
+
 cat <<MSG
 
-shardplane is up: operator, $AGENTS agents, the quickstart deployments Ready.
+shardplane is up: operator, $AGENTS agents, the quickstart deployments Ready and answering.
   export KUBECONFIG=$KUBECONFIG
   kubectl get shardplane
   kubectl get shards -o wide
   curl -s 127.0.0.1:9090/metrics | grep shardplane_
+Chat with a deployment through its head stage's data plane:
+$(printf '  %s\n' "${chat_lines[@]}")
 Press Ctrl-C to stop everything.
 MSG
 # `wait` returns on a signal (a foreground sleep would hold the trap back).

@@ -360,7 +360,7 @@ impl Cache {
         };
         let actual = match checked {
             Err(mut e) if e.reason == "ChecksumMismatch" => {
-                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_file(path);
                 e.message.push_str(" (the download was discarded)");
                 return Err(e);
             }

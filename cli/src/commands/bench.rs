@@ -91,7 +91,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let load_before = load_average();
     let (figures, stages) = if let Some(endpoint) = &args.endpoint {
-        let file = shardplane_engine::gguf::GgufFile::open(&args.model.model)?;
+        let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;
         let text = shardplane_engine::pipeline::TextModel::from_gguf(&file)?;
         let token_file = args.token_file.as_deref().context("--token-file")?;
         let remote = super::bench_remote::Remote {
@@ -126,7 +126,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let report = Report {
         engine: &args.model.engine,
-        model: args.model.model.display().to_string(),
+        model: args.model.path()?.display().to_string(),
         stages,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()

@@ -50,10 +50,23 @@ pub struct GenerateArgs {
     /// Print the generated token ids to stderr.
     #[arg(long)]
     print_tokens: bool,
+    /// Generate on a running pipeline instead: the data-plane endpoint
+    /// (`host:port`) of its head stage.
+    #[arg(long, requires_all = ["shard", "token_file"])]
+    endpoint: Option<String>,
+    /// The head Shard, `namespace/name` (with `--endpoint`).
+    #[arg(long)]
+    shard: Option<String>,
+    /// The data-plane token file (with `--endpoint`).
+    #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
+    token_file: Option<std::path::PathBuf>,
 }
 
 /// Generates and streams the text to stdout.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if let Some(endpoint) = &args.endpoint {
+        return remote(&args, endpoint);
+    }
     let (mut pipeline, text) = args.model.load()?;
     let prompt = if args.chat {
         let mut messages = Vec::new();
@@ -89,4 +102,77 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         eprintln!("tokens: {:?}", generation.tokens);
     }
     Ok(())
+}
+
+/// Generates on a running pipeline through its head stage's data plane.
+fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use shardplane_dataplane as dp;
+    let shard = args.shard.as_deref().context("--shard")?;
+    let (namespace, name) = shard
+        .split_once('/')
+        .with_context(|| format!("--shard {shard:?} is not namespace/name"))?;
+    let token = dp::Token::from_file(args.token_file.as_deref().context("--token-file")?)
+        .map_err(anyhow::Error::msg)?;
+    let input = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(dp::ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+            });
+        }
+        messages.push(dp::ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        });
+        dp::generate_request::Input::Chat(dp::Conversation { messages })
+    } else {
+        dp::generate_request::Input::Prompt(args.prompt.clone())
+    };
+    let request = dp::GenerateRequest {
+        shard: Some(dp::ShardRef {
+            namespace: namespace.into(),
+            name: name.into(),
+        }),
+        input: Some(input),
+        sampling: Some(dp::Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k.unwrap_or(0) as u32,
+            top_p: args.top_p.unwrap_or(0.0),
+            min_p: args.min_p.unwrap_or(0.0),
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+            max_tokens: args.max_tokens as u32,
+            stop: args.stop.clone(),
+            ..Default::default()
+        }),
+    };
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let mut client = dp::client(dp::channel(endpoint).map_err(anyhow::Error::msg)?, token);
+        let mut stream = client
+            .generate(request)
+            .await
+            .map_err(|s| anyhow::anyhow!("{endpoint}: {}", s.message()))?
+            .into_inner();
+        let mut stdout = std::io::stdout().lock();
+        let mut tokens = Vec::new();
+        while let Some(event) = stream
+            .message()
+            .await
+            .map_err(|s| anyhow::anyhow!("{endpoint}: {}", s.message()))?
+        {
+            if let Some(dp::generate_response::Event::Delta(d)) = event.event {
+                tokens.extend(d.tokens);
+                let _ = stdout
+                    .write_all(d.text.as_bytes())
+                    .and_then(|()| stdout.flush());
+            }
+        }
+        writeln!(stdout)?;
+        if args.print_tokens {
+            eprintln!("tokens: {tokens:?}");
+        }
+        Ok(())
+    })
 }

@@ -11,9 +11,10 @@ use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, parse_st
 /// Which model, how to split it and which engine runs it.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// The GGUF model file.
-    #[arg(long, env = "SHARDPLANE_MODEL")]
-    pub model: PathBuf,
+    /// The GGUF model file (not needed with `--endpoint`, which uses a running
+    /// pipeline; `bench --endpoint` still reads its tokenizer).
+    #[arg(long, env = "SHARDPLANE_MODEL", required_unless_present = "endpoint")]
+    pub model: Option<PathBuf>,
     /// Split the model into stages run in this process, passing hidden states
     /// between them: inclusive layer ranges covering every layer, e.g.
     /// `0-9,10-19,20-29`. One stage when unset.
@@ -32,9 +33,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The model file.
+    pub fn path(&self) -> anyhow::Result<&std::path::Path> {
+        self.model.as_deref().context("--model is needed here")
+    }
+
     /// Opens the model and loads its stages and text parts.
     pub fn load(&self) -> anyhow::Result<(LocalPipeline, TextModel)> {
-        let file = GgufFile::open(&self.model)?;
+        let path = self.path()?;
+        let file = GgufFile::open(path)?;
         let splits = match &self.stages {
             Some(spec) => parse_stages(spec, file.config().layers)?,
             None => Vec::new(),
@@ -45,7 +52,7 @@ impl ModelArgs {
             requantize_slow_types: !self.keep_quantization,
         };
         let pipeline = LocalPipeline::load(&file, &splits, engine, &options)
-            .with_context(|| format!("cannot load {}", self.model.display()))?;
+            .with_context(|| format!("cannot load {}", path.display()))?;
         let text = TextModel::from_gguf(&file)?;
         Ok((pipeline, text))
     }
