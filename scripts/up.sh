@@ -31,6 +31,8 @@ bin="$CARGO_TARGET_DIR/release/shardplane"
 
 pids=()
 stop_all() {
+  # A second Ctrl-C must not cut the clean-up short.
+  trap '' INT TERM
   echo; echo "stopping"
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   # Agents drain (bounded); whatever still runs after 15 s is killed.
