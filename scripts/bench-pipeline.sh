@@ -99,7 +99,13 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "$out" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["config"]=sys.argv[1]; d["round"]=int(sys.argv[2]); print(json.dumps(d))' "$config" "$round" | tee -a "$results"
   done
 done
-# Each agent's forward passes: time per pass, by shard.
+# Each agent's memory above the weights it holds (resident set vs loaded weights).
+for i in 0 1 2; do
+  rss=$(awk '/VmRSS/{print $2 * 1024}' "/proc/${pids[$i]}/status")
+  weights=$(curl -s "127.0.0.1:$((9300 + i))/metrics" | awk '/^shardplane_agent_weight_bytes /{print $2}')
+  python3 -c 'import sys; r, w = int(sys.argv[2]), float(sys.argv[3]); print(f"agent {sys.argv[1]}: resident {r / 2**20:.0f} MiB, weights {w / 2**20:.0f} MiB, above the weights {(r - w) / 2**20:.0f} MiB")' "$i" "$rss" "$weights"
+done
+# Each agent's forward passes: time per pass, by shard; decode round trips from each head.
 for i in 0 1 2; do curl -s "127.0.0.1:$((9300 + i))/metrics"; done | python3 -c '
 import re, sys
 sums, counts = {}, {}
@@ -109,6 +115,16 @@ for line in sys.stdin:
         (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
 for s in sorted(sums):
     print(f"agent stage {s}: {counts[s]:.0f} passes, {sums[s] / counts[s] * 1e3:.2f} ms mean per pass")
+'
+for i in 0 1 2; do curl -s "127.0.0.1:$((9300 + i))/metrics"; done | python3 -c '
+import re, sys
+sums, counts = {}, {}
+for line in sys.stdin:
+    m = re.match(r"shardplane_agent_downstream_step_seconds_(sum|count)\{shard=\"([^\"]+)\"\} (\S+)", line)
+    if m:
+        (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+for s in sorted(sums):
+    print(f"head {s}: {counts[s]:.0f} decode steps, {sums[s] / counts[s] * 1e3:.2f} ms mean from sending the hidden state to receiving the token")
 '
 python3 - "$results" <<'PY'
 import json, statistics, sys

@@ -729,9 +729,16 @@ impl Generation {
                         .hidden_bytes_sent
                         .inc_by((a.data.len() * 4) as u64);
                 }
+                let sent = Instant::now();
                 let mut last = dp::ForwardResponse::default();
                 for _ in 0..chunks.len() {
                     last = down.answer().await?;
+                }
+                if tokens.len() == 1 {
+                    self.metrics
+                        .downstream_step_seconds
+                        .with_label_values(&[&stage.name])
+                        .observe(sent.elapsed().as_secs_f64());
                 }
                 if !last.sampled {
                     return Err(Status::internal("the last stage sampled no token"));

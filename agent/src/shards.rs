@@ -472,6 +472,12 @@ async fn fetch(
     if sources.cache.complete_file(&key).is_none()
         && let Some(peers) = &sources.peers
     {
+        // Right after a start the list of nodes may still be loading.
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            peers.nodes.wait_until_ready(),
+        )
+        .await;
         for holder in peers.holders(&key) {
             let Ok(client) = peers.peers.client(&holder.endpoint) else {
                 continue;
