@@ -71,6 +71,14 @@ for i in $(seq 0 $((AGENTS - 1))); do
   pids+=($!)
 done
 
+# The gateway, with one API key for this machine's user.
+KEYS_FILE="$STATE/api-keys"
+[ -s "$KEYS_FILE" ] || (umask 077; echo "local:sk-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')" >"$KEYS_FILE")
+API_KEY=$(cut -d: -f2 "$KEYS_FILE" | head -1)
+"$bin" gateway --kubeconfig "$KUBECONFIG" --listen 127.0.0.1:8080 --admin-address 127.0.0.1:9092 \
+  --token-file "$TOKEN_FILE" --api-keys-file "$KEYS_FILE" >"$STATE/logs/gateway.log" 2>&1 &
+pids+=($!)
+
 kubectl apply -f "$MANIFESTS"
 echo "waiting for the deployments to become Ready (logs in $STATE/logs)"
 if ! kubectl wait --for=condition=Ready --timeout=300s modeldeployment --all >/dev/null; then
@@ -99,7 +107,12 @@ shardplane is up: operator, $AGENTS agents, the quickstart deployments Ready and
   kubectl get shardplane
   kubectl get shards -o wide
   curl -s 127.0.0.1:9090/metrics | grep shardplane_
-Chat with a deployment through its head stage's data plane:
+The gateway (OpenAI, Anthropic and Ollama APIs) is at http://127.0.0.1:8080, API key in $KEYS_FILE:
+  curl -s http://127.0.0.1:8080/v1/chat/completions -H "Authorization: Bearer $API_KEY" \\
+    -H 'content-type: application/json' \\
+    -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 64}'
+  OpenAI base URL: http://127.0.0.1:8080/v1   models: smollm2 (daily), smollm2-pipeline (3 stages)
+Or straight to a head stage over the data plane:
 $(printf '  %s\n' "${chat_lines[@]}")
 Press Ctrl-C to stop everything.
 MSG

@@ -34,13 +34,16 @@ enum Command {
     /// Run the node agent: register this machine, renew its Lease, run the
     /// Shards bound to it.
     Agent(commands::agent::AgentArgs),
+    /// Run the gateway: one OpenAI-, Anthropic- and Ollama-compatible
+    /// endpoint routing to ready instances.
+    Gateway(commands::gateway::GatewayArgs),
 }
 
 impl Command {
     /// Long-running components log what they do; tools only warnings.
     fn default_log(&self) -> &'static str {
         match self {
-            Command::Operator(_) | Command::Agent(_) => "info,kube=warn",
+            Command::Operator(_) | Command::Agent(_) | Command::Gateway(_) => "info,kube=warn",
             _ => "warn",
         }
     }
@@ -63,6 +66,7 @@ impl Cli {
             Command::Bench(args) => commands::bench::run(args),
             Command::Operator(args) => commands::operator::run(args),
             Command::Agent(args) => commands::agent::run(args),
+            Command::Gateway(args) => commands::gateway::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

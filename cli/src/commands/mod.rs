@@ -4,6 +4,7 @@ pub mod agent;
 pub mod bench;
 mod bench_remote;
 pub mod crds;
+pub mod gateway;
 pub mod generate;
 mod kube_client;
 mod model_args;

@@ -1,0 +1,89 @@
+//! `shardplane gateway`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use shardplane_gateway::GatewayConfig;
+use shardplane_gateway::auth::KeySource;
+
+use super::kube_client::client;
+
+/// Options of `shardplane gateway`.
+#[derive(Args, Debug)]
+pub struct GatewayArgs {
+    /// The kubeconfig to use; KUBECONFIG, ~/.kube/config or in-cluster when unset.
+    #[arg(long, env = "SHARDPLANE_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Where the OpenAI, Anthropic and Ollama APIs listen.
+    #[arg(
+        long,
+        env = "SHARDPLANE_GATEWAY_ADDRESS",
+        default_value = "0.0.0.0:8080"
+    )]
+    listen: SocketAddr,
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    #[arg(
+        long,
+        env = "SHARDPLANE_ADMIN_ADDRESS",
+        default_value = "127.0.0.1:9092"
+    )]
+    admin_address: SocketAddr,
+    /// File holding the cluster's data-plane token.
+    #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
+    token_file: PathBuf,
+    /// API keys from a file: one per line, `name:key` or just `key`.
+    #[arg(
+        long,
+        env = "SHARDPLANE_API_KEYS_FILE",
+        conflicts_with = "api_keys_secret"
+    )]
+    api_keys_file: Option<PathBuf>,
+    /// API keys from a Secret, `namespace/name`: each data entry is a key.
+    #[arg(long, env = "SHARDPLANE_API_KEYS_SECRET")]
+    api_keys_secret: Option<String>,
+    /// Serve without API keys (only for a gateway nobody else can reach).
+    #[arg(long, conflicts_with_all = ["api_keys_file", "api_keys_secret"])]
+    allow_anonymous: bool,
+    /// Requests per minute each API key may make (unlimited when unset).
+    #[arg(long, env = "SHARDPLANE_RATE_LIMIT_PER_MINUTE")]
+    rate_limit_per_minute: Option<u32>,
+}
+
+/// Runs the gateway until Ctrl-C or SIGTERM.
+pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
+    let keys = match (
+        &args.api_keys_file,
+        &args.api_keys_secret,
+        args.allow_anonymous,
+    ) {
+        (Some(f), _, _) => KeySource::File(f.clone()),
+        (_, Some(s), _) => {
+            let (namespace, name) = s
+                .split_once('/')
+                .with_context(|| format!("--api-keys-secret {s:?} is not namespace/name"))?;
+            KeySource::Secret {
+                namespace: namespace.into(),
+                name: name.into(),
+            }
+        }
+        (_, _, true) => KeySource::Anonymous,
+        _ => bail!("give --api-keys-file, --api-keys-secret or --allow-anonymous"),
+    };
+    let token =
+        shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
+    let config = GatewayConfig {
+        listen: args.listen,
+        admin_address: args.admin_address,
+        token,
+        keys,
+        rate_limit_per_minute: args.rate_limit_per_minute,
+    };
+    tokio::runtime::Runtime::new()?.block_on(async {
+        let client = client(args.kubeconfig.as_deref()).await?;
+        shardplane_gateway::run(client, config, super::agent::shutdown_signal())
+            .await
+            .map_err(anyhow::Error::msg)
+    })
+}

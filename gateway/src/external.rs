@@ -1,0 +1,233 @@
+//! An external OpenAI-compatible endpoint as a fallback: the request is sent
+//! as a streaming chat (or text) completion and its server-sent events are
+//! read back as this gateway's events.
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use shardplane_crds::ExternalEndpoint;
+
+use crate::routing::{Answer, ApiError, Event, Finish, Input, Kind, Prompt};
+
+/// Why the endpoint did not answer.
+pub enum Failure {
+    /// It is down or overloaded: try the next target.
+    Retry(String),
+    /// It refused the request itself: tell the client.
+    Client(ApiError),
+}
+
+/// The request body for the endpoint.
+fn body(ext: &ExternalEndpoint, prompt: &Prompt) -> (String, Value) {
+    let s = &prompt.sampling;
+    let mut body = json!({
+        "model": ext.model,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "temperature": s.temperature,
+    });
+    if s.max_tokens > 0 {
+        body["max_tokens"] = json!(s.max_tokens);
+    }
+    if s.top_p > 0.0 {
+        body["top_p"] = json!(s.top_p);
+    }
+    if let Some(seed) = s.seed {
+        body["seed"] = json!(seed);
+    }
+    if !s.stop.is_empty() {
+        body["stop"] = json!(s.stop);
+    }
+    if s.frequency_penalty != 0.0 {
+        body["frequency_penalty"] = json!(s.frequency_penalty);
+    }
+    if s.presence_penalty != 0.0 {
+        body["presence_penalty"] = json!(s.presence_penalty);
+    }
+    match &prompt.input {
+        Input::Chat(messages) => {
+            body["messages"] = messages
+                .iter()
+                .map(|(role, content)| json!({"role": role, "content": content}))
+                .collect();
+            ("chat/completions".into(), body)
+        }
+        Input::Text(text) => {
+            body["prompt"] = json!(text);
+            ("completions".into(), body)
+        }
+    }
+}
+
+/// Starts the answer at the endpoint; returns once its first token arrived.
+pub async fn start(
+    http: &reqwest::Client,
+    name: &str,
+    ext: &ExternalEndpoint,
+    key: Option<&str>,
+    prompt: &Prompt,
+) -> Result<Answer, Failure> {
+    let (path, body) = body(ext, prompt);
+    let url = format!("{}/{path}", ext.base_url.trim_end_matches('/'));
+    let mut request = http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&body).unwrap_or_default());
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request
+        .send()
+        .await
+        .map_err(|e| Failure::Retry(format!("POST {url}: {e}")))?;
+    let status = response.status();
+    if status.is_server_error() || status.as_u16() == 429 || status.as_u16() == 401 {
+        // Its own outage, its own rate limit or a bad key of ours: not the client's fault.
+        return Err(Failure::Retry(format!("POST {url}: HTTP {status}")));
+    }
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(text);
+        return Err(Failure::Client(ApiError {
+            status,
+            kind: if status.as_u16() == 404 {
+                Kind::NotFound
+            } else {
+                Kind::InvalidRequest
+            },
+            message,
+            retry_after: None,
+        }));
+    }
+    let chat = path == "chat/completions";
+    let mut events = Box::pin(sse_events(response, chat));
+    // Wait for the first piece of text (or the end) before committing to it.
+    let mut first = Vec::new();
+    loop {
+        match events.next().await {
+            None => {
+                return Err(Failure::Retry(format!(
+                    "{url} ended its stream without an answer"
+                )));
+            }
+            Some(Err(e)) => return Err(Failure::Retry(e.message)),
+            Some(Ok(e)) => {
+                let text_or_done = matches!(e, Event::Text(ref t) if !t.is_empty())
+                    || matches!(e, Event::Done { .. });
+                first.push(Ok(e));
+                if text_or_done {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(Answer {
+        model: name.to_string(),
+        prompt_tokens: 0,
+        events: Box::pin(futures::stream::iter(first).chain(events)),
+    })
+}
+
+/// The endpoint's server-sent events as this gateway's events.
+fn sse_events(
+    response: reqwest::Response,
+    chat: bool,
+) -> impl futures::Stream<Item = Result<Event, ApiError>> + Send {
+    struct State {
+        body:
+            std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes_of::Bytes>> + Send>>,
+        buffer: Vec<u8>,
+        finish: Option<Finish>,
+        usage: Option<(u32, u32)>,
+        pieces: u32,
+        ended: bool,
+    }
+    let state = State {
+        body: Box::pin(response.bytes_stream()),
+        buffer: Vec::new(),
+        finish: None,
+        usage: None,
+        pieces: 0,
+        ended: false,
+    };
+    futures::stream::unfold(state, move |mut st| async move {
+        if st.ended {
+            return None;
+        }
+        loop {
+            if let Some(pos) = st.buffer.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = st.buffer.drain(..=pos).collect();
+                let line = String::from_utf8_lossy(&line).trim().to_string();
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    st.ended = true;
+                    let (p, c) = st.usage.unwrap_or((0, st.pieces));
+                    return Some((
+                        Ok(Event::Done {
+                            finish: st.finish.unwrap_or(Finish::Stop),
+                            prompt_tokens: p,
+                            completion_tokens: c,
+                        }),
+                        st,
+                    ));
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                    st.usage = Some((
+                        u["prompt_tokens"].as_u64().unwrap_or(0) as u32,
+                        u["completion_tokens"].as_u64().unwrap_or(0) as u32,
+                    ));
+                }
+                let Some(choice) = v["choices"].get(0) else {
+                    continue;
+                };
+                match choice["finish_reason"].as_str() {
+                    Some("length") => st.finish = Some(Finish::Length),
+                    Some(_) => st.finish = Some(Finish::Stop),
+                    None => {}
+                }
+                let text = if chat {
+                    choice["delta"]["content"].as_str()
+                } else {
+                    choice["text"].as_str()
+                };
+                if let Some(t) = text
+                    && !t.is_empty()
+                {
+                    st.pieces += 1;
+                    return Some((Ok(Event::Text(t.to_string())), st));
+                }
+                continue;
+            }
+            match st.body.next().await {
+                Some(Ok(chunk)) => st.buffer.extend_from_slice(&chunk),
+                Some(Err(e)) => {
+                    st.ended = true;
+                    return Some((
+                        Err(ApiError::upstream(format!("the external endpoint: {e}"))),
+                        st,
+                    ));
+                }
+                None => {
+                    st.ended = true;
+                    return Some((
+                        Err(ApiError::upstream(
+                            "the external endpoint ended its stream early",
+                        )),
+                        st,
+                    ));
+                }
+            }
+        }
+    })
+}
+
+mod bytes_of {
+    pub use axum::body::Bytes;
+}

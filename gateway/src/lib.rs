@@ -1,0 +1,177 @@
+//! `shardplane gateway`: one OpenAI-, Anthropic- and Ollama-compatible
+//! endpoint in front of every ModelDeployment.
+//!
+//! ```text
+//!  client ──HTTP──► gateway: API key ─► parse (per API) ─► route ─► Generate on a head stage (gRPC)
+//!         ◄── JSON, SSE or NDJSON (per API) ◄──────────── text deltas ◄──┘
+//! ```
+//!
+//! It reads ModelDeployments, Models and Shards from the Kubernetes API
+//! (watches) and knows which instances are ready without asking the operator.
+
+pub mod apis;
+pub mod auth;
+pub mod external;
+pub mod metrics;
+pub mod routing;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router as Http;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::{get, post};
+use kube::Client;
+
+use crate::apis::Api;
+
+/// How the gateway runs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Where the APIs listen.
+    pub listen: SocketAddr,
+    /// Where `/metrics`, `/livez` and `/readyz` listen.
+    pub admin_address: SocketAddr,
+    /// The data-plane token.
+    pub token: shardplane_dataplane::Token,
+    /// Where API keys come from.
+    pub keys: auth::KeySource,
+    /// Requests per minute per key, when limited.
+    pub rate_limit_per_minute: Option<u32>,
+}
+
+/// The shared state of the handlers.
+#[derive(Clone)]
+pub struct App {
+    router: routing::Router,
+    keys: auth::Keys,
+    metrics: metrics::Metrics,
+}
+
+fn directory<K>(client: Client) -> kube::runtime::reflector::Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let (reader, writer) = reflector::store();
+    let api: kube::Api<K> = kube::Api::all(client);
+    tokio::spawn(async move {
+        watcher(api, watcher::Config::default())
+            .default_backoff()
+            .reflect(writer)
+            .for_each(|e| {
+                if let Err(e) = e {
+                    tracing::warn!(error = %e, "watch failed; retrying");
+                }
+                std::future::ready(())
+            })
+            .await;
+    });
+    reader
+}
+
+/// The HTTP routes.
+pub fn routes(app: App) -> Http {
+    fn generation(
+        api: Api,
+    ) -> impl Fn(
+        State<App>,
+        HeaderMap,
+        Bytes,
+    ) -> futures::future::BoxFuture<'static, axum::response::Response>
+    + Clone
+    + Send
+    + Sync
+    + 'static {
+        move |State(app): State<App>, headers: HeaderMap, body: Bytes| {
+            Box::pin(apis::handle(app, api, headers, body))
+        }
+    }
+    Http::new()
+        .route("/v1/chat/completions", post(generation(Api::OpenAiChat)))
+        .route("/v1/completions", post(generation(Api::OpenAiText)))
+        .route("/v1/models", get(apis::openai_models))
+        .route("/v1/messages", post(generation(Api::Anthropic)))
+        .route("/api/chat", post(generation(Api::OllamaChat)))
+        .route("/api/generate", post(generation(Api::OllamaGenerate)))
+        .route("/api/tags", get(apis::ollama_tags))
+        .route(
+            "/api/version",
+            get(|| async {
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    format!("{{\"version\":\"{}\"}}", env!("CARGO_PKG_VERSION")),
+                )
+            }),
+        )
+        .with_state(app)
+}
+
+/// Runs the gateway until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    config: GatewayConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let metrics = metrics::Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let admin_listener = shardplane_admin::bind(config.admin_address)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
+    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = tokio::spawn(shardplane_admin::serve(
+        admin_listener,
+        metrics.registry.clone(),
+        ready.clone(),
+        async {
+            let _ = admin_stopped.await;
+        },
+    ));
+    let keys = auth::Keys::new(config.keys.clone(), config.rate_limit_per_minute);
+    keys.load(&client).await?;
+    tokio::spawn(keys.clone().reload_forever(client.clone()));
+    let deployments = directory(client.clone());
+    let models = directory(client.clone());
+    let shards = directory(client.clone());
+    let http = shardplane_models::http_client()?;
+    let router = routing::Router::new(
+        client.clone(),
+        deployments.clone(),
+        models.clone(),
+        shards.clone(),
+        config.token.clone(),
+        http,
+        metrics.clone(),
+    );
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let _ = tokio::join!(
+        deployments.wait_until_ready(),
+        models.wait_until_ready(),
+        shards.wait_until_ready()
+    );
+    ready.store(true, Ordering::Relaxed);
+    tracing::info!(listen = %config.listen, "gateway up");
+    let app = App {
+        router,
+        keys,
+        metrics,
+    };
+    let served = axum::serve(listener, routes(app))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    let _ = stop_admin.send(());
+    let _ = admin.await;
+    served.map_err(|e| format!("gateway: {e}"))
+}

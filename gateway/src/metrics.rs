@@ -1,0 +1,108 @@
+//! The gateway's Prometheus metrics.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Every metric the gateway exposes.
+#[derive(Clone)]
+pub struct Metrics {
+    /// The registry served on `/metrics`.
+    pub registry: Registry,
+    /// Requests by model, API and HTTP status.
+    pub requests: IntCounterVec,
+    /// Seconds from the request to the first token, by model.
+    pub time_to_first_token: HistogramVec,
+    /// Seconds between tokens, by model.
+    pub inter_token_latency: HistogramVec,
+    /// Tokens by model and direction (`in`: prompt, `out`: generated).
+    pub tokens: IntCounterVec,
+    /// Requests being answered, by model.
+    pub in_flight: IntGaugeVec,
+    /// Upstream failures by model and kind (`instance`, `external`).
+    pub upstream_errors: IntCounterVec,
+}
+
+impl Metrics {
+    /// Registers every metric in a new registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_requests_total",
+                "Requests by model, API and HTTP status.",
+            ),
+            &["model", "api", "status"],
+        )
+        .expect("valid metric");
+        let time_to_first_token = HistogramVec::new(
+            HistogramOpts::new(
+                "shardplane_gateway_time_to_first_token_seconds",
+                "Seconds from a request's arrival to its first token.",
+            )
+            .buckets(vec![
+                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
+            &["model"],
+        )
+        .expect("valid metric");
+        let inter_token_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "shardplane_gateway_inter_token_latency_seconds",
+                "Seconds between consecutive tokens of an answer.",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            ]),
+            &["model"],
+        )
+        .expect("valid metric");
+        let tokens = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_tokens_total",
+                "Tokens by model and direction (in: prompt, out: generated).",
+            ),
+            &["model", "direction"],
+        )
+        .expect("valid metric");
+        let in_flight = IntGaugeVec::new(
+            Opts::new(
+                "shardplane_gateway_in_flight_requests",
+                "Requests being answered, by model.",
+            ),
+            &["model"],
+        )
+        .expect("valid metric");
+        let upstream_errors = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_upstream_errors_total",
+                "Upstream failures by model and kind (instance, external).",
+            ),
+            &["model", "kind"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(time_to_first_token.clone()),
+            Box::new(inter_token_latency.clone()),
+            Box::new(tokens.clone()),
+            Box::new(in_flight.clone()),
+            Box::new(upstream_errors.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            requests,
+            time_to_first_token,
+            inter_token_latency,
+            tokens,
+            in_flight,
+            upstream_errors,
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,607 @@
+//! Where a request goes: from a model name to a deployment, its ready
+//! instances (least outstanding requests first), and its fallback chain.
+//!
+//! ```text
+//!  name ─► deployment (served name or alias) ─► ready instances ─► Generate on the head stage
+//!                                 │ none ready, or each failed before its first token
+//!                                 └─► fallback: other deployments ─► external OpenAI-compatible endpoint
+//!                                                     └─► nothing: 503 + Retry-After
+//! ```
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client};
+use shardplane_crds::{
+    DEPLOYMENT_LABEL, ExternalEndpoint, FallbackTarget, Model, ModelDeployment, Shard, ShardPhase,
+};
+use shardplane_dataplane as dp;
+use shardplane_dataplane::tonic::Code;
+
+use crate::metrics::Metrics;
+
+/// What a client asks for, whatever API it spoke.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    /// A conversation, or raw text.
+    pub input: Input,
+    /// Sampling and limits.
+    pub sampling: dp::Sampling,
+}
+
+/// The input of a request.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// `(role, content)` messages, rendered with the model's chat template.
+    Chat(Vec<(String, String)>),
+    /// Text used as is.
+    Text(String),
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End of sequence or a stop string.
+    Stop,
+    /// The token limit.
+    Length,
+}
+
+/// What a generation produces, in order: text pieces, then one `Done`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A piece of text (possibly empty: a token whose text is held back).
+    Text(String),
+    /// The end.
+    Done {
+        /// Why it ended.
+        finish: Finish,
+        /// Tokens of the prompt.
+        prompt_tokens: u32,
+        /// Tokens generated.
+        completion_tokens: u32,
+    },
+}
+
+/// The kinds of error every API renders in its own shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Malformed or impossible request (400).
+    InvalidRequest,
+    /// Missing or wrong API key (401).
+    Authentication,
+    /// Unknown model (404).
+    NotFound,
+    /// Too many requests for the key (429).
+    RateLimited,
+    /// Nothing can serve now (503).
+    Unavailable,
+    /// Something broke upstream (500/502).
+    Internal,
+}
+
+/// An error for the client.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// What kind of error.
+    pub kind: Kind,
+    /// For a person.
+    pub message: String,
+    /// Seconds to wait before retrying (503, 429).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A 400.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: Kind::InvalidRequest,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// A 404 for a model.
+    pub fn unknown_model(name: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: Kind::NotFound,
+            message: format!("model {name:?} is not served here (see /v1/models)"),
+            retry_after: None,
+        }
+    }
+
+    /// A 503.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: Kind::Unavailable,
+            message: message.into(),
+            retry_after: Some(5),
+        }
+    }
+
+    /// A 502 for an upstream that broke mid-answer.
+    pub fn upstream(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            kind: Kind::Internal,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
+
+/// A stream of events.
+pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
+
+/// An answer under way: the first token has arrived (or the answer is done).
+pub struct Answer {
+    /// The name the client asked for.
+    pub model: String,
+    /// Tokens of the prompt.
+    pub prompt_tokens: u32,
+    /// The events, from the first.
+    pub events: Events,
+}
+
+/// A ready instance: its head stage.
+#[derive(Debug, Clone)]
+pub struct Instance {
+    /// `namespace/shard` of the head.
+    pub key: String,
+    /// The head Shard's namespace.
+    pub namespace: String,
+    /// The head Shard's name.
+    pub shard: String,
+    /// The head's data-plane endpoint.
+    pub endpoint: String,
+}
+
+/// A served name and its deployment.
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// The name clients use.
+    pub name: String,
+    /// `namespace/deployment`.
+    pub deployment: String,
+    /// The Model.
+    pub model: Option<Model>,
+    /// Ready instances right now.
+    pub ready: usize,
+}
+
+/// The gateway's view of the cluster and its routing state.
+#[derive(Clone)]
+pub struct Router {
+    client: Client,
+    deployments: Store<ModelDeployment>,
+    models: Store<Model>,
+    shards: Store<Shard>,
+    token: dp::Token,
+    channels: Arc<Mutex<HashMap<String, tonic_channel::Channel>>>,
+    outstanding: Arc<Mutex<HashMap<String, usize>>>,
+    http: reqwest::Client,
+    metrics: Metrics,
+}
+
+mod tonic_channel {
+    pub use shardplane_dataplane::tonic::transport::Channel;
+}
+
+/// Counts a request against an instance until dropped.
+struct Outstanding {
+    map: Arc<Mutex<HashMap<String, usize>>>,
+    key: String,
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        let mut map = self.map.lock().expect("outstanding lock");
+        if let Some(n) = map.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+enum Attempt {
+    /// Try the next candidate.
+    Next(String),
+    /// Give the client this error.
+    Fail(ApiError),
+}
+
+impl Router {
+    /// A router over the cluster's deployments, models and shards.
+    pub fn new(
+        client: Client,
+        deployments: Store<ModelDeployment>,
+        models: Store<Model>,
+        shards: Store<Shard>,
+        token: dp::Token,
+        http: reqwest::Client,
+        metrics: Metrics,
+    ) -> Self {
+        Router {
+            client,
+            deployments,
+            models,
+            shards,
+            token,
+            channels: Arc::default(),
+            outstanding: Arc::default(),
+            http,
+            metrics,
+        }
+    }
+
+    fn model_of(&self, d: &ModelDeployment) -> Option<Arc<Model>> {
+        let ns = d.metadata.namespace.clone().unwrap_or_default();
+        self.models.get(&ObjectRef::new(&d.spec.model).within(&ns))
+    }
+
+    /// Every served name (served names first, then aliases), sorted.
+    pub fn served(&self) -> Vec<Served> {
+        let mut out = BTreeMap::new();
+        let mut deployments = self.deployments.state();
+        deployments.sort_by_key(|d| (d.metadata.namespace.clone(), d.metadata.name.clone()));
+        for d in deployments {
+            let model = self.model_of(&d);
+            let key = format!(
+                "{}/{}",
+                d.metadata.namespace.clone().unwrap_or_default(),
+                d.metadata.name.clone().unwrap_or_default()
+            );
+            let ready = self.instances(&d).len();
+            let names = model
+                .iter()
+                .map(|m| m.served_name().to_string())
+                .chain(d.spec.aliases.iter().cloned());
+            for name in names {
+                out.entry(name.clone()).or_insert(Served {
+                    name,
+                    deployment: key.clone(),
+                    model: model.as_deref().cloned(),
+                    ready,
+                });
+            }
+        }
+        out.into_values().collect()
+    }
+
+    /// The deployment serving `name` (served name or alias).
+    pub fn deployment_for(&self, name: &str) -> Option<Arc<ModelDeployment>> {
+        let mut deployments = self.deployments.state();
+        deployments.sort_by_key(|d| (d.metadata.namespace.clone(), d.metadata.name.clone()));
+        deployments.into_iter().find(|d| {
+            d.spec.aliases.iter().any(|a| a == name)
+                || self.model_of(d).is_some_and(|m| m.served_name() == name)
+        })
+    }
+
+    /// The ready instances of `d`, least outstanding requests first (ties
+    /// broken at random, so equal replicas share the load).
+    pub fn instances(&self, d: &ModelDeployment) -> Vec<Instance> {
+        let ns = d.metadata.namespace.clone().unwrap_or_default();
+        let name = d.metadata.name.clone().unwrap_or_default();
+        let mut by_instance: BTreeMap<u32, Vec<Arc<Shard>>> = BTreeMap::new();
+        for s in self.shards.state() {
+            if s.metadata.namespace.as_deref() == Some(&ns)
+                && s.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(DEPLOYMENT_LABEL))
+                    == Some(&name)
+            {
+                by_instance.entry(s.spec.instance).or_default().push(s);
+            }
+        }
+        let outstanding = self.outstanding.lock().expect("outstanding lock").clone();
+        let mut ready: Vec<(usize, u32, Instance)> = by_instance
+            .into_values()
+            .filter_map(|stages| {
+                let count = stages.first()?.spec.stage_count as usize;
+                let all_ready = stages.len() == count
+                    && stages.iter().all(|s| {
+                        s.status.as_ref().and_then(|st| st.phase) == Some(ShardPhase::Ready)
+                    });
+                if !all_ready {
+                    return None;
+                }
+                let head = stages.iter().find(|s| s.spec.stage == 0)?;
+                let endpoint = head.status.as_ref()?.endpoint.clone()?;
+                let shard = head.metadata.name.clone()?;
+                let key = format!("{ns}/{shard}");
+                let load = outstanding.get(&key).copied().unwrap_or(0);
+                Some((
+                    load,
+                    rand::random::<u32>(),
+                    Instance {
+                        key,
+                        namespace: ns.clone(),
+                        shard,
+                        endpoint,
+                    },
+                ))
+            })
+            .collect();
+        ready.sort_by_key(|(load, tie, _)| (*load, *tie));
+        ready.into_iter().map(|(_, _, i)| i).collect()
+    }
+
+    fn client(&self, endpoint: &str) -> Result<dp::Client, String> {
+        let mut channels = self.channels.lock().expect("channel lock");
+        let channel = match channels.get(endpoint) {
+            Some(c) => c.clone(),
+            None => {
+                let c = dp::channel(endpoint)?;
+                channels.insert(endpoint.to_string(), c.clone());
+                c
+            }
+        };
+        Ok(dp::client(channel, self.token.clone()))
+    }
+
+    /// Starts answering `prompt` with the model called `name`: the first ready
+    /// instance that produces a first token, through the fallback chain.
+    pub async fn complete(&self, name: &str, prompt: &Prompt) -> Result<Answer, ApiError> {
+        let Some(first) = self.deployment_for(name) else {
+            return Err(ApiError::unknown_model(name));
+        };
+        let mut tried = Vec::new();
+        let mut seen = HashSet::new();
+        let mut chain = vec![FallbackTarget::Deployment(
+            first.metadata.name.clone().unwrap_or_default(),
+        )];
+        let ns = first.metadata.namespace.clone().unwrap_or_default();
+        while !chain.is_empty() {
+            let target = chain.remove(0);
+            match target {
+                FallbackTarget::Deployment(dep_name) => {
+                    if !seen.insert(dep_name.clone()) {
+                        continue;
+                    }
+                    let Some(d) = self.deployments.get(&ObjectRef::new(&dep_name).within(&ns))
+                    else {
+                        tried.push(format!("deployment {dep_name} does not exist"));
+                        continue;
+                    };
+                    let instances = self.instances(&d);
+                    if instances.is_empty() {
+                        tried.push(format!("deployment {dep_name} has no ready instance"));
+                    }
+                    for inst in instances {
+                        match self.try_instance(name, &inst, prompt).await {
+                            Ok(answer) => return Ok(answer),
+                            Err(Attempt::Fail(e)) => return Err(e),
+                            Err(Attempt::Next(why)) => {
+                                self.metrics
+                                    .upstream_errors
+                                    .with_label_values(&[name, "instance"])
+                                    .inc();
+                                tracing::warn!(model = name, instance = %inst.key, %why, "instance failed before its first token; trying the next");
+                                tried.push(format!("{}: {why}", inst.key));
+                            }
+                        }
+                    }
+                    // Its own fallbacks come after the ones already queued.
+                    chain.extend(d.spec.fallback.iter().cloned());
+                }
+                FallbackTarget::External(ext) => {
+                    match self.try_external(name, &ns, &ext, prompt).await {
+                        Ok(answer) => return Ok(answer),
+                        Err(Attempt::Fail(e)) => return Err(e),
+                        Err(Attempt::Next(why)) => {
+                            self.metrics
+                                .upstream_errors
+                                .with_label_values(&[name, "external"])
+                                .inc();
+                            tried.push(format!("{}: {why}", ext.base_url));
+                        }
+                    }
+                }
+            }
+        }
+        Err(ApiError::unavailable(format!(
+            "no instance of {name:?} can answer now ({})",
+            tried.join("; ")
+        )))
+    }
+
+    async fn try_instance(
+        &self,
+        name: &str,
+        inst: &Instance,
+        prompt: &Prompt,
+    ) -> Result<Answer, Attempt> {
+        let guard = {
+            let mut map = self.outstanding.lock().expect("outstanding lock");
+            *map.entry(inst.key.clone()).or_default() += 1;
+            Outstanding {
+                map: self.outstanding.clone(),
+                key: inst.key.clone(),
+            }
+        };
+        let mut client = self.client(&inst.endpoint).map_err(Attempt::Next)?;
+        let input = match &prompt.input {
+            Input::Chat(messages) => dp::generate_request::Input::Chat(dp::Conversation {
+                messages: messages
+                    .iter()
+                    .map(|(role, content)| dp::ChatMessage {
+                        role: role.clone(),
+                        content: content.clone(),
+                    })
+                    .collect(),
+            }),
+            Input::Text(t) => dp::generate_request::Input::Prompt(t.clone()),
+        };
+        let request = dp::GenerateRequest {
+            shard: Some(dp::ShardRef {
+                namespace: inst.namespace.clone(),
+                name: inst.shard.clone(),
+            }),
+            input: Some(input),
+            sampling: Some(prompt.sampling.clone()),
+        };
+        let refused = |s: dp::tonic::Status| match s.code() {
+            Code::InvalidArgument => Attempt::Fail(ApiError::invalid(s.message())),
+            Code::Unauthenticated => Attempt::Fail(ApiError::upstream(
+                "the gateway's data-plane token was refused by the agents",
+            )),
+            _ => Attempt::Next(format!("{:?}: {}", s.code(), s.message())),
+        };
+        let mut stream = client
+            .generate(request)
+            .await
+            .map_err(refused)?
+            .into_inner();
+        // Wait for the first token: until then another instance can take over.
+        let mut prompt_tokens = 0;
+        let mut first: Vec<Event> = Vec::new();
+        loop {
+            match stream.message().await.map_err(refused)? {
+                None => return Err(Attempt::Next("the stream ended without an answer".into())),
+                Some(dp::GenerateResponse { event: Some(e) }) => match e {
+                    dp::generate_response::Event::Started(s) => prompt_tokens = s.prompt_tokens,
+                    dp::generate_response::Event::Delta(d) => {
+                        first.push(Event::Text(d.text));
+                        break;
+                    }
+                    dp::generate_response::Event::Finished(f) => {
+                        first.push(done(&f));
+                        break;
+                    }
+                },
+                Some(_) => {}
+            }
+        }
+        let rest = futures::stream::unfold(Some(stream), |state| async move {
+            let mut stream = state?;
+            loop {
+                match stream.message().await {
+                    Ok(Some(dp::GenerateResponse {
+                        event: Some(dp::generate_response::Event::Delta(d)),
+                    })) => return Some((Ok(Event::Text(d.text)), Some(stream))),
+                    Ok(Some(dp::GenerateResponse {
+                        event: Some(dp::generate_response::Event::Finished(f)),
+                    })) => return Some((Ok(done(&f)), None)),
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        return Some((
+                            Err(ApiError::upstream("the instance ended the answer early")),
+                            None,
+                        ));
+                    }
+                    Err(s) => {
+                        return Some((
+                            Err(ApiError::upstream(format!(
+                                "the instance failed mid-answer: {}",
+                                s.message()
+                            ))),
+                            None,
+                        ));
+                    }
+                }
+            }
+        });
+        let events = futures::stream::iter(first.into_iter().map(Ok))
+            .chain(rest)
+            .map(move |e| {
+                let _ = &guard;
+                e
+            });
+        Ok(Answer {
+            model: name.to_string(),
+            prompt_tokens,
+            events: Box::pin(events),
+        })
+    }
+
+    async fn api_key(&self, ns: &str, ext: &ExternalEndpoint) -> Result<Option<String>, String> {
+        let Some(r) = &ext.api_key_secret_ref else {
+            return Ok(None);
+        };
+        let secret = Api::<Secret>::namespaced(self.client.clone(), ns)
+            .get(&r.name)
+            .await
+            .map_err(|e| format!("cannot read Secret {ns}/{}: {e}", r.name))?;
+        let value = secret
+            .data
+            .and_then(|d| d.get(&r.key).cloned())
+            .ok_or_else(|| format!("Secret {ns}/{} has no key {}", r.name, r.key))?;
+        Ok(Some(
+            String::from_utf8(value.0)
+                .map_err(|_| format!("Secret {ns}/{} key {} is not text", r.name, r.key))?
+                .trim()
+                .to_string(),
+        ))
+    }
+
+    async fn try_external(
+        &self,
+        name: &str,
+        ns: &str,
+        ext: &ExternalEndpoint,
+        prompt: &Prompt,
+    ) -> Result<Answer, Attempt> {
+        let key = self.api_key(ns, ext).await.map_err(Attempt::Next)?;
+        crate::external::start(&self.http, name, ext, key.as_deref(), prompt)
+            .await
+            .map_err(|e| match e {
+                crate::external::Failure::Retry(why) => Attempt::Next(why),
+                crate::external::Failure::Client(e) => Attempt::Fail(e),
+            })
+    }
+}
+
+fn done(f: &dp::Finished) -> Event {
+    Event::Done {
+        finish: if f.reason == dp::FinishReason::Length as i32 {
+            Finish::Length
+        } else {
+            Finish::Stop
+        },
+        prompt_tokens: f.prompt_tokens,
+        completion_tokens: f.completion_tokens,
+    }
+}
+
+/// Times a generation for the metrics as its events pass.
+pub fn observed(events: Events, model: &str, metrics: &Metrics, start: Instant) -> Events {
+    let ttft = metrics.time_to_first_token.with_label_values(&[model]);
+    let itl = metrics.inter_token_latency.with_label_values(&[model]);
+    let tokens_in = metrics.tokens.with_label_values(&[model, "in"]);
+    let tokens_out = metrics.tokens.with_label_values(&[model, "out"]);
+    let mut last: Option<Instant> = None;
+    Box::pin(events.map(move |e| {
+        match &e {
+            Ok(Event::Text(_)) => {
+                let now = Instant::now();
+                match last {
+                    None => ttft.observe((now - start).as_secs_f64()),
+                    Some(prev) => itl.observe((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+            Ok(Event::Done {
+                prompt_tokens,
+                completion_tokens,
+                ..
+            }) => {
+                tokens_in.inc_by(*prompt_tokens as u64);
+                tokens_out.inc_by(*completion_tokens as u64);
+            }
+            Err(_) => {}
+        }
+        e
+    }))
+}
