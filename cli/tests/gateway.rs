@@ -1,0 +1,330 @@
+//! The gateway on a running system (real API server, two agent processes, the
+//! real model), driven by the official openai, anthropic and ollama Python
+//! clients: every API streamed and not, errors in each API's shape, fallbacks
+//! to another deployment and to an external endpoint (a second gateway on
+//! loopback standing in for a provider), 503 when nothing can serve, a client
+//! that goes away freeing its sequence at the agents, and a killed replica
+//! losing no request that had not started.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
+use kube::Api;
+use kube::api::{ObjectMeta, PostParams};
+use shardplane_crds::*;
+use shardplane_dataplane as dp;
+use shardplane_testkit::{
+    ChildGuard as Process, control_plane, fixtures, free_address, unique_name,
+};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn shardplane(args: &[&str]) -> Process {
+    shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
+}
+
+fn agent(node: &str) -> Process {
+    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("agent-cache")
+        .join(node);
+    shardplane(&[
+        "agent",
+        "--node-name",
+        node,
+        "--admin-address",
+        &free_address().to_string(),
+        "--lease-seconds",
+        "3",
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ])
+}
+
+fn gateway(listen: &str, admin: &str, keys: &std::path::Path) -> Process {
+    shardplane(&[
+        "gateway",
+        "--listen",
+        listen,
+        "--admin-address",
+        admin,
+        "--api-keys-file",
+        keys.to_str().unwrap(),
+    ])
+}
+
+fn python() -> std::path::PathBuf {
+    let venv = std::env::var_os("HOME")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_default()
+        .join(".cache/shardplane/venv/bin/python");
+    assert!(
+        venv.exists(),
+        "the API clients are missing: run `bash scripts/setup.sh` (it installs openai, anthropic and ollama into {})",
+        venv.display()
+    );
+    venv
+}
+
+fn deployment(name: &str, alias: &str, fallback: Vec<FallbackTarget>) -> ModelDeployment {
+    let mut d = fixtures::deployment(name, "gw-model", "unused-pool", "unused-strategy");
+    d.spec.aliases = vec![alias.into()];
+    d.spec.fallback = fallback;
+    d
+}
+
+async fn sequences(endpoint: &str) -> u32 {
+    let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
+    let mut c = dp::client(dp::channel(endpoint).unwrap(), token);
+    c.status(dp::StatusRequest {})
+        .await
+        .map(|s| s.into_inner().stages.iter().map(|s| s.sequences).sum())
+        .unwrap_or(0)
+}
+
+async fn wait_http(base: &str) {
+    shardplane_testkit::eventually("the gateway listens", WAIT, || async {
+        tokio::net::TcpStream::connect(base.trim_start_matches("http://"))
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
+    let python = python();
+    let client = control_plane().client().await.unwrap();
+    let ns = control_plane().namespace(&client, "gateway").await.unwrap();
+    let tag = unique_name("gw");
+    let (a, b) = (format!("{tag}-a"), format!("{tag}-b"));
+    let mut agent_a = Some(agent(&a));
+    let _agent_b = agent(&b);
+
+    // The model, five deployments (names are unique to this test: served
+    // names are global), and the Shards an operator would have made.
+    let mut model = fixtures::model("gw-model");
+    model.spec.served_name = Some(format!("{tag}-model"));
+    Api::<Model>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &model)
+        .await
+        .unwrap();
+    let names = |s: &str| format!("{tag}-{s}");
+    let provider_listen = free_address().to_string();
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some("provider-key".into()),
+            ..Default::default()
+        },
+        string_data: Some([("key".to_string(), "sk-provider".to_string())].into()),
+        ..Default::default()
+    };
+    Api::<Secret>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
+    for d in [
+        deployment("daily", &names("daily"), vec![]),
+        deployment("pipe", &names("pipe"), vec![]),
+        deployment(
+            "empty",
+            &names("empty"),
+            vec![FallbackTarget::Deployment("daily".into())],
+        ),
+        deployment(
+            "burst",
+            &names("burst"),
+            vec![FallbackTarget::External(ExternalEndpoint {
+                base_url: format!("http://{provider_listen}/v1"),
+                model: names("daily"),
+                api_key_secret_ref: Some(SecretKeySelector {
+                    name: "provider-key".into(),
+                    key: "key".into(),
+                    optional: None,
+                }),
+            })],
+        ),
+        deployment("none", &names("none"), vec![]),
+    ] {
+        deployments
+            .create(&PostParams::default(), &d)
+            .await
+            .unwrap();
+    }
+    let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
+    let whole = LayerRange { start: 0, end: 30 };
+    let mut replica_b = fixtures::shard("daily", &b, 0, 1, whole.clone());
+    replica_b.metadata.name = Some("daily-1-0".into());
+    replica_b.spec.instance = 1;
+    replica_b
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert(INSTANCE_LABEL.into(), "1".into());
+    for s in [
+        fixtures::shard("daily", &a, 0, 1, whole.clone()),
+        replica_b,
+        fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 15 }),
+        fixtures::shard("pipe", &b, 1, 2, LayerRange { start: 15, end: 30 }),
+    ] {
+        shards.create(&PostParams::default(), &s).await.unwrap();
+    }
+    let mut endpoints = std::collections::BTreeMap::new();
+    for name in ["daily-0-0", "daily-1-0", "pipe-0-0", "pipe-0-1"] {
+        let e = shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
+            let st = shards.get(name).await.ok()?.status?;
+            (st.phase == Some(ShardPhase::Ready)).then_some(st.endpoint?)
+        })
+        .await;
+        endpoints.insert(name, e);
+    }
+
+    // Two gateways: ours, and a second one standing in for a cloud provider.
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "test: sk-test\n").unwrap();
+    let provider_keys = dir.path().join("provider-keys");
+    std::fs::write(&provider_keys, "provider: sk-provider\n").unwrap();
+    let listen = free_address().to_string();
+    let admin = free_address().to_string();
+    let _gateway = gateway(&listen, &admin, &keys);
+    let _provider = gateway(
+        &provider_listen,
+        &free_address().to_string(),
+        &provider_keys,
+    );
+    let base = format!("http://{listen}");
+    wait_http(&base).await;
+    wait_http(&format!("http://{provider_listen}")).await;
+
+    let out = tokio::process::Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/clients/gateway_clients.py"
+        ))
+        .env("GATEWAY", &base)
+        .env("API_KEY", "sk-test")
+        .env("DAILY", names("daily"))
+        .env("PIPE", names("pipe"))
+        .env("EMPTY", names("empty"))
+        .env("BURST", names("burst"))
+        .env("NONE", names("none"))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "the client checks failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The client that went away: every stage frees its sequence.
+    shardplane_testkit::eventually(
+        "the abandoned stream is freed at the agents",
+        WAIT,
+        || async {
+            let mut total = 0;
+            for e in endpoints
+                .values()
+                .collect::<std::collections::BTreeSet<_>>()
+            {
+                total += sequences(e).await;
+            }
+            (total == 0).then_some(())
+        },
+    )
+    .await;
+
+    // A replica dies: requests that had not started go to the other one.
+    let http = shardplane_models::http_client().unwrap();
+    let ask = |n: usize| {
+        let (http, base, model) = (http.clone(), base.clone(), names("daily"));
+        async move {
+            let body = serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": format!("Count to {n}.")}],
+                "max_tokens": 12,
+                "temperature": 0,
+            });
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth("sk-test")
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }
+    };
+    agent_a.take().unwrap().signal("-KILL");
+    let statuses = futures::future::join_all((0..6).map(ask)).await;
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "every request after the kill was answered by the other replica: {statuses:?}"
+    );
+
+    // The gateway's metrics saw it all.
+    let metrics = http
+        .get(format!("http://{admin}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let daily = names("daily");
+    assert!(
+        value(&format!(
+            "shardplane_gateway_requests_total{{api=\"openai\",model=\"{daily}\",status=\"200\"}}"
+        )) >= 10.0,
+        "{metrics}"
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_requests_total{{api=\"openai\",model=\"{}\",status=\"503\"}}",
+            names("none")
+        )) >= 1.0
+    );
+    assert!(
+        value("shardplane_gateway_requests_total{api=\"openai\",model=\"\",status=\"404\"}") >= 1.0
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_time_to_first_token_seconds_count{{model=\"{daily}\"}}"
+        )) >= 10.0
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_inter_token_latency_seconds_count{{model=\"{daily}\"}}"
+        )) > 0.0
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_tokens_total{{direction=\"out\",model=\"{daily}\"}}"
+        )) > 0.0
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_upstream_errors_total{{kind=\"instance\",model=\"{daily}\"}}"
+        )) >= 1.0,
+        "the killed replica was tried and skipped"
+    );
+    assert_eq!(
+        value(&format!(
+            "shardplane_gateway_in_flight_requests{{model=\"{daily}\"}}"
+        )),
+        0.0
+    );
+}
