@@ -58,7 +58,7 @@ kind: Shard
 metadata:
   name: $1
   namespace: default
-  labels: {shardplane.dev/node: $3}
+  labels: {shardplane.dev/node: $3, shardplane.dev/deployment: $2, shardplane.dev/instance: "0"}
 spec:
   deployment: $2
   model: bench
@@ -75,6 +75,19 @@ ${9:+  previous: $9}
 YAML
 }
 {
+  # The Model and a deployment of the whole-model Shard, for the gateway.
+  cat <<YAML
+---
+apiVersion: shardplane.dev/v1alpha1
+kind: Model
+metadata: {name: bench, namespace: default}
+spec: {source: {path: {path: "$MODEL"}}, format: gguf, servedName: bench}
+---
+apiVersion: shardplane.dev/v1alpha1
+kind: ModelDeployment
+metadata: {name: whole, namespace: default}
+spec: {model: bench, nodePool: none, strategy: none, replicas: 1}
+YAML
   shard whole-0 whole bench-0 0 1 0 30
   shard p2-0 p2 bench-0 0 2 0 15 p2-1
   shard p2-1 p2 bench-1 1 2 15 30 "" p2-0
@@ -99,6 +112,15 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "$out" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["config"]=sys.argv[1]; d["round"]=int(sys.argv[2]); print(json.dumps(d))' "$config" "$round" | tee -a "$results"
   done
 done
+# The gateway's overhead on time to first token: the same question straight to
+# the head stage and through the gateway's OpenAI API, alternating.
+"$bin" gateway --kubeconfig "$KUBECONFIG" --listen 127.0.0.1:8399 --admin-address 127.0.0.1:9399 \
+  --token-file "$TOKEN_FILE" --allow-anonymous >"$STATE/gateway.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 100); do curl -sf 127.0.0.1:9399/readyz >/dev/null && break; sleep 0.2; done
+"$bin" bench --model "$MODEL" --endpoint "$(endpoint whole-0)" --shard default/whole-0 \
+  --token-file "$TOKEN_FILE" --gateway http://127.0.0.1:8399 --gateway-model bench --runs 101
+
 # Each agent's memory above the weights it holds (resident set vs loaded weights).
 for i in 0 1 2; do
   rss=$(awk '/VmRSS/{print $2 * 1024}' "/proc/${pids[$i]}/status")

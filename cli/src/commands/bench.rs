@@ -39,6 +39,16 @@ pub struct BenchArgs {
     /// The head Shard to measure, `namespace/name` (with `--endpoint`).
     #[arg(long)]
     shard: Option<String>,
+    /// With `--endpoint`: also time the first token through this gateway
+    /// (`http://host:port`), alternating with direct requests: the gateway's overhead.
+    #[arg(long, requires = "endpoint")]
+    gateway: Option<String>,
+    /// The model name to ask the gateway for (with `--gateway`).
+    #[arg(long, requires = "gateway")]
+    gateway_model: Option<String>,
+    /// The gateway's API key (with `--gateway`).
+    #[arg(long, env = "SHARDPLANE_API_KEY")]
+    api_key: Option<String>,
     /// Measure a peer copy instead: copy the cached model `--copy-key` from
     /// the agent whose data plane is at this endpoint into `--copy-to`.
     #[arg(long, requires_all = ["copy_key", "copy_to", "token_file"], conflicts_with = "endpoint")]
@@ -100,6 +110,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             token: shardplane_dataplane::Token::from_file(token_file)
                 .map_err(anyhow::Error::msg)?,
         };
+        if let Some(gateway) = &args.gateway {
+            let overhead = super::bench_remote::GatewayOverhead {
+                gateway: gateway.clone(),
+                model: args.gateway_model.clone().context("--gateway-model")?,
+                api_key: args.api_key.clone(),
+            };
+            let report = overhead.run(&remote, args.runs)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            return Ok(());
+        }
         let figures = remote.run(
             &text,
             args.prompt_tokens,

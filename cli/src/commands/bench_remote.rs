@@ -120,3 +120,105 @@ impl Remote {
         })
     }
 }
+
+/// Time to first token through the gateway against straight to the head
+/// stage, measured alternately by the same client: the gateway's overhead.
+pub struct GatewayOverhead {
+    /// The gateway's base URL (`http://host:port`).
+    pub gateway: String,
+    /// The model name to ask the gateway for.
+    pub model: String,
+    /// The API key, if the gateway wants one.
+    pub api_key: Option<String>,
+}
+
+/// Milliseconds to the first token, direct and through the gateway, paired.
+#[derive(serde::Serialize)]
+pub struct OverheadReport {
+    /// Requests per path (after one warm-up each).
+    pub runs: usize,
+    /// Straight to the head stage over the data plane.
+    pub direct_ttft_ms: Spread,
+    /// Through the gateway's OpenAI completions API (streaming).
+    pub gateway_ttft_ms: Spread,
+    /// Gateway minus direct, per pair.
+    pub overhead_ms: Spread,
+}
+
+impl GatewayOverhead {
+    /// Runs `runs` pairs.
+    pub fn run(&self, remote: &Remote, runs: usize) -> anyhow::Result<OverheadReport> {
+        let Some((namespace, name)) = remote.shard.split_once('/') else {
+            bail!("--shard {:?} is not namespace/name", remote.shard);
+        };
+        // A two-token prompt, so prefill is short and the difference shows.
+        let question = "Hello";
+        let direct_request = dp::GenerateRequest {
+            shard: Some(dp::ShardRef {
+                namespace: namespace.into(),
+                name: name.into(),
+            }),
+            input: Some(dp::generate_request::Input::Prompt(question.into())),
+            sampling: Some(dp::Sampling {
+                max_tokens: 2,
+                ignore_eos: true,
+                ..Default::default()
+            }),
+        };
+        let body = serde_json::json!({
+            "model": self.model,
+            "prompt": question,
+            "max_tokens": 2,
+            "temperature": 0,
+            "stream": true,
+        })
+        .to_string();
+        tokio::runtime::Runtime::new()?.block_on(async {
+            let client = dp::client(
+                dp::channel(&remote.endpoint).map_err(anyhow::Error::msg)?,
+                remote.token.clone(),
+            );
+            let http = shardplane_models::http_client().map_err(anyhow::Error::msg)?;
+            let url = format!("{}/v1/completions", self.gateway.trim_end_matches('/'));
+            let (mut direct, mut via, mut overhead) = (Vec::new(), Vec::new(), Vec::new());
+            for run in 0..=runs {
+                let d = once(&client, direct_request.clone()).await?.ttft;
+                let start = Instant::now();
+                let mut request = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body.clone());
+                if let Some(k) = &self.api_key {
+                    request = request.bearer_auth(k);
+                }
+                let response = request.send().await?;
+                if !response.status().is_success() {
+                    bail!("{url}: HTTP {}", response.status());
+                }
+                let mut stream = response.bytes_stream();
+                let mut seen = String::new();
+                let mut first = None;
+                while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+                    seen.push_str(&String::from_utf8_lossy(&chunk?));
+                    // The first chunk carrying text.
+                    if first.is_none() && seen.contains("\"text\":\"") {
+                        first = Some(start.elapsed());
+                    }
+                }
+                let g = first.context("the gateway streamed no content")?;
+                if run == 0 {
+                    continue;
+                }
+                direct.push(d.as_secs_f64() * 1e3);
+                via.push(g.as_secs_f64() * 1e3);
+                overhead.push((g.as_secs_f64() - d.as_secs_f64()) * 1e3);
+            }
+            Ok(OverheadReport {
+                runs,
+                direct_ttft_ms: Spread::of(direct),
+                gateway_ttft_ms: Spread::of(via),
+                overhead_ms: Spread::of(overhead),
+            })
+        })
+    }
+}
