@@ -154,7 +154,7 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     }
     let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
     let whole = LayerRange { start: 0, end: 30 };
-    let mut replica_b = fixtures::shard("daily", &b, 0, 1, whole.clone());
+    let mut replica_b = fixtures::shard("daily", &b, 0, 1, whole);
     replica_b.metadata.name = Some("daily-1-0".into());
     replica_b.spec.instance = 1;
     replica_b
@@ -164,7 +164,7 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
         .unwrap()
         .insert(INSTANCE_LABEL.into(), "1".into());
     for s in [
-        fixtures::shard("daily", &a, 0, 1, whole.clone()),
+        fixtures::shard("daily", &a, 0, 1, whole),
         replica_b,
         fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 15 }),
         fixtures::shard("pipe", &b, 1, 2, LayerRange { start: 15, end: 30 }),
