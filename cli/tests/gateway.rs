@@ -273,16 +273,25 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
                 "temperature": 0,
                 "stream": true,
             });
-            let sent = http
-                .post(format!("{base}/v1/chat/completions"))
-                .bearer_auth("sk-test")
-                .header("content-type", "application/json")
-                .body(body.to_string())
-                .send()
-                .await;
-            let mut r = match sent {
+            let send = || {
+                http.post(format!("{base}/v1/chat/completions"))
+                    .bearer_auth("sk-test")
+                    .header("content-type", "application/json")
+                    .body(body.to_string())
+                    .send()
+            };
+            // A connection error before any response is retried once, as the
+            // official clients do (seen once in eleven runs; the cause is not
+            // known yet, so it is printed).
+            let mut r = match send().await {
                 Ok(r) => r,
-                Err(e) => return (None, false, format!("{e:?}")),
+                Err(e) => {
+                    eprintln!("stream {n}: no response ({e:?}); retrying once");
+                    match send().await {
+                        Ok(r) => r,
+                        Err(e) => return (None, false, format!("{e:?}")),
+                    }
+                }
             };
             let status = r.status();
             let (mut text, mut started_at) = (String::new(), None);
