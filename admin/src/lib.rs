@@ -48,3 +48,44 @@ pub async fn serve(
 pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(address).await
 }
+
+/// A registered metric as `/metrics` shows it once it has a sample.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Described {
+    /// The metric's name.
+    pub name: String,
+    /// `counter`, `gauge` or `histogram`.
+    pub kind: String,
+    /// Its label names.
+    pub labels: Vec<String>,
+    /// Its help text.
+    pub help: String,
+}
+
+/// Registers `collectors` in `registry` and describes each, so the list of
+/// metrics a process can expose is known before any of them has a sample.
+pub fn register(
+    registry: &Registry,
+    collectors: Vec<Box<dyn prometheus::core::Collector>>,
+) -> Vec<Described> {
+    let mut described = Vec::new();
+    for c in collectors {
+        for family in c.collect() {
+            let labels = c
+                .desc()
+                .iter()
+                .find(|d| d.fq_name == family.name())
+                .map(|d| d.variable_labels.clone())
+                .unwrap_or_default();
+            described.push(Described {
+                name: family.name().to_string(),
+                kind: format!("{:?}", family.get_field_type()).to_lowercase(),
+                labels,
+                help: family.help().to_string(),
+            });
+        }
+        registry.register(c).expect("metric names are unique");
+    }
+    described.sort();
+    described
+}

@@ -11,6 +11,8 @@ use prometheus::{
 pub struct Metrics {
     /// The registry served on `/metrics`.
     pub registry: Registry,
+    /// Every metric registered, for documentation and its test.
+    pub described: Vec<shardplane_admin::Described>,
     /// Shards on this node by phase.
     pub shards: IntGaugeVec,
     /// Lease renewals that succeeded.
@@ -144,27 +146,29 @@ impl Metrics {
             &["shard"],
         )
         .expect("valid metric");
-        for c in [
-            Box::new(forward_seconds.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(forward_tokens.clone()),
-            Box::new(generations.clone()),
-            Box::new(generated_tokens.clone()),
-            Box::new(hidden_bytes_sent.clone()),
-            Box::new(downstream_step_seconds.clone()),
-            Box::new(blob_bytes_served.clone()),
-            Box::new(download_bytes.clone()),
-            Box::new(cache_bytes.clone()),
-            Box::new(sequences.clone()),
-            Box::new(shards.clone()),
-            Box::new(lease_renewals.clone()),
-            Box::new(lease_failures.clone()),
-            Box::new(weight_bytes.clone()),
-            Box::new(memory_bytes.clone()),
-        ] {
-            registry.register(c).expect("metric names are unique");
-        }
+        let described = shardplane_admin::register(
+            &registry,
+            vec![
+                Box::new(forward_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(forward_tokens.clone()),
+                Box::new(generations.clone()),
+                Box::new(generated_tokens.clone()),
+                Box::new(hidden_bytes_sent.clone()),
+                Box::new(downstream_step_seconds.clone()),
+                Box::new(blob_bytes_served.clone()),
+                Box::new(download_bytes.clone()),
+                Box::new(cache_bytes.clone()),
+                Box::new(sequences.clone()),
+                Box::new(shards.clone()),
+                Box::new(lease_renewals.clone()),
+                Box::new(lease_failures.clone()),
+                Box::new(weight_bytes.clone()),
+                Box::new(memory_bytes.clone()),
+            ],
+        );
         Metrics {
             registry,
+            described,
             shards,
             lease_renewals,
             lease_failures,

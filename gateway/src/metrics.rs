@@ -7,6 +7,8 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, 
 pub struct Metrics {
     /// The registry served on `/metrics`.
     pub registry: Registry,
+    /// Every metric registered, for documentation and its test.
+    pub described: Vec<shardplane_admin::Described>,
     /// Requests by model, API and HTTP status.
     pub requests: IntCounterVec,
     /// Seconds from the request to the first token, by model.
@@ -79,18 +81,20 @@ impl Metrics {
             &["model", "kind"],
         )
         .expect("valid metric");
-        for c in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(time_to_first_token.clone()),
-            Box::new(inter_token_latency.clone()),
-            Box::new(tokens.clone()),
-            Box::new(in_flight.clone()),
-            Box::new(upstream_errors.clone()),
-        ] {
-            registry.register(c).expect("metric names are unique");
-        }
+        let described = shardplane_admin::register(
+            &registry,
+            vec![
+                Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(time_to_first_token.clone()),
+                Box::new(inter_token_latency.clone()),
+                Box::new(tokens.clone()),
+                Box::new(in_flight.clone()),
+                Box::new(upstream_errors.clone()),
+            ],
+        );
         Metrics {
             registry,
+            described,
             requests,
             time_to_first_token,
             inter_token_latency,

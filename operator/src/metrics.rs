@@ -7,6 +7,8 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 pub struct Metrics {
     /// The registry to serve.
     pub registry: Registry,
+    /// Every metric registered, for documentation and its test.
+    pub described: Vec<shardplane_admin::Described>,
     /// Reconciles by controller and result (`ok`, `error`).
     pub reconciles: IntCounterVec,
     /// Reconcile duration by controller.
@@ -69,18 +71,20 @@ impl Metrics {
         let leader =
             prometheus::IntGauge::new("shardplane_operator_leader", "1 while this replica leads.")
                 .expect("valid metric");
-        for c in [
-            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(reconcile_duration.clone()),
-            Box::new(reconcile_errors.clone()),
-            Box::new(placements.clone()),
-            Box::new(instances.clone()),
-            Box::new(leader.clone()),
-        ] {
-            registry.register(c).expect("metric names are unique");
-        }
+        let described = shardplane_admin::register(
+            &registry,
+            vec![
+                Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(reconcile_duration.clone()),
+                Box::new(reconcile_errors.clone()),
+                Box::new(placements.clone()),
+                Box::new(instances.clone()),
+                Box::new(leader.clone()),
+            ],
+        );
         Metrics {
             registry,
+            described,
             reconciles,
             reconcile_duration,
             reconcile_errors,
