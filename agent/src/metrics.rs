@@ -107,7 +107,7 @@ impl Metrics {
         )
         .expect("valid metric");
         let hidden_bytes_sent = IntCounter::new(
-            "shardplane_agent_hidden_state_bytes_sent_total",
+            "shardplane_agent_hidden_state_sent_bytes_total",
             "Bytes of hidden states sent to next stages.",
         )
         .expect("valid metric");
@@ -121,7 +121,7 @@ impl Metrics {
         )
         .expect("valid metric");
         let blob_bytes_served = IntCounter::new(
-            "shardplane_agent_peer_bytes_served_total",
+            "shardplane_agent_peer_served_bytes_total",
             "Bytes of model files served to peers.",
         )
         .expect("valid metric");

@@ -528,7 +528,7 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
         "the copy is whole"
     );
     assert!(!partial.exists() && !std::path::Path::new(&pieces).exists());
-    let served = metric(&admin_a, "shardplane_agent_peer_bytes_served_total").await;
+    let served = metric(&admin_a, "shardplane_agent_peer_served_bytes_total").await;
     assert_eq!(
         served as usize,
         model.len() - 2 * piece,
