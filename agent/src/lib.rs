@@ -156,6 +156,7 @@ pub async fn run(
         node_directory,
         service.peers(),
         config.probe_links_every,
+        metrics.clone(),
     ));
     let (stop_data, data_stopped) = tokio::sync::oneshot::channel::<()>();
     let data_plane = tokio::spawn(

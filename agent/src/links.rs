@@ -152,6 +152,7 @@ pub async fn run(
     nodes: Store<InferenceNode>,
     peers: Peers,
     every: Duration,
+    metrics: crate::metrics::Metrics,
 ) {
     let api: Api<InferenceNode> = Api::all(client);
     loop {
@@ -170,15 +171,25 @@ pub async fn run(
                 continue;
             };
             match tokio::time::timeout(Duration::from_secs(10), measure(&c)).await {
-                Ok(Ok(m)) => links.push(LinkStatus {
-                    node: name,
-                    address: r.endpoint,
-                    kind: r.kind,
-                    latency_micros: m.latency.as_micros().clamp(1, u32::MAX as u128) as u32,
-                    bandwidth_mbps: Some(m.bandwidth_mbps),
-                    rdma: false,
-                    measured_at: Time(Timestamp::now()),
-                }),
+                Ok(Ok(m)) => {
+                    metrics
+                        .link_latency_seconds
+                        .with_label_values(&[&name])
+                        .set(m.latency.as_secs_f64());
+                    metrics
+                        .link_bandwidth_bytes
+                        .with_label_values(&[&name])
+                        .set(m.bandwidth_mbps as f64 * 1e6 / 8.0);
+                    links.push(LinkStatus {
+                        node: name,
+                        address: r.endpoint,
+                        kind: r.kind,
+                        latency_micros: m.latency.as_micros().clamp(1, u32::MAX as u128) as u32,
+                        bandwidth_mbps: Some(m.bandwidth_mbps),
+                        rdma: false,
+                        measured_at: Time(Timestamp::now()),
+                    })
+                }
                 Ok(Err(e)) => {
                     tracing::debug!(peer = %name, error = %e, "link probe failed")
                 }

@@ -43,6 +43,10 @@ pub struct Metrics {
     pub cache_bytes: IntGauge,
     /// Sequences with a KV cache, by shard.
     pub sequences: IntGaugeVec,
+    /// Measured round trip to each peer's data plane.
+    pub link_latency_seconds: prometheus::GaugeVec,
+    /// Measured throughput to each peer's data plane.
+    pub link_bandwidth_bytes: prometheus::GaugeVec,
 }
 
 impl Metrics {
@@ -146,6 +150,22 @@ impl Metrics {
             &["shard"],
         )
         .expect("valid metric");
+        let link_latency_seconds = prometheus::GaugeVec::new(
+            Opts::new(
+                "shardplane_agent_link_latency_seconds",
+                "Median round trip to a peer's data plane, as last measured.",
+            ),
+            &["peer"],
+        )
+        .expect("valid metric");
+        let link_bandwidth_bytes = prometheus::GaugeVec::new(
+            Opts::new(
+                "shardplane_agent_link_bandwidth_bytes",
+                "Bytes per second to a peer's data plane, as last measured.",
+            ),
+            &["peer"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -159,6 +179,8 @@ impl Metrics {
                 Box::new(download_bytes.clone()),
                 Box::new(cache_bytes.clone()),
                 Box::new(sequences.clone()),
+                Box::new(link_latency_seconds.clone()),
+                Box::new(link_bandwidth_bytes.clone()),
                 Box::new(shards.clone()),
                 Box::new(lease_renewals.clone()),
                 Box::new(lease_failures.clone()),
@@ -184,6 +206,8 @@ impl Metrics {
             download_bytes,
             cache_bytes,
             sequences,
+            link_latency_seconds,
+            link_bandwidth_bytes,
         }
     }
 

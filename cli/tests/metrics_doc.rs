@@ -66,6 +66,7 @@ fn metric_names_follow_prometheus_conventions() {
         "direction",
         "result",
         "error",
+        "peer",
     ];
     for (component, d) in registered() {
         let n = &d.name;
