@@ -166,6 +166,13 @@ impl Metrics {
             &["peer"],
         )
         .expect("valid metric");
+        // Known label values start at zero, so rates exist before the first event.
+        for source in ["url", "peer"] {
+            download_bytes.with_label_values(&[source]);
+        }
+        for outcome in ["ok", "cancelled", "error"] {
+            generations.with_label_values(&[outcome]);
+        }
         let described = shardplane_admin::register(
             &registry,
             vec![
