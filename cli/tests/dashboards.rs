@@ -83,7 +83,7 @@ async fn every_dashboard_query_returns_series_from_a_running_system() {
                 "--node-name",
                 &format!("{tag}-{i}"),
                 "--label",
-                &format!("tier.shardplane.dev/{tier}=true"),
+                &format!("dashboards/{tier}={tag}"),
                 "--admin-address",
                 &agent_admins[i],
                 "--lease-seconds",
@@ -108,9 +108,34 @@ async fn every_dashboard_query_returns_series_from_a_running_system() {
         &gateway_admin,
         "--allow-anonymous",
     ]);
-    let dir = repo_root().join("manifests/quickstart");
+    // The quickstart, with pools of this test's own (pools are cluster-scoped:
+    // the quickstart's would also take other tests' nodes, and theirs ours).
+    let mut yaml = String::new();
+    for file in [
+        "model.yaml",
+        "node-pools.yaml",
+        "sharding-strategies.yaml",
+        "model-deployments.yaml",
+    ] {
+        yaml.push_str(
+            &std::fs::read_to_string(repo_root().join("manifests/quickstart").join(file)).unwrap(),
+        );
+        yaml.push_str("\n---\n");
+    }
+    for tier in ["daily", "reasoning"] {
+        yaml = yaml
+            .replace(&format!("name: {tier}\n"), &format!("name: {tag}-{tier}\n"))
+            .replace(
+                &format!("nodePool: {tier}\n"),
+                &format!("nodePool: {tag}-{tier}\n"),
+            )
+            .replace(
+                &format!("tier.shardplane.dev/{tier}: \"true\""),
+                &format!("dashboards/{tier}: {tag}"),
+            );
+    }
     control_plane()
-        .kubectl(&["apply", "-n", &ns, "-f", dir.to_str().unwrap()])
+        .kubectl_stdin(&["apply", "-n", &ns, "-f", "-"], &yaml)
         .unwrap();
     let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
     // A deployment that cannot be placed: requests for it get a 503.
