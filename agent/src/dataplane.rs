@@ -300,6 +300,26 @@ pub fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingParams, 
     Ok(params)
 }
 
+/// Runs one inbound `Forward` message (a step of hidden states) through the
+/// sequence's stage.
+async fn run_step(
+    seq: &Sequence,
+    msg: dp::ForwardRequest,
+    width: usize,
+) -> Result<(dp::Step, StageOutput), Status> {
+    let Some(dp::forward_request::Message::Step(step)) = msg.message else {
+        return Err(Status::invalid_argument("only steps follow Open"));
+    };
+    let input = hidden_input(&step, width)?;
+    let out = seq
+        .stage
+        .worker
+        .forward(seq.id, input)
+        .await
+        .map_err(engine_status)?;
+    Ok((step, out))
+}
+
 fn hidden_input(step: &dp::Step, width: usize) -> Result<StageInput, Status> {
     let h = step
         .hidden
@@ -470,16 +490,7 @@ impl DataPlane for Service {
                 let seq = seq;
                 while let Ok(Some(msg)) = inbound.message().await {
                     let answer = async {
-                        let Some(dp::forward_request::Message::Step(step)) = msg.message else {
-                            return Err(Status::invalid_argument("only steps follow Open"));
-                        };
-                        let input = hidden_input(&step, width)?;
-                        let out = seq
-                            .stage
-                            .worker
-                            .forward(seq.id, input)
-                            .await
-                            .map_err(engine_status)?;
+                        let (step, out) = run_step(&seq, msg, width).await?;
                         let StageOutput::Logits(mut logits) = out else {
                             return Err(Status::internal("the last stage gave hidden states"));
                         };
@@ -529,16 +540,7 @@ impl DataPlane for Service {
                 let seq = seq;
                 while let Ok(Some(msg)) = inbound.message().await {
                     let sent = async {
-                        let Some(dp::forward_request::Message::Step(step)) = msg.message else {
-                            return Err(Status::invalid_argument("only steps follow Open"));
-                        };
-                        let input = hidden_input(&step, width)?;
-                        let out = seq
-                            .stage
-                            .worker
-                            .forward(seq.id, input)
-                            .await
-                            .map_err(engine_status)?;
+                        let (step, out) = run_step(&seq, msg, width).await?;
                         let StageOutput::Hidden(a) = out else {
                             return Err(Status::internal("a middle stage gave logits"));
                         };

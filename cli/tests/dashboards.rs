@@ -50,15 +50,7 @@ async fn every_dashboard_query_returns_series_from_a_running_system() {
     let prometheus = which("prometheus").expect(
         "prometheus is missing: run `bash scripts/setup.sh` (it installs Debian's prometheus package)",
     );
-    let installed = std::process::Command::new("bash")
-        .arg(repo_root().join("scripts/model.sh"))
-        .args(["--install-to", "/var/lib/shardplane/models"])
-        .status()
-        .unwrap();
-    assert!(
-        installed.success(),
-        "cannot install the model (run as root)"
-    );
+    shardplane_testkit::install_quickstart_model();
     let client = control_plane().client().await.unwrap();
     let ns = control_plane()
         .namespace(&client, "dashboards")

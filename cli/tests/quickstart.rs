@@ -3,7 +3,6 @@
 //! their shards where the planner puts them.
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::Duration;
 
 use kube::Api;
@@ -20,15 +19,7 @@ fn shardplane(args: &[&str]) -> Process {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_quickstart_becomes_ready_on_five_agents() {
     // The quickstart's Model names this path on the nodes.
-    let installed = Command::new("bash")
-        .arg(repo_root().join("scripts/model.sh"))
-        .args(["--install-to", "/var/lib/shardplane/models"])
-        .status()
-        .unwrap();
-    assert!(
-        installed.success(),
-        "cannot install the model: run as root, or run `bash scripts/model.sh --install-to /var/lib/shardplane/models`"
-    );
+    shardplane_testkit::install_quickstart_model();
     let client = control_plane().client().await.unwrap();
     let ns = control_plane()
         .namespace(&client, "quickstart")

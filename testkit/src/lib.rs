@@ -332,3 +332,17 @@ pub async fn serve_test_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<
     tokio::spawn(async move { axum::serve(listener, app).await.expect("serve the model") });
     (base, log)
 }
+
+/// Puts the test model where the quickstart's Model says it is on the nodes
+/// (`/var/lib/shardplane/models`, which needs root).
+pub fn install_quickstart_model() {
+    let installed = Command::new("bash")
+        .arg(repo_root().join("scripts/model.sh"))
+        .args(["--install-to", "/var/lib/shardplane/models"])
+        .status()
+        .expect("bash runs");
+    assert!(
+        installed.success(),
+        "cannot install the model: run as root, or run `bash scripts/model.sh --install-to /var/lib/shardplane/models`"
+    );
+}
