@@ -7,34 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_MIB=${1:-1024}
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
-STATE=$(mktemp -d /tmp/shardplane-copy.XXXXXX)
-bash scripts/setup.sh >/dev/null
-cargo build --release --locked -p shardplane 2>&1 | tail -1
-bin="$CARGO_TARGET_DIR/release/shardplane"
-MODEL=$(bash scripts/model.sh)
-pid=
-cleanup() {
-  [ -n "$pid" ] && { kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
-  bash scripts/control-plane.sh stop "$STATE" >/dev/null 2>&1 || true
-  rm -rf "$STATE"
-}
-trap cleanup EXIT
-bash scripts/control-plane.sh start "$STATE" >/dev/null
-export KUBECONFIG="$STATE/kubeconfig"
-"$bin" crds | kubectl apply -f - >/dev/null
-head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$STATE/token"
+source scripts/bench-cluster.sh
 KEY="url:https://example.invalid/bench-$SIZE_MIB.gguf"
 mkdir -p "$STATE/holder"
 file=$(python3 -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:32] + ".gguf")' "$KEY")
 head -c "$((SIZE_MIB << 20))" /dev/urandom >"$STATE/holder/$file"
 "$bin" agent --kubeconfig "$KUBECONFIG" --node-name copy-holder --admin-address 127.0.0.1:0 \
-  --data-plane-address 127.0.0.1:7399 --token-file "$STATE/token" --cache-dir "$STATE/holder" \
+  --data-plane-address 127.0.0.1:7399 --token-file "$TOKEN_FILE" --cache-dir "$STATE/holder" \
   >"$STATE/agent.log" 2>&1 &
-pid=$!
+pids+=($!)
 for _ in $(seq 1 100); do
   curl -s --http2-prior-knowledge -o /dev/null 127.0.0.1:7399 2>/dev/null && break
   sleep 0.2
 done
 "$bin" bench --model "$MODEL" --copy-from 127.0.0.1:7399 --copy-key "$KEY" \
-  --copy-to "${COPY_TO:-$STATE/copy}" --token-file "$STATE/token" --runs 5
+  --copy-to "${COPY_TO:-$STATE/copy}" --token-file "$TOKEN_FILE" --runs 5

@@ -22,26 +22,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N]" >&2; exit 2 ;;
   esac
 done
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
-STATE=$(mktemp -d /tmp/shardplane-bench.XXXXXX)
-bash scripts/setup.sh >/dev/null
-cargo build --release --locked -p shardplane 2>&1 | tail -1
-bin="$CARGO_TARGET_DIR/release/shardplane"
-MODEL=$(bash scripts/model.sh)
-
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
-  bash scripts/control-plane.sh stop "$STATE" >/dev/null 2>&1 || true
-  rm -rf "$STATE"
-}
-trap cleanup EXIT
-bash scripts/control-plane.sh start "$STATE" >/dev/null
-export KUBECONFIG="$STATE/kubeconfig"
-"$bin" crds | kubectl apply -f - >/dev/null
-kubectl wait --for=condition=Established --timeout=60s $("$bin" crds | awk '/^  name: /{print "crd/"$2}') >/dev/null
-TOKEN_FILE="$STATE/token"
-head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TOKEN_FILE"
+source scripts/bench-cluster.sh
 for i in 0 1 2; do
   RAYON_NUM_THREADS=2 "$bin" agent --kubeconfig "$KUBECONFIG" --node-name "bench-$i" \
     --admin-address "127.0.0.1:$((9300 + i))" --data-plane-address "127.0.0.1:0" --token-file "$TOKEN_FILE" \
@@ -130,23 +111,18 @@ done
 # Each agent's forward passes: time per pass, by shard; decode round trips from each head.
 for i in 0 1 2; do curl -s "127.0.0.1:$((9300 + i))/metrics"; done | python3 -c '
 import re, sys
-sums, counts = {}, {}
-for line in sys.stdin:
-    m = re.match(r"shardplane_agent_forward_seconds_(sum|count)\{shard=\"([^\"]+)\"\} (\S+)", line)
-    if m:
-        (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
-for s in sorted(sums):
-    print(f"agent stage {s}: {counts[s]:.0f} passes, {sums[s] / counts[s] * 1e3:.2f} ms mean per pass")
-'
-for i in 0 1 2; do curl -s "127.0.0.1:$((9300 + i))/metrics"; done | python3 -c '
-import re, sys
-sums, counts = {}, {}
-for line in sys.stdin:
-    m = re.match(r"shardplane_agent_downstream_step_seconds_(sum|count)\{shard=\"([^\"]+)\"\} (\S+)", line)
-    if m:
-        (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
-for s in sorted(sums):
-    print(f"head {s}: {counts[s]:.0f} decode steps, {sums[s] / counts[s] * 1e3:.2f} ms mean from sending the hidden state to receiving the token")
+lines = sys.stdin.read().splitlines()
+def means(metric):
+    sums, counts = {}, {}
+    for line in lines:
+        m = re.match(metric + r"_(sum|count)\{shard=\"([^\"]+)\"\} (\S+)", line)
+        if m:
+            (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+    return [(s, counts[s], sums[s] / counts[s] * 1e3) for s in sorted(sums)]
+for s, n, ms in means("shardplane_agent_forward_seconds"):
+    print(f"agent stage {s}: {n:.0f} passes, {ms:.2f} ms mean per pass")
+for s, n, ms in means("shardplane_agent_downstream_step_seconds"):
+    print(f"head {s}: {n:.0f} decode steps, {ms:.2f} ms mean from sending the hidden state to receiving the token")
 '
 python3 - "$results" <<'PY'
 import json, statistics, sys

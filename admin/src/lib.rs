@@ -1,6 +1,7 @@
-//! The admin port every shardplane process serves: `/metrics` (the process's
-//! Prometheus registry), `/livez` (the process runs) and `/readyz` (it is
-//! ready for work).
+//! What every long-running shardplane process shares: the admin port
+//! (`/metrics`, the process's Prometheus registry; `/livez`, the process runs;
+//! `/readyz`, it is ready for work), metric registration, and watch-fed caches
+//! of cluster objects.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
 
+use kube::runtime::reflector::Store;
 use prometheus::Registry;
 
 /// Serves the admin endpoints on `listener` until `shutdown` resolves.
@@ -47,6 +49,40 @@ pub async fn serve(
 /// Binds the admin address.
 pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::bind(address).await
+}
+
+/// The admin port of a running process: serves until stopped, and answers
+/// `/readyz` as the process says.
+pub struct Admin {
+    ready: Arc<AtomicBool>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Admin {
+    /// Binds `address` and serves `registry` there, not ready yet.
+    pub async fn start(address: SocketAddr, registry: Registry) -> Result<Admin, String> {
+        let listener = bind(address)
+            .await
+            .map_err(|e| format!("cannot listen on {address}: {e}"))?;
+        let ready = Arc::new(AtomicBool::new(false));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, registry, ready.clone(), async {
+            let _ = stopped.await;
+        }));
+        Ok(Admin { ready, stop, task })
+    }
+
+    /// Sets what `/readyz` answers.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// Stops serving, waiting at most `within` for open requests.
+    pub async fn stop(self, within: std::time::Duration) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(within, self.task).await;
+    }
 }
 
 /// A registered metric as `/metrics` shows it once it has a sample.
@@ -88,4 +124,36 @@ pub fn register(
     }
     described.sort();
     described
+}
+
+/// Every object of kind `K` in the cluster, kept current by a watch on a task
+/// of its own (retrying with backoff): the cache agents and the gateway look
+/// Shards, nodes and deployments up in.
+pub fn watch_all<K>(client: kube::Client) -> (Store<K>, tokio::task::JoinHandle<()>)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let (reader, writer) = reflector::store();
+    let api: kube::Api<K> = kube::Api::all(client);
+    let task = tokio::spawn(async move {
+        watcher(api, watcher::Config::default())
+            .default_backoff()
+            .reflect(writer)
+            .for_each(|e| {
+                if let Err(e) = e {
+                    tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
+                }
+                std::future::ready(())
+            })
+            .await;
+    });
+    (reader, task)
 }

@@ -12,20 +12,19 @@
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
 //! and drops its own, and every stage frees the sequence's KV cache.
 
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures::Stream;
 use kube::runtime::reflector::{ObjectRef, Store};
 use shardplane_crds::{InferenceNode, NodeAddress, Shard, ShardPhase};
 use shardplane_dataplane as dp;
+pub use shardplane_dataplane::Peers;
 use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
-use shardplane_engine::detokenizer::Detokenizer;
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::sampler::{Sampler, SamplingParams};
-use shardplane_engine::stop::StopMatcher;
+use shardplane_engine::text_output::TextOutput;
 use shardplane_engine::{Activations, SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -154,7 +153,10 @@ impl Service {
             namespace: stage.namespace.clone(),
             name: next.to_string(),
         });
-        let mut client = self.peers.client(&endpoint)?;
+        let mut client = self
+            .peers
+            .client(&endpoint)
+            .map_err(Status::invalid_argument)?;
         let (requests, outbound) = mpsc::channel(64);
         requests
             .send(dp::ForwardRequest {
@@ -174,37 +176,6 @@ impl Service {
             })?
             .into_inner();
         Ok(Downstream { requests, answers })
-    }
-}
-
-/// Channels to peers' data planes, one per endpoint, shared by all calls.
-#[derive(Clone)]
-pub struct Peers {
-    token: dp::Token,
-    channels: Arc<Mutex<HashMap<String, tonic::transport::Channel>>>,
-}
-
-impl Peers {
-    /// No channel yet.
-    pub fn new(token: dp::Token) -> Self {
-        Peers {
-            token,
-            channels: Arc::default(),
-        }
-    }
-
-    /// A client of the data plane at `endpoint`.
-    pub fn client(&self, endpoint: &str) -> Result<dp::Client, Status> {
-        let mut channels = self.channels.lock().expect("peer lock");
-        let channel = match channels.get(endpoint) {
-            Some(c) => c.clone(),
-            None => {
-                let c = dp::channel(endpoint).map_err(Status::invalid_argument)?;
-                channels.insert(endpoint.to_string(), c.clone());
-                c
-            }
-        };
-        Ok(dp::client(channel, self.token.clone()))
     }
 }
 
@@ -716,8 +687,8 @@ impl Generation {
                     .sample(&mut logits))
             }
             Some(down) => {
-                let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
-                for (i, chunk) in chunks.iter().enumerate() {
+                let chunks = tokens.len().div_ceil(PREFILL_CHUNK);
+                for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
                     let out = stage
                         .worker
                         .forward(self.seq.id, StageInput::Tokens(chunk.to_vec()))
@@ -726,14 +697,14 @@ impl Generation {
                     let StageOutput::Hidden(a) = out else {
                         return Err(Status::internal("a first stage gave logits"));
                     };
-                    down.send(&a, i + 1 == chunks.len()).await?;
+                    down.send(&a, i + 1 == chunks).await?;
                     self.metrics
                         .hidden_bytes_sent
                         .inc_by((a.data.len() * 4) as u64);
                 }
                 let sent = Instant::now();
                 let mut last = dp::ForwardResponse::default();
-                for _ in 0..chunks.len() {
+                for _ in 0..chunks {
                     last = down.answer().await?;
                 }
                 if tokens.len() == 1 {
@@ -768,39 +739,25 @@ impl Generation {
             sequence: self.seq.id,
         }))
         .await?;
-        let tokenizer = &self.text.clone().tokenizer;
-        let stop_tokens = tokenizer.stop_tokens().to_vec();
-        let mut detok = Detokenizer::new();
-        let mut stops = StopMatcher::new(&self.params.stop);
+        let text = self.text.clone();
+        let mut output = TextOutput::new(&text.tokenizer, &self.params);
         let max_new = self.params.max_tokens;
         let prompt = std::mem::take(&mut self.prompt);
         let mut token = self.step(&prompt).await?;
         let first_token_at = Instant::now();
         let mut generated = 0usize;
         let mut reason = dp::FinishReason::Length;
-        let mut stopped_by_string = false;
         loop {
             generated += 1;
             self.metrics.generated_tokens.inc();
-            if !self.params.ignore_eos && stop_tokens.contains(&token) {
-                reason = dp::FinishReason::Stop;
-                self.emit(Event::Delta(dp::Delta {
-                    text: String::new(),
-                    tokens: vec![token],
-                }))
-                .await?;
-                break;
-            }
-            let piece = detok.push(tokenizer, token).map_err(engine_status)?;
-            let released = stops.push(&piece);
+            let piece = output.push(token).map_err(engine_status)?;
             self.emit(Event::Delta(dp::Delta {
-                text: released.text,
+                text: piece.text,
                 tokens: vec![token],
             }))
             .await?;
-            if released.stopped {
+            if piece.stop {
                 reason = dp::FinishReason::Stop;
-                stopped_by_string = true;
                 break;
             }
             if generated >= max_new {
@@ -808,20 +765,13 @@ impl Generation {
             }
             token = self.step(&[token]).await?;
         }
-        if !stopped_by_string {
-            let rest = stops.push(&detok.finish(tokenizer).map_err(engine_status)?);
-            let tail = if rest.stopped {
-                rest.text
-            } else {
-                rest.text + &stops.finish()
-            };
-            if !tail.is_empty() {
-                self.emit(Event::Delta(dp::Delta {
-                    text: tail,
-                    tokens: Vec::new(),
-                }))
-                .await?;
-            }
+        let tail = output.finish().map_err(engine_status)?;
+        if !tail.is_empty() {
+            self.emit(Event::Delta(dp::Delta {
+                text: tail,
+                tokens: Vec::new(),
+            }))
+            .await?;
         }
         let done = Instant::now();
         self.emit(Event::Finished(dp::Finished {

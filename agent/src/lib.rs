@@ -20,8 +20,7 @@ pub mod shards;
 pub mod stage;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kube::Client;
@@ -69,19 +68,8 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), String> {
     let metrics = metrics::Metrics::new();
-    let ready = Arc::new(AtomicBool::new(false));
-    let listener = shardplane_admin::bind(config.admin_address)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
-    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
-    let admin = tokio::spawn(shardplane_admin::serve(
-        listener,
-        metrics.registry.clone(),
-        ready.clone(),
-        async {
-            let _ = admin_stopped.await;
-        },
-    ));
+    let admin =
+        shardplane_admin::Admin::start(config.admin_address, metrics.registry.clone()).await?;
 
     let data_listener = tokio::net::TcpListener::bind(config.data_plane_address)
         .await
@@ -107,7 +95,7 @@ pub async fn run(
         .await
         .map_err(|e| format!("cannot take the Lease of node {}: {e}", reg.node))?;
     tracing::info!(node = %reg.node, "registered");
-    ready.store(true, Ordering::Relaxed);
+    admin.set_ready(true);
 
     let shard_set = shards::ShardSet::new(&endpoint);
     let http = shardplane_models::http_client()?;
@@ -120,8 +108,8 @@ pub async fn run(
         })?
         .with_budget(config.cache_budget);
     cache.make_room(0);
-    let (shard_directory, shard_directory_task) = directory(client.clone());
-    let (node_directory, node_directory_task) = directory(client.clone());
+    let (shard_directory, shard_directory_task) = shardplane_admin::watch_all(client.clone());
+    let (node_directory, node_directory_task) = shardplane_admin::watch_all(client.clone());
     let peers = dataplane::Peers::new(config.token.clone());
     let sources = shards::Sources {
         cache: cache.clone(),
@@ -221,7 +209,7 @@ pub async fn run(
 
     shutdown.await;
     tracing::info!(node = %reg.node, "draining");
-    ready.store(false, Ordering::Relaxed);
+    admin.set_ready(false);
     heartbeat.abort();
     shard_task.abort();
     model_task.abort();
@@ -253,8 +241,7 @@ pub async fn run(
     );
     shard_set.unload_all();
     bounded("give up the Lease")(tokio::time::timeout(DRAIN_STEP, reg.release(&client)).await);
-    let _ = stop_admin.send(());
-    let _ = tokio::time::timeout(DRAIN_STEP, admin).await;
+    admin.stop(DRAIN_STEP).await;
     tracing::info!(node = %reg.node, "stopped");
     Ok(())
 }
@@ -290,43 +277,6 @@ pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
         )
         .to_string(),
     }
-}
-
-/// Every object of kind `K` in the cluster, kept current by a watch: how a
-/// stage finds the next one (Shards) and the way to reach its node
-/// (InferenceNodes).
-fn directory<K>(
-    client: Client,
-) -> (
-    kube::runtime::reflector::Store<K>,
-    tokio::task::JoinHandle<()>,
-)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, reflector, watcher};
-    let (reader, writer) = reflector::store();
-    let api: kube::Api<K> = kube::Api::all(client);
-    let task = tokio::spawn(async move {
-        watcher(api, watcher::Config::default())
-            .default_backoff()
-            .reflect(writer)
-            .for_each(|e| {
-                if let Err(e) = e {
-                    tracing::warn!(error = %e, "directory watch failed; retrying");
-                }
-                std::future::ready(())
-            })
-            .await;
-    });
-    (reader, task)
 }
 
 /// Creates the node-lease namespace if the operator has not yet.

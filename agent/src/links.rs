@@ -60,18 +60,10 @@ fn same_subnet(a: &str, b: &str) -> bool {
 /// A peer advertising a loopback endpoint is on this machine.
 pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> {
     let advertised = peer.data_plane_endpoint.as_deref()?;
-    let port = advertised.rsplit_once(':')?.1.parse::<u16>().ok()?;
-    let advertised_ip = advertised
-        .parse::<SocketAddr>()
-        .map(|a| a.ip())
-        .or_else(|_| {
-            advertised
-                .rsplit_once(':')
-                .map(|(h, _)| h)
-                .unwrap_or("")
-                .parse()
-        });
-    if advertised_ip.is_ok_and(|ip| ip.is_loopback()) {
+    let (host, port) = advertised.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
         return Some(Route {
             endpoint: advertised.to_string(),
             kind: LinkKind::Loopback,
@@ -82,13 +74,13 @@ pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> 
         .iter()
         .filter(|p| p.kind != LinkKind::Loopback)
         .filter_map(|p| {
-            let shared = mine.iter().filter(|m| m.kind == p.kind);
-            let mut score = None;
-            for m in shared {
-                let s = (link_rank(p.kind), same_subnet(&m.address, &p.address));
-                score = score.max(Some(s));
-            }
-            score.map(|s| (s, p))
+            // Only kinds this machine has; among them, a shared subnet first.
+            let near = mine
+                .iter()
+                .filter(|m| m.kind == p.kind)
+                .map(|m| same_subnet(&m.address, &p.address))
+                .max()?;
+            Some(((link_rank(p.kind), near), p))
         })
         .max_by_key(|(s, _)| *s)
         .map(|(_, p)| p);

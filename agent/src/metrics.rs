@@ -222,7 +222,7 @@ impl Metrics {
     pub fn pass_observer(&self, shard: &str) -> crate::stage::PassObserver {
         let seconds = self.forward_seconds.with_label_values(&[shard]);
         let tokens = self.forward_tokens.with_label_values(&[shard]);
-        Arc::new(move |rows, _sequences, secs| {
+        Arc::new(move |rows, secs| {
             seconds.observe(secs);
             tokens.inc_by(rows as u64);
         })

@@ -34,12 +34,10 @@ pub struct StageStats {
     pub sequences: AtomicU64,
     /// Bytes of KV cache allocated.
     pub kv_cache_bytes: AtomicU64,
-    /// Tokens run through the stage.
-    pub tokens: AtomicU64,
 }
 
-/// Observes each forward pass: (rows in the pass, sequences in it, seconds).
-pub type PassObserver = Arc<dyn Fn(usize, usize, f64) + Send + Sync>;
+/// Observes each forward pass: (rows in the pass, seconds).
+pub type PassObserver = Arc<dyn Fn(usize, f64) + Send + Sync>;
 
 /// A handle on a stage thread. The thread ends, and the weights are freed,
 /// when the last handle is dropped.
@@ -131,7 +129,7 @@ fn run(
                 }
             }
         }
-        observe(rows, rows, started.elapsed().as_secs_f64());
+        observe(rows, started.elapsed().as_secs_f64());
     };
     while let Ok(first) = queue.recv() {
         let mut jobs = vec![first];
@@ -141,9 +139,6 @@ fn run(
         for job in jobs {
             match job {
                 Job::Forward { seq, input, reply } => {
-                    stats
-                        .tokens
-                        .fetch_add(input.len() as u64, Ordering::Relaxed);
                     let batchable = input.len() == 1 && shard.sequence_len(seq) > 0;
                     if batchable && !batch.iter().any(|(s, _, _)| *s == seq) {
                         batch.push((seq, input, reply));
@@ -156,7 +151,7 @@ fn run(
                         let started = Instant::now();
                         let rows = input.len();
                         let _ = reply.send(shard.forward(seq, input));
-                        observe(rows, 1, started.elapsed().as_secs_f64());
+                        observe(rows, started.elapsed().as_secs_f64());
                     }
                 }
                 Job::Release { seq } => {

@@ -245,36 +245,18 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     .await;
 
     // Stop strings, sampling with a seed and max_tokens are honoured.
-    let (tokens, text_out, finished) = run(
-        client(&head),
-        dp::GenerateRequest {
-            sampling: Some(dp::Sampling {
-                max_tokens: 12,
-                temperature: 0.8,
-                top_p: 0.9,
-                seed: Some(7),
-                ..Default::default()
-            }),
-            ..request("pipe-0-0", prompts[1])
-        },
-    )
-    .await
-    .unwrap();
-    let again = run(
-        client(&whole),
-        dp::GenerateRequest {
-            sampling: Some(dp::Sampling {
-                max_tokens: 12,
-                temperature: 0.8,
-                top_p: 0.9,
-                seed: Some(7),
-                ..Default::default()
-            }),
-            ..request("whole-0-0", prompts[1])
-        },
-    )
-    .await
-    .unwrap();
+    let seeded = |shard: &str| dp::GenerateRequest {
+        sampling: Some(dp::Sampling {
+            max_tokens: 12,
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(7),
+            ..Default::default()
+        }),
+        ..request(shard, prompts[1])
+    };
+    let (tokens, text_out, finished) = run(client(&head), seeded("pipe-0-0")).await.unwrap();
+    let again = run(client(&whole), seeded("whole-0-0")).await.unwrap();
     assert_eq!(
         tokens, again.0,
         "the same seed samples the same tokens on both"

@@ -134,6 +134,38 @@ pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, String> {
         .connect_lazy())
 }
 
+/// Clients of other data planes: one connection per endpoint, shared by
+/// every call to it, each call carrying the token.
+#[derive(Clone)]
+pub struct Peers {
+    token: Token,
+    channels: Arc<std::sync::Mutex<std::collections::HashMap<String, tonic::transport::Channel>>>,
+}
+
+impl Peers {
+    /// No connection yet.
+    pub fn new(token: Token) -> Self {
+        Peers {
+            token,
+            channels: Arc::default(),
+        }
+    }
+
+    /// A client of the data plane at `endpoint` (connected on first use).
+    pub fn client(&self, endpoint: &str) -> Result<Client, String> {
+        let mut channels = self.channels.lock().expect("peer lock");
+        let channel = match channels.get(endpoint) {
+            Some(c) => c.clone(),
+            None => {
+                let c = channel(endpoint)?;
+                channels.insert(endpoint.to_string(), c.clone());
+                c
+            }
+        };
+        Ok(client(channel, self.token.clone()))
+    }
+}
+
 /// Encodes f32 rows as little-endian bytes.
 pub fn encode_f32(values: &[f32]) -> prost::bytes::Bytes {
     let mut out = Vec::with_capacity(values.len() * 4);

@@ -6,7 +6,8 @@
 //! - [`gguf`] and [`config`]: reading model files and their hyper-parameters;
 //! - [`candle`]: the candle backend;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
-//!   [`detokenizer`], [`sampler`], and [`pipeline`], which drives stages to
+//!   [`detokenizer`], [`sampler`], [`text_output`] (tokens to the text a client
+//!   sees), and [`pipeline`], which drives stages to
 //!   generate text in one process.
 //!
 //! This crate knows nothing of Kubernetes or the network.
@@ -22,6 +23,7 @@ pub mod pipeline;
 pub mod sampler;
 pub mod shard;
 pub mod stop;
+pub mod text_output;
 pub mod tokenizer;
 
 pub use config::{Architecture, ModelConfig};

@@ -12,12 +12,11 @@ use std::time::{Duration, Instant};
 
 use crate::candle::CandleShard;
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::detokenizer::Detokenizer;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::shard::{LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput};
-use crate::stop::StopMatcher;
+use crate::text_output::TextOutput;
 use crate::tokenizer::Tokenizer;
 
 /// The engines a stage can run on.
@@ -326,8 +325,7 @@ fn generate_inner(
     }
     let max_new = params.max_tokens.min(context - prompt.len());
     let mut sampler = Sampler::new(params.clone(), prompt)?;
-    let mut detok = Detokenizer::new();
-    let mut stops = StopMatcher::new(&params.stop);
+    let mut output = TextOutput::new(&text.tokenizer, params);
     let mut out = String::new();
     let mut tokens = Vec::new();
     let start = Instant::now();
@@ -337,7 +335,6 @@ fn generate_inner(
         .pop()
         .expect("one sequence");
     let mut finish = FinishReason::Length;
-    let mut stopped_by_string = false;
     while tokens.len() < max_new {
         if params.ignore_eos {
             ban(&mut logits, text.tokenizer.stop_tokens());
@@ -345,16 +342,11 @@ fn generate_inner(
         let token = sampler.sample(&mut logits);
         first_token_at.get_or_insert_with(Instant::now);
         tokens.push(token);
-        if !params.ignore_eos && text.tokenizer.stop_tokens().contains(&token) {
+        let piece = output.push(token)?;
+        on_text(&piece.text);
+        out.push_str(&piece.text);
+        if piece.stop {
             finish = FinishReason::Stop;
-            break;
-        }
-        let released = stops.push(&detok.push(&text.tokenizer, token)?);
-        on_text(&released.text);
-        out.push_str(&released.text);
-        if released.stopped {
-            finish = FinishReason::Stop;
-            stopped_by_string = true;
             break;
         }
         if tokens.len() == max_new {
@@ -365,17 +357,10 @@ fn generate_inner(
             .pop()
             .expect("one sequence");
     }
-    if !stopped_by_string {
-        // Text held back for an incomplete character or a possible stop string.
-        let rest = stops.push(&detok.finish(&text.tokenizer)?);
-        let tail = if rest.stopped {
-            rest.text
-        } else {
-            rest.text + &stops.finish()
-        };
-        on_text(&tail);
-        out.push_str(&tail);
-    }
+    // Text held back for an incomplete character or a possible stop string.
+    let tail = output.finish()?;
+    on_text(&tail);
+    out.push_str(&tail);
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
     Ok(Generation {

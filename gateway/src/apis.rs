@@ -721,12 +721,7 @@ pub async fn openai_models(State(app): State<App>, headers: HeaderMap) -> Respon
         .served()
         .into_iter()
         .map(|s| {
-            let created = s
-                .model
-                .as_ref()
-                .and_then(|m| m.metadata.creation_timestamp.as_ref())
-                .map(|t| t.0.as_second())
-                .unwrap_or(0);
+            let created = s.created().map_or(0, |t| t.as_second());
             json!({"id": s.name, "object": "model", "created": created, "owned_by": "shardplane"})
         })
         .collect();
@@ -744,12 +739,7 @@ pub async fn ollama_tags(State(app): State<App>, headers: HeaderMap) -> Response
         .into_iter()
         .map(|s| {
             let st = s.model.as_ref().and_then(|m| m.status.clone()).unwrap_or_default();
-            let modified = s
-                .model
-                .as_ref()
-                .and_then(|m| m.metadata.creation_timestamp.as_ref())
-                .map(|t| t.0.to_string())
-                .unwrap_or_default();
+            let modified = s.created().map(|t| t.to_string()).unwrap_or_default();
             json!({
                 "name": s.name,
                 "model": s.name,

@@ -136,8 +136,9 @@ fn sse_events(
     chat: bool,
 ) -> impl futures::Stream<Item = Result<Event, ApiError>> + Send {
     struct State {
-        body:
-            std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes_of::Bytes>> + Send>>,
+        body: std::pin::Pin<
+            Box<dyn futures::Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>,
+        >,
         buffer: Vec<u8>,
         finish: Option<Finish>,
         usage: Option<(u32, u32)>,
@@ -226,8 +227,4 @@ fn sse_events(
             }
         }
     })
-}
-
-mod bytes_of {
-    pub use axum::body::Bytes;
 }

@@ -16,8 +16,6 @@ pub mod metrics;
 pub mod routing;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router as Http;
 use axum::body::Bytes;
@@ -49,35 +47,6 @@ pub struct App {
     router: routing::Router,
     keys: auth::Keys,
     metrics: metrics::Metrics,
-}
-
-fn directory<K>(client: Client) -> kube::runtime::reflector::Store<K>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, reflector, watcher};
-    let (reader, writer) = reflector::store();
-    let api: kube::Api<K> = kube::Api::all(client);
-    tokio::spawn(async move {
-        watcher(api, watcher::Config::default())
-            .default_backoff()
-            .reflect(writer)
-            .for_each(|e| {
-                if let Err(e) = e {
-                    tracing::warn!(error = %e, "watch failed; retrying");
-                }
-                std::future::ready(())
-            })
-            .await;
-    });
-    reader
 }
 
 /// The HTTP routes.
@@ -124,25 +93,14 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let metrics = metrics::Metrics::new();
-    let ready = Arc::new(AtomicBool::new(false));
-    let admin_listener = shardplane_admin::bind(config.admin_address)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
-    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
-    let admin = tokio::spawn(shardplane_admin::serve(
-        admin_listener,
-        metrics.registry.clone(),
-        ready.clone(),
-        async {
-            let _ = admin_stopped.await;
-        },
-    ));
+    let admin =
+        shardplane_admin::Admin::start(config.admin_address, metrics.registry.clone()).await?;
     let keys = auth::Keys::new(config.keys.clone(), config.rate_limit_per_minute);
     keys.load(&client).await?;
     tokio::spawn(keys.clone().reload_forever(client.clone()));
-    let deployments = directory(client.clone());
-    let models = directory(client.clone());
-    let shards = directory(client.clone());
+    let (deployments, _) = shardplane_admin::watch_all(client.clone());
+    let (models, _) = shardplane_admin::watch_all(client.clone());
+    let (shards, _) = shardplane_admin::watch_all(client.clone());
     let http = shardplane_models::http_client()?;
     let router = routing::Router::new(
         client.clone(),
@@ -161,7 +119,7 @@ pub async fn run(
         models.wait_until_ready(),
         shards.wait_until_ready()
     );
-    ready.store(true, Ordering::Relaxed);
+    admin.set_ready(true);
     tracing::info!(listen = %config.listen, "gateway up");
     let app = App {
         router,
@@ -171,7 +129,6 @@ pub async fn run(
     let served = axum::serve(listener, routes(app))
         .with_graceful_shutdown(shutdown)
         .await;
-    let _ = stop_admin.send(());
-    let _ = admin.await;
+    admin.stop(std::time::Duration::from_secs(5)).await;
     served.map_err(|e| format!("gateway: {e}"))
 }

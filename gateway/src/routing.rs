@@ -180,6 +180,13 @@ pub struct Served {
     pub ready: usize,
 }
 
+impl Served {
+    /// When its Model was created (what the APIs list as the model's date).
+    pub fn created(&self) -> Option<k8s_openapi::jiff::Timestamp> {
+        Some(self.model.as_ref()?.metadata.creation_timestamp.as_ref()?.0)
+    }
+}
+
 /// The gateway's view of the cluster and its routing state.
 #[derive(Clone)]
 pub struct Router {
@@ -187,15 +194,10 @@ pub struct Router {
     deployments: Store<ModelDeployment>,
     models: Store<Model>,
     shards: Store<Shard>,
-    token: dp::Token,
-    channels: Arc<Mutex<HashMap<String, tonic_channel::Channel>>>,
+    peers: dp::Peers,
     outstanding: Arc<Mutex<HashMap<String, usize>>>,
     http: reqwest::Client,
     metrics: Metrics,
-}
-
-mod tonic_channel {
-    pub use shardplane_dataplane::tonic::transport::Channel;
 }
 
 /// Counts a request against an instance until dropped.
@@ -236,8 +238,7 @@ impl Router {
             deployments,
             models,
             shards,
-            token,
-            channels: Arc::default(),
+            peers: dp::Peers::new(token),
             outstanding: Arc::default(),
             http,
             metrics,
@@ -338,19 +339,6 @@ impl Router {
         ready.into_iter().map(|(_, _, i)| i).collect()
     }
 
-    fn client(&self, endpoint: &str) -> Result<dp::Client, String> {
-        let mut channels = self.channels.lock().expect("channel lock");
-        let channel = match channels.get(endpoint) {
-            Some(c) => c.clone(),
-            None => {
-                let c = dp::channel(endpoint)?;
-                channels.insert(endpoint.to_string(), c.clone());
-                c
-            }
-        };
-        Ok(dp::client(channel, self.token.clone()))
-    }
-
     /// Starts answering `prompt` with the model called `name`: the first ready
     /// instance that produces a first token, through the fallback chain.
     pub async fn complete(&self, name: &str, prompt: &Prompt) -> Result<Answer, ApiError> {
@@ -431,7 +419,7 @@ impl Router {
                 key: inst.key.clone(),
             }
         };
-        let mut client = self.client(&inst.endpoint).map_err(Attempt::Next)?;
+        let mut client = self.peers.client(&inst.endpoint).map_err(Attempt::Next)?;
         let input = match &prompt.input {
             Input::Chat(messages) => dp::generate_request::Input::Chat(dp::Conversation {
                 messages: messages
