@@ -37,6 +37,9 @@ enum Command {
     /// Run the gateway: one OpenAI-, Anthropic- and Ollama-compatible
     /// endpoint routing to ready instances.
     Gateway(commands::gateway::GatewayArgs),
+    /// Write a kubeconfig for node agents off the cluster, with a token of the
+    /// agents' ServiceAccount (the Helm chart creates it).
+    AgentKubeconfig(commands::agent_kubeconfig::AgentKubeconfigArgs),
 }
 
 impl Command {
@@ -67,6 +70,7 @@ impl Cli {
             Command::Operator(args) => commands::operator::run(args),
             Command::Agent(args) => commands::agent::run(args),
             Command::Gateway(args) => commands::gateway::run(args),
+            Command::AgentKubeconfig(args) => commands::agent_kubeconfig::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

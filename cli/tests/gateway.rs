@@ -52,19 +52,6 @@ fn gateway(listen: &str, admin: &str, keys: &std::path::Path) -> Process {
     ])
 }
 
-fn python() -> std::path::PathBuf {
-    let venv = std::env::var_os("HOME")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_default()
-        .join(".cache/shardplane/venv/bin/python");
-    assert!(
-        venv.exists(),
-        "the API clients are missing: run `bash scripts/setup.sh` (it installs openai, anthropic and ollama into {})",
-        venv.display()
-    );
-    venv
-}
-
 fn deployment(name: &str, alias: &str, fallback: Vec<FallbackTarget>) -> ModelDeployment {
     let mut d = fixtures::deployment(name, "gw-model", "unused-pool", "unused-strategy");
     d.spec.aliases = vec![alias.into()];
@@ -93,7 +80,7 @@ async fn wait_http(base: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
-    let python = python();
+    let python = shardplane_testkit::venv_python();
     let client = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client, "gateway").await.unwrap();
     let tag = unique_name("gw");

@@ -275,10 +275,15 @@ pub fn free_address() -> std::net::SocketAddr {
 /// Starts the `shardplane` binary at `bin` with `args` against the test control
 /// plane (quiet logs, stdout discarded); it is killed when the guard drops.
 pub fn spawn_component(bin: &str, args: &[&str]) -> ChildGuard {
+    spawn_component_as(bin, args, control_plane().kubeconfig())
+}
+
+/// [`spawn_component`] with another identity's kubeconfig.
+pub fn spawn_component_as(bin: &str, args: &[&str], kubeconfig: &Path) -> ChildGuard {
     let child = Command::new(bin)
         .args(args)
         .arg("--kubeconfig")
-        .arg(control_plane().kubeconfig())
+        .arg(kubeconfig)
         .env("RUST_LOG", "warn,kube_client=error")
         .env("SHARDPLANE_DATA_PLANE_TOKEN_FILE", token_file())
         .env("SHARDPLANE_DATA_PLANE_ADDRESS", "127.0.0.1:0")
@@ -345,4 +350,19 @@ pub fn install_quickstart_model() {
         installed.success(),
         "cannot install the model: run as root, or run `bash scripts/model.sh --install-to /var/lib/shardplane/models`"
     );
+}
+
+/// The Python of the test venv (the official API clients, Helm's SDK).
+pub fn venv_python() -> PathBuf {
+    let venv = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default()
+        .join(".cache/shardplane/venv/bin/python");
+    assert!(
+        venv.exists(),
+        "the test venv is missing: run `bash scripts/setup.sh` (it installs openai, anthropic, \
+         ollama and helm-python-sdk into {})",
+        venv.display()
+    );
+    venv
 }

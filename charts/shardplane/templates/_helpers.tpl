@@ -1,0 +1,93 @@
+{{/* Names and labels shared by every object of the chart. */}}
+
+{{- define "shardplane.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "shardplane.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: shardplane
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* selectorLabels COMPONENT: the labels a component's pods are chosen by. */}}
+{{- define "shardplane.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* podLabels COMPONENT: a pod's labels, its selector labels among them. */}}
+{{- define "shardplane.podLabels" -}}
+{{ include "shardplane.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: shardplane
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "shardplane.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ $tag }}
+{{- end -}}
+{{- end -}}
+
+{{- define "shardplane.operatorName" -}}{{ include "shardplane.fullname" . }}-operator{{- end -}}
+{{- define "shardplane.gatewayName" -}}{{ include "shardplane.fullname" . }}-gateway{{- end -}}
+{{- define "shardplane.agentName" -}}{{ include "shardplane.fullname" . }}-agent{{- end -}}
+
+{{- define "shardplane.tokenSecretName" -}}
+{{- .Values.dataPlaneToken.existingSecret | default (printf "%s-data-plane-token" (include "shardplane.fullname" .)) -}}
+{{- end -}}
+
+{{- define "shardplane.apiKeysSecretName" -}}
+{{- .Values.gateway.apiKeys.existingSecret | default (printf "%s-api-keys" (include "shardplane.fullname" .)) -}}
+{{- end -}}
+
+{{/* The hardened security context every container runs with. */}}
+{{- define "shardplane.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* scheduling DICT: nodeSelector, tolerations, affinity, priorityClassName. */}}
+{{- define "shardplane.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
