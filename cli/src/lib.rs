@@ -40,6 +40,10 @@ enum Command {
     /// Write a kubeconfig for node agents off the cluster, with a token of the
     /// agents' ServiceAccount (the Helm chart creates it).
     AgentKubeconfig(commands::agent_kubeconfig::AgentKubeconfigArgs),
+    /// Bring up a local cluster on this machine from a checkout: control
+    /// plane, operator, gateway and agents serving the quickstart; Ctrl-C
+    /// stops it all.
+    Up(commands::up::UpArgs),
 }
 
 impl Command {
@@ -47,6 +51,7 @@ impl Command {
     fn default_log(&self) -> &'static str {
         match self {
             Command::Operator(_) | Command::Agent(_) | Command::Gateway(_) => "info,kube=warn",
+            Command::Up(_) => "warn,kube_client=error",
             _ => "warn",
         }
     }
@@ -71,6 +76,7 @@ impl Cli {
             Command::Agent(args) => commands::agent::run(args),
             Command::Gateway(args) => commands::gateway::run(args),
             Command::AgentKubeconfig(args) => commands::agent_kubeconfig::run(args),
+            Command::Up(args) => commands::up::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

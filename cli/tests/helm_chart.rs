@@ -554,7 +554,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         .unwrap();
     let key = String::from_utf8(keys.data.unwrap()["default"].0.clone()).unwrap();
     assert!(key.starts_with("sk-") && key.len() > 40, "{key}");
-    let http = reqwest::Client::new();
+    let http = shardplane_models::http_client().unwrap();
     let url = format!("http://{listen}/v1/models");
     let status = eventually("the gateway serves", Duration::from_secs(60), || async {
         let r = http.get(&url).bearer_auth(&key).send().await.ok()?;

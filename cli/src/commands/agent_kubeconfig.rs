@@ -200,7 +200,8 @@ fn current_cluster(kc: &Kubeconfig) -> anyhow::Result<kube::config::Cluster> {
         .with_context(|| format!("the kubeconfig has no cluster {}", context.cluster))
 }
 
-fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+/// Writes `text` to `path`, readable by its owner only.
+pub(crate) fn write_private(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
     use std::io::Write;
     #[cfg(unix)]
     use std::os::unix::fs::OpenOptionsExt;

@@ -10,3 +10,4 @@ pub mod generate;
 mod kube_client;
 mod model_args;
 pub mod operator;
+pub mod up;

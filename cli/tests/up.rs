@@ -1,0 +1,137 @@
+//! `shardplane up`, the main job, as a user runs it: it brings up its own
+//! control plane, the operator, five agents and the gateway, shows progress
+//! until the quickstart is Ready, and both served models answer through the
+//! gateway; a killed agent is reported while the other replica keeps serving;
+//! Ctrl-C stops everything it started and leaves no process behind.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use shardplane_testkit::{ChildGuard, repo_root};
+
+/// Processes whose command line mentions `needle`.
+fn processes_with(needle: &str) -> Vec<(u32, String)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            (cmdline.contains(needle) && pid != std::process::id()).then_some((pid, cmdline))
+        })
+        .collect()
+}
+
+fn chat(key: &str, model: &str) -> (u16, String) {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+    });
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let r = shardplane_models::http_client()
+            .unwrap()
+            .post("http://127.0.0.1:8080/v1/chat/completions")
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    })
+}
+
+#[test]
+fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
+    let state = tempfile::tempdir().unwrap();
+    let state_path = state.path().to_str().unwrap().to_string();
+    let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(["up", "--no-setup", "--state", &state_path])
+        .current_dir(repo_root())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut up = ChildGuard(child);
+    let stdout = up.0.stdout.take().unwrap();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut printed = Vec::new();
+    let mut read_until = |marker: &str, within: Duration| {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    let done = line.contains(marker);
+                    printed.push(line);
+                    if done {
+                        return printed.join("\n");
+                    }
+                }
+                Err(_) => panic!("no {marker:?} in:\n{}", printed.join("\n")),
+            }
+        }
+    };
+
+    let shown = read_until("Press Ctrl-C", Duration::from_secs(300));
+    for expected in [
+        "default/smollm2-daily: 2/2 ready",
+        "default/smollm2-pipeline: 1/1 ready",
+        "smollm2 says:",
+        "smollm2-pipeline says:",
+        "OpenAI base URL: http://127.0.0.1:8080/v1",
+        "kubectl get shardplane",
+    ] {
+        assert!(shown.contains(expected), "no {expected:?} in:\n{shown}");
+    }
+    let keys = std::fs::read_to_string(state.path().join("api-keys")).unwrap();
+    let key = keys
+        .lines()
+        .next()
+        .unwrap()
+        .split_once(':')
+        .unwrap()
+        .1
+        .trim();
+    for model in ["smollm2", "smollm2-pipeline"] {
+        let (status, body) = chat(key, model);
+        assert_eq!(status, 200, "{model}: {body}");
+    }
+    assert_eq!(chat("sk-wrong", "smollm2").0, 401);
+
+    // Lose a daily agent: `up` says so and the other replica serves on.
+    let agent = processes_with("--node-name node-0 ");
+    assert_eq!(agent.len(), 1, "{agent:?}");
+    let killed = Command::new("kill")
+        .args(["-9", &agent[0].0.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    read_until("agent-0 (signal: 9", Duration::from_secs(10));
+    for _ in 0..5 {
+        let (status, body) = chat(key, "smollm2");
+        assert_eq!(status, 200, "{body}");
+    }
+
+    // Ctrl-C: everything stops, in order, and nothing is left.
+    assert!(!processes_with(&state_path).is_empty());
+    up.signal("-INT");
+    read_until(
+        "nothing of this run is left running",
+        Duration::from_secs(60),
+    );
+    let status = up.0.wait().unwrap();
+    assert!(status.success(), "up exited with {status}");
+    let left = processes_with(&state_path);
+    assert!(left.is_empty(), "still running: {left:?}");
+}
