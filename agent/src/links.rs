@@ -7,7 +7,7 @@
 //!  every --probe-links-every: for each peer with a data plane
 //!    route: peer address on the best link kind we share ─► its data-plane port
 //!    latency: 9 empty Pings, median round trip
-//!    throughput: one Ping answered with PROBE_BYTES
+//!    throughput: one Ping answered with PROBE_BYTES (cut at 8 s: an upper bound)
 //!    ─► InferenceNode status.links (field manager shardplane-agent-links)
 //! ```
 
@@ -104,32 +104,50 @@ pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> 
 pub struct Measurement {
     /// Median round trip of an empty Ping.
     pub latency: Duration,
-    /// Throughput of a `PROBE_BYTES` answer, in megabits per second.
+    /// Throughput of a `PROBE_BYTES` answer, in megabits per second. An
+    /// answer slower than `BANDWIDTH_TIMEOUT` is cut short and recorded at
+    /// the rate that would have taken that long, an upper bound (a link that
+    /// slow still gets its latency recorded).
     pub bandwidth_mbps: u32,
 }
 
-/// Measures the link to `client`'s data plane.
+/// How long the latency Pings may take together.
+const LATENCY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the `PROBE_BYTES` answer may take.
+const BANDWIDTH_TIMEOUT: Duration = Duration::from_secs(8);
+
+/// Measures the link to `client`'s data plane: latency (failing when the
+/// peer does not answer in time), then throughput (left out when slow).
 pub async fn measure(client: &dp::Client) -> Result<Measurement, tonic::Status> {
-    let mut rtts = Vec::with_capacity(LATENCY_SAMPLES);
-    // The first call also connects; it is not counted.
-    client.clone().ping(dp::PingRequest::default()).await?;
-    for _ in 0..LATENCY_SAMPLES {
-        let t = Instant::now();
+    let latency = tokio::time::timeout(LATENCY_TIMEOUT, async {
+        let mut rtts = Vec::with_capacity(LATENCY_SAMPLES);
+        // The first call also connects; it is not counted.
         client.clone().ping(dp::PingRequest::default()).await?;
-        rtts.push(t.elapsed());
-    }
-    rtts.sort();
-    let latency = rtts[rtts.len() / 2];
+        for _ in 0..LATENCY_SAMPLES {
+            let t = Instant::now();
+            client.clone().ping(dp::PingRequest::default()).await?;
+            rtts.push(t.elapsed());
+        }
+        rtts.sort();
+        Ok::<_, tonic::Status>(rtts[rtts.len() / 2])
+    })
+    .await
+    .map_err(|_| tonic::Status::deadline_exceeded("the latency Pings timed out"))??;
     let t = Instant::now();
-    client
-        .clone()
-        .ping(dp::PingRequest {
-            payload: Vec::new(),
-            reply_bytes: PROBE_BYTES,
-        })
-        .await?;
-    let secs = t.elapsed().saturating_sub(latency).as_secs_f64().max(1e-6);
-    let bandwidth_mbps = (PROBE_BYTES as f64 * 8.0 / secs / 1e6).min(u32::MAX as f64) as u32;
+    let big = dp::PingRequest {
+        payload: Vec::new(),
+        reply_bytes: PROBE_BYTES,
+    };
+    let bandwidth_mbps =
+        match tokio::time::timeout(BANDWIDTH_TIMEOUT, client.clone().ping(big)).await {
+            Ok(answer) => {
+                answer?;
+                let secs = t.elapsed().saturating_sub(latency).as_secs_f64().max(1e-6);
+                (PROBE_BYTES as f64 * 8.0 / secs / 1e6).min(u32::MAX as f64) as u32
+            }
+            // Cut short: no faster than a rate that would take that long.
+            Err(_) => (PROBE_BYTES as f64 * 8.0 / BANDWIDTH_TIMEOUT.as_secs_f64() / 1e6) as u32,
+        };
     Ok(Measurement {
         latency,
         bandwidth_mbps,
@@ -162,8 +180,8 @@ pub async fn run(
             let Ok(c) = peers.client(&r.endpoint) else {
                 continue;
             };
-            match tokio::time::timeout(Duration::from_secs(10), measure(&c)).await {
-                Ok(Ok(m)) => {
+            match measure(&c).await {
+                Ok(m) => {
                     metrics
                         .link_latency_seconds
                         .with_label_values(&[&name])
@@ -182,10 +200,7 @@ pub async fn run(
                         measured_at: Time(Timestamp::now()),
                     })
                 }
-                Ok(Err(e)) => {
-                    tracing::debug!(peer = %name, error = %e, "link probe failed")
-                }
-                Err(_) => tracing::debug!(peer = %name, "link probe timed out"),
+                Err(e) => tracing::debug!(peer = %name, error = %e, "link probe failed"),
             }
         }
         links.sort_by(|a, b| a.node.cmp(&b.node));

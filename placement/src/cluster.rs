@@ -54,6 +54,11 @@ pub struct Link {
 /// measured links are preferred.
 pub(crate) const UNMEASURED_LATENCY_MICROS: u64 = 100_000;
 
+/// The hidden state one decode step sends across a hop, for weighing
+/// bandwidth against latency: 4096 f32 values, the width of the large models
+/// pipelines are for.
+pub(crate) const STEP_BYTES: u64 = 16 * 1024;
+
 /// Nodes by name, and the links between them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cluster {
@@ -91,12 +96,19 @@ impl Cluster {
         self.links.get(a)?.get(b)
     }
 
-    /// Latency between two nodes for ordering (0 on the same node).
+    /// The cost of one hop between two nodes for ordering, in microseconds
+    /// (0 on the same node): the round trip, plus the time one decode step's
+    /// hidden state ([`STEP_BYTES`]) takes at the measured bandwidth, so that
+    /// a narrow link costs what it adds to every token.
     pub(crate) fn latency(&self, a: &str, b: &str) -> u64 {
         if a == b {
             return 0;
         }
-        self.link(a, b)
-            .map_or(UNMEASURED_LATENCY_MICROS, |l| l.latency_micros as u64)
+        self.link(a, b).map_or(UNMEASURED_LATENCY_MICROS, |l| {
+            let transfer = l
+                .bandwidth_mbps
+                .map_or(0, |mbps| STEP_BYTES * 8 / u64::from(mbps.max(1)));
+            l.latency_micros as u64 + transfer
+        })
     }
 }

@@ -1,0 +1,356 @@
+//! Load across network namespaces: three agents, each in its own namespace
+//! with its own address, a daily deployment of two replicas (the third node
+//! spare), the operator and the gateway on the machine, the real model.
+//! 32 streaming clients chat through the gateway for 60 s
+//! (`SHARDPLANE_LOAD_SECONDS`); 15 s in, one replica's agent is killed with
+//! SIGKILL, 25 s in the operator too, and a new operator starts.
+//!
+//! - Only requests in flight on the killed agent fail: none that started
+//!   after the kill, none on the other replica.
+//! - The system converges: the new operator takes the leader Lease and the
+//!   lost replica is re-placed on the spare node; both replicas are Ready.
+//! - Afterwards every agent holds no sequence.
+//!
+//! Prints a `REPORT` line with the counts and times.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kube::Api;
+use kube::api::PostParams;
+use shardplane_crds::*;
+use shardplane_dataplane as dp;
+use shardplane_testkit::netns::Network;
+use shardplane_testkit::{
+    ChildGuard, control_plane, eventually, fixtures, free_address, spawn_component, unique_name,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_shardplane");
+const WAIT: Duration = Duration::from_secs(120);
+const CLIENTS: usize = 32;
+
+#[derive(Debug)]
+struct Outcome {
+    started: Instant,
+    ended: Instant,
+    tokens: usize,
+    error: Option<String>,
+}
+
+/// One streamed chat through the gateway: the deltas until `[DONE]`.
+async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> Outcome {
+    let started = Instant::now();
+    let mut tokens = 0;
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Count from one to ten."}],
+        "max_tokens": 24,
+        "stream": true,
+    });
+    let result: Result<(), String> = async {
+        let r = http
+            .post(format!("http://{gateway}/v1/chat/completions"))
+            .bearer_auth("sk-test")
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        if r.status() != 200 {
+            return Err(format!(
+                "{}: {}",
+                r.status(),
+                r.text().await.unwrap_or_default()
+            ));
+        }
+        let mut stream = r.bytes_stream();
+        let mut text = String::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = text.find("\n\n") {
+                let event: String = text.drain(..end + 2).collect();
+                let data = event.trim().strip_prefix("data: ").unwrap_or("");
+                if data == "[DONE]" {
+                    return Ok(());
+                }
+                if data.contains("\"error\"") {
+                    return Err(format!("error event: {data}"));
+                }
+                if data.contains("\"content\"") {
+                    tokens += 1;
+                }
+            }
+        }
+        Err("the stream ended without [DONE]".into())
+    }
+    .await;
+    Outcome {
+        started,
+        ended: Instant::now(),
+        tokens,
+        error: result.err(),
+    }
+}
+
+/// An operator, and where its `/readyz` answers (ready: it leads).
+fn operator(tag: &str) -> (ChildGuard, String) {
+    let admin = free_address().to_string();
+    let guard = spawn_component(
+        BIN,
+        &[
+            "operator",
+            "--admin-address",
+            &admin,
+            "--leader-namespace",
+            tag,
+            "--leader-lease-seconds",
+            "4",
+            "--node-lease-seconds",
+            "4",
+            "--read-model-paths",
+        ],
+    );
+    (guard, admin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_every_sequence() {
+    shardplane_testkit::install_quickstart_model();
+    let seconds: u64 = std::env::var("SHARDPLANE_LOAD_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let client = control_plane().client().await.unwrap();
+    let ns = control_plane()
+        .namespace(&client, "e2e-load")
+        .await
+        .unwrap();
+    let tag = unique_name("load");
+    let pool = format!("{tag}-daily");
+    let net = Network::new('w', 78, 3);
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<String> = (0..3).map(|i| format!("{tag}-n{i}")).collect();
+    let mut agents: Vec<Option<ChildGuard>> = (0..3)
+        .map(|i| {
+            let ip = net.hosts[i].ip;
+            let cache = dir.path().join(format!("cache-{i}"));
+            Some(net.spawn(
+                i,
+                BIN,
+                &[
+                    "agent",
+                    "--node-name",
+                    &nodes[i],
+                    "--label",
+                    &format!("pool={pool}"),
+                    "--admin-address",
+                    &format!("{ip}:9091"),
+                    "--data-plane-address",
+                    &format!("{ip}:7070"),
+                    "--lease-seconds",
+                    "4",
+                    "--memory-reserve",
+                    "512Mi",
+                    "--cache-dir",
+                    cache.to_str().unwrap(),
+                ],
+            ))
+        })
+        .collect();
+    let mut operator_guard = Some(operator(&tag).0);
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "test: sk-test\n").unwrap();
+    let gateway = free_address().to_string();
+    let _gateway = spawn_component(
+        BIN,
+        &[
+            "gateway",
+            "--listen",
+            &gateway,
+            "--admin-address",
+            &free_address().to_string(),
+            "--api-keys-file",
+            keys.to_str().unwrap(),
+        ],
+    );
+
+    let mut model = fixtures::model("m");
+    model.spec.served_name = Some(format!("{tag}-m"));
+    Api::<Model>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &model)
+        .await
+        .unwrap();
+    let pools: Api<NodePool> = Api::all(client.clone());
+    pools
+        .create(
+            &PostParams::default(),
+            &fixtures::node_pool(&pool, Tier::Daily),
+        )
+        .await
+        .unwrap();
+    let strategies: Api<ShardingStrategy> = Api::all(client.clone());
+    let mut whole = fixtures::strategy(&format!("{tag}-whole"), Parallelism::None);
+    whole.spec.kv_cache = KvCacheBudget {
+        context_length: 512,
+        concurrent_sequences: CLIENTS as u32,
+    };
+    strategies
+        .create(&PostParams::default(), &whole)
+        .await
+        .unwrap();
+    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
+    let mut d = fixtures::deployment("chat", "m", &pool, &format!("{tag}-whole"));
+    d.spec.replicas = 2;
+    d.spec.aliases = vec![format!("{tag}-chat")];
+    deployments
+        .create(&PostParams::default(), &d)
+        .await
+        .unwrap();
+    let ready = || async {
+        let d = deployments.get("chat").await.ok()?;
+        let st = d.status?;
+        (st.ready_replicas == 2).then(|| {
+            st.instances
+                .iter()
+                .map(|i| i.stages[0].node.clone())
+                .collect::<Vec<_>>()
+        })
+    };
+    let placed = eventually("two replicas Ready", WAIT, ready).await;
+    let model_name = format!("{tag}-chat");
+    let http = shardplane_models::http_client().unwrap();
+    eventually("the gateway serves", WAIT, || async {
+        stream_chat(&http, &gateway, &model_name)
+            .await
+            .error
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    // The load.
+    let begin = Instant::now();
+    let deadline = begin + Duration::from_secs(seconds);
+    let outcomes: Arc<Mutex<Vec<Outcome>>> = Default::default();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (http, gateway, model_name, outcomes) = (
+                http.clone(),
+                gateway.clone(),
+                model_name.clone(),
+                outcomes.clone(),
+            );
+            tokio::spawn(async move {
+                while Instant::now() < deadline {
+                    let o = stream_chat(&http, &gateway, &model_name).await;
+                    outcomes.lock().unwrap().push(o);
+                }
+            })
+        })
+        .collect();
+
+    tokio::time::sleep_until((begin + Duration::from_secs(seconds / 4)).into()).await;
+    let victim = nodes.iter().position(|n| *n == placed[0]).unwrap();
+    let killed_at = Instant::now();
+    agents[victim].as_ref().unwrap().signal("-KILL");
+    let in_flight_at_kill = {
+        let done = outcomes.lock().unwrap().len();
+        // Requests started and not finished: every client has one.
+        (CLIENTS, done)
+    };
+    tokio::time::sleep_until((begin + Duration::from_secs(seconds * 5 / 12)).into()).await;
+    operator_guard.as_ref().unwrap().signal("-KILL");
+    operator_guard.take();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_new_operator, new_admin) = operator(&tag);
+    let restarted_at = Instant::now();
+    let led_at = eventually("the new operator takes the lead", WAIT, || async {
+        let r = http
+            .get(format!("http://{new_admin}/readyz"))
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then(Instant::now)
+    })
+    .await;
+    let converged = eventually("the lost replica is re-placed and Ready", WAIT, || async {
+        let nodes_now = ready().await?;
+        (!nodes_now.contains(&nodes[victim])).then_some((Instant::now(), nodes_now))
+    })
+    .await;
+    for c in clients {
+        c.await.unwrap();
+    }
+    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    let shards = Api::<Shard>::namespaced(client.clone(), &ns)
+        .list(&kube::api::ListParams::default().labels(&format!("{DEPLOYMENT_LABEL}=chat")))
+        .await
+        .unwrap();
+    let mut on: Vec<String> = shards.items.iter().map(|s| s.spec.node.clone()).collect();
+    on.sort();
+    assert_eq!(on.len(), 2, "one Shard per replica: {on:?}");
+    assert!(!on.contains(&nodes[victim]), "{on:?}");
+
+    let total = outcomes.len();
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_some()).collect();
+    let tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
+    for f in &failed {
+        assert!(
+            f.started < killed_at && f.ended >= killed_at,
+            "a request not in flight at the kill failed: started {:?} after begin, ended {:?}: {:?}",
+            f.started - begin,
+            f.ended - begin,
+            f.error
+        );
+    }
+    assert!(
+        failed.len() <= CLIENTS / 2 + 1,
+        "{} failed: more than the killed replica held",
+        failed.len()
+    );
+    assert!(total > CLIENTS * 4, "only {total} requests completed");
+
+    // Every sequence freed on the agents still running.
+    for (i, agent) in agents.iter().enumerate() {
+        if agent.is_none() || i == victim {
+            continue;
+        }
+        let endpoint = format!("{}:7070", net.hosts[i].ip);
+        eventually(
+            "the agent holds no sequence",
+            Duration::from_secs(30),
+            || async {
+                let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
+                let mut c = dp::client(dp::channel(&endpoint).unwrap(), token);
+                let status = c.status(dp::StatusRequest {}).await.ok()?.into_inner();
+                let held: u32 = status.stages.iter().map(|s| s.sequences).sum();
+                (held == 0).then_some(())
+            },
+        )
+        .await;
+    }
+    println!(
+        "REPORT load: {CLIENTS} streaming clients for {seconds} s through the gateway: {total} requests, {} failed (all in flight on the killed agent, {} clients busy then, {} done before), {tokens} streamed deltas ({:.0}/s); replica re-placed on {:?} and Ready {:.1} s after the agent was killed; the new operator led {:.1} s after it started",
+        failed.len(),
+        in_flight_at_kill.0,
+        in_flight_at_kill.1,
+        tokens as f64 / seconds as f64,
+        converged.1,
+        converged.0.duration_since(killed_at).as_secs_f64(),
+        led_at.duration_since(restarted_at).as_secs_f64(),
+    );
+
+    agents.clear();
+    for n in &nodes {
+        let _ = Api::<InferenceNode>::all(client.clone())
+            .delete(n, &Default::default())
+            .await;
+    }
+    let _ = pools.delete(&pool, &Default::default()).await;
+    let _ = strategies
+        .delete(&format!("{tag}-whole"), &Default::default())
+        .await;
+}
