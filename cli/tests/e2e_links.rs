@@ -372,17 +372,6 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
         (nodes == [cluster.nodes[other].clone()]).then_some(nodes)
     })
     .await;
-    let (failed, sent) = {
-        let o = outcomes.lock().unwrap();
-        let during: Vec<_> = o
-            .iter()
-            .filter(|(t, _)| *t >= cut && *t < serving_again)
-            .collect();
-        (
-            during.iter().filter(|(_, r)| r.is_err()).count(),
-            during.len(),
-        )
-    };
     let outage = serving_again.duration_since(cut);
 
     // The link returns: the node comes back, and nothing is duplicated.
@@ -429,6 +418,8 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
     let d = ready(&deployments, "part").await.expect("still Ready");
     assert_eq!(d.status.unwrap().replicas, 1);
     prober.abort();
+    // Requests still in flight end within their 5 s timeout.
+    tokio::time::sleep(Duration::from_secs(6)).await;
     let after_heal: Vec<String> = outcomes
         .lock()
         .unwrap()
@@ -443,15 +434,26 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
             })
         })
         .collect();
-    // Not asserted: now and then a few requests to the re-placed instance
-    // fail with an HTTP/2 error in the seconds after the link returns (cause
-    // not yet found); they are reported.
+    let (failed, sent) = {
+        let o = outcomes.lock().unwrap();
+        let during: Vec<_> = o
+            .iter()
+            .filter(|(t, _)| *t >= cut && *t < serving_again)
+            .collect();
+        (
+            during.iter().filter(|(_, r)| r.is_err()).count(),
+            during.len(),
+        )
+    };
     let sent_after_heal = outcomes
         .lock()
         .unwrap()
         .iter()
         .filter(|(t, _)| *t >= healed)
         .count();
+    // Not asserted (a known problem, under investigation): requests sent
+    // in a window of about a second, 2-4 s after the link returns, hang
+    // until their timeout, with no error at the gateway. They are reported.
     println!(
         "REPORT partition: node {lost_node} cut off; its instance served again on {now_on:?} after {:.1} s; {failed} of {sent} requests sent meanwhile failed (lease 4 s); after the link returned {} of {sent_after_heal} failed: {after_heal:?}",
         outage.as_secs_f64(),

@@ -281,7 +281,9 @@ pub fn spawn_component(bin: &str, args: &[&str]) -> ChildGuard {
 
 /// [`spawn_component`] with another identity's kubeconfig.
 pub fn spawn_component_as(bin: &str, args: &[&str], kubeconfig: &Path) -> ChildGuard {
-    let child = Command::new(bin)
+    let child = Command::new("setpriv")
+        .args(PARENT_DEATH)
+        .arg(bin)
         .args(args)
         .arg("--kubeconfig")
         .arg(kubeconfig)
@@ -293,6 +295,10 @@ pub fn spawn_component_as(bin: &str, args: &[&str], kubeconfig: &Path) -> ChildG
         .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
     ChildGuard(child)
 }
+
+/// `setpriv` (util-linux) arguments that kill a component when the test
+/// process dies without running its guards (a killed or timed-out test).
+pub const PARENT_DEATH: [&str; 3] = ["--pdeathsig", "KILL", "--"];
 
 /// The data-plane token every component a test starts shares.
 pub const DATA_PLANE_TOKEN: &str = "test-data-plane-token-0123456789";

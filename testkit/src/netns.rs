@@ -3,7 +3,8 @@
 //! be slowed with `tc netem` and cut by taking a host's veth down. The API
 //! server, on the machine's loopback, is reachable from every host through a
 //! relay on the bridge address. Everything is removed on drop, and leftovers
-//! of test processes that died are removed by the next run. Needs root and
+//! of test processes that died are removed by the next run (their
+//! components die with them). Needs root and
 //! iproute2 (`ip`, `tc`).
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -104,6 +105,16 @@ impl Network {
         let gateway_ip = Ipv4Addr::new(10, net, 0, 1);
         let _ = run("ip", &["link", "del", &bridge]);
         ip(&["link", "add", &bridge, "type", "bridge"]);
+        // A fixed address: by default a bridge takes the lowest of its ports'
+        // addresses, so taking a port down or up would change the machine's
+        // MAC on the bridge and strand every host's ARP entry for it.
+        let mac = format!(
+            "02:5b:{:02x}:{:02x}:{:02x}:01",
+            net,
+            (pid >> 8) & 0xff,
+            pid & 0xff
+        );
+        ip(&["link", "set", &bridge, "address", &mac]);
         ip(&["addr", "add", &format!("{gateway_ip}/24"), "dev", &bridge]);
         ip(&["link", "set", &bridge, "up"]);
         let mut network = Network {
@@ -187,7 +198,9 @@ impl Network {
     /// (API server through the relay, the test data-plane token).
     pub fn spawn(&self, i: usize, bin: &str, args: &[&str]) -> ChildGuard {
         let child = Command::new("ip")
-            .args(["netns", "exec", &self.hosts[i].netns, bin])
+            .args(["netns", "exec", &self.hosts[i].netns, "setpriv"])
+            .args(crate::PARENT_DEATH)
+            .arg(bin)
             .args(args)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
