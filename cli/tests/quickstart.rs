@@ -54,6 +54,25 @@ async fn the_quickstart_becomes_ready_on_five_agents() {
             ])
         })
         .collect();
+    // All five Ready first, as `shardplane up` does: a pipeline placed while
+    // a reasoning node is still registering keeps fewer stages.
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+    for i in 0..5 {
+        let name = format!("{tag}-{i}");
+        eventually(
+            &format!("{name} is Ready"),
+            Duration::from_secs(60),
+            || async {
+                let n = nodes.get_opt(&name).await.ok()??;
+                n.status?
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == CONDITION_READY && c.status == "True")
+                    .then_some(())
+            },
+        )
+        .await;
+    }
     let dir = repo_root().join("manifests/quickstart");
     control_plane()
         .kubectl(&["apply", "-n", &ns, "-f", dir.to_str().unwrap()])

@@ -17,7 +17,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
-use shardplane_crds::{CONDITION_READY, ModelDeployment};
+use shardplane_crds::{CONDITION_READY, InferenceNode, ModelDeployment};
 
 use super::agent_kubeconfig::write_private;
 use super::kube_client::client;
@@ -181,15 +181,20 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         ],
     )?;
 
-    step(&format!("applying {}", manifests.display()));
-    print!(
-        "{}",
-        kubectl(&["apply", "-f", manifests.to_str().context("path")?], None)?
-    );
-
     let runtime = tokio::runtime::Runtime::new()?;
     let outcome = runtime.block_on(async {
         let client = client(Some(&kubeconfig)).await?;
+        // Every agent registered and Ready first, so the planner sees the
+        // whole pool (a pipeline placed on fewer nodes stays so).
+        tokio::select! {
+            r = wait_nodes(&client, args.agents, &mut cluster) => r?,
+            _ = shutdown() => return Ok(false),
+        }
+        step(&format!("applying {}", manifests.display()));
+        print!(
+            "{}",
+            kubectl(&["apply", "-f", manifests.to_str().context("path")?], None)?
+        );
         tokio::select! {
             r = wait_ready(&client, Duration::from_secs(args.timeout), &mut cluster) => r?,
             _ = shutdown() => return Ok(false),
@@ -350,6 +355,56 @@ async fn wait_ready(
         tokio::select! {
             who = cluster.reap() => bail!("{who} exited; see its log in {}", cluster.state.join("logs").display()),
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// Waits until the agents' InferenceNodes (`node-0`…) are all Ready.
+async fn wait_nodes(
+    client: &kube::Client,
+    agents: u32,
+    cluster: &mut Cluster,
+) -> anyhow::Result<()> {
+    let api: Api<InferenceNode> = Api::all(client.clone());
+    let started = Instant::now();
+    let mut shown = usize::MAX;
+    loop {
+        let ready = api
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .filter(|n| {
+                n.name_any()
+                    .strip_prefix("node-")
+                    .and_then(|i| i.parse::<u32>().ok())
+                    .is_some_and(|i| i < agents)
+                    && n.status.as_ref().is_some_and(|s| {
+                        s.conditions
+                            .iter()
+                            .any(|c| c.type_ == CONDITION_READY && c.status == "True")
+                    })
+            })
+            .count();
+        if ready != shown {
+            println!(
+                "  [{:>3}s] {ready}/{agents} agents Ready",
+                started.elapsed().as_secs()
+            );
+            shown = ready;
+        }
+        if ready == agents as usize {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            bail!(
+                "only {ready} of {agents} agents became Ready in 120 s; see the logs in {}",
+                cluster.state.join("logs").display()
+            );
+        }
+        tokio::select! {
+            who = cluster.reap() => bail!("{who} exited; see its log in {}", cluster.state.join("logs").display()),
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
     }
 }
