@@ -17,107 +17,17 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use e2e::{WAIT, agent_status, create_model, start};
 use kube::Api;
 use kube::api::{ListParams, PostParams};
 use shardplane_crds::*;
-use shardplane_dataplane as dp;
-use shardplane_testkit::netns::Network;
-use shardplane_testkit::{
-    ChildGuard, control_plane, eventually, fixtures, free_address, spawn_component, unique_name,
-};
+use shardplane_operator::conditions::is_true;
+use shardplane_testkit::{control_plane, eventually, fixtures, unique_name};
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardplane");
-const WAIT: Duration = Duration::from_secs(120);
+mod e2e;
 
 /// When a request was sent, and how it ended.
 type Probe = (Instant, Result<(), String>);
-
-struct Cluster {
-    net: Network,
-    nodes: Vec<String>,
-    agents: Vec<Option<ChildGuard>>,
-    _operator: ChildGuard,
-    _gateway: ChildGuard,
-    gateway: String,
-    _dir: tempfile::TempDir,
-}
-
-fn start(tag: char, subnet: u8, pools: &[&str], name: &str) -> Cluster {
-    shardplane_testkit::install_quickstart_model();
-    let net = Network::new(tag, subnet, pools.len());
-    let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<String> = (0..pools.len()).map(|i| format!("{name}-n{i}")).collect();
-    let agents = pools
-        .iter()
-        .enumerate()
-        .map(|(i, pool)| {
-            let ip = net.hosts[i].ip;
-            let cache = dir.path().join(format!("cache-{i}"));
-            Some(net.spawn(
-                i,
-                BIN,
-                &[
-                    "agent",
-                    "--node-name",
-                    &nodes[i],
-                    "--label",
-                    &format!("pool={pool}"),
-                    "--admin-address",
-                    &format!("{ip}:9091"),
-                    "--data-plane-address",
-                    &format!("{ip}:7070"),
-                    "--lease-seconds",
-                    "4",
-                    "--probe-links-seconds",
-                    "2",
-                    "--memory-reserve",
-                    "512Mi",
-                    "--cache-dir",
-                    cache.to_str().unwrap(),
-                ],
-            ))
-        })
-        .collect();
-    let operator = spawn_component(
-        BIN,
-        &[
-            "operator",
-            "--admin-address",
-            &free_address().to_string(),
-            "--leader-namespace",
-            name,
-            "--leader-lease-seconds",
-            "4",
-            "--node-lease-seconds",
-            "4",
-            "--read-model-paths",
-        ],
-    );
-    let keys = dir.path().join("keys");
-    std::fs::write(&keys, "test: sk-test\n").unwrap();
-    let gateway = free_address().to_string();
-    let gateway_guard = spawn_component(
-        BIN,
-        &[
-            "gateway",
-            "--listen",
-            &gateway,
-            "--admin-address",
-            &free_address().to_string(),
-            "--api-keys-file",
-            keys.to_str().unwrap(),
-        ],
-    );
-    Cluster {
-        net,
-        nodes,
-        agents,
-        _operator: operator,
-        _gateway: gateway_guard,
-        gateway,
-        _dir: dir,
-    }
-}
 
 /// One short chat through the gateway; Ok(()) on 200 with text.
 async fn chat(http: &reqwest::Client, gateway: &str, model: &str) -> Result<(), String> {
@@ -146,12 +56,7 @@ async fn chat(http: &reqwest::Client, gateway: &str, model: &str) -> Result<(), 
 async fn ready(api: &Api<ModelDeployment>, name: &str) -> Option<ModelDeployment> {
     let d = api.get(name).await.ok()?;
     let st = d.status.as_ref()?;
-    (st.ready_replicas == d.spec.replicas
-        && st
-            .conditions
-            .iter()
-            .any(|c| c.type_ == CONDITION_READY && c.status == "True"))
-    .then_some(d)
+    (st.ready_replicas == d.spec.replicas && is_true(&st.conditions, CONDITION_READY)).then_some(d)
 }
 
 fn stage_nodes(d: &ModelDeployment) -> Vec<String> {
@@ -179,15 +84,10 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
         part_pool.as_str(),
         part_pool.as_str(),
     ];
-    let mut cluster = start('l', 77, &pools, &tag);
+    let mut cluster = start('l', 77, &pools, &tag, &["--probe-links-seconds", "2"]);
     let http = shardplane_models::http_client().unwrap();
 
-    let mut model = fixtures::model("m");
-    model.spec.served_name = Some(format!("{tag}-m"));
-    Api::<Model>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &model)
-        .await
-        .unwrap();
+    create_model(&client, &ns, &format!("{tag}-m")).await;
     let pool_api: Api<NodePool> = Api::all(client.clone());
     pool_api
         .create(
@@ -379,18 +279,12 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
     cluster.net.set_connected(lost, true);
     eventually("the node is Ready again", WAIT, || async {
         let n = nodes_api.get(&lost_node).await.ok()?;
-        n.status?
-            .conditions
-            .iter()
-            .any(|c| c.type_ == CONDITION_READY && c.status == "True")
-            .then_some(())
+        is_true(&n.status?.conditions, CONDITION_READY).then_some(())
     })
     .await;
     let endpoint = format!("{}:7070", cluster.net.hosts[lost].ip);
     eventually("the returning agent serves nothing stale", WAIT, || async {
-        let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
-        let mut c = dp::client(dp::channel(&endpoint).unwrap(), token);
-        let status = c.status(dp::StatusRequest {}).await.ok()?.into_inner();
+        let status = agent_status(&endpoint).await?;
         let stale = status.stages.iter().any(|s| {
             s.shard
                 .as_ref()
@@ -460,6 +354,8 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
         after_heal.len()
     );
 
+    // Stopped before their objects go, so nothing reacts to the deletions.
+    cluster.operator.take();
     for a in &mut cluster.agents {
         a.take();
     }

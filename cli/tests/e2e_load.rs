@@ -16,18 +16,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use e2e::{WAIT, agent_status, create_model, operator, start};
 use futures::StreamExt;
 use kube::Api;
 use kube::api::PostParams;
 use shardplane_crds::*;
-use shardplane_dataplane as dp;
-use shardplane_testkit::netns::Network;
-use shardplane_testkit::{
-    ChildGuard, control_plane, eventually, fixtures, free_address, spawn_component, unique_name,
-};
+use shardplane_testkit::{control_plane, eventually, fixtures, unique_name};
 
-const BIN: &str = env!("CARGO_BIN_EXE_shardplane");
-const WAIT: Duration = Duration::from_secs(120);
+mod e2e;
+
 const CLIENTS: usize = 32;
 
 #[derive(Debug)]
@@ -95,27 +92,6 @@ async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> Outc
     }
 }
 
-/// An operator, and where its `/readyz` answers (ready: it leads).
-fn operator(tag: &str) -> (ChildGuard, String) {
-    let admin = free_address().to_string();
-    let guard = spawn_component(
-        BIN,
-        &[
-            "operator",
-            "--admin-address",
-            &admin,
-            "--leader-namespace",
-            tag,
-            "--leader-lease-seconds",
-            "4",
-            "--node-lease-seconds",
-            "4",
-            "--read-model-paths",
-        ],
-    );
-    (guard, admin)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_every_sequence() {
     shardplane_testkit::install_quickstart_model();
@@ -130,59 +106,9 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
         .unwrap();
     let tag = unique_name("load");
     let pool = format!("{tag}-daily");
-    let net = Network::new('w', 78, 3);
-    let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<String> = (0..3).map(|i| format!("{tag}-n{i}")).collect();
-    let mut agents: Vec<Option<ChildGuard>> = (0..3)
-        .map(|i| {
-            let ip = net.hosts[i].ip;
-            let cache = dir.path().join(format!("cache-{i}"));
-            Some(net.spawn(
-                i,
-                BIN,
-                &[
-                    "agent",
-                    "--node-name",
-                    &nodes[i],
-                    "--label",
-                    &format!("pool={pool}"),
-                    "--admin-address",
-                    &format!("{ip}:9091"),
-                    "--data-plane-address",
-                    &format!("{ip}:7070"),
-                    "--lease-seconds",
-                    "4",
-                    "--memory-reserve",
-                    "512Mi",
-                    "--cache-dir",
-                    cache.to_str().unwrap(),
-                ],
-            ))
-        })
-        .collect();
-    let mut operator_guard = Some(operator(&tag).0);
-    let keys = dir.path().join("keys");
-    std::fs::write(&keys, "test: sk-test\n").unwrap();
-    let gateway = free_address().to_string();
-    let _gateway = spawn_component(
-        BIN,
-        &[
-            "gateway",
-            "--listen",
-            &gateway,
-            "--admin-address",
-            &free_address().to_string(),
-            "--api-keys-file",
-            keys.to_str().unwrap(),
-        ],
-    );
-
-    let mut model = fixtures::model("m");
-    model.spec.served_name = Some(format!("{tag}-m"));
-    Api::<Model>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &model)
-        .await
-        .unwrap();
+    let mut cluster = start('w', 78, &[pool.as_str(); 3], &tag, &[]);
+    let gateway = cluster.gateway.clone();
+    create_model(&client, &ns, &format!("{tag}-m")).await;
     let pools: Api<NodePool> = Api::all(client.clone());
     pools
         .create(
@@ -256,17 +182,14 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
         .collect();
 
     tokio::time::sleep_until((begin + Duration::from_secs(seconds / 4)).into()).await;
-    let victim = nodes.iter().position(|n| *n == placed[0]).unwrap();
+    let victim = cluster.nodes.iter().position(|n| *n == placed[0]).unwrap();
     let killed_at = Instant::now();
-    agents[victim].as_ref().unwrap().signal("-KILL");
-    let in_flight_at_kill = {
-        let done = outcomes.lock().unwrap().len();
-        // Requests started and not finished: every client has one.
-        (CLIENTS, done)
-    };
+    cluster.agents[victim].as_ref().unwrap().signal("-KILL");
+    // Every client has a request in flight; these ended before the kill.
+    let done_before_kill = outcomes.lock().unwrap().len();
     tokio::time::sleep_until((begin + Duration::from_secs(seconds * 5 / 12)).into()).await;
-    operator_guard.as_ref().unwrap().signal("-KILL");
-    operator_guard.take();
+    cluster.operator.as_ref().unwrap().signal("-KILL");
+    cluster.operator.take();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (_new_operator, new_admin) = operator(&tag);
     let restarted_at = Instant::now();
@@ -281,7 +204,7 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
     .await;
     let converged = eventually("the lost replica is re-placed and Ready", WAIT, || async {
         let nodes_now = ready().await?;
-        (!nodes_now.contains(&nodes[victim])).then_some((Instant::now(), nodes_now))
+        (!nodes_now.contains(&cluster.nodes[victim])).then_some((Instant::now(), nodes_now))
     })
     .await;
     let mut answered_per_client = Vec::new();
@@ -296,7 +219,7 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
     let mut on: Vec<String> = shards.items.iter().map(|s| s.spec.node.clone()).collect();
     on.sort();
     assert_eq!(on.len(), 2, "one Shard per replica: {on:?}");
-    assert!(!on.contains(&nodes[victim]), "{on:?}");
+    assert!(!on.contains(&cluster.nodes[victim]), "{on:?}");
 
     let total = outcomes.len();
     let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_some()).collect();
@@ -322,18 +245,13 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
     );
 
     // Every sequence freed on the agents still running.
-    for (i, agent) in agents.iter().enumerate() {
-        if agent.is_none() || i == victim {
-            continue;
-        }
-        let endpoint = format!("{}:7070", net.hosts[i].ip);
+    for i in (0..cluster.nodes.len()).filter(|&i| i != victim) {
+        let endpoint = format!("{}:7070", cluster.net.hosts[i].ip);
         eventually(
             "the agent holds no sequence",
             Duration::from_secs(30),
             || async {
-                let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
-                let mut c = dp::client(dp::channel(&endpoint).unwrap(), token);
-                let status = c.status(dp::StatusRequest {}).await.ok()?.into_inner();
+                let status = agent_status(&endpoint).await?;
                 let held: u32 = status.stages.iter().map(|s| s.sequences).sum();
                 (held == 0).then_some(())
             },
@@ -343,16 +261,16 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
     println!(
         "REPORT load: {CLIENTS} streaming clients for {seconds} s through the gateway: {total} requests, {} failed (all in flight on the killed agent, {} clients busy then, {} done before), {tokens} streamed deltas ({:.0}/s); replica re-placed on {:?} and Ready {:.1} s after the agent was killed; the new operator led {:.1} s after it started",
         failed.len(),
-        in_flight_at_kill.0,
-        in_flight_at_kill.1,
+        CLIENTS,
+        done_before_kill,
         tokens as f64 / seconds as f64,
         converged.1,
         converged.0.duration_since(killed_at).as_secs_f64(),
         led_at.duration_since(restarted_at).as_secs_f64(),
     );
 
-    agents.clear();
-    for n in &nodes {
+    cluster.agents.clear();
+    for n in &cluster.nodes {
         let _ = Api::<InferenceNode>::all(client.clone())
             .delete(n, &Default::default())
             .await;

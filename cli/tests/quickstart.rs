@@ -8,6 +8,7 @@ use std::time::Duration;
 use kube::Api;
 use kube::api::ListParams;
 use shardplane_crds::*;
+use shardplane_operator::conditions::is_true;
 use shardplane_testkit::{
     ChildGuard as Process, control_plane, eventually, free_address, repo_root, unique_name,
 };
@@ -64,11 +65,7 @@ async fn the_quickstart_becomes_ready_on_five_agents() {
             Duration::from_secs(60),
             || async {
                 let n = nodes.get_opt(&name).await.ok()??;
-                n.status?
-                    .conditions
-                    .iter()
-                    .any(|c| c.type_ == CONDITION_READY && c.status == "True")
-                    .then_some(())
+                is_true(&n.status?.conditions, CONDITION_READY).then_some(())
             },
         )
         .await;

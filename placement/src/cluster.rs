@@ -100,7 +100,7 @@ impl Cluster {
     /// (0 on the same node): the round trip, plus the time one decode step's
     /// hidden state ([`STEP_BYTES`]) takes at the measured bandwidth, so that
     /// a narrow link costs what it adds to every token.
-    pub(crate) fn latency(&self, a: &str, b: &str) -> u64 {
+    pub(crate) fn hop_cost(&self, a: &str, b: &str) -> u64 {
         if a == b {
             return 0;
         }

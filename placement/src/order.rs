@@ -1,5 +1,5 @@
 //! Ordering the stages of an instance around the ring so that the measured
-//! link latency of one token's round (stage to stage, and last back to first)
+//! link cost of one token's round (stage to stage, and last back to first)
 //! is smallest.
 
 use crate::cluster::Cluster;
@@ -8,32 +8,32 @@ use crate::cluster::Cluster;
 /// nearest neighbour from the first node.
 const EXHAUSTIVE_UP_TO: usize = 7;
 
-/// The ring latency of `order`, in microseconds.
-pub(crate) fn ring_latency(cluster: &Cluster, order: &[&str]) -> u64 {
+/// The cost of one round of `order`, in microseconds (see `Cluster::hop_cost`).
+pub(crate) fn ring_cost(cluster: &Cluster, order: &[&str]) -> u64 {
     if order.len() < 2 {
         return 0;
     }
-    let hops: u64 = order.windows(2).map(|w| cluster.latency(w[0], w[1])).sum();
-    hops + cluster.latency(order[order.len() - 1], order[0])
+    let hops: u64 = order.windows(2).map(|w| cluster.hop_cost(w[0], w[1])).sum();
+    hops + cluster.hop_cost(order[order.len() - 1], order[0])
 }
 
 /// Orders `nodes` (the first stays first: it is the preferred head) to
-/// minimise the ring latency; ties keep the given order.
+/// minimise the ring's cost; ties keep the given order.
 pub(crate) fn order_ring<'a>(cluster: &Cluster, nodes: &[&'a str]) -> Vec<&'a str> {
     if nodes.len() <= 2 {
         return nodes.to_vec();
     }
     if nodes.len() <= EXHAUSTIVE_UP_TO {
         let mut best = nodes.to_vec();
-        let mut best_latency = ring_latency(cluster, &best);
+        let mut best_cost = ring_cost(cluster, &best);
         let mut rest: Vec<&str> = nodes[1..].to_vec();
         permute(&mut rest, 0, &mut |perm| {
             let mut candidate = Vec::with_capacity(nodes.len());
             candidate.push(nodes[0]);
             candidate.extend_from_slice(perm);
-            let latency = ring_latency(cluster, &candidate);
-            if latency < best_latency {
-                best_latency = latency;
+            let cost = ring_cost(cluster, &candidate);
+            if cost < best_cost {
+                best_cost = cost;
                 best = candidate;
             }
         });
@@ -46,7 +46,7 @@ pub(crate) fn order_ring<'a>(cluster: &Cluster, nodes: &[&'a str]) -> Vec<&'a st
         let (i, _) = left
             .iter()
             .enumerate()
-            .min_by_key(|(i, n)| (cluster.latency(last, n), *i))
+            .min_by_key(|(i, n)| (cluster.hop_cost(last, n), *i))
             .expect("nodes left");
         order.push(left.remove(i));
     }

@@ -365,11 +365,11 @@ impl Planner<'_, '_> {
                 .min_by_key(|(name, n)| {
                     let prev = i.checked_sub(1).map(|p| stages[p].node.as_str());
                     let next = stages.get(i + 1).map(|s| s.node.as_str());
-                    let latency = prev.map_or(0, |p| cluster.latency(p, name))
-                        + next.map_or(0, |x| cluster.latency(name, x));
+                    let cost = prev.map_or(0, |p| cluster.hop_cost(p, name))
+                        + next.map_or(0, |x| cluster.hop_cost(name, x));
                     (
                         !n.has_weights,
-                        latency,
+                        cost,
                         std::cmp::Reverse(n.free_bytes),
                         (*name).clone(),
                     )

@@ -32,7 +32,7 @@ pub struct Network {
     /// The hosts, in order.
     pub hosts: Vec<Host>,
     kubeconfig: PathBuf,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 fn run(program: &str, args: &[&str]) -> Result<String, String> {
@@ -122,7 +122,7 @@ impl Network {
             gateway_ip,
             hosts: Vec::new(),
             kubeconfig: PathBuf::new(),
-            _dir: tempfile::tempdir().expect("a scratch directory"),
+            dir: tempfile::tempdir().expect("a scratch directory"),
         };
         for i in 0..count {
             let netns = format!("spn{pid}{tag}{i}");
@@ -188,7 +188,7 @@ impl Network {
                 });
             }
         });
-        let path = self._dir.path().join("kubeconfig");
+        let path = self.dir.path().join("kubeconfig");
         std::fs::write(&path, text.replace(&server, &relay.to_string()))
             .expect("a relayed kubeconfig");
         path

@@ -21,6 +21,7 @@ use shardplane_crds::{CONDITION_READY, InferenceNode, ModelDeployment};
 
 use super::agent_kubeconfig::write_private;
 use super::kube_client::client;
+use shardplane_operator::conditions::is_true;
 
 /// Options of `shardplane up`.
 #[derive(Args, Debug)]
@@ -264,6 +265,14 @@ impl Cluster {
         Ok(())
     }
 
+    /// Waits `d`, failing if a component exits meanwhile.
+    async fn pause(&mut self, d: Duration) -> anyhow::Result<()> {
+        tokio::select! {
+            who = self.reap() => bail!("{who} exited; see its log in {}", self.state.join("logs").display()),
+            _ = tokio::time::sleep(d) => Ok(()),
+        }
+    }
+
     /// Waits for a component to exit, forgets it and returns what it was.
     async fn reap(&mut self) -> String {
         loop {
@@ -352,10 +361,7 @@ async fn wait_ready(
                 cluster.state.join("logs").display()
             );
         }
-        tokio::select! {
-            who = cluster.reap() => bail!("{who} exited; see its log in {}", cluster.state.join("logs").display()),
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
+        cluster.pause(Duration::from_secs(1)).await?;
     }
 }
 
@@ -379,11 +385,9 @@ async fn wait_nodes(
                     .strip_prefix("node-")
                     .and_then(|i| i.parse::<u32>().ok())
                     .is_some_and(|i| i < agents)
-                    && n.status.as_ref().is_some_and(|s| {
-                        s.conditions
-                            .iter()
-                            .any(|c| c.type_ == CONDITION_READY && c.status == "True")
-                    })
+                    && n.status
+                        .as_ref()
+                        .is_some_and(|s| is_true(&s.conditions, CONDITION_READY))
             })
             .count();
         if ready != shown {
@@ -402,10 +406,7 @@ async fn wait_nodes(
                 cluster.state.join("logs").display()
             );
         }
-        tokio::select! {
-            who = cluster.reap() => bail!("{who} exited; see its log in {}", cluster.state.join("logs").display()),
-            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-        }
+        cluster.pause(Duration::from_millis(500)).await?;
     }
 }
 

@@ -1,0 +1,136 @@
+//! What the network-namespace tests share: agents, each in its own
+//! namespace, and an operator and a gateway on the machine, over the test
+//! model.
+
+use std::time::Duration;
+
+use kube::Api;
+use kube::api::PostParams;
+use shardplane_crds::Model;
+use shardplane_dataplane as dp;
+use shardplane_testkit::netns::Network;
+use shardplane_testkit::{ChildGuard, fixtures, free_address, spawn_component};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_shardplane");
+pub const WAIT: Duration = Duration::from_secs(120);
+
+/// The running system.
+pub struct Cluster {
+    pub net: Network,
+    /// Node names, one per host.
+    pub nodes: Vec<String>,
+    /// The agents, one per host (take one to stop it).
+    pub agents: Vec<Option<ChildGuard>>,
+    /// The operator (take it to stop it).
+    pub operator: Option<ChildGuard>,
+    _gateway: ChildGuard,
+    /// Where the gateway listens; its API key is `sk-test`.
+    pub gateway: String,
+    _dir: tempfile::TempDir,
+}
+
+/// Hosts on bridge `tag`, subnet `10.<subnet>.0.0/24`, one per pool in
+/// `pools`, each running an agent (node `<name>-n<i>`, label `pool=<pool>`,
+/// Lease 4 s, plus `agent_args`); the operator (leader Lease in namespace
+/// `name`) and the gateway on the machine.
+pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&str]) -> Cluster {
+    shardplane_testkit::install_quickstart_model();
+    let net = Network::new(tag, subnet, pools.len());
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<String> = (0..pools.len()).map(|i| format!("{name}-n{i}")).collect();
+    let agents = pools
+        .iter()
+        .enumerate()
+        .map(|(i, pool)| {
+            let ip = net.hosts[i].ip;
+            let cache = dir.path().join(format!("cache-{i}"));
+            let (label, admin, data_plane) = (
+                format!("pool={pool}"),
+                format!("{ip}:9091"),
+                format!("{ip}:7070"),
+            );
+            let mut args = vec![
+                "agent",
+                "--node-name",
+                &nodes[i],
+                "--label",
+                &label,
+                "--admin-address",
+                &admin,
+                "--data-plane-address",
+                &data_plane,
+                "--lease-seconds",
+                "4",
+                "--memory-reserve",
+                "512Mi",
+                "--cache-dir",
+                cache.to_str().unwrap(),
+            ];
+            args.extend(agent_args);
+            Some(net.spawn(i, BIN, &args))
+        })
+        .collect();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "test: sk-test\n").unwrap();
+    let gateway = free_address().to_string();
+    let gateway_guard = spawn_component(
+        BIN,
+        &[
+            "gateway",
+            "--listen",
+            &gateway,
+            "--admin-address",
+            &free_address().to_string(),
+            "--api-keys-file",
+            keys.to_str().unwrap(),
+        ],
+    );
+    Cluster {
+        net,
+        nodes,
+        agents,
+        operator: Some(operator(name).0),
+        _gateway: gateway_guard,
+        gateway,
+        _dir: dir,
+    }
+}
+
+/// An operator with 4 s leader and node Leases that reads model paths
+/// itself, and where its `/readyz` answers (ready: it leads).
+pub fn operator(leader_namespace: &str) -> (ChildGuard, String) {
+    let admin = free_address().to_string();
+    let guard = spawn_component(
+        BIN,
+        &[
+            "operator",
+            "--admin-address",
+            &admin,
+            "--leader-namespace",
+            leader_namespace,
+            "--leader-lease-seconds",
+            "4",
+            "--node-lease-seconds",
+            "4",
+            "--read-model-paths",
+        ],
+    );
+    (guard, admin)
+}
+
+/// Model `m`, the test model, served as `served`, in namespace `ns`.
+pub async fn create_model(client: &kube::Client, ns: &str, served: &str) {
+    let mut model = fixtures::model("m");
+    model.spec.served_name = Some(served.to_string());
+    Api::<Model>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &model)
+        .await
+        .unwrap();
+}
+
+/// What the agent at `endpoint` serves, or None when it does not answer.
+pub async fn agent_status(endpoint: &str) -> Option<dp::StatusResponse> {
+    let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
+    let mut c = dp::client(dp::channel(endpoint).unwrap(), token);
+    Some(c.status(dp::StatusRequest {}).await.ok()?.into_inner())
+}
