@@ -33,6 +33,7 @@ impl ChatMessage {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -65,6 +66,7 @@ impl ChatTemplate {
             })?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -77,6 +79,11 @@ impl ChatTemplate {
             CHATML
         });
         Self::new(source, bos_token, eos_token)
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders a conversation; with `add_generation_prompt` the text ends where

@@ -166,8 +166,125 @@ impl ModelConfig {
         })
     }
 
+    /// Reads a Hugging Face `config.json` (the safetensors layouts, MLX-community
+    /// included).
+    pub fn from_hf_json(v: &serde_json::Value) -> Result<Self> {
+        let bad = |key: &str, detail: &str| Error::MissingMetadata {
+            what: format!("config.json {key}"),
+            detail: detail.to_string(),
+        };
+        let int = |key: &str| -> Result<usize> {
+            v.get(key)
+                .and_then(serde_json::Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| bad(key, "expected a non-negative integer"))
+        };
+        let float = |key: &str, default: f64| -> Result<f64> {
+            match v.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(default),
+                Some(x) => x.as_f64().ok_or_else(|| bad(key, "expected a number")),
+            }
+        };
+        let model_type = v
+            .get("model_type")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| bad("model_type", "expected a string"))?;
+        let architecture = match model_type {
+            "llama" | "mistral" => Architecture::Llama,
+            other => Architecture::from_gguf_name(other)?,
+        };
+        let hidden_size = int("hidden_size")?;
+        let heads = int("num_attention_heads")?;
+        let kv_heads = int("num_key_value_heads").unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(bad(
+                "num_key_value_heads",
+                &format!("{heads} heads cannot share {kv_heads} key/value heads"),
+            ));
+        }
+        let head_dim = match int("head_dim") {
+            Ok(d) => d,
+            Err(_) if hidden_size.is_multiple_of(heads) => hidden_size / heads,
+            Err(e) => return Err(e),
+        };
+        Ok(ModelConfig {
+            architecture,
+            layers: int("num_hidden_layers")?,
+            hidden_size,
+            intermediate_size: int("intermediate_size")?,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab_size: int("vocab_size")?,
+            context_length: int("max_position_embeddings")?,
+            rope_theta: float("rope_theta", 10_000.0)? as f32,
+            rms_eps: float("rms_norm_eps", 1e-5)?,
+        })
+    }
+
+    /// The configuration as a Hugging Face `config.json` (what
+    /// [`ModelConfig::from_hf_json`] reads back).
+    pub fn to_hf_json(&self, tie_word_embeddings: bool) -> serde_json::Value {
+        let (model_type, class) = match self.architecture {
+            Architecture::Llama => ("llama", "LlamaForCausalLM"),
+            Architecture::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+            Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+        };
+        serde_json::json!({
+            "architectures": [class],
+            "model_type": model_type,
+            "num_hidden_layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.context_length,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": tie_word_embeddings,
+        })
+    }
+
     /// Bytes of KV cache one token takes in one layer (keys and values, f32).
     pub fn kv_bytes_per_token_per_layer(&self) -> usize {
         2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hf_config_round_trips() {
+        let c = ModelConfig {
+            architecture: Architecture::Qwen3,
+            layers: 28,
+            hidden_size: 1024,
+            intermediate_size: 3072,
+            heads: 16,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab_size: 151_936,
+            context_length: 40_960,
+            rope_theta: 1_000_000.0,
+            rms_eps: 1e-6,
+        };
+        let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();
+        assert_eq!(back.architecture, c.architecture);
+        assert_eq!(back.head_dim, 128);
+        assert_eq!(back.kv_heads, 8);
+        assert!((back.rms_eps - 1e-6).abs() < 1e-12);
+        let bad = ModelConfig::from_hf_json(&serde_json::json!({"model_type": "llama"}));
+        assert!(
+            bad.unwrap_err()
+                .to_string()
+                .contains("config.json hidden_size")
+        );
+        let gpt = ModelConfig::from_hf_json(&serde_json::json!({"model_type": "gpt2"}));
+        assert!(matches!(gpt, Err(Error::UnsupportedArchitecture(_))));
     }
 }

@@ -77,6 +77,9 @@ pub enum Error {
     /// Sampling parameters are out of range.
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
+    /// MLX refused an operation or failed to run it (the C++ exception's message).
+    #[error("MLX: {0}")]
+    Mlx(String),
     /// The compute backend failed.
     #[error("compute backend: {0}")]
     Backend(#[from] candle_core::Error),

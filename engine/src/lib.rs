@@ -4,7 +4,8 @@
 //! - [`shard`]: the contract of a stage (the [`Shard`] trait) and what flows
 //!   between stages;
 //! - [`gguf`] and [`config`]: reading model files and their hyper-parameters;
-//! - [`candle`]: the candle backend;
+//! - [`candle`]: the candle backend; `mlx` (feature `mlx`): the MLX backend,
+//!   through a C++ shim over libmlx;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
 //!   [`detokenizer`], [`sampler`], [`text_output`] (tokens to the text a client
 //!   sees), and [`pipeline`], which drives stages to
@@ -19,6 +20,8 @@ pub mod config;
 pub mod detokenizer;
 pub mod error;
 pub mod gguf;
+#[cfg(feature = "mlx")]
+pub mod mlx;
 pub mod pipeline;
 pub mod sampler;
 pub mod shard;

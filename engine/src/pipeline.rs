@@ -24,6 +24,20 @@ use crate::tokenizer::Tokenizer;
 pub enum EngineKind {
     /// candle (CPU here; CUDA or Metal where built with them).
     Candle,
+    /// MLX (Metal on Apple Silicon, CPU elsewhere): the `mlx` feature.
+    #[cfg(feature = "mlx")]
+    Mlx,
+}
+
+impl EngineKind {
+    /// The engines built into this binary.
+    pub fn available() -> &'static [&'static str] {
+        if cfg!(feature = "mlx") {
+            &["candle", "mlx"]
+        } else {
+            &["candle"]
+        }
+    }
 }
 
 impl std::str::FromStr for EngineKind {
@@ -32,8 +46,17 @@ impl std::str::FromStr for EngineKind {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "candle" => Ok(EngineKind::Candle),
+            #[cfg(feature = "mlx")]
+            "mlx" => Ok(EngineKind::Mlx),
+            #[cfg(not(feature = "mlx"))]
+            "mlx" => Err(Error::InvalidInput(
+                "engine \"mlx\" is not built into this binary: build it with `--features mlx` \
+                 (after `bash scripts/mlx.sh` installs libmlx)"
+                    .into(),
+            )),
             other => Err(Error::InvalidInput(format!(
-                "engine {other:?} is not built into this binary: available is candle"
+                "engine {other:?} is not known: available are {}",
+                EngineKind::available().join(", ")
             ))),
         }
     }
@@ -92,6 +115,8 @@ pub fn load_stage(
             options,
             candle_core::Device::Cpu,
         )?),
+        #[cfg(feature = "mlx")]
+        EngineKind::Mlx => Box::new(crate::mlx::MlxShard::load_gguf(file, layout, options)?),
     })
 }
 
@@ -261,6 +286,78 @@ impl TextModel {
         let bos = name(tokenizer.bos_token());
         let eos = name(tokenizer.stop_tokens().first().copied());
         let template = ChatTemplate::from_gguf(file.content(), &bos, &eos)?;
+        Ok(TextModel {
+            tokenizer,
+            template,
+        })
+    }
+
+    /// Builds both from a model directory in the safetensors layouts
+    /// (`tokenizer.json`, and `tokenizer_config.json` for the chat template,
+    /// BOS and EOS; `config.json`'s `eos_token_id` adds stop tokens).
+    pub fn from_dir(dir: &std::path::Path) -> Result<Self> {
+        let read = |name: &str| -> Result<serde_json::Value> {
+            let path = dir.join(name);
+            let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            serde_json::from_str(&text).map_err(|e| Error::CorruptModel {
+                path,
+                reason: e.to_string(),
+            })
+        };
+        let tok_cfg = read("tokenizer_config.json")?;
+        let config = read("config.json")?;
+        let token_name = |key: &str| -> Option<String> {
+            match tok_cfg.get(key) {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                // {"content": "<s>", ...} objects in older files.
+                Some(v) => v.get("content").and_then(|c| c.as_str()).map(String::from),
+                None => None,
+            }
+        };
+        let mut eos: Vec<u32> = match config.get("eos_token_id") {
+            Some(serde_json::Value::Array(ids)) => ids
+                .iter()
+                .filter_map(|v| v.as_u64())
+                .map(|v| v as u32)
+                .collect(),
+            Some(v) => v.as_u64().map(|v| v as u32).into_iter().collect(),
+            None => Vec::new(),
+        };
+        let probe = Tokenizer::from_file(dir.join("tokenizer.json"), &[], None)?;
+        let bos_name = token_name("bos_token");
+        let eos_name = token_name("eos_token");
+        let bos = config
+            .get("bos_token_id")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32)
+            .or_else(|| bos_name.as_deref().and_then(|n| probe.token_id(n)));
+        if let Some(id) = eos_name.as_deref().and_then(|n| probe.token_id(n)) {
+            eos.push(id);
+        }
+        eos.sort_unstable();
+        eos.dedup();
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"), &eos, bos)?;
+        tokenizer
+            .set_adds_bos(tok_cfg.get("add_bos_token").and_then(|v| v.as_bool()) == Some(true));
+        let template = match tok_cfg.get("chat_template").and_then(|v| v.as_str()) {
+            Some(source) => ChatTemplate::new(
+                source,
+                bos_name.as_deref().unwrap_or_default(),
+                eos_name.as_deref().unwrap_or_default(),
+            )?,
+            None => {
+                return Err(Error::MissingMetadata {
+                    what: format!(
+                        "chat_template in {}",
+                        dir.join("tokenizer_config.json").display()
+                    ),
+                    detail: "the key is absent".into(),
+                });
+            }
+        };
         Ok(TextModel {
             tokenizer,
             template,

@@ -205,6 +205,17 @@ impl Tokenizer {
         })
     }
 
+    /// Whether [`Tokenizer::encode`] with `add_bos` prepends BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Sets whether [`Tokenizer::encode`] with `add_bos` prepends BOS (from
+    /// `tokenizer_config.json`'s `add_bos_token`).
+    pub fn set_adds_bos(&mut self, add_bos: bool) {
+        self.add_bos = add_bos && self.bos.is_some();
+    }
+
     /// The tokenizer as a `tokenizer.json` document (the format safetensors
     /// models ship and [`Tokenizer::from_file`] reads).
     pub fn to_json(&self) -> Result<String> {

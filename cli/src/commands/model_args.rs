@@ -20,7 +20,7 @@ pub struct ModelArgs {
     /// `0-9,10-19,20-29`. One stage when unset.
     #[arg(long)]
     pub stages: Option<String>,
-    /// The engine: candle.
+    /// The engine: candle, or mlx in binaries built with the `mlx` feature.
     #[arg(long, default_value = "candle")]
     pub engine: String,
     /// The most tokens a sequence may hold; the model's context length when unset.
@@ -30,6 +30,10 @@ pub struct ModelArgs {
     /// Q8_0 at load (less memory, slower on CPUs).
     #[arg(long)]
     pub keep_quantization: bool,
+    /// Expand quantized weights to f32 at load (candle): products in f32 from
+    /// the exact weights, as MLX computes them; several times the memory.
+    #[arg(long)]
+    pub dequantize: bool,
 }
 
 impl ModelArgs {
@@ -50,6 +54,7 @@ impl ModelArgs {
         let options = LoadOptions {
             context_length: self.context,
             requantize_slow_types: !self.keep_quantization,
+            dequantize: self.dequantize,
         };
         let pipeline = LocalPipeline::load(&file, &splits, engine, &options)
             .with_context(|| format!("cannot load {}", path.display()))?;

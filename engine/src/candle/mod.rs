@@ -97,6 +97,7 @@ impl CandleShard {
             reader: file.reader()?,
             device: device.clone(),
             requantize: options.requantize_slow_types,
+            dequantize: options.dequantize,
             bytes: 0,
         };
         let embedding = if layout.is_first() {

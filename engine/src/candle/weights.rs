@@ -16,6 +16,8 @@ pub(super) struct TensorLoader<'a> {
     pub reader: BufReader<File>,
     pub device: Device,
     pub requantize: bool,
+    /// Expand matrices to f32.
+    pub dequantize: bool,
     /// Bytes of every tensor loaded so far, as held in memory.
     pub bytes: usize,
 }
@@ -44,6 +46,14 @@ impl TensorLoader<'_> {
 
     /// A weight matrix for matmuls.
     pub fn matrix(&mut self, name: &str) -> Result<QMatMul> {
+        if self.dequantize {
+            let t = self
+                .file
+                .read_tensor(&mut self.reader, name, &self.device)?
+                .dequantize(&self.device)?;
+            self.bytes += t.elem_count() * 4;
+            return Ok(QMatMul::Tensor(t));
+        }
         Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
     }
 

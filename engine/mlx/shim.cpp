@@ -1,0 +1,326 @@
+// A C interface to the parts of libmlx's C++ API the MLX backend uses.
+//
+// Every function catches every C++ exception and returns non-zero instead, with
+// the message kept per thread for spx_last_error(); nothing unwinds into Rust.
+// Arrays, maps and groups are heap handles the caller frees exactly once.
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "mlx/distributed/distributed.h"
+#include "mlx/distributed/ops.h"
+
+namespace mx = mlx::core;
+
+struct spx_array {
+  mx::array a;
+};
+struct spx_map {
+  std::unordered_map<std::string, mx::array> arrays;
+  std::vector<std::string> keys;
+};
+struct spx_group {
+  mx::distributed::Group g;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+template <typename F>
+int guard(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error = e.what();
+  } catch (...) {
+    last_error = "unknown C++ exception";
+  }
+  return 1;
+}
+
+// Dtype codes shared with the Rust side.
+mx::Dtype dtype_of(int code) {
+  switch (code) {
+    case 0: return mx::float32;
+    case 1: return mx::float16;
+    case 2: return mx::bfloat16;
+    case 3: return mx::uint32;
+    case 4: return mx::int32;
+    case 5: return mx::uint8;
+    default: throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+  }
+}
+
+int code_of(mx::Dtype d) {
+  if (d == mx::float32) return 0;
+  if (d == mx::float16) return 1;
+  if (d == mx::bfloat16) return 2;
+  if (d == mx::uint32) return 3;
+  if (d == mx::int32) return 4;
+  if (d == mx::uint8) return 5;
+  return -1;
+}
+
+mx::Shape shape_of(const int* dims, int ndim) { return mx::Shape(dims, dims + ndim); }
+
+spx_array* wrap(mx::array a) { return new spx_array{std::move(a)}; }
+
+std::optional<mx::array> opt(const spx_array* a) {
+  if (a == nullptr) return std::nullopt;
+  return a->a;
+}
+
+spx_map* wrap_map(std::unordered_map<std::string, mx::array> arrays) {
+  auto* m = new spx_map{std::move(arrays), {}};
+  for (auto& kv : m->arrays) m->keys.push_back(kv.first);
+  return m;
+}
+
+std::optional<mx::distributed::Group> group_of(const spx_group* g) {
+  if (g == nullptr) return std::nullopt;
+  return g->g;
+}
+
+}  // namespace
+
+#ifdef SHARDPLANE_OPENBLAS
+extern "C" char* openblas_get_config(void);
+#endif
+
+extern "C" {
+
+// The BLAS the CPU matmuls run on.
+const char* spx_blas() {
+#ifdef SHARDPLANE_OPENBLAS
+  return openblas_get_config();
+#else
+  return "the BLAS libmlx links";
+#endif
+}
+
+const char* spx_last_error() { return last_error.c_str(); }
+
+int spx_version() { return MLX_VERSION_NUMERIC; }
+
+void spx_array_free(spx_array* a) { delete a; }
+
+int spx_array_from_data(const void* data, int dtype, const int* dims, int ndim, spx_array** out) {
+  return guard([&] {
+    auto d = dtype_of(dtype);
+    auto shape = shape_of(dims, ndim);
+    size_t n = 1;
+    for (auto s : shape) n *= static_cast<size_t>(s);
+    void* copy = std::malloc(n * d.size() > 0 ? n * d.size() : 1);
+    if (copy == nullptr) throw std::bad_alloc();
+    std::memcpy(copy, data, n * d.size());
+    *out = wrap(mx::array(copy, shape, d, [](void* p) { std::free(p); }));
+  });
+}
+
+int spx_array_ndim(const spx_array* a) { return static_cast<int>(a->a.ndim()); }
+
+void spx_array_shape(const spx_array* a, int* dims) {
+  for (size_t i = 0; i < a->a.ndim(); ++i) dims[i] = a->a.shape(static_cast<int>(i));
+}
+
+int spx_array_dtype(const spx_array* a) { return code_of(a->a.dtype()); }
+
+size_t spx_array_nbytes(const spx_array* a) { return a->a.nbytes(); }
+
+int spx_array_read(spx_array* a, int dtype, void* out, size_t nbytes) {
+  return guard([&] {
+    auto d = dtype_of(dtype);
+    auto x = mx::contiguous(mx::astype(a->a, d));
+    x.eval();
+    if (x.nbytes() != nbytes) {
+      throw std::invalid_argument("read of " + std::to_string(nbytes) + " bytes from an array of " +
+                                  std::to_string(x.nbytes()));
+    }
+    std::memcpy(out, x.data<uint8_t>(), nbytes);
+  });
+}
+
+int spx_eval(spx_array* const* arrays, size_t n) {
+  return guard([&] {
+    std::vector<mx::array> v;
+    v.reserve(n);
+    for (size_t i = 0; i < n; ++i) v.push_back(arrays[i]->a);
+    mx::eval(v);
+  });
+}
+
+int spx_astype(const spx_array* a, int dtype, spx_array** out) {
+  return guard([&] { *out = wrap(mx::astype(a->a, dtype_of(dtype))); });
+}
+
+int spx_zeros(const int* dims, int ndim, int dtype, spx_array** out) {
+  return guard([&] { *out = wrap(mx::zeros(shape_of(dims, ndim), dtype_of(dtype))); });
+}
+
+int spx_reshape(const spx_array* a, const int* dims, int ndim, spx_array** out) {
+  return guard([&] { *out = wrap(mx::reshape(a->a, shape_of(dims, ndim))); });
+}
+
+int spx_transpose(const spx_array* a, const int* axes, int n, spx_array** out) {
+  return guard([&] { *out = wrap(mx::transpose(a->a, std::vector<int>(axes, axes + n))); });
+}
+
+int spx_slice(const spx_array* a, const int* start, const int* stop, int n, spx_array** out) {
+  return guard([&] { *out = wrap(mx::slice(a->a, shape_of(start, n), shape_of(stop, n))); });
+}
+
+int spx_slice_update(const spx_array* a, const spx_array* update, const int* start, const int* stop,
+                     int n, spx_array** out) {
+  return guard([&] {
+    *out = wrap(mx::slice_update(a->a, update->a, shape_of(start, n), shape_of(stop, n)));
+  });
+}
+
+int spx_concatenate(spx_array* const* arrays, size_t n, int axis, spx_array** out) {
+  return guard([&] {
+    std::vector<mx::array> v;
+    for (size_t i = 0; i < n; ++i) v.push_back(arrays[i]->a);
+    *out = wrap(mx::concatenate(v, axis));
+  });
+}
+
+int spx_take(const spx_array* a, const spx_array* indices, int axis, spx_array** out) {
+  return guard([&] { *out = wrap(mx::take(a->a, indices->a, axis)); });
+}
+
+int spx_add(const spx_array* a, const spx_array* b, spx_array** out) {
+  return guard([&] { *out = wrap(mx::add(a->a, b->a)); });
+}
+
+int spx_multiply(const spx_array* a, const spx_array* b, spx_array** out) {
+  return guard([&] { *out = wrap(mx::multiply(a->a, b->a)); });
+}
+
+int spx_silu(const spx_array* a, spx_array** out) {
+  return guard([&] { *out = wrap(mx::multiply(a->a, mx::sigmoid(a->a))); });
+}
+
+int spx_matmul(const spx_array* a, const spx_array* b, spx_array** out) {
+  return guard([&] { *out = wrap(mx::matmul(a->a, b->a)); });
+}
+
+int spx_quantized_matmul(const spx_array* x, const spx_array* w, const spx_array* scales,
+                         const spx_array* biases, int transpose, int group_size, int bits,
+                         spx_array** out) {
+  return guard([&] {
+    *out = wrap(mx::quantized_matmul(x->a, w->a, scales->a, opt(biases), transpose != 0, group_size,
+                                     bits));
+  });
+}
+
+int spx_dequantize(const spx_array* w, const spx_array* scales, const spx_array* biases,
+                   int group_size, int bits, spx_array** out) {
+  return guard(
+      [&] { *out = wrap(mx::dequantize(w->a, scales->a, opt(biases), group_size, bits)); });
+}
+
+int spx_rms_norm(const spx_array* x, const spx_array* weight, float eps, spx_array** out) {
+  return guard([&] { *out = wrap(mx::fast::rms_norm(x->a, opt(weight), eps)); });
+}
+
+int spx_rope(const spx_array* x, int dims, int traditional, float base, float scale, int offset,
+             spx_array** out) {
+  return guard(
+      [&] { *out = wrap(mx::fast::rope(x->a, dims, traditional != 0, base, scale, offset)); });
+}
+
+// mask_mode: 0 none, 1 causal (queries aligned to the end of the keys), 2 the
+// additive `mask` array.
+int spx_sdpa(const spx_array* q, const spx_array* k, const spx_array* v, float scale, int mask_mode,
+             const spx_array* mask, spx_array** out) {
+  return guard([&] {
+    std::string mode = mask_mode == 1 ? "causal" : (mask_mode == 2 ? "array" : "");
+    *out = wrap(mx::fast::scaled_dot_product_attention(q->a, k->a, v->a, scale, mode,
+                                                       mask_mode == 2 ? opt(mask) : std::nullopt));
+  });
+}
+
+// Maps of named arrays (model files).
+
+int spx_load_gguf(const char* path, spx_map** out) {
+  return guard([&] { *out = wrap_map(mx::load_gguf(path).first); });
+}
+
+int spx_load_safetensors(const char* path, spx_map** out) {
+  return guard([&] { *out = wrap_map(mx::load_safetensors(path).first); });
+}
+
+spx_map* spx_map_new() { return new spx_map{}; }
+
+void spx_map_free(spx_map* m) { delete m; }
+
+size_t spx_map_len(const spx_map* m) { return m->keys.size(); }
+
+const char* spx_map_key(const spx_map* m, size_t i) { return m->keys[i].c_str(); }
+
+// Copies the array named `name` into *out; 1 with a message when absent.
+int spx_map_get(const spx_map* m, const char* name, spx_array** out) {
+  return guard([&] {
+    auto it = m->arrays.find(name);
+    if (it == m->arrays.end()) throw std::out_of_range(std::string("no tensor named ") + name);
+    *out = wrap(it->second);
+  });
+}
+
+int spx_map_insert(spx_map* m, const char* name, const spx_array* a) {
+  return guard([&] {
+    std::string key(name);
+    if (m->arrays.count(key) == 0) m->keys.push_back(key);
+    m->arrays.insert_or_assign(key, a->a);
+  });
+}
+
+int spx_save_safetensors(const char* path, const spx_map* m) {
+  return guard([&] { mx::save_safetensors(path, m->arrays, {{"format", "mlx"}}); });
+}
+
+// Distributed.
+
+int spx_dist_is_available(const char* backend) {
+  try {
+    return mx::distributed::is_available(backend) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+int spx_dist_init(const char* backend, spx_group** out) {
+  return guard([&] { *out = new spx_group{mx::distributed::init(true, backend)}; });
+}
+
+void spx_group_free(spx_group* g) { delete g; }
+
+int spx_group_rank(const spx_group* g) { return g->g.rank(); }
+
+int spx_group_size(const spx_group* g) { return g->g.size(); }
+
+int spx_dist_send(const spx_array* a, int dst, const spx_group* g, spx_array** out) {
+  return guard([&] { *out = wrap(mx::distributed::send(a->a, dst, group_of(g))); });
+}
+
+int spx_dist_recv(const int* dims, int ndim, int dtype, int src, const spx_group* g,
+                  spx_array** out) {
+  return guard([&] {
+    *out = wrap(mx::distributed::recv(shape_of(dims, ndim), dtype_of(dtype), src, group_of(g)));
+  });
+}
+
+int spx_dist_all_sum(const spx_array* a, const spx_group* g, spx_array** out) {
+  return guard([&] { *out = wrap(mx::distributed::all_sum(a->a, group_of(g))); });
+}
+
+}  // extern "C"

@@ -1,0 +1,765 @@
+//! The MLX backend: a shard computed by libmlx (Metal on Apple Silicon, the
+//! CPU elsewhere) through a small C++ shim of our own (`engine/mlx/shim.cpp`).
+//!
+//! It reads two layouts:
+//! - GGUF, through MLX's own reader: Q4_0, Q4_1 and Q8_0 weights stay
+//!   quantized (MLX's affine format, groups of 32); GGUF Llama permutes Q/K
+//!   for interleaved ("traditional") RoPE;
+//! - the MLX-community safetensors layout: a directory with `config.json`,
+//!   `*.safetensors` (quantized weights as `weight` / `scales` / `biases`) and
+//!   `tokenizer.json`; `shardplane convert` writes it from a GGUF file.
+//!
+//! Like the candle backend, one code path serves prefill and batched decode:
+//! rows of all sequences are stacked for the projections and attention runs per
+//! sequence on its own KV cache, with MLX's fused rms_norm, rope and
+//! scaled-dot-product attention. Every MLX call runs under one process-wide
+//! lock: MLX's graph and streams are not meant to be driven from several
+//! threads at once.
+
+mod array;
+pub mod convert;
+pub mod distributed;
+mod ffi;
+pub mod names;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+pub use array::{
+    Array, Dtype, Mask, TensorMap, attention, blas, dequantize, quantized_matmul, rms_norm, rope,
+    version,
+};
+use names::{Layout, Part, Weight};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::shard::{
+    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+};
+
+/// KV caches grow in steps of this many tokens.
+const KV_CHUNK: usize = 256;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// Takes the process-wide MLX lock (a panic elsewhere does not poison MLX).
+pub fn lock() -> MutexGuard<'static, ()> {
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A weight matrix: MLX-quantized or dense.
+struct Linear {
+    w: Array,
+    quant: Option<Quant>,
+    /// A bias added after the product (Qwen2's Q/K/V).
+    bias: Option<Array>,
+}
+
+struct Quant {
+    scales: Array,
+    biases: Option<Array>,
+    group_size: usize,
+    bits: usize,
+}
+
+impl Linear {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.quant {
+            Some(q) => quantized_matmul(
+                x,
+                &self.w,
+                &q.scales,
+                q.biases.as_ref(),
+                q.group_size,
+                q.bits,
+            )?,
+            // Dense weights are kept transposed, `[in, out]`.
+            None => x.matmul(&self.w)?,
+        };
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Rows `ids` of the matrix as f32 (an embedding lookup).
+    fn rows(&self, ids: &Array) -> Result<Array> {
+        match &self.quant {
+            Some(q) => dequantize(
+                &self.w.take(ids, 0)?,
+                &q.scales.take(ids, 0)?,
+                q.biases
+                    .as_ref()
+                    .map(|b| b.take(ids, 0))
+                    .transpose()?
+                    .as_ref(),
+                q.group_size,
+                q.bits,
+            )?
+            .astype(Dtype::F32),
+            None => self.w.transpose(&[1, 0])?.take(ids, 0),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.w.nbytes()
+            + self.bias.as_ref().map_or(0, Array::nbytes)
+            + self.quant.as_ref().map_or(0, |q| {
+                q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
+            })
+    }
+}
+
+struct LayerWeights {
+    attn_norm: Array,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+    ffn_norm: Array,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Reads weights by role from one or more tensor maps.
+struct Loader {
+    maps: Vec<TensorMap>,
+    layout: Layout,
+    origin: PathBuf,
+    bytes: usize,
+}
+
+impl Loader {
+    fn find(&self, name: &str) -> Option<&TensorMap> {
+        self.maps.iter().find(|m| m.contains(name))
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        Error::MissingMetadata {
+            what: format!("tensor {name} in {}", self.origin.display()),
+            detail: "the tensor is absent".into(),
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<Array> {
+        self.find(name).ok_or_else(|| self.missing(name))?.get(name)
+    }
+
+    fn has(&self, w: Weight) -> bool {
+        self.find(&format!("{}.weight", w.prefix(self.layout)))
+            .is_some()
+    }
+
+    /// A norm (or other vector) weight as f32, checked against `len`.
+    fn vector(&mut self, w: Weight, len: usize) -> Result<Array> {
+        let name = format!("{}.weight", w.prefix(self.layout));
+        let a = self.get(&name)?;
+        if a.shape() != [len] {
+            return Err(self.bad_shape(&name, &a, &format!("[{len}]")));
+        }
+        let a = a.astype(Dtype::F32)?;
+        self.bytes += a.nbytes();
+        Ok(a)
+    }
+
+    fn bad_shape(&self, name: &str, a: &Array, expected: &str) -> Error {
+        Error::CorruptModel {
+            path: self.origin.clone(),
+            reason: format!(
+                "tensor {name} has shape {:?} ({:?}), expected {expected}",
+                a.shape(),
+                a.dtype()
+            ),
+        }
+    }
+
+    /// A `[out, in]` matrix, quantized when the file has `scales` for it.
+    fn linear(&mut self, w: Weight, out: usize, inp: usize) -> Result<Linear> {
+        let prefix = w.prefix(self.layout);
+        let name = format!("{prefix}.weight");
+        let weight = self.get(&name)?;
+        let shape = weight.shape();
+        let scales_name = format!("{prefix}.scales");
+        let quant = if self.find(&scales_name).is_some() {
+            let scales = self.get(&scales_name)?;
+            let s = scales.shape();
+            let packed = shape.get(1).copied().unwrap_or(0);
+            let groups = s.get(1).copied().unwrap_or(0);
+            let bits = packed * 32 / inp.max(1);
+            let ok = weight.dtype() == Some(Dtype::U32)
+                && shape.len() == 2
+                && shape[0] == out
+                && packed * 32 == bits * inp
+                && [2, 3, 4, 5, 6, 8].contains(&bits)
+                && s.len() == 2
+                && s[0] == out
+                && groups > 0
+                && inp % groups == 0;
+            if !ok {
+                return Err(self.bad_shape(
+                    &name,
+                    &weight,
+                    &format!(
+                        "u32 [{out}, {inp} × bits / 32] with scales [{out}, groups] (scales {s:?})"
+                    ),
+                ));
+            }
+            let biases_name = format!("{prefix}.biases");
+            let biases = match self.find(&biases_name) {
+                Some(_) => Some(self.get(&biases_name)?.astype(Dtype::F32)?),
+                None => None,
+            };
+            Some(Quant {
+                scales: scales.astype(Dtype::F32)?,
+                biases,
+                group_size: inp / groups,
+                bits,
+            })
+        } else {
+            if shape != [out, inp] {
+                return Err(self.bad_shape(&name, &weight, &format!("[{out}, {inp}]")));
+            }
+            None
+        };
+        let w = match quant {
+            Some(_) => weight,
+            None => weight.astype(Dtype::F32)?.transpose(&[1, 0])?,
+        };
+        let bias_name = format!("{prefix}.bias");
+        let bias = match self.find(&bias_name) {
+            Some(_) => Some(self.get(&bias_name)?.astype(Dtype::F32)?),
+            None => None,
+        };
+        let linear = Linear { w, quant, bias };
+        // Materialize now: a lazy file read or conversion fails here, at load.
+        let mut arrays = vec![&linear.w];
+        if let Some(q) = &linear.quant {
+            arrays.push(&q.scales);
+            arrays.extend(q.biases.as_ref());
+        }
+        arrays.extend(linear.bias.as_ref());
+        Array::eval(&arrays)?;
+        self.bytes += linear.bytes();
+        Ok(linear)
+    }
+
+    fn layer(&mut self, n: usize, c: &ModelConfig) -> Result<LayerWeights> {
+        let l = |p| Weight::Layer(n, p);
+        let (h, q, kv) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let norms = self.has(l(Part::QNorm));
+        Ok(LayerWeights {
+            attn_norm: self.vector(l(Part::AttnNorm), h)?,
+            q: self.linear(l(Part::Q), q, h)?,
+            k: self.linear(l(Part::K), kv, h)?,
+            v: self.linear(l(Part::V), kv, h)?,
+            o: self.linear(l(Part::O), h, q)?,
+            q_norm: norms
+                .then(|| self.vector(l(Part::QNorm), c.head_dim))
+                .transpose()?,
+            k_norm: norms
+                .then(|| self.vector(l(Part::KNorm), c.head_dim))
+                .transpose()?,
+            ffn_norm: self.vector(l(Part::FfnNorm), h)?,
+            gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,
+            up: self.linear(l(Part::Up), c.intermediate_size, h)?,
+            down: self.linear(l(Part::Down), h, c.intermediate_size)?,
+        })
+    }
+}
+
+/// One sequence's KV cache in one layer: `[1, kv_heads, capacity, head_dim]`.
+struct LayerCache {
+    k: Array,
+    v: Array,
+}
+
+struct SequenceCache {
+    position: usize,
+    capacity: usize,
+    layers: Vec<Option<LayerCache>>,
+}
+
+/// One sequence's share of a step: its rows in the stacked input.
+struct Item {
+    seq: SequenceId,
+    offset: usize,
+    len: usize,
+    position: usize,
+}
+
+/// A stage of a model computed with MLX.
+pub struct MlxShard {
+    config: ModelConfig,
+    layout: StageLayout,
+    context_length: usize,
+    traditional_rope: bool,
+    embedding: Option<Linear>,
+    layers: Vec<LayerWeights>,
+    head: Option<(Array, Linear)>,
+    weight_bytes: usize,
+    sequences: HashMap<SequenceId, SequenceCache>,
+}
+
+impl std::fmt::Debug for MlxShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MlxShard")
+            .field("architecture", &self.config.architecture)
+            .field("layers", &self.layout.layers)
+            .field("total_layers", &self.layout.total_layers)
+            .field("sequences", &self.sequences.len())
+            .field("weight_bytes", &self.weight_bytes)
+            .finish()
+    }
+}
+
+impl Drop for MlxShard {
+    fn drop(&mut self) {
+        let _guard = lock();
+        drop(std::mem::take(&mut self.sequences));
+        drop(std::mem::take(&mut self.layers));
+        drop(self.embedding.take());
+        drop(self.head.take());
+    }
+}
+
+/// Reads the configuration of an MLX-community model directory.
+pub fn read_dir_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::CorruptModel {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok((ModelConfig::from_hf_json(&json)?, json))
+}
+
+impl MlxShard {
+    /// Loads layers `layout.layers` of a model: a GGUF file, or a directory in
+    /// the MLX-community layout.
+    pub fn load(
+        path: impl AsRef<Path>,
+        layout: StageLayout,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let (config, _) = read_dir_config(path)?;
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|source| Error::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::MissingMetadata {
+                    what: format!("weights in {}", path.display()),
+                    detail: "the directory holds no .safetensors file".into(),
+                });
+            }
+            let _guard = lock();
+            let maps = files
+                .iter()
+                .map(|f| TensorMap::load_safetensors(f))
+                .collect::<Result<Vec<_>>>()?;
+            Self::build(config, maps, Layout::Mlx, path, layout, options)
+        } else {
+            let file = GgufFile::open(path)?;
+            Self::load_gguf(&file, layout, options)
+        }
+    }
+
+    /// Loads a stage from a GGUF file whose header is already read.
+    pub fn load_gguf(file: &GgufFile, layout: StageLayout, options: &LoadOptions) -> Result<Self> {
+        let _guard = lock();
+        let map = TensorMap::load_gguf(file.path()).map_err(|e| Error::CorruptModel {
+            path: file.path().to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Self::build(
+            file.config().clone(),
+            vec![map],
+            Layout::Gguf,
+            file.path(),
+            layout,
+            options,
+        )
+    }
+
+    fn build(
+        config: ModelConfig,
+        maps: Vec<TensorMap>,
+        file_layout: Layout,
+        origin: &Path,
+        layout: StageLayout,
+        options: &LoadOptions,
+    ) -> Result<Self> {
+        let layout = StageLayout::new(layout.layers, config.layers)?;
+        let context_length = options
+            .context_length
+            .unwrap_or(config.context_length)
+            .max(1);
+        let mut loader = Loader {
+            maps,
+            layout: file_layout,
+            origin: origin.to_path_buf(),
+            bytes: 0,
+        };
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let embedding = if layout.is_first() {
+            Some(loader.linear(Weight::Embedding, v, h)?)
+        } else {
+            None
+        };
+        let layers = layout
+            .layers
+            .clone()
+            .map(|n| loader.layer(n, &config))
+            .collect::<Result<Vec<_>>>()?;
+        let head = if layout.is_last() {
+            let norm = loader.vector(Weight::FinalNorm, h)?;
+            // Tied embeddings: the head is the embedding matrix.
+            let which = if loader.has(Weight::Head) {
+                Weight::Head
+            } else {
+                Weight::Embedding
+            };
+            Some((norm, loader.linear(which, v, h)?))
+        } else {
+            None
+        };
+        Ok(MlxShard {
+            // GGUF Llama permutes Q/K for interleaved RoPE; the converter (and
+            // Hugging Face) keep the halves layout.
+            traditional_rope: file_layout == Layout::Gguf && config.architecture.interleaved_rope(),
+            weight_bytes: loader.bytes,
+            config,
+            layout,
+            context_length,
+            embedding,
+            layers,
+            head,
+            sequences: HashMap::new(),
+        })
+    }
+
+    fn plan(&self, batch: &[(SequenceId, StageInput)]) -> Result<Vec<Item>> {
+        let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for (seq, input) in batch {
+            if input.is_empty() {
+                return Err(Error::InvalidInput(format!("sequence {seq}: no tokens")));
+            }
+            if items.iter().any(|i| i.seq == *seq) {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {seq} appears twice in one step"
+                )));
+            }
+            let position = self.sequence_len(*seq);
+            let needed = position + input.len();
+            if needed > self.context_length {
+                return Err(Error::ContextOverflow {
+                    needed,
+                    context: self.context_length,
+                });
+            }
+            match (input, &self.embedding) {
+                (StageInput::Tokens(ids), Some(_)) => {
+                    if let Some(bad) = ids
+                        .iter()
+                        .find(|&&id| id as usize >= self.config.vocab_size)
+                    {
+                        return Err(Error::InvalidInput(format!(
+                            "token id {bad} is outside the vocabulary of {} tokens",
+                            self.config.vocab_size
+                        )));
+                    }
+                }
+                (StageInput::Tokens(_), None) => {
+                    return Err(Error::InvalidInput(format!(
+                        "stage with layers {:?} does not start the model: it takes hidden states, not tokens",
+                        self.layout.layers
+                    )));
+                }
+                (StageInput::Hidden(a), _) => {
+                    if a.hidden != self.config.hidden_size || a.data.len() != a.tokens * a.hidden {
+                        return Err(Error::InvalidInput(format!(
+                            "hidden states of width {} for a model of width {}",
+                            a.hidden, self.config.hidden_size
+                        )));
+                    }
+                }
+            }
+            items.push(Item {
+                seq: *seq,
+                offset,
+                len: input.len(),
+                position,
+            });
+            offset += input.len();
+        }
+        Ok(items)
+    }
+
+    /// The stacked input rows `[tokens, hidden]` (f32).
+    fn stack(&self, batch: &[(SequenceId, StageInput)]) -> Result<Array> {
+        let tokens: Vec<u32> = batch
+            .iter()
+            .filter_map(|(_, i)| match i {
+                StageInput::Tokens(t) => Some(t.as_slice()),
+                StageInput::Hidden(_) => None,
+            })
+            .flatten()
+            .copied()
+            .collect();
+        if tokens.len() == batch.iter().map(|(_, i)| i.len()).sum::<usize>() {
+            let embedding = self.embedding.as_ref().expect("checked in plan");
+            return embedding.rows(&Array::from_u32(&tokens, &[tokens.len()])?);
+        }
+        let mut data = Vec::new();
+        let mut rows = 0;
+        for (_, input) in batch {
+            match input {
+                StageInput::Hidden(a) => {
+                    data.extend_from_slice(&a.data);
+                    rows += a.tokens;
+                }
+                StageInput::Tokens(_) => {
+                    return Err(Error::InvalidInput(
+                        "one step mixes token ids and hidden states".into(),
+                    ));
+                }
+            }
+        }
+        Array::from_f32(&data, &[rows, self.config.hidden_size])
+    }
+
+    fn run(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
+        let items = self.plan(&batch)?;
+        let _guard = lock();
+        let result = (|| {
+            let mut x = self.stack(&batch)?;
+            drop(batch);
+            for item in &items {
+                self.reserve(item)?;
+            }
+            for l in 0..self.layers.len() {
+                x = self.layer(l, &x, &items)?;
+            }
+            self.outputs(&x, &items)
+        })();
+        match result {
+            Ok(outputs) => {
+                for item in &items {
+                    if let Some(cache) = self.sequences.get_mut(&item.seq) {
+                        cache.position += item.len;
+                    }
+                }
+                Ok(outputs)
+            }
+            Err(e) => {
+                // A failed step leaves these caches half-written: drop them.
+                for item in &items {
+                    self.sequences.remove(&item.seq);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes room in `item`'s caches for its new tokens.
+    fn reserve(&mut self, item: &Item) -> Result<()> {
+        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let layers = self.layers.len();
+        let cache = self
+            .sequences
+            .entry(item.seq)
+            .or_insert_with(|| SequenceCache {
+                position: 0,
+                capacity: 0,
+                layers: (0..layers).map(|_| None).collect(),
+            });
+        let needed = item.position + item.len;
+        if needed <= cache.capacity {
+            return Ok(());
+        }
+        let capacity = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
+        for slot in &mut cache.layers {
+            let grown = |old: Option<&Array>| -> Result<Array> {
+                let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
+                match old {
+                    Some(old) if item.position > 0 => {
+                        let kept = old.slice(&[0, 0, 0, 0], &[1, kvh, item.position, hd])?;
+                        fresh.slice_update(&kept, &[0, 0, 0, 0], &[1, kvh, item.position, hd])
+                    }
+                    _ => Ok(fresh),
+                }
+            };
+            let k = grown(slot.as_ref().map(|c| &c.k))?;
+            let v = grown(slot.as_ref().map(|c| &c.v))?;
+            *slot = Some(LayerCache { k, v });
+        }
+        cache.capacity = capacity;
+        Ok(())
+    }
+
+    fn layer(&mut self, l: usize, x: &Array, items: &[Item]) -> Result<Array> {
+        let cfg = &self.config;
+        let (heads, kvh, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let eps = cfg.rms_eps as f32;
+        let w = &self.layers[l];
+        let h = rms_norm(x, &w.attn_norm, eps)?;
+        let q = w.q.forward(&h)?;
+        let k = w.k.forward(&h)?;
+        let v = w.v.forward(&h)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut ys = Vec::with_capacity(items.len());
+        for item in items {
+            let (n, pos) = (item.len, item.position);
+            // Rows of this sequence as [1, heads, n, head_dim].
+            let split = |t: &Array, nh: usize, norm: Option<&Array>| -> Result<Array> {
+                let rows = t.slice(&[item.offset, 0], &[item.offset + n, nh * hd])?;
+                let mut r = rows.reshape(&[1, n, nh, hd])?;
+                if let Some(norm) = norm {
+                    r = rms_norm(&r, norm, eps)?;
+                }
+                r.transpose(&[0, 2, 1, 3])
+            };
+            let qi = split(&q, heads, w.q_norm.as_ref())?;
+            let ki = split(&k, kvh, w.k_norm.as_ref())?;
+            let vi = split(&v, kvh, None)?;
+            let qi = rope(&qi, hd, self.traditional_rope, cfg.rope_theta, pos)?;
+            let ki = rope(&ki, hd, self.traditional_rope, cfg.rope_theta, pos)?;
+            let cache = self
+                .sequences
+                .get_mut(&item.seq)
+                .and_then(|s| s.layers[l].as_mut())
+                .expect("reserved before the layers");
+            let (start, stop) = ([0, 0, pos, 0], [1, kvh, pos + n, hd]);
+            cache.k = cache.k.slice_update(&ki, &start, &stop)?;
+            cache.v = cache.v.slice_update(&vi, &start, &stop)?;
+            let keys = cache.k.slice(&[0, 0, 0, 0], &[1, kvh, pos + n, hd])?;
+            let values = cache.v.slice(&[0, 0, 0, 0], &[1, kvh, pos + n, hd])?;
+            let mask = if n > 1 { Mask::Causal } else { Mask::None };
+            let y = attention(&qi, &keys, &values, scale, mask)?;
+            ys.push(y.transpose(&[0, 2, 1, 3])?.reshape(&[n, heads * hd])?);
+        }
+        let y = if ys.len() == 1 {
+            ys.pop().expect("one item")
+        } else {
+            Array::concatenate(&ys.iter().collect::<Vec<_>>(), 0)?
+        };
+        let x = x.add(&w.o.forward(&y)?)?;
+        let h = rms_norm(&x, &w.ffn_norm, eps)?;
+        let mlp = w.gate.forward(&h)?.silu()?.multiply(&w.up.forward(&h)?)?;
+        let out = x.add(&w.down.forward(&mlp)?)?;
+        // Evaluate layer by layer: the graph stays small and the caches are
+        // written before the next step reads them.
+        let mut arrays = vec![&out];
+        for item in items {
+            if let Some(c) = self.sequences[&item.seq].layers[l].as_ref() {
+                arrays.push(&c.k);
+                arrays.push(&c.v);
+            }
+        }
+        Array::eval(&arrays)?;
+        Ok(out)
+    }
+
+    fn outputs(&self, x: &Array, items: &[Item]) -> Result<Vec<StageOutput>> {
+        match &self.head {
+            Some((norm, head)) => {
+                let last: Vec<u32> = items
+                    .iter()
+                    .map(|i| (i.offset + i.len - 1) as u32)
+                    .collect();
+                let rows = x.take(&Array::from_u32(&last, &[last.len()])?, 0)?;
+                let rows = rms_norm(&rows, norm, self.config.rms_eps as f32)?;
+                let logits = head.forward(&rows)?.to_f32()?;
+                let v = self.config.vocab_size;
+                Ok(logits
+                    .chunks(v)
+                    .map(|c| StageOutput::Logits(c.to_vec()))
+                    .collect())
+            }
+            None => {
+                let all = x.to_f32()?;
+                let h = self.config.hidden_size;
+                items
+                    .iter()
+                    .map(|i| {
+                        let data = all[i.offset * h..(i.offset + i.len) * h].to_vec();
+                        Ok(StageOutput::Hidden(Activations::new(i.len, h, data)?))
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+impl Shard for MlxShard {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn layout(&self) -> &StageLayout {
+        &self.layout
+    }
+
+    fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput> {
+        let mut out = self.run(vec![(seq, input)])?;
+        Ok(out.pop().expect("one output per input"))
+    }
+
+    fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some((seq, input)) = batch.iter().find(|(_, input)| input.len() != 1) {
+            return Err(Error::InvalidInput(format!(
+                "a batched decode step takes one token per sequence; sequence {seq} has {}",
+                input.len()
+            )));
+        }
+        self.run(batch)
+    }
+
+    fn release(&mut self, seq: SequenceId) -> bool {
+        let _guard = lock();
+        self.sequences.remove(&seq).is_some()
+    }
+
+    fn sequence_len(&self, seq: SequenceId) -> usize {
+        self.sequences.get(&seq).map_or(0, |s| s.position)
+    }
+
+    fn sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn kv_cache_bytes(&self) -> usize {
+        self.sequences
+            .values()
+            .flat_map(|s| s.layers.iter().flatten())
+            .map(|c| c.k.nbytes() + c.v.nbytes())
+            .sum()
+    }
+}

@@ -1,0 +1,156 @@
+//! Where each weight lives in the two layouts the MLX backend reads: GGUF
+//! (`blk.3.attn_q`) and the MLX-community safetensors layout, which uses the
+//! Hugging Face names (`model.layers.3.self_attn.q_proj`).
+
+/// A weight of the model, by role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weight {
+    /// Token embedding.
+    Embedding,
+    /// Output head (absent when tied to the embedding).
+    Head,
+    /// Norm before the head.
+    FinalNorm,
+    /// A weight of layer `n`.
+    Layer(usize, Part),
+}
+
+/// The weights of one transformer layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Norm before attention.
+    AttnNorm,
+    /// Query projection.
+    Q,
+    /// Key projection.
+    K,
+    /// Value projection.
+    V,
+    /// Attention output projection.
+    O,
+    /// Per-head query norm (Qwen3).
+    QNorm,
+    /// Per-head key norm (Qwen3).
+    KNorm,
+    /// Norm before the feed-forward block.
+    FfnNorm,
+    /// Feed-forward gate.
+    Gate,
+    /// Feed-forward up projection.
+    Up,
+    /// Feed-forward down projection.
+    Down,
+}
+
+/// Every part of a layer, in file order.
+pub const PARTS: [Part; 11] = [
+    Part::AttnNorm,
+    Part::Q,
+    Part::K,
+    Part::V,
+    Part::O,
+    Part::QNorm,
+    Part::KNorm,
+    Part::FfnNorm,
+    Part::Gate,
+    Part::Up,
+    Part::Down,
+];
+
+impl Part {
+    fn gguf(self) -> &'static str {
+        match self {
+            Part::AttnNorm => "attn_norm",
+            Part::Q => "attn_q",
+            Part::K => "attn_k",
+            Part::V => "attn_v",
+            Part::O => "attn_output",
+            Part::QNorm => "attn_q_norm",
+            Part::KNorm => "attn_k_norm",
+            Part::FfnNorm => "ffn_norm",
+            Part::Gate => "ffn_gate",
+            Part::Up => "ffn_up",
+            Part::Down => "ffn_down",
+        }
+    }
+
+    fn hf(self) -> &'static str {
+        match self {
+            Part::AttnNorm => "input_layernorm",
+            Part::Q => "self_attn.q_proj",
+            Part::K => "self_attn.k_proj",
+            Part::V => "self_attn.v_proj",
+            Part::O => "self_attn.o_proj",
+            Part::QNorm => "self_attn.q_norm",
+            Part::KNorm => "self_attn.k_norm",
+            Part::FfnNorm => "post_attention_layernorm",
+            Part::Gate => "mlp.gate_proj",
+            Part::Up => "mlp.up_proj",
+            Part::Down => "mlp.down_proj",
+        }
+    }
+}
+
+/// A model file's layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// GGUF, as llama.cpp names tensors.
+    Gguf,
+    /// MLX-community safetensors (Hugging Face names).
+    Mlx,
+}
+
+impl Weight {
+    /// The tensor-name prefix of the weight in `layout` (suffixes `.weight`,
+    /// `.bias`, and `.scales` / `.biases` for quantized weights).
+    pub fn prefix(self, layout: Layout) -> String {
+        match (layout, self) {
+            (Layout::Gguf, Weight::Embedding) => "token_embd".into(),
+            (Layout::Gguf, Weight::Head) => "output".into(),
+            (Layout::Gguf, Weight::FinalNorm) => "output_norm".into(),
+            (Layout::Gguf, Weight::Layer(n, p)) => format!("blk.{n}.{}", p.gguf()),
+            (Layout::Mlx, Weight::Embedding) => "model.embed_tokens".into(),
+            (Layout::Mlx, Weight::Head) => "lm_head".into(),
+            (Layout::Mlx, Weight::FinalNorm) => "model.norm".into(),
+            (Layout::Mlx, Weight::Layer(n, p)) => format!("model.layers.{n}.{}", p.hf()),
+        }
+    }
+
+    /// The weight a GGUF tensor-name prefix names.
+    pub fn from_gguf_prefix(prefix: &str) -> Option<Weight> {
+        match prefix {
+            "token_embd" => return Some(Weight::Embedding),
+            "output" => return Some(Weight::Head),
+            "output_norm" => return Some(Weight::FinalNorm),
+            _ => {}
+        }
+        let rest = prefix.strip_prefix("blk.")?;
+        let (n, part) = rest.split_once('.')?;
+        let n = n.parse().ok()?;
+        PARTS
+            .iter()
+            .find(|p| p.gguf() == part)
+            .map(|&p| Weight::Layer(n, p))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_through_gguf() {
+        for w in [Weight::Embedding, Weight::Head, Weight::FinalNorm]
+            .into_iter()
+            .chain(PARTS.iter().map(|&p| Weight::Layer(17, p)))
+        {
+            assert_eq!(Weight::from_gguf_prefix(&w.prefix(Layout::Gguf)), Some(w));
+        }
+        assert_eq!(
+            Weight::Layer(3, Part::Down).prefix(Layout::Mlx),
+            "model.layers.3.mlp.down_proj"
+        );
+        assert_eq!(Weight::from_gguf_prefix("blk.x.attn_q"), None);
+        assert_eq!(Weight::from_gguf_prefix("rope_freqs"), None);
+    }
+}
