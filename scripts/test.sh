@@ -11,7 +11,7 @@ bash scripts/setup.sh
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo clippy" >&2
-cargo clippy --workspace --all-targets --locked --release -- -D warnings
+cargo clippy --workspace --all-targets --locked --release --features shardplane/mlx -- -D warnings
 
 state=$(mktemp -d -t shardplane-test-XXXXXX)
 trap 'bash scripts/control-plane.sh stop "$state"; rm -rf "$state"' EXIT
@@ -19,8 +19,9 @@ bash scripts/control-plane.sh start "$state" >/dev/null
 export SHARDPLANE_TEST_KUBECONFIG="$state/kubeconfig"
 
 echo "== cargo test" >&2
-# Release: the engine is too slow unoptimized, and `up` builds release too (one build).
-cargo test --workspace --locked --release "$@"
+# Release: the engine is too slow unoptimized, and `up` builds release too (one
+# build). The MLX engine is built in (libmlx from scripts/mlx.sh, run by setup).
+cargo test --workspace --locked --release --features shardplane/mlx "$@"
 
 # The data-plane message decoders under libFuzzer for a short while (a crash
 # fails the run and leaves its input in fuzz/artifacts/). Sanitizer builds go

@@ -28,6 +28,9 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     /// Measure prefill and decode speed; prints a report (JSON with --json).
     Bench(commands::bench::BenchArgs),
+    /// Convert a GGUF model to the MLX-community safetensors layout (the
+    /// `mlx` engine and MLX's own tools read it).
+    Convert(commands::convert::ConvertArgs),
     /// Run the operator: resolve models, track nodes and pools, place
     /// deployments as Shards.
     Operator(commands::operator::OperatorArgs),
@@ -72,6 +75,7 @@ impl Cli {
             Command::Crds(args) => commands::crds::run(args),
             Command::Generate(args) => commands::generate::run(args),
             Command::Bench(args) => commands::bench::run(args),
+            Command::Convert(args) => commands::convert::run(args),
             Command::Operator(args) => commands::operator::run(args),
             Command::Agent(args) => commands::agent::run(args),
             Command::Gateway(args) => commands::gateway::run(args),

@@ -127,7 +127,7 @@ fn prefill_logits_of_mlx_and_candle_are_close() {
     let prompt = chat(&text, PROMPTS[0]);
     let mut m = mlx(&file, "0-29");
     let a = m.step(vec![(1, prompt.clone())]).unwrap().remove(0);
-    let mut gap =
+    let gap =
         |mut c: LocalPipeline| logit_gap(&a, &c.step(vec![(1, prompt.clone())]).unwrap().remove(0));
     let exact = gap(LocalPipeline::from_stages(vec![candle_f32(&file, 0..30)]));
     let q4_1 = gap(candle_same_weights(&file));

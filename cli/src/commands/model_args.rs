@@ -45,20 +45,75 @@ impl ModelArgs {
     /// Opens the model and loads its stages and text parts.
     pub fn load(&self) -> anyhow::Result<(LocalPipeline, TextModel)> {
         let path = self.path()?;
-        let file = GgufFile::open(path)?;
-        let splits = match &self.stages {
-            Some(spec) => parse_stages(spec, file.config().layers)?,
-            None => Vec::new(),
-        };
         let engine: EngineKind = self.engine.parse()?;
         let options = LoadOptions {
             context_length: self.context,
             requantize_slow_types: !self.keep_quantization,
             dequantize: self.dequantize,
         };
+        if path.is_dir() {
+            return self.load_dir(path, engine, &options);
+        }
+        let file = GgufFile::open(path)?;
+        let splits = match &self.stages {
+            Some(spec) => parse_stages(spec, file.config().layers)?,
+            None => Vec::new(),
+        };
         let pipeline = LocalPipeline::load(&file, &splits, engine, &options)
             .with_context(|| format!("cannot load {}", path.display()))?;
         let text = TextModel::from_gguf(&file)?;
         Ok((pipeline, text))
+    }
+
+    /// Loads a model directory in the MLX-community layout (`shardplane convert`).
+    #[cfg(feature = "mlx")]
+    fn load_dir(
+        &self,
+        dir: &std::path::Path,
+        engine: EngineKind,
+        options: &LoadOptions,
+    ) -> anyhow::Result<(LocalPipeline, TextModel)> {
+        use shardplane_engine::mlx::{MlxShard, read_dir_config};
+        use shardplane_engine::{Shard, StageLayout};
+        if engine != EngineKind::Mlx {
+            anyhow::bail!(
+                "{} is a model directory (MLX-community layout): run it with --engine mlx",
+                dir.display()
+            );
+        }
+        let (config, _) = read_dir_config(dir)?;
+        let layers = config.layers;
+        let splits = match &self.stages {
+            Some(spec) => parse_stages(spec, layers)?,
+            None => std::iter::once(0..layers).collect(),
+        };
+        let stages = splits
+            .into_iter()
+            .map(|r| -> anyhow::Result<Box<dyn Shard>> {
+                let layout = StageLayout::new(r, layers)?;
+                Ok(Box::new(
+                    MlxShard::load(dir, layout, options)
+                        .with_context(|| format!("cannot load {}", dir.display()))?,
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok((
+            LocalPipeline::from_stages(stages),
+            TextModel::from_dir(dir)?,
+        ))
+    }
+
+    #[cfg(not(feature = "mlx"))]
+    fn load_dir(
+        &self,
+        dir: &std::path::Path,
+        _: EngineKind,
+        _: &LoadOptions,
+    ) -> anyhow::Result<(LocalPipeline, TextModel)> {
+        anyhow::bail!(
+            "{} is a model directory (MLX-community layout), which only the mlx engine reads; \
+             this binary is built without it (build with --features mlx)",
+            dir.display()
+        )
     }
 }

@@ -199,7 +199,7 @@ impl Loader {
                 && s.len() == 2
                 && s[0] == out
                 && groups > 0
-                && inp % groups == 0;
+                && inp.is_multiple_of(groups);
             if !ok {
                 return Err(self.bad_shape(
                     &name,
@@ -405,6 +405,8 @@ impl MlxShard {
         options: &LoadOptions,
     ) -> Result<Self> {
         let layout = StageLayout::new(layout.layers, config.layers)?;
+        // Naming the BLAS also keeps OpenBLAS linked ahead of the wheel's own.
+        tracing::debug!(mlx = %version(), blas = %blas(), "loading an MLX stage");
         let context_length = options
             .context_length
             .unwrap_or(config.context_length)

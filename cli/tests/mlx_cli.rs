@@ -1,0 +1,128 @@
+//! The `shardplane` binary with the MLX engine: `convert`, `generate --engine
+//! mlx` on a GGUF file split into stages and on the converted directory, and
+//! `bench --engine mlx`. The binary runs without LD_LIBRARY_PATH (rpath).
+#![cfg(feature = "mlx")]
+
+use std::process::{Command, Output};
+
+fn shardplane(args: &[&str]) -> Output {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(args)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("SHARDPLANE_MODEL")
+        .output()
+        .expect("the binary runs");
+    out
+}
+
+fn ok(out: Output) -> (String, String) {
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    (stdout, stderr)
+}
+
+fn tokens_line(stderr: &str) -> String {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("tokens: "))
+        .unwrap_or_else(|| panic!("no token line in:\n{stderr}"))
+        .to_string()
+}
+
+#[test]
+fn convert_then_generate_with_mlx_from_gguf_stages_and_from_the_directory() {
+    let gguf = shardplane_testkit::test_model();
+    let gguf = gguf.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("smollm2-mlx");
+    let out_s = out.to_str().unwrap();
+
+    let (stdout, _) = ok(shardplane(&["convert", "--model", gguf, "--out", out_s]));
+    assert!(stdout.contains("694 tensors"), "{stdout}");
+    assert!(
+        stdout.contains("210 × 4-bit/32") && stdout.contains("1 × 8-bit/32"),
+        "{stdout}"
+    );
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    // A second conversion into the same directory needs --force.
+    let again = shardplane(&["convert", "--model", gguf, "--out", out_s]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+
+    let generate = |model: &str, extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--engine",
+            "mlx",
+            "--model",
+            model,
+            "--chat",
+            "--prompt",
+            "Name three colors.",
+            "--max-tokens",
+            "8",
+            "--print-tokens",
+        ];
+        args.extend_from_slice(extra);
+        let (text, stderr) = ok(shardplane(&args));
+        (text, tokens_line(&stderr))
+    };
+    let (text, split) = generate(gguf, &["--stages", "0-14,15-29"]);
+    assert!(!text.trim().is_empty());
+    let (from_dir, dir_tokens) = generate(out_s, &["--stages", "0-9,10-29"]);
+    assert_eq!(dir_tokens, split);
+    assert_eq!(from_dir, text);
+
+    // The directory needs the MLX engine; the error says so.
+    let candle = shardplane(&["generate", "--model", out_s, "--prompt", "hi"]);
+    assert!(!candle.status.success());
+    let e = String::from_utf8_lossy(&candle.stderr);
+    assert!(e.contains("--engine mlx"), "{e}");
+    let unknown = shardplane(&[
+        "generate", "--engine", "tpu", "--model", gguf, "--prompt", "hi",
+    ]);
+    let e = String::from_utf8_lossy(&unknown.stderr);
+    assert!(e.contains("available are candle, mlx"), "{e}");
+}
+
+#[test]
+fn bench_takes_the_mlx_engine() {
+    let gguf = shardplane_testkit::test_model();
+    let (stdout, _) = ok(shardplane(&[
+        "bench",
+        "--engine",
+        "mlx",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--stages",
+        "0-14,15-29",
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--json",
+    ]));
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report");
+    assert_eq!(report["engine"], "mlx");
+    assert_eq!(
+        report["stages"].as_array().map(Vec::len),
+        Some(2),
+        "{report}"
+    );
+    let decode = report["decode_tokens_per_second"]["median"]
+        .as_f64()
+        .unwrap();
+    assert!(decode > 0.0, "{report}");
+}
