@@ -59,6 +59,8 @@ pub struct AgentConfig {
     pub token: shardplane_dataplane::Token,
     /// How often the links to the other nodes are measured.
     pub probe_links_every: Duration,
+    /// The engine stages run on.
+    pub engine: shardplane_engine::pipeline::EngineKind,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -120,6 +122,7 @@ pub async fn run(
             peers: peers.clone(),
             addresses: Machine::read().addresses,
         }),
+        engine: config.engine,
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

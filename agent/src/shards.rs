@@ -110,6 +110,8 @@ pub struct Sources {
     pub hugging_face_endpoint: String,
     /// Other agents whose caches hold models, tried before the source.
     pub peers: Option<PeerSources>,
+    /// The engine stages are loaded into.
+    pub engine: EngineKind,
 }
 
 /// Other agents to copy weights from.
@@ -364,6 +366,7 @@ async fn bring_up(
     .await;
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
+    let engine_kind = sources.engine;
     let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
             spec.layers.start as usize..spec.layers.end as usize,
@@ -379,7 +382,7 @@ async fn bring_up(
         } else {
             None
         };
-        let engine = load_stage(&file, layout, EngineKind::Candle, &options)?;
+        let engine = load_stage(&file, layout, engine_kind, &options)?;
         Ok::<_, shardplane_engine::Error>((engine, text))
     })
     .await

@@ -32,25 +32,26 @@ fn cache_of(node: &str) -> std::path::PathBuf {
 }
 
 fn agent_with_admin(node: &str, admin: &str) -> Process {
-    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("agent-cache")
-        .join(node);
-    shardplane_testkit::spawn_component(
-        env!("CARGO_BIN_EXE_shardplane"),
-        &[
-            "agent",
-            "--node-name",
-            node,
-            "--admin-address",
-            admin,
-            "--lease-seconds",
-            "3",
-            "--cache-dir",
-            cache.to_str().unwrap(),
-            "--probe-links-seconds",
-            "2",
-        ],
-    )
+    agent_with(node, admin, &[])
+}
+
+fn agent_with(node: &str, admin: &str, extra: &[&str]) -> Process {
+    let cache = cache_of(node);
+    let mut args = vec![
+        "agent",
+        "--node-name",
+        node,
+        "--admin-address",
+        admin,
+        "--lease-seconds",
+        "3",
+        "--cache-dir",
+        cache.to_str().unwrap(),
+        "--probe-links-seconds",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), &args)
 }
 
 fn client(endpoint: &str) -> dp::Client {
@@ -131,6 +132,75 @@ async fn sequences(endpoint: &str) -> Vec<(String, u32)> {
         .collect()
 }
 
+/// Waits until each Shard is Ready; returns their data-plane endpoints.
+async fn ready_endpoints(shards: &Api<Shard>, names: &[&str]) -> Vec<String> {
+    let mut endpoints = Vec::new();
+    for name in names {
+        let e = shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
+            let st = shards.get(name).await.ok()?.status?;
+            (st.phase == Some(ShardPhase::Ready)).then_some(st.endpoint?)
+        })
+        .await;
+        endpoints.push(e);
+    }
+    endpoints
+}
+
+/// An agent running MLX (stage 1) and one running candle (stage 2) serve the
+/// tokens the same two engines give in one process, and an MLX agent serving
+/// the whole model gives MLX's tokens.
+#[cfg(feature = "mlx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
+    use shardplane_engine::StageLayout;
+    use shardplane_engine::pipeline::load_stage;
+    let client_k = control_plane().client().await.unwrap();
+    let ns = control_plane().namespace(&client_k, "mixed").await.unwrap();
+    let (a, b) = (unique_name("mx-a"), unique_name("mx-b"));
+    let _agents = (
+        agent_with(&a, &free_address().to_string(), &["--engine", "mlx"]),
+        agent(&b),
+    );
+    let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
+    for s in [
+        fixtures::shard("mixed", &a, 0, 2, LayerRange { start: 0, end: 15 }),
+        fixtures::shard("mixed", &b, 1, 2, LayerRange { start: 15, end: 30 }),
+        fixtures::shard("mlxwhole", &a, 0, 1, LayerRange { start: 0, end: 30 }),
+    ] {
+        shards.create(&PostParams::default(), &s).await.unwrap();
+    }
+    let endpoints = ready_endpoints(&shards, &["mixed-0-0", "mixed-0-1", "mlxwhole-0-0"]).await;
+
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    let options = LoadOptions::default();
+    let stage = |r: std::ops::Range<usize>| StageLayout::new(r, 30).unwrap();
+    let mut mixed = LocalPipeline::from_stages(vec![
+        load_stage(&file, stage(0..15), EngineKind::Mlx, &options).unwrap(),
+        load_stage(&file, stage(15..30), EngineKind::Candle, &options).unwrap(),
+    ]);
+    let mut mlx = LocalPipeline::load(&file, &[], EngineKind::Mlx, &options).unwrap();
+    assert_eq!(mlx.stages()[0].layout().layers, 0..30);
+    let prompt = "Name a large animal.";
+    for (endpoint, shard, local) in [
+        (&endpoints[0], "mixed-0-0", &mut mixed),
+        (&endpoints[2], "mlxwhole-0-0", &mut mlx),
+    ] {
+        let (tokens, words) = reference(&text, local, prompt, 12);
+        let request = dp::GenerateRequest {
+            shard: shard_ref(&ns, shard),
+            input: conversation(prompt),
+            sampling: Some(dp::Sampling {
+                max_tokens: 12,
+                ..Default::default()
+            }),
+        };
+        let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
+        assert_eq!(got, tokens, "{shard}");
+        assert_eq!(got_text, words, "{shard}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     let client_k = control_plane().client().await.unwrap();
@@ -148,15 +218,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     ] {
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
-    let mut endpoints = Vec::new();
-    for name in ["pipe-0-0", "pipe-0-1", "whole-0-0"] {
-        let e = shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
-            let st = shards.get(name).await.ok()?.status?;
-            (st.phase == Some(ShardPhase::Ready)).then_some(st.endpoint?)
-        })
-        .await;
-        endpoints.push(e);
-    }
+    let endpoints = ready_endpoints(&shards, &["pipe-0-0", "pipe-0-1", "whole-0-0"]).await;
     let (head, tail, whole) = (
         endpoints[0].clone(),
         endpoints[1].clone(),

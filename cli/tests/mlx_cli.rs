@@ -6,13 +6,12 @@
 use std::process::{Command, Output};
 
 fn shardplane(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+    Command::new(env!("CARGO_BIN_EXE_shardplane"))
         .args(args)
         .env_remove("LD_LIBRARY_PATH")
         .env_remove("SHARDPLANE_MODEL")
         .output()
-        .expect("the binary runs");
-    out
+        .expect("the binary runs")
 }
 
 fn ok(out: Output) -> (String, String) {

@@ -33,10 +33,20 @@ pub mod netns;
 
 /// The root of the repository (where `scripts/` lives).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("testkit lives one level below the repository root")
-        .to_path_buf()
+    // The running package's directory first (cargo sets it for tests): a build
+    // directory shared by several checkouts may hold a testkit compiled in
+    // another one, whose path is baked in below.
+    let here = std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from);
+    here.iter()
+        .flat_map(|d| d.ancestors())
+        .find(|d| d.join("scripts/control-plane.sh").is_file())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .expect("testkit lives one level below the repository root")
+                .to_path_buf()
+        })
 }
 
 /// A running control plane with the shardplane CRDs installed.

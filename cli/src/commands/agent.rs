@@ -73,6 +73,10 @@ pub struct AgentArgs {
     /// Seconds the node's Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
+    /// The engine stages run on: candle, or mlx (Macs; binaries built with
+    /// the `mlx` feature).
+    #[arg(long, env = "SHARDPLANE_ENGINE", default_value = "candle")]
+    engine: String,
 }
 
 /// Runs the agent until Ctrl-C or SIGTERM, then drains.
@@ -117,6 +121,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             .map(parse_bytes_str)
             .transpose()?,
         probe_links_every: Duration::from_secs(args.probe_links_seconds.max(1)),
+        engine: args.engine.parse()?,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;
