@@ -131,12 +131,25 @@ fn prefill_logits_of_mlx_and_candle_are_close() {
         |mut c: LocalPipeline| logit_gap(&a, &c.step(vec![(1, prompt.clone())]).unwrap().remove(0));
     let exact = gap(LocalPipeline::from_stages(vec![candle_f32(&file, 0..30)]));
     let q4_1 = gap(candle_same_weights(&file));
+    let mlx_f32 = gap(LocalPipeline::from_stages(vec![Box::new(
+        MlxShard::load_gguf(
+            &file,
+            StageLayout::whole(30),
+            &LoadOptions {
+                dequantize: true,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    )]));
     let q8_0 =
         gap(LocalPipeline::load(&file, &[], EngineKind::Candle, &LoadOptions::default()).unwrap());
     eprintln!(
         "largest prefill logit difference from MLX, as a fraction of the logit range: \
-         candle f32 {exact:.6}, candle Q4_1 kernels {q4_1:.5}, candle Q8_0 (default) {q8_0:.5}"
+         MLX dequantized {mlx_f32:.6}, candle f32 {exact:.6}, candle Q4_1 kernels {q4_1:.5}, \
+         candle Q8_0 (default) {q8_0:.5}"
     );
+    assert!(mlx_f32 < 1e-3, "MLX dequantized differs by {mlx_f32}");
     // The same weights multiplied in f32 differ only by summation order.
     assert!(exact < 1e-3, "candle f32 differs by {exact}");
     // candle's quantized kernels round activations to 8 bits before the dot

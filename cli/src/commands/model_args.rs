@@ -30,8 +30,9 @@ pub struct ModelArgs {
     /// Q8_0 at load (less memory, slower on CPUs).
     #[arg(long)]
     pub keep_quantization: bool,
-    /// Expand quantized weights to f32 at load (candle): products in f32 from
-    /// the exact weights, as MLX computes them; several times the memory.
+    /// Expand quantized weights to f32 at load (several times the memory):
+    /// candle then multiplies in f32 from the exact weights, as MLX does; MLX
+    /// on a CPU multiplies through BLAS, far faster than its quantized CPU kernel.
     #[arg(long)]
     pub dequantize: bool,
 }

@@ -132,6 +132,8 @@ struct Loader {
     layout: Layout,
     origin: PathBuf,
     bytes: usize,
+    /// Expand quantized matrices to f32 (dense products through BLAS).
+    dequantize: bool,
 }
 
 impl Loader {
@@ -226,9 +228,14 @@ impl Loader {
             }
             None
         };
-        let w = match quant {
-            Some(_) => weight,
-            None => weight.astype(Dtype::F32)?.transpose(&[1, 0])?,
+        let (w, quant) = match quant {
+            Some(q) if self.dequantize => {
+                let dense =
+                    dequantize(&weight, &q.scales, q.biases.as_ref(), q.group_size, q.bits)?;
+                (dense.astype(Dtype::F32)?.transpose(&[1, 0])?, None)
+            }
+            Some(q) => (weight, Some(q)),
+            None => (weight.astype(Dtype::F32)?.transpose(&[1, 0])?, None),
         };
         let bias_name = format!("{prefix}.bias");
         let bias = match self.find(&bias_name) {
@@ -416,6 +423,7 @@ impl MlxShard {
             layout: file_layout,
             origin: origin.to_path_buf(),
             bytes: 0,
+            dequantize: options.dequantize,
         };
         let (v, h) = (config.vocab_size, config.hidden_size);
         let embedding = if layout.is_first() {
