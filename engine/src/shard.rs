@@ -186,3 +186,90 @@ pub trait Shard: Send {
     /// Bytes of KV cache currently allocated.
     fn kv_cache_bytes(&self) -> usize;
 }
+
+/// One sequence's share of a step: its rows in the stacked input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Item {
+    /// The sequence.
+    pub seq: SequenceId,
+    /// Its first row in the stacked input.
+    pub offset: usize,
+    /// Its rows (tokens) in this step.
+    pub len: usize,
+    /// Tokens it held before this step.
+    pub position: usize,
+}
+
+/// Checks a step for a stage and plans each sequence's rows: every input
+/// non-empty and of the kind the stage takes (token ids inside the vocabulary
+/// for a first stage, hidden states of the model's width otherwise), each
+/// sequence once, none past `context` tokens. `position` gives the tokens a
+/// sequence already holds.
+pub(crate) fn plan_step(
+    batch: &[(SequenceId, StageInput)],
+    config: &ModelConfig,
+    layout: &StageLayout,
+    context: usize,
+    position: impl Fn(SequenceId) -> usize,
+) -> Result<Vec<Item>> {
+    let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+    let mut offset = 0;
+    for (seq, input) in batch {
+        if input.is_empty() {
+            return Err(Error::InvalidInput(format!("sequence {seq}: no tokens")));
+        }
+        if items.iter().any(|i| i.seq == *seq) {
+            return Err(Error::InvalidInput(format!(
+                "sequence {seq} appears twice in one step"
+            )));
+        }
+        let start = position(*seq);
+        let needed = start + input.len();
+        if needed > context {
+            return Err(Error::ContextOverflow { needed, context });
+        }
+        match input {
+            StageInput::Tokens(_) if !layout.is_first() => {
+                return Err(Error::InvalidInput(format!(
+                    "stage with layers {:?} does not start the model: it takes hidden states, not tokens",
+                    layout.layers
+                )));
+            }
+            StageInput::Tokens(ids) => {
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+                    return Err(Error::InvalidInput(format!(
+                        "token id {bad} is outside the vocabulary of {} tokens",
+                        config.vocab_size
+                    )));
+                }
+            }
+            StageInput::Hidden(a) => {
+                if a.hidden != config.hidden_size || a.data.len() != a.tokens * a.hidden {
+                    return Err(Error::InvalidInput(format!(
+                        "hidden states of width {} for a model of width {}",
+                        a.hidden, config.hidden_size
+                    )));
+                }
+            }
+        }
+        items.push(Item {
+            seq: *seq,
+            offset,
+            len: input.len(),
+            position: start,
+        });
+        offset += input.len();
+    }
+    Ok(items)
+}
+
+/// Checks that a batched decode step brings one token (or row) per sequence.
+pub(crate) fn check_decode_batch(batch: &[(SequenceId, StageInput)]) -> Result<()> {
+    match batch.iter().find(|(_, input)| input.len() != 1) {
+        Some((seq, input)) => Err(Error::InvalidInput(format!(
+            "a batched decode step takes one token per sequence; sequence {seq} has {}",
+            input.len()
+        ))),
+        None => Ok(()),
+    }
+}

@@ -19,7 +19,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::shard::{
-    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+    Activations, Item, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+    check_decode_batch, plan_step,
 };
 use weights::{LayerWeights, TensorLoader};
 
@@ -57,14 +58,6 @@ impl std::fmt::Debug for CandleShard {
 struct SequenceCache {
     position: usize,
     layers: Vec<KvCache>,
-}
-
-/// One sequence's share of a step: its rows in the stacked input.
-struct Item {
-    seq: SequenceId,
-    offset: usize,
-    len: usize,
-    position: usize,
 }
 
 impl CandleShard {
@@ -140,35 +133,17 @@ impl CandleShard {
 
     /// Stacks the inputs into rows and plans each sequence's share.
     fn stack(&self, batch: &[(SequenceId, StageInput)]) -> Result<(Tensor, Vec<Item>)> {
-        let mut items = Vec::with_capacity(batch.len());
-        let mut rows = Vec::with_capacity(batch.len());
-        let mut offset = 0;
-        for (seq, input) in batch {
-            if input.is_empty() {
-                return Err(Error::InvalidInput(format!("sequence {seq}: no tokens")));
-            }
-            if items.iter().any(|i: &Item| i.seq == *seq) {
-                return Err(Error::InvalidInput(format!(
-                    "sequence {seq} appears twice in one step"
-                )));
-            }
-            let position = self.sequence_len(*seq);
-            let needed = position + input.len();
-            if needed > self.context_length {
-                return Err(Error::ContextOverflow {
-                    needed,
-                    context: self.context_length,
-                });
-            }
-            rows.push(self.input_rows(input)?);
-            items.push(Item {
-                seq: *seq,
-                offset,
-                len: input.len(),
-                position,
-            });
-            offset += input.len();
-        }
+        let items = plan_step(
+            batch,
+            &self.config,
+            &self.layout,
+            self.context_length,
+            |seq| self.sequence_len(seq),
+        )?;
+        let mut rows = batch
+            .iter()
+            .map(|(_, input)| self.input_rows(input))
+            .collect::<Result<Vec<_>>>()?;
         let x = if rows.len() == 1 {
             rows.pop().expect("one row block")
         } else {
@@ -177,38 +152,21 @@ impl CandleShard {
         Ok((x, items))
     }
 
+    /// An input's rows (checked by `plan_step`).
     fn input_rows(&self, input: &StageInput) -> Result<Tensor> {
         match (input, &self.embedding) {
             (StageInput::Tokens(ids), Some(embedding)) => {
-                if let Some(bad) = ids
-                    .iter()
-                    .find(|&&id| id as usize >= self.config.vocab_size)
-                {
-                    return Err(Error::InvalidInput(format!(
-                        "token id {bad} is outside the vocabulary of {} tokens",
-                        self.config.vocab_size
-                    )));
-                }
                 let ids = Tensor::new(ids.as_slice(), &self.device)?;
                 Ok(embedding.embedding(&ids)?.to_dtype(DType::F32)?)
             }
-            (StageInput::Tokens(_), None) => Err(Error::InvalidInput(format!(
-                "stage with layers {:?} does not start the model: it takes hidden states, not tokens",
-                self.layout.layers
-            ))),
-            (StageInput::Hidden(a), _) => {
-                if a.hidden != self.config.hidden_size {
-                    return Err(Error::InvalidInput(format!(
-                        "hidden states of width {} for a model of width {}",
-                        a.hidden, self.config.hidden_size
-                    )));
-                }
-                Ok(Tensor::from_slice(
-                    &a.data,
-                    (a.tokens, a.hidden),
-                    &self.device,
-                )?)
-            }
+            (StageInput::Tokens(_), None) => Err(Error::InvalidInput(
+                "token ids for a stage without the embedding".into(),
+            )),
+            (StageInput::Hidden(a), _) => Ok(Tensor::from_slice(
+                &a.data,
+                (a.tokens, a.hidden),
+                &self.device,
+            )?),
         }
     }
 
@@ -412,12 +370,7 @@ impl Shard for CandleShard {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        if let Some((seq, input)) = batch.iter().find(|(_, input)| input.len() != 1) {
-            return Err(Error::InvalidInput(format!(
-                "a batched decode step takes one token per sequence; sequence {seq} has {}",
-                input.len()
-            )));
-        }
+        check_decode_batch(&batch)?;
         self.run(batch)
     }
 

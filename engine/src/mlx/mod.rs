@@ -36,7 +36,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::shard::{
-    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+    Activations, Item, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+    check_decode_batch, plan_step,
 };
 
 /// KV caches grow in steps of this many tokens.
@@ -291,14 +292,6 @@ struct SequenceCache {
     layers: Vec<Option<LayerCache>>,
 }
 
-/// One sequence's share of a step: its rows in the stacked input.
-struct Item {
-    seq: SequenceId,
-    offset: usize,
-    len: usize,
-    position: usize,
-}
-
 /// A stage of a model computed with MLX.
 pub struct MlxShard {
     config: ModelConfig,
@@ -463,64 +456,6 @@ impl MlxShard {
         })
     }
 
-    fn plan(&self, batch: &[(SequenceId, StageInput)]) -> Result<Vec<Item>> {
-        let mut items: Vec<Item> = Vec::with_capacity(batch.len());
-        let mut offset = 0;
-        for (seq, input) in batch {
-            if input.is_empty() {
-                return Err(Error::InvalidInput(format!("sequence {seq}: no tokens")));
-            }
-            if items.iter().any(|i| i.seq == *seq) {
-                return Err(Error::InvalidInput(format!(
-                    "sequence {seq} appears twice in one step"
-                )));
-            }
-            let position = self.sequence_len(*seq);
-            let needed = position + input.len();
-            if needed > self.context_length {
-                return Err(Error::ContextOverflow {
-                    needed,
-                    context: self.context_length,
-                });
-            }
-            match (input, &self.embedding) {
-                (StageInput::Tokens(ids), Some(_)) => {
-                    if let Some(bad) = ids
-                        .iter()
-                        .find(|&&id| id as usize >= self.config.vocab_size)
-                    {
-                        return Err(Error::InvalidInput(format!(
-                            "token id {bad} is outside the vocabulary of {} tokens",
-                            self.config.vocab_size
-                        )));
-                    }
-                }
-                (StageInput::Tokens(_), None) => {
-                    return Err(Error::InvalidInput(format!(
-                        "stage with layers {:?} does not start the model: it takes hidden states, not tokens",
-                        self.layout.layers
-                    )));
-                }
-                (StageInput::Hidden(a), _) => {
-                    if a.hidden != self.config.hidden_size || a.data.len() != a.tokens * a.hidden {
-                        return Err(Error::InvalidInput(format!(
-                            "hidden states of width {} for a model of width {}",
-                            a.hidden, self.config.hidden_size
-                        )));
-                    }
-                }
-            }
-            items.push(Item {
-                seq: *seq,
-                offset,
-                len: input.len(),
-                position,
-            });
-            offset += input.len();
-        }
-        Ok(items)
-    }
-
     /// The stacked input rows `[tokens, hidden]` (f32).
     fn stack(&self, batch: &[(SequenceId, StageInput)]) -> Result<Array> {
         let tokens: Vec<u32> = batch
@@ -533,7 +468,10 @@ impl MlxShard {
             .copied()
             .collect();
         if tokens.len() == batch.iter().map(|(_, i)| i.len()).sum::<usize>() {
-            let embedding = self.embedding.as_ref().expect("checked in plan");
+            let embedding = self
+                .embedding
+                .as_ref()
+                .expect("a first stage has the embedding (plan_step)");
             return embedding.rows(&Array::from_u32(&tokens, &[tokens.len()])?);
         }
         let mut data = Vec::new();
@@ -555,7 +493,13 @@ impl MlxShard {
     }
 
     fn run(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
-        let items = self.plan(&batch)?;
+        let items = plan_step(
+            &batch,
+            &self.config,
+            &self.layout,
+            self.context_length,
+            |seq| self.sequence_len(seq),
+        )?;
         let _guard = lock();
         let result = (|| {
             let mut x = self.stack(&batch)?;
@@ -739,12 +683,7 @@ impl Shard for MlxShard {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        if let Some((seq, input)) = batch.iter().find(|(_, input)| input.len() != 1) {
-            return Err(Error::InvalidInput(format!(
-                "a batched decode step takes one token per sequence; sequence {seq} has {}",
-                input.len()
-            )));
-        }
+        check_decode_batch(&batch)?;
         self.run(batch)
     }
 
