@@ -267,6 +267,14 @@ size_t spx_map_len(const spx_map* m) { return m->keys.size(); }
 
 const char* spx_map_key(const spx_map* m, size_t i) { return m->keys[i].c_str(); }
 
+int spx_map_contains(const spx_map* m, const char* name) {
+  try {
+    return m->arrays.count(name) == 1 ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 // Copies the array named `name` into *out; 1 with a message when absent.
 int spx_map_get(const spx_map* m, const char* name, spx_array** out) {
   return guard([&] {

@@ -49,7 +49,7 @@ fn last_error() -> String {
         .into_owned()
 }
 
-fn check(rc: c_int, what: &str) -> Result<()> {
+pub(super) fn check(rc: c_int, what: &str) -> Result<()> {
     if rc == 0 {
         Ok(())
     } else {
@@ -62,7 +62,7 @@ fn c_path(path: &Path) -> Result<CString> {
         .map_err(|_| Error::InvalidInput(format!("path {} holds a NUL byte", path.display())))
 }
 
-fn dims(shape: &[usize]) -> Result<Vec<c_int>> {
+pub(super) fn dims(shape: &[usize]) -> Result<Vec<c_int>> {
     shape
         .iter()
         .map(|&d| {
@@ -110,7 +110,7 @@ impl std::fmt::Debug for Array {
 }
 
 /// Runs a shim call that makes one array.
-fn make(what: &str, f: impl FnOnce(*mut ffi::array) -> c_int) -> Result<Array> {
+pub(super) fn make(what: &str, f: impl FnOnce(*mut ffi::array) -> c_int) -> Result<Array> {
     let mut out: ffi::array = std::ptr::null_mut();
     check(f(&mut out), what)?;
     NonNull::new(out)
@@ -123,7 +123,7 @@ fn raw(a: Option<&Array>) -> *const ffi::spx_array {
 }
 
 impl Array {
-    fn ptr(&self) -> *const ffi::spx_array {
+    pub(super) fn ptr(&self) -> *const ffi::spx_array {
         self.0.as_ptr()
     }
 
@@ -489,12 +489,16 @@ impl TensorMap {
 
     /// Whether `name` is in the map.
     pub fn contains(&self, name: &str) -> bool {
-        self.names().iter().any(|n| n == name)
+        match c_string(name) {
+            // SAFETY: live map and `n` for the call.
+            Ok(n) => unsafe { ffi::spx_map_contains(self.0.as_ptr(), n.as_ptr()) == 1 },
+            Err(_) => false,
+        }
     }
 
     /// The array named `name` (a new handle on the same data).
     pub fn get(&self, name: &str) -> Result<Array> {
-        let n = CString::new(name).map_err(|_| Error::InvalidInput("NUL in a name".into()))?;
+        let n = c_string(name)?;
         // SAFETY: live map and `n` for the call.
         make(&format!("tensor {name}"), |out| unsafe {
             ffi::spx_map_get(self.0.as_ptr(), n.as_ptr(), out)
@@ -503,7 +507,7 @@ impl TensorMap {
 
     /// Adds or replaces `name`.
     pub fn insert(&mut self, name: &str, a: &Array) -> Result<()> {
-        let n = CString::new(name).map_err(|_| Error::InvalidInput("NUL in a name".into()))?;
+        let n = c_string(name)?;
         // SAFETY: live map, array and `n` for the call.
         check(
             unsafe { ffi::spx_map_insert(self.0.as_ptr(), n.as_ptr(), a.ptr()) },
@@ -528,22 +532,6 @@ impl Default for TensorMap {
     }
 }
 
-pub(crate) fn c_string(s: &str) -> Result<CString> {
+pub(super) fn c_string(s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::InvalidInput(format!("{s:?} holds a NUL byte")))
-}
-
-pub(crate) fn make_array(what: &str, f: impl FnOnce(*mut ffi::array) -> c_int) -> Result<Array> {
-    make(what, f)
-}
-
-pub(crate) fn checked(rc: c_int, what: &str) -> Result<()> {
-    check(rc, what)
-}
-
-pub(crate) fn handle(a: &Array) -> *const ffi::spx_array {
-    a.ptr()
-}
-
-pub(crate) fn shape_dims(shape: &[usize]) -> Result<Vec<c_int>> {
-    dims(shape)
 }

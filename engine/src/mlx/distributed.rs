@@ -10,7 +10,7 @@
 use std::ffi::c_int;
 use std::ptr::NonNull;
 
-use super::array::{Array, Dtype, c_string, checked, handle, make_array, shape_dims};
+use super::array::{Array, Dtype, c_string, check, dims, make};
 use super::ffi;
 use crate::error::{Error, Result};
 
@@ -52,7 +52,7 @@ impl Group {
         let b = c_string(backend)?;
         let mut out = std::ptr::null_mut();
         // SAFETY: `b` outlives the call.
-        checked(
+        check(
             unsafe { ffi::spx_dist_init(b.as_ptr(), &mut out) },
             &format!("distributed init ({backend})"),
         )?;
@@ -88,8 +88,8 @@ impl Group {
     pub fn send(&self, a: &Array, dst: usize) -> Result<()> {
         let dst = self.check_rank(dst)?;
         // SAFETY: live handles for the call.
-        let sent = make_array("send", |out| unsafe {
-            ffi::spx_dist_send(handle(a), dst, self.0.as_ptr(), out)
+        let sent = make("send", |out| unsafe {
+            ffi::spx_dist_send(a.ptr(), dst, self.0.as_ptr(), out)
         })?;
         Array::eval(&[&sent])
     }
@@ -97,9 +97,9 @@ impl Group {
     /// Receives an array of `shape` and `dtype` from rank `src`.
     pub fn recv(&self, shape: &[usize], dtype: Dtype, src: usize) -> Result<Array> {
         let src = self.check_rank(src)?;
-        let d = shape_dims(shape)?;
+        let d = dims(shape)?;
         // SAFETY: `d` and the group outlive the call.
-        let a = make_array("recv", |out| unsafe {
+        let a = make("recv", |out| unsafe {
             ffi::spx_dist_recv(
                 d.as_ptr(),
                 d.len() as c_int,
@@ -116,8 +116,8 @@ impl Group {
     /// The element-wise sum of `a` over every rank (each rank gets the sum).
     pub fn all_sum(&self, a: &Array) -> Result<Array> {
         // SAFETY: live handles for the call.
-        let s = make_array("all_sum", |out| unsafe {
-            ffi::spx_dist_all_sum(handle(a), self.0.as_ptr(), out)
+        let s = make("all_sum", |out| unsafe {
+            ffi::spx_dist_all_sum(a.ptr(), self.0.as_ptr(), out)
         })?;
         Array::eval(&[&s])?;
         Ok(s)

@@ -130,6 +130,7 @@ unsafe extern "C" {
     pub fn spx_map_free(m: *mut spx_map);
     pub fn spx_map_len(m: *const spx_map) -> usize;
     pub fn spx_map_key(m: *const spx_map, i: usize) -> *const c_char;
+    pub fn spx_map_contains(m: *const spx_map, name: *const c_char) -> c_int;
     pub fn spx_map_get(m: *const spx_map, name: *const c_char, out: *mut array) -> c_int;
     pub fn spx_map_insert(m: *mut spx_map, name: *const c_char, a: *const spx_array) -> c_int;
     pub fn spx_save_safetensors(path: *const c_char, m: *const spx_map) -> c_int;
