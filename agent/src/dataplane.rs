@@ -343,17 +343,10 @@ impl DataPlane for Service {
                 text.chat_prompt(&messages).map_err(engine_status)?
             }
             Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
-            Some(Input::Tokens(t)) => {
-                let vocab = text.tokenizer.vocab_size() as u32;
-                if let Some(bad) = t.ids.iter().find(|&&id| id >= vocab) {
-                    return Err(Status::invalid_argument(format!(
-                        "token {bad} is past the vocabulary of {vocab}"
-                    )));
-                }
-                t.ids.clone()
-            }
+            Some(Input::Tokens(t)) => in_vocabulary(&text, t.ids.clone())?,
             None => return Err(Status::invalid_argument("no chat, prompt or tokens")),
         };
+        let resume = in_vocabulary(&text, req.resume.map(|t| t.ids).unwrap_or_default())?;
         let context = stage.worker.context_length;
         if prompt.is_empty() {
             return Err(Status::invalid_argument("the prompt is empty"));
@@ -367,6 +360,15 @@ impl DataPlane for Service {
         }
         let sampling = req.sampling.unwrap_or_default();
         let params = sampling_params(&sampling, context - prompt.len())?;
+        if resume.len() > params.max_tokens {
+            return Err(Status::invalid_argument(format!(
+                "{} tokens to resume from; this answer may have at most {}",
+                resume.len(),
+                params.max_tokens
+            )));
+        }
+        // Repetition penalties see the answer so far as well.
+        let history: Vec<u32> = prompt.iter().chain(&resume).copied().collect();
         let banned: Vec<u32> = if params.ignore_eos {
             text.tokenizer.stop_tokens().to_vec()
         } else {
@@ -383,7 +385,7 @@ impl DataPlane for Service {
                         shard: None,
                         sequence: id,
                         sampling: Some(sampling),
-                        prompt: prompt.clone(),
+                        prompt: history.clone(),
                         banned: banned.clone(),
                     },
                 )
@@ -391,7 +393,7 @@ impl DataPlane for Service {
             )
         };
         let local_sampler = if downstream.is_none() {
-            Some(Sampler::new(params.clone(), &prompt).map_err(engine_status)?)
+            Some(Sampler::new(params.clone(), &history).map_err(engine_status)?)
         } else {
             None
         };
@@ -404,6 +406,7 @@ impl DataPlane for Service {
             text,
             params,
             prompt,
+            resume,
             banned,
             downstream,
             sampler: local_sampler,
@@ -645,12 +648,28 @@ struct Generation {
     text: Arc<shardplane_engine::pipeline::TextModel>,
     params: SamplingParams,
     prompt: Vec<u32>,
+    /// Tokens of the answer given before (see `GenerateRequest.resume`).
+    resume: Vec<u32>,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
     events: mpsc::Sender<Result<dp::GenerateResponse, Status>>,
     received: Instant,
     metrics: Metrics,
+}
+
+/// `ids` when every one is in the model's vocabulary.
+fn in_vocabulary(
+    text: &shardplane_engine::pipeline::TextModel,
+    ids: Vec<u32>,
+) -> Result<Vec<u32>, Status> {
+    let vocab = text.tokenizer.vocab_size() as u32;
+    match ids.iter().find(|&&id| id >= vocab) {
+        Some(bad) => Err(Status::invalid_argument(format!(
+            "token {bad} is past the vocabulary of {vocab}"
+        ))),
+        None => Ok(ids),
+    }
 }
 
 fn event(e: dp::generate_response::Event) -> Result<dp::GenerateResponse, Status> {
@@ -743,27 +762,29 @@ impl Generation {
         let mut output = TextOutput::new(&text.tokenizer, &self.params);
         let max_new = self.params.max_tokens;
         let prompt = std::mem::take(&mut self.prompt);
-        let mut token = self.step(&prompt).await?;
-        let first_token_at = Instant::now();
-        let mut generated = 0usize;
+        let resume = std::mem::take(&mut self.resume);
         let mut reason = dp::FinishReason::Length;
-        loop {
-            generated += 1;
-            self.metrics.generated_tokens.inc();
-            let piece = output.push(token).map_err(engine_status)?;
-            self.emit(Event::Delta(dp::Delta {
-                text: piece.text,
-                tokens: vec![token],
-            }))
-            .await?;
-            if piece.stop {
+        // The answer so far: the text it released was given then; what it
+        // holds back comes with the next token.
+        for (i, &token) in resume.iter().enumerate() {
+            if output.push(token).map_err(engine_status)?.stop {
+                if i + 1 < resume.len() {
+                    return Err(Status::invalid_argument(format!(
+                        "the tokens to resume from end the answer at token {i} of {}",
+                        resume.len()
+                    )));
+                }
                 reason = dp::FinishReason::Stop;
-                break;
             }
-            if generated >= max_new {
-                break;
-            }
-            token = self.step(&[token]).await?;
+        }
+        let mut generated = resume.len();
+        let finished_already = reason == dp::FinishReason::Stop || generated >= max_new;
+        let mut first_token_at = Instant::now();
+        if !finished_already {
+            let context: Vec<u32> = prompt.iter().chain(&resume).copied().collect();
+            let token = self.step(&context).await?;
+            first_token_at = Instant::now();
+            reason = self.decode(&mut output, token, &mut generated).await?;
         }
         let tail = output.finish().map_err(engine_status)?;
         if !tail.is_empty() {
@@ -783,5 +804,34 @@ impl Generation {
         }))
         .await?;
         Ok(())
+    }
+
+    /// Gives `token` and decodes the ones after it until a stop or the
+    /// limit; `generated` counts the answer's tokens.
+    async fn decode(
+        &mut self,
+        output: &mut TextOutput<'_>,
+        mut token: u32,
+        generated: &mut usize,
+    ) -> Result<dp::FinishReason, Status> {
+        use dp::generate_response::Event;
+        let max_new = self.params.max_tokens;
+        loop {
+            *generated += 1;
+            self.metrics.generated_tokens.inc();
+            let piece = output.push(token).map_err(engine_status)?;
+            self.emit(Event::Delta(dp::Delta {
+                text: piece.text,
+                tokens: vec![token],
+            }))
+            .await?;
+            if piece.stop {
+                return Ok(dp::FinishReason::Stop);
+            }
+            if *generated >= max_new {
+                return Ok(dp::FinishReason::Length);
+            }
+            token = self.step(&[token]).await?;
+        }
     }
 }

@@ -66,15 +66,6 @@ async fn renew_time(client: &Client, node: &str) -> Option<String> {
     Some(format!("{:?}", lease.spec?.renew_time?))
 }
 
-async fn metrics(admin: &str) -> String {
-    let out = tokio::process::Command::new("curl")
-        .args(["-sf", &format!("http://{admin}/metrics")])
-        .output()
-        .await
-        .unwrap();
-    String::from_utf8(out.stdout).unwrap()
-}
-
 fn mem_total() -> u64 {
     let info = std::fs::read_to_string("/proc/meminfo").unwrap();
     let kib: u64 = info
@@ -154,7 +145,7 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
     assert!(st.memory_bytes.unwrap() > 50_000_000, "{st:?}");
     assert_eq!(st.engine, Some(Engine::Candle));
     assert!(
-        metrics(&admin)
+        shardplane_testkit::metrics::scrape(&admin)
             .await
             .contains("shardplane_agent_shards{phase=\"Ready\"} 1")
     );
@@ -163,7 +154,7 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
         .await
         .unwrap();
     eventually("the shard is unloaded", || async {
-        let m = metrics(&admin).await;
+        let m = shardplane_testkit::metrics::scrape(&admin).await;
         (m.contains("shardplane_agent_shards{phase=\"Ready\"} 0")
             && m.contains("shardplane_agent_weight_bytes 0"))
         .then_some(())

@@ -13,6 +13,7 @@ use shardplane_dataplane::tonic::Code;
 use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate};
 use shardplane_engine::sampler::SamplingParams;
+use shardplane_engine::text_output::TextOutput;
 use shardplane_engine::{LoadOptions, chat::ChatMessage};
 use shardplane_testkit::{
     ChildGuard as Process, control_plane, fixtures, free_address, unique_name,
@@ -96,6 +97,28 @@ fn reference(
     };
     let g = generate(pipeline, text, 1, &ids, &params, |_| {}).unwrap();
     (g.tokens, g.text)
+}
+
+/// The text `tokens` release as the start of an answer (greedy defaults).
+fn released_text(text: &TextModel, tokens: &[u32]) -> String {
+    let params = SamplingParams::default();
+    let mut output = TextOutput::new(&text.tokenizer, &params);
+    tokens
+        .iter()
+        .map(|&t| output.push(t).unwrap().text)
+        .collect()
+}
+
+/// The whole text of an answer of `tokens` (greedy defaults).
+fn answer_text(text: &TextModel, tokens: &[u32]) -> String {
+    let params = SamplingParams::default();
+    let mut output = TextOutput::new(&text.tokenizer, &params);
+    let mut out: String = tokens
+        .iter()
+        .map(|&t| output.push(t).unwrap().text)
+        .collect();
+    out.push_str(&output.finish().unwrap());
+    out
 }
 
 /// Runs a Generate to the end; returns the tokens, the text and the finish.
@@ -194,6 +217,7 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
                 max_tokens: 12,
                 ..Default::default()
             }),
+            resume: None,
         };
         let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
         assert_eq!(got, tokens, "{shard}");
@@ -248,6 +272,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             max_tokens: 24,
             ..Default::default()
         }),
+        resume: None,
     };
 
     // One at a time, through the 2-stage pipeline and the whole-model stage.
@@ -260,6 +285,104 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             assert!(finished.prompt_tokens > 5);
         }
     }
+
+    // Resumed after the first k tokens of an answer (as the gateway does when
+    // an instance fails mid-answer): exactly what the model gives when it
+    // prefills the prompt and those k tokens and decodes greedily up to the
+    // same limit, and text that carries on from what the k tokens released.
+    // (Not always the uninterrupted answer's own tokens: a prefill of k more
+    // tokens rounds differently from k decode steps under candle's quantized
+    // kernels, and this model's answers loop between near-tied tokens; the
+    // first prompt's answer parts at k = 12.)
+    let mut differed = 0;
+    for (p, (tokens, _)) in prompts.iter().zip(&expected) {
+        let prompt_ids = text
+            .chat_prompt(&[ChatMessage {
+                role: "user".into(),
+                content: p.to_string(),
+            }])
+            .unwrap();
+        for k in [1, tokens.len() / 2, tokens.len() - 1, tokens.len()] {
+            let prefix = &tokens[..k];
+            let rest = if k < 24 && !text.tokenizer.stop_tokens().contains(&tokens[k - 1]) {
+                let context = [prompt_ids.as_slice(), prefix].concat();
+                let params = SamplingParams {
+                    max_tokens: 24 - k,
+                    ..Default::default()
+                };
+                generate(&mut local, &text, 1, &context, &params, |_| {})
+                    .unwrap()
+                    .tokens
+            } else {
+                Vec::new()
+            };
+            differed += usize::from(rest[..] != tokens[k..]);
+            let whole_answer = [prefix, &rest].concat();
+            let reason = match whole_answer.last() {
+                Some(t) if text.tokenizer.stop_tokens().contains(t) => dp::FinishReason::Stop,
+                _ => dp::FinishReason::Length,
+            };
+            for (endpoint, shard) in [(&head, "pipe-0-0"), (&whole, "whole-0-0")] {
+                let resumed = dp::GenerateRequest {
+                    resume: Some(dp::TokenIds {
+                        ids: prefix.to_vec(),
+                    }),
+                    ..request(shard, p)
+                };
+                let (got, got_text, finished) = run(client(endpoint), resumed).await.unwrap();
+                assert_eq!(got, rest, "{shard}: {p}, resumed after {k}");
+                assert_eq!(
+                    format!("{}{got_text}", released_text(&text, prefix)),
+                    answer_text(&text, &whole_answer),
+                    "{shard}: {p}, resumed after {k}"
+                );
+                assert_eq!(finished.completion_tokens as usize, whole_answer.len());
+                assert_eq!(
+                    finished.reason, reason as i32,
+                    "{shard}: {p}, resumed after {k}"
+                );
+            }
+        }
+    }
+    eprintln!("resumed answers that part from the uninterrupted one: {differed} of 12");
+    // More tokens to resume from than the answer may have, one past the
+    // vocabulary, or an end of sequence before their end: refused.
+    let eos = text.tokenizer.stop_tokens()[0];
+    for (ids, says) in [
+        (vec![expected[0].0[0]; 25], "at most 24"),
+        (vec![1, 10_000_000], "vocabulary"),
+        (
+            vec![expected[0].0[0], eos, expected[0].0[0]],
+            "end the answer",
+        ),
+    ] {
+        let err = run(
+            client(&whole),
+            dp::GenerateRequest {
+                resume: Some(dp::TokenIds { ids }),
+                ..request("whole-0-0", prompts[0])
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(says), "{err:?}");
+    }
+    // Resumed after an end of sequence (the Finished was lost): it ends at once.
+    let (got, _, finished) = run(
+        client(&whole),
+        dp::GenerateRequest {
+            resume: Some(dp::TokenIds {
+                ids: vec![expected[0].0[0], eos],
+            }),
+            ..request("whole-0-0", prompts[0])
+        },
+    )
+    .await
+    .unwrap();
+    assert!(got.is_empty(), "{got:?}");
+    assert_eq!(finished.reason, dp::FinishReason::Stop as i32);
+    assert_eq!(finished.completion_tokens, 2);
 
     // All at once: sequences interleave (and batch) on both stages.
     let runs = prompts
@@ -483,17 +606,8 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     }
 }
 
-async fn metric(admin: &str, name: &str) -> f64 {
-    let out = tokio::process::Command::new("curl")
-        .args(["-sf", &format!("http://{admin}/metrics")])
-        .output()
-        .await
-        .unwrap();
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or(0.0)
+async fn metric(admin: &str, series: &str) -> f64 {
+    shardplane_testkit::metrics::sum(&shardplane_testkit::metrics::scrape(admin).await, series)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

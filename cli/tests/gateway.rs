@@ -3,8 +3,8 @@
 //! clients: every API streamed and not, errors in each API's shape, fallbacks
 //! to another deployment and to an external endpoint (a second gateway on
 //! loopback standing in for a provider), 503 when nothing can serve, a client
-//! that goes away freeing its sequence at the agents, and a killed replica
-//! losing no request that had not started.
+//! that goes away freeing its sequence at the agents, and a replica killed
+//! mid-answer losing no request: its answers resume on the other replica.
 
 use std::time::Duration;
 
@@ -226,112 +226,125 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     )
     .await;
 
-    // A replica dies: requests that had not started go to the other one.
+    // A replica dies mid-answer. Six greedy streams run on both replicas;
+    // once each has given text, replica A is killed. Every stream goes on to
+    // its end: those on A resume on B after the tokens they gave.
     let http = shardplane_models::http_client().unwrap();
-    let ask = |n: usize| {
-        let (http, base, model) = (http.clone(), base.clone(), names("daily"));
-        async move {
-            let body = serde_json::json!({
-                "model": model,
-                "messages": [{"role": "user", "content": format!("Count to {n}.")}],
-                "max_tokens": 12,
-                "temperature": 0,
-            });
-            let r = http
-                .post(format!("{base}/v1/chat/completions"))
-                .bearer_auth("sk-test")
-                .header("content-type", "application/json")
-                .body(body.to_string())
-                .send()
-                .await
-                .unwrap();
-            r.status().as_u16()
-        }
+    let story = |n: usize, stream: bool| {
+        serde_json::json!({
+            "model": names("daily"),
+            "messages": [{"role": "user", "content": format!("Write a story about the number {n}.")}],
+            "max_tokens": 100,
+            "temperature": 0,
+            "stream": stream,
+        })
+        .to_string()
     };
-    // Streams running on both replicas when one is killed: only those that
-    // had already started streaming on it may fail.
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::channel::<()>(6);
     let stream = |n: usize| {
-        let (http, base, model) = (http.clone(), base.clone(), names("daily"));
+        let (http, base, body, started) = (
+            http.clone(),
+            base.clone(),
+            story(n, true),
+            started_tx.clone(),
+        );
         async move {
-            let body = serde_json::json!({
-                "model": model,
-                "messages": [{"role": "user", "content": format!("Write a story about the number {n}.")}],
-                "max_tokens": 60,
-                "temperature": 0,
-                "stream": true,
-            });
             let send = || {
                 http.post(format!("{base}/v1/chat/completions"))
                     .bearer_auth("sk-test")
                     .header("content-type", "application/json")
-                    .body(body.to_string())
+                    .body(body.clone())
                     .send()
             };
             // A connection error before any response is retried once, as the
-            // official clients do (seen once in eleven runs; the cause is not
-            // known yet, so it is printed).
+            // official clients do (a pooled connection the server had just
+            // closed; seen once in eleven runs).
             let mut r = match send().await {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("stream {n}: no response ({e:?}); retrying once");
-                    match send().await {
-                        Ok(r) => r,
-                        Err(e) => return (None, false, format!("{e:?}")),
-                    }
+                    send().await.unwrap()
                 }
             };
             let status = r.status();
-            let (mut text, mut started_at) = (String::new(), None);
+            let (mut raw, mut content, mut done, mut signalled) =
+                (String::new(), String::new(), false, false);
             while let Ok(Some(chunk)) = r.chunk().await {
-                text.push_str(&String::from_utf8_lossy(&chunk));
-                if started_at.is_none() && text.contains("\"content\":\"") {
-                    started_at = Some(std::time::Instant::now());
+                raw.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(end) = raw.find("\n\n") {
+                    let event: String = raw.drain(..end + 2).collect();
+                    let data = event
+                        .trim()
+                        .strip_prefix("data: ")
+                        .unwrap_or_default()
+                        .to_string();
+                    if data == "[DONE]" {
+                        done = true;
+                        continue;
+                    }
+                    let v: serde_json::Value = serde_json::from_str(&data)
+                        .unwrap_or_else(|e| panic!("stream {n}: {e}: {data}"));
+                    assert!(v.get("error").is_none(), "stream {n} failed: {data}");
+                    if let Some(piece) = v["choices"][0]["delta"]["content"].as_str() {
+                        content.push_str(piece);
+                        if !signalled && !piece.is_empty() {
+                            signalled = true;
+                            let _ = started.send(()).await;
+                        }
+                    }
                 }
             }
-            let completed = text.contains("[DONE]") && !text.contains("\"error\"");
-            (started_at, completed, format!("HTTP {status}: {text}"))
+            assert!(
+                done,
+                "stream {n} (HTTP {status}) ended without [DONE]: {content:?}"
+            );
+            content
         }
     };
     let running: Vec<_> = (0..6).map(|n| tokio::spawn(stream(n))).collect();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let killed_at = std::time::Instant::now();
+    drop(started_tx);
+    for _ in 0..6 {
+        tokio::time::timeout(WAIT, started_rx.recv())
+            .await
+            .expect("every stream gives text")
+            .expect("a stream ended before giving text");
+    }
+    let on_a = sequences(&endpoints["daily-0-0"]).await;
+    assert!(
+        on_a >= 1,
+        "replica A finished its streams before the kill, so nothing can resume"
+    );
     agent_a.take().unwrap().signal("-KILL");
-    let mut failed_after_start = 0;
+    let mut streamed = Vec::new();
     for r in running {
-        let (started_at, completed, what) = r.await.unwrap();
-        if !completed {
-            assert!(
-                started_at.is_some_and(|t| t < killed_at),
-                "a request that had not started streaming before the kill was lost: {what}"
-            );
-            failed_after_start += 1;
-        }
+        streamed.push(r.await.unwrap());
+    }
+    // The same stories, uninterrupted, from replica B alone: answered, and
+    // (greedy) mostly the same text. Not always: a resumed answer prefills
+    // the tokens it had, which rounds differently from decoding them one by
+    // one under candle's quantized kernels (see the data-plane test).
+    let mut same = 0;
+    for (n, got) in streamed.iter().enumerate() {
+        let r = http
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("sk-test")
+            .header("content-type", "application/json")
+            .body(story(n, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "the other replica answers after the kill");
+        let v: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+        same += usize::from(got == v["choices"][0]["message"]["content"].as_str().unwrap());
+        assert!(!got.is_empty(), "story {n} has text");
     }
     eprintln!(
-        "{failed_after_start} of 6 streams were cut (they had started on the killed replica)"
-    );
-    let statuses = futures::future::join_all((0..6).map(ask)).await;
-    assert!(
-        statuses.iter().all(|s| *s == 200),
-        "every request after the kill was answered by the other replica: {statuses:?}"
+        "{on_a} of 6 streams were running on replica A when it was killed; all 6 completed, {same} with the text of an uninterrupted answer"
     );
 
     // The gateway's metrics saw it all.
-    let metrics = http
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let value = |prefix: &str| -> f64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    let metrics = shardplane_testkit::metrics::scrape(&admin).await;
+    let value = |series: &str| shardplane_testkit::metrics::sum(&metrics, series);
     let daily = names("daily");
     assert!(
         value(&format!(
@@ -367,7 +380,13 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
         value(&format!(
             "shardplane_gateway_upstream_errors_total{{kind=\"instance\",model=\"{daily}\"}}"
         )) >= 1.0,
-        "the killed replica was tried and skipped"
+        "the killed replica failed its answers"
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_resumed_answers_total{{model=\"{daily}\"}}"
+        )) >= 1.0,
+        "answers cut on the killed replica were resumed on the other one"
     );
     assert_eq!(
         value(&format!(

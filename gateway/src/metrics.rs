@@ -21,6 +21,8 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     /// Upstream failures by model and kind (`instance`, `external`).
     pub upstream_errors: IntCounterVec,
+    /// Answers resumed on another instance after theirs failed mid-answer.
+    pub resumed_answers: IntCounterVec,
 }
 
 impl Metrics {
@@ -81,6 +83,14 @@ impl Metrics {
             &["model", "kind"],
         )
         .expect("valid metric");
+        let resumed_answers = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_resumed_answers_total",
+                "Answers resumed on another instance after theirs failed mid-answer, by model.",
+            ),
+            &["model"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -90,6 +100,7 @@ impl Metrics {
                 Box::new(tokens.clone()),
                 Box::new(in_flight.clone()),
                 Box::new(upstream_errors.clone()),
+                Box::new(resumed_answers.clone()),
             ],
         );
         Metrics {
@@ -101,6 +112,7 @@ impl Metrics {
             tokens,
             in_flight,
             upstream_errors,
+            resumed_answers,
         }
     }
 }

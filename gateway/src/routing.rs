@@ -7,8 +7,12 @@
 //!                                 └─► fallback: other deployments ─► external OpenAI-compatible endpoint
 //!                                                     └─► nothing: 503 + Retry-After
 //! ```
+//!
+//! An instance that fails after its first token does not cut the answer: it
+//! goes on, after the tokens already given, on another ready instance of the
+//! same deployment (`GenerateRequest.resume`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -368,7 +372,7 @@ impl Router {
                         tried.push(format!("deployment {dep_name} has no ready instance"));
                     }
                     for inst in instances {
-                        match self.try_instance(name, &inst, prompt).await {
+                        match self.try_instance(name, &dep_name, &inst, prompt).await {
                             Ok(answer) => return Ok(answer),
                             Err(Attempt::Fail(e)) => return Err(e),
                             Err(Attempt::Next(why)) => {
@@ -405,12 +409,53 @@ impl Router {
         )))
     }
 
+    /// Answers on `inst`, a ready instance of deployment `deployment`. Once
+    /// the first token is out, a failure of the instance resumes the answer
+    /// on another ready instance of the same deployment.
     async fn try_instance(
         &self,
         name: &str,
+        deployment: &str,
         inst: &Instance,
         prompt: &Prompt,
     ) -> Result<Answer, Attempt> {
+        let opened = self.open(inst, prompt, &[]).await?;
+        let answering = Answering {
+            router: self.clone(),
+            model: name.to_string(),
+            namespace: inst.namespace.clone(),
+            deployment: deployment.to_string(),
+            prompt: prompt.clone(),
+            tokens: Vec::new(),
+            tail_seen: false,
+            tried: vec![inst.key.clone()],
+            pending: opened.first.into(),
+            stream: opened.stream,
+            _guard: opened.guard,
+        };
+        let events = futures::stream::unfold(Some(answering), |state| async move {
+            let mut answering = state?;
+            match answering.next().await {
+                Ok(e @ Event::Text(_)) => Some((Ok(e), Some(answering))),
+                last => Some((last, None)),
+            }
+        });
+        Ok(Answer {
+            model: name.to_string(),
+            prompt_tokens: opened.prompt_tokens,
+            events: Box::pin(events),
+        })
+    }
+
+    /// Starts `prompt` on `inst` (going on after `resume`, the tokens an
+    /// answer already gave) and waits for its first token: until then
+    /// another instance can take over.
+    async fn open(
+        &self,
+        inst: &Instance,
+        prompt: &Prompt,
+        resume: &[u32],
+    ) -> Result<Opened, Attempt> {
         let guard = {
             let mut map = self.outstanding.lock().expect("outstanding lock");
             *map.entry(inst.key.clone()).or_default() += 1;
@@ -439,6 +484,9 @@ impl Router {
             }),
             input: Some(input),
             sampling: Some(prompt.sampling.clone()),
+            resume: (!resume.is_empty()).then(|| dp::TokenIds {
+                ids: resume.to_vec(),
+            }),
         };
         let refused = |s: dp::tonic::Status| match s.code() {
             Code::InvalidArgument => Attempt::Fail(ApiError::invalid(s.message())),
@@ -452,66 +500,25 @@ impl Router {
             .await
             .map_err(refused)?
             .into_inner();
-        // Wait for the first token: until then another instance can take over.
         let mut prompt_tokens = 0;
-        let mut first: Vec<Event> = Vec::new();
         loop {
+            use dp::generate_response::Event as E;
             match stream.message().await.map_err(refused)? {
                 None => return Err(Attempt::Next("the stream ended without an answer".into())),
                 Some(dp::GenerateResponse { event: Some(e) }) => match e {
-                    dp::generate_response::Event::Started(s) => prompt_tokens = s.prompt_tokens,
-                    dp::generate_response::Event::Delta(d) => {
-                        first.push(Event::Text(d.text));
-                        break;
-                    }
-                    dp::generate_response::Event::Finished(f) => {
-                        first.push(done(&f));
-                        break;
+                    E::Started(s) => prompt_tokens = s.prompt_tokens,
+                    e @ (E::Delta(_) | E::Finished(_)) => {
+                        return Ok(Opened {
+                            prompt_tokens,
+                            first: vec![e],
+                            stream,
+                            guard,
+                        });
                     }
                 },
                 Some(_) => {}
             }
         }
-        let rest = futures::stream::unfold(Some(stream), |state| async move {
-            let mut stream = state?;
-            loop {
-                match stream.message().await {
-                    Ok(Some(dp::GenerateResponse {
-                        event: Some(dp::generate_response::Event::Delta(d)),
-                    })) => return Some((Ok(Event::Text(d.text)), Some(stream))),
-                    Ok(Some(dp::GenerateResponse {
-                        event: Some(dp::generate_response::Event::Finished(f)),
-                    })) => return Some((Ok(done(&f)), None)),
-                    Ok(Some(_)) => continue,
-                    Ok(None) => {
-                        return Some((
-                            Err(ApiError::upstream("the instance ended the answer early")),
-                            None,
-                        ));
-                    }
-                    Err(s) => {
-                        return Some((
-                            Err(ApiError::upstream(format!(
-                                "the instance failed mid-answer: {}",
-                                s.message()
-                            ))),
-                            None,
-                        ));
-                    }
-                }
-            }
-        });
-        let events = futures::stream::iter(first.into_iter().map(Ok))
-            .chain(rest)
-            .map(move |e| {
-                let _ = &guard;
-                e
-            });
-        Ok(Answer {
-            model: name.to_string(),
-            prompt_tokens,
-            events: Box::pin(events),
-        })
     }
 
     async fn api_key(&self, ns: &str, ext: &ExternalEndpoint) -> Result<Option<String>, String> {
@@ -548,6 +555,126 @@ impl Router {
                 crate::external::Failure::Retry(why) => Attempt::Next(why),
                 crate::external::Failure::Client(e) => Attempt::Fail(e),
             })
+    }
+}
+
+/// An instance's answer once its first token is out.
+struct Opened {
+    prompt_tokens: u32,
+    /// Events already read (a `Delta` or `Finished`).
+    first: Vec<dp::generate_response::Event>,
+    stream: dp::tonic::Streaming<dp::GenerateResponse>,
+    guard: Outstanding,
+}
+
+/// An answer being streamed, and what it takes to resume it elsewhere.
+struct Answering {
+    router: Router,
+    model: String,
+    namespace: String,
+    deployment: String,
+    prompt: Prompt,
+    /// Tokens given so far.
+    tokens: Vec<u32>,
+    /// The text held back at the end has been given (only `Finished` is
+    /// left, so there is nothing to resume).
+    tail_seen: bool,
+    /// Instances this answer ran on.
+    tried: Vec<String>,
+    pending: VecDeque<dp::generate_response::Event>,
+    stream: dp::tonic::Streaming<dp::GenerateResponse>,
+    _guard: Outstanding,
+}
+
+impl Answering {
+    /// The next event: text, or the end.
+    async fn next(&mut self) -> Result<Event, ApiError> {
+        use dp::generate_response::Event as E;
+        loop {
+            let event = match self.pending.pop_front() {
+                Some(e) => e,
+                None => match self.stream.message().await {
+                    Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        self.resume("the instance ended the answer early".into())
+                            .await?;
+                        continue;
+                    }
+                    Err(s) => {
+                        self.resume(format!("the instance failed mid-answer: {}", s.message()))
+                            .await?;
+                        continue;
+                    }
+                },
+            };
+            match event {
+                E::Started(_) => {}
+                E::Delta(d) => {
+                    self.tail_seen |= d.tokens.is_empty();
+                    self.tokens.extend(&d.tokens);
+                    return Ok(Event::Text(d.text));
+                }
+                E::Finished(f) => return Ok(done(&f)),
+            }
+        }
+    }
+
+    /// Goes on with the answer on another ready instance of the deployment,
+    /// after the tokens given so far; an error when none can.
+    async fn resume(&mut self, why: String) -> Result<(), ApiError> {
+        let router = self.router.clone();
+        let errors = router
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.model, "instance"]);
+        errors.inc();
+        let from = self.tried.last().cloned().unwrap_or_default();
+        if self.tail_seen {
+            return Err(ApiError::upstream(why));
+        }
+        let deployment = router
+            .deployments
+            .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
+        let candidates: Vec<Instance> = deployment
+            .map(|d| router.instances(&d))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|i| !self.tried.contains(&i.key))
+            .collect();
+        let mut failures = Vec::new();
+        for inst in candidates {
+            self.tried.push(inst.key.clone());
+            match router.open(&inst, &self.prompt, &self.tokens).await {
+                Ok(opened) => {
+                    tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
+                    router
+                        .metrics
+                        .resumed_answers
+                        .with_label_values(&[&self.model])
+                        .inc();
+                    self.pending = opened.first.into();
+                    self.stream = opened.stream;
+                    self._guard = opened.guard;
+                    return Ok(());
+                }
+                Err(Attempt::Fail(e)) => {
+                    return Err(ApiError::upstream(format!(
+                        "{why}; {} refused to resume it: {}",
+                        inst.key, e.message
+                    )));
+                }
+                Err(Attempt::Next(failure)) => {
+                    errors.inc();
+                    failures.push(format!("{}: {failure}", inst.key));
+                }
+            }
+        }
+        Err(ApiError::upstream(if failures.is_empty() {
+            format!("{why}; no other instance is ready to resume it")
+        } else {
+            format!("{why}; resuming it failed ({})", failures.join("; "))
+        }))
     }
 }
 

@@ -29,6 +29,7 @@ use kube::{Api, Client, Config};
 
 pub mod as_agent;
 pub mod fixtures;
+pub mod metrics;
 pub mod netns;
 
 /// The root of the repository (where `scripts/` lives).

@@ -78,6 +78,7 @@ impl Remote {
                 ignore_eos: true,
                 ..Default::default()
             }),
+            resume: None,
         };
         tokio::runtime::Runtime::new()?.block_on(async {
             let client = dp::client(
@@ -164,6 +165,7 @@ impl GatewayOverhead {
                 ignore_eos: true,
                 ..Default::default()
             }),
+            resume: None,
         };
         let body = serde_json::json!({
             "model": self.model,

@@ -147,6 +147,7 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
             stop: args.stop.clone(),
             ..Default::default()
         }),
+        resume: None,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let mut client = dp::client(dp::channel(endpoint).map_err(anyhow::Error::msg)?, token);

@@ -26,6 +26,9 @@ pub struct Cluster {
     _gateway: ChildGuard,
     /// Where the gateway listens; its API key is `sk-test`.
     pub gateway: String,
+    /// The gateway's admin address (`/metrics`).
+    #[allow(dead_code)] // not every test that shares this module reads it
+    pub gateway_admin: String,
     _dir: tempfile::TempDir,
 }
 
@@ -73,6 +76,7 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
     let keys = dir.path().join("keys");
     std::fs::write(&keys, "test: sk-test\n").unwrap();
     let gateway = free_address().to_string();
+    let gateway_admin = free_address().to_string();
     let gateway_guard = spawn_component(
         BIN,
         &[
@@ -80,7 +84,7 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
             "--listen",
             &gateway,
             "--admin-address",
-            &free_address().to_string(),
+            &gateway_admin,
             "--api-keys-file",
             keys.to_str().unwrap(),
         ],
@@ -92,6 +96,7 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
         operator: Some(operator(name).0),
         _gateway: gateway_guard,
         gateway,
+        gateway_admin,
         _dir: dir,
     }
 }
