@@ -85,6 +85,7 @@ pub async fn run(
     };
     let mut registration = config.registration.clone();
     registration.data_plane_endpoint = Some(endpoint.clone());
+    registration.engines = shards::engines(config.engine);
     let reg = &registration;
     ensure_lease_namespace(&client).await?;
     reg.ensure_node(&client)

@@ -32,6 +32,9 @@ pub struct Registration {
     pub lease_duration: Duration,
     /// The data plane's advertised endpoint (set once it listens).
     pub data_plane_endpoint: Option<String>,
+    /// The engines this agent runs, the one its stages load into first (set
+    /// from the agent's engine when it starts).
+    pub engines: Vec<Engine>,
 }
 
 impl Registration {
@@ -92,7 +95,7 @@ impl Registration {
                 available: format_bytes(machine.memory_available),
             },
             "accelerator": machine.accelerator,
-            "engines": [Engine::Candle],
+            "engines": self.engines,
             "addresses": machine.addresses,
             "draining": draining,
             "dataPlaneEndpoint": self.data_plane_endpoint,

@@ -114,6 +114,29 @@ pub struct Sources {
     pub engine: EngineKind,
 }
 
+/// The API's name for an engine.
+pub fn crd_engine(kind: EngineKind) -> Engine {
+    match kind.name() {
+        "mlx" => Engine::Mlx,
+        _ => Engine::Candle,
+    }
+}
+
+/// The engines built into this agent, `preferred` (the one stages load
+/// into) first.
+pub fn engines(preferred: EngineKind) -> Vec<Engine> {
+    let mut all = vec![crd_engine(preferred)];
+    for name in EngineKind::available() {
+        if let Ok(kind) = name.parse::<EngineKind>() {
+            let engine = crd_engine(kind);
+            if !all.contains(&engine) {
+                all.push(engine);
+            }
+        }
+    }
+    all
+}
+
 /// Other agents to copy weights from.
 #[derive(Clone)]
 pub struct PeerSources {
@@ -291,7 +314,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 phase: Some(ShardPhase::Ready),
                 reason: Some("Loaded".into()),
                 message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
-                engine: Some(Engine::Candle),
+                engine: Some(crd_engine(sources.engine)),
                 endpoint: Some(shards.endpoint.to_string()),
                 memory_bytes: Some(bytes as u64),
                 observed_generation: shard.metadata.generation,

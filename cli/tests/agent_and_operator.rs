@@ -113,7 +113,13 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
         mem_total() - (1 << 30)
     );
     assert_eq!(n.labels().get("role").map(String::as_str), Some("test"));
-    assert_eq!(status.engines, vec![Engine::Candle]);
+    // Candle first (the default), then what else the binary has built in.
+    let built_in = if cfg!(feature = "mlx") {
+        vec![Engine::Candle, Engine::Mlx]
+    } else {
+        vec![Engine::Candle]
+    };
+    assert_eq!(status.engines, built_in);
     assert!(
         status
             .addresses

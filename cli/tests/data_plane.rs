@@ -193,6 +193,24 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
     let endpoints = ready_endpoints(&shards, &["mixed-0-0", "mixed-0-1", "mlxwhole-0-0"]).await;
+    // Each Shard reports the engine it runs on, and each node its engines,
+    // the one it loads into first.
+    for (shard, engine) in [
+        ("mixed-0-0", Engine::Mlx),
+        ("mixed-0-1", Engine::Candle),
+        ("mlxwhole-0-0", Engine::Mlx),
+    ] {
+        let st = shards.get(shard).await.unwrap().status.unwrap();
+        assert_eq!(st.engine, Some(engine), "{shard}");
+    }
+    let nodes: Api<InferenceNode> = Api::all(client_k.clone());
+    for (node, engines) in [
+        (&a, vec![Engine::Mlx, Engine::Candle]),
+        (&b, vec![Engine::Candle, Engine::Mlx]),
+    ] {
+        let st = nodes.get(node).await.unwrap().status.unwrap();
+        assert_eq!(st.engines, engines, "{node}");
+    }
 
     let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
     let text = TextModel::from_gguf(&file).unwrap();

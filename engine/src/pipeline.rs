@@ -30,6 +30,15 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
+    /// The engine's name (what `FromStr` takes).
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Candle => "candle",
+            #[cfg(feature = "mlx")]
+            EngineKind::Mlx => "mlx",
+        }
+    }
+
     /// The engines built into this binary.
     pub fn available() -> &'static [&'static str] {
         if cfg!(feature = "mlx") {

@@ -106,6 +106,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             memory_reserve,
             lease_duration: lease,
             data_plane_endpoint: None,
+            engines: Vec::new(),
         },
         admin_address: args.admin_address,
         renew_every: lease / 3,
