@@ -367,8 +367,11 @@ impl DataPlane for Service {
                 params.max_tokens
             )));
         }
-        // Repetition penalties see the answer so far as well.
-        let history: Vec<u32> = prompt.iter().chain(&resume).copied().collect();
+        // The prompt, then the answer so far (which repetition penalties see
+        // as well).
+        let prompt_len = prompt.len();
+        let mut context = prompt;
+        context.extend(&resume);
         let banned: Vec<u32> = if params.ignore_eos {
             text.tokenizer.stop_tokens().to_vec()
         } else {
@@ -385,7 +388,7 @@ impl DataPlane for Service {
                         shard: None,
                         sequence: id,
                         sampling: Some(sampling),
-                        prompt: history.clone(),
+                        prompt: context.clone(),
                         banned: banned.clone(),
                     },
                 )
@@ -393,7 +396,7 @@ impl DataPlane for Service {
             )
         };
         let local_sampler = if downstream.is_none() {
-            Some(Sampler::new(params.clone(), &history).map_err(engine_status)?)
+            Some(Sampler::new(params.clone(), &context).map_err(engine_status)?)
         } else {
             None
         };
@@ -405,8 +408,8 @@ impl DataPlane for Service {
             },
             text,
             params,
-            prompt,
-            resume,
+            context,
+            prompt_len,
             banned,
             downstream,
             sampler: local_sampler,
@@ -647,9 +650,10 @@ struct Generation {
     seq: Sequence,
     text: Arc<shardplane_engine::pipeline::TextModel>,
     params: SamplingParams,
-    prompt: Vec<u32>,
-    /// Tokens of the answer given before (see `GenerateRequest.resume`).
-    resume: Vec<u32>,
+    /// The prompt, then the tokens of the answer given before (see
+    /// `GenerateRequest.resume`).
+    context: Vec<u32>,
+    prompt_len: usize,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
@@ -754,15 +758,15 @@ impl Generation {
     async fn run_inner(&mut self) -> Result<(), Status> {
         use dp::generate_response::Event;
         self.emit(Event::Started(dp::Started {
-            prompt_tokens: self.prompt.len() as u32,
+            prompt_tokens: self.prompt_len as u32,
             sequence: self.seq.id,
         }))
         .await?;
         let text = self.text.clone();
         let mut output = TextOutput::new(&text.tokenizer, &self.params);
         let max_new = self.params.max_tokens;
-        let prompt = std::mem::take(&mut self.prompt);
-        let resume = std::mem::take(&mut self.resume);
+        let context = std::mem::take(&mut self.context);
+        let resume = &context[self.prompt_len..];
         let mut reason = dp::FinishReason::Length;
         // The answer so far: the text it released was given then; what it
         // holds back comes with the next token.
@@ -781,7 +785,6 @@ impl Generation {
         let finished_already = reason == dp::FinishReason::Stop || generated >= max_new;
         let mut first_token_at = Instant::now();
         if !finished_already {
-            let context: Vec<u32> = prompt.iter().chain(&resume).copied().collect();
             let token = self.step(&context).await?;
             first_token_at = Instant::now();
             reason = self.decode(&mut output, token, &mut generated).await?;
@@ -797,7 +800,7 @@ impl Generation {
         let done = Instant::now();
         self.emit(Event::Finished(dp::Finished {
             reason: reason as i32,
-            prompt_tokens: prompt.len() as u32,
+            prompt_tokens: self.prompt_len as u32,
             completion_tokens: generated as u32,
             time_to_first_token_us: (first_token_at - self.received).as_micros() as u64,
             decode_us: (done - first_token_at).as_micros() as u64,

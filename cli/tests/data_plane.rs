@@ -99,26 +99,26 @@ fn reference(
     (g.tokens, g.text)
 }
 
-/// The text `tokens` release as the start of an answer (greedy defaults).
-fn released_text(text: &TextModel, tokens: &[u32]) -> String {
-    let params = SamplingParams::default();
-    let mut output = TextOutput::new(&text.tokenizer, &params);
-    tokens
-        .iter()
-        .map(|&t| output.push(t).unwrap().text)
-        .collect()
-}
-
-/// The whole text of an answer of `tokens` (greedy defaults).
-fn answer_text(text: &TextModel, tokens: &[u32]) -> String {
-    let params = SamplingParams::default();
-    let mut output = TextOutput::new(&text.tokenizer, &params);
-    let mut out: String = tokens
+/// `tokens` pushed into a new text output (greedy defaults): the output and
+/// the text they release.
+fn pushed<'a>(text: &'a TextModel, tokens: &[u32]) -> (TextOutput<'a>, String) {
+    let mut output = TextOutput::new(&text.tokenizer, &SamplingParams::default());
+    let released = tokens
         .iter()
         .map(|&t| output.push(t).unwrap().text)
         .collect();
-    out.push_str(&output.finish().unwrap());
-    out
+    (output, released)
+}
+
+/// The text `tokens` release as the start of an answer.
+fn released_text(text: &TextModel, tokens: &[u32]) -> String {
+    pushed(text, tokens).1
+}
+
+/// The whole text of an answer of `tokens`.
+fn answer_text(text: &TextModel, tokens: &[u32]) -> String {
+    let (output, released) = pushed(text, tokens);
+    released + &output.finish().unwrap()
 }
 
 /// Runs a Generate to the end; returns the tokens, the text and the finish.
