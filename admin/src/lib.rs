@@ -1,7 +1,6 @@
 //! What every long-running shardplane process shares: the admin port
 //! (`/metrics`, the process's Prometheus registry; `/livez`, the process runs;
-//! `/readyz`, it is ready for work), metric registration, and watch-fed caches
-//! of cluster objects.
+//! `/readyz`, it is ready for work) and metric registration.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,7 +10,6 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
 
-use kube::runtime::reflector::Store;
 use prometheus::Registry;
 
 /// Serves the admin endpoints on `listener` until `shutdown` resolves.
@@ -124,36 +122,4 @@ pub fn register(
     }
     described.sort();
     described
-}
-
-/// Every object of kind `K` in the cluster, kept current by a watch on a task
-/// of its own (retrying with backoff): the cache agents and the gateway look
-/// Shards, nodes and deployments up in.
-pub fn watch_all<K>(client: kube::Client) -> (Store<K>, tokio::task::JoinHandle<()>)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, reflector, watcher};
-    let (reader, writer) = reflector::store();
-    let api: kube::Api<K> = kube::Api::all(client);
-    let task = tokio::spawn(async move {
-        watcher(api, watcher::Config::default())
-            .default_backoff()
-            .reflect(writer)
-            .for_each(|e| {
-                if let Err(e) = e {
-                    tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
-                }
-                std::future::ready(())
-            })
-            .await;
-    });
-    (reader, task)
 }

@@ -111,8 +111,8 @@ pub async fn run(
         })?
         .with_budget(config.cache_budget);
     cache.make_room(0);
-    let (shard_directory, shard_directory_task) = shardplane_admin::watch_all(client.clone());
-    let (node_directory, node_directory_task) = shardplane_admin::watch_all(client.clone());
+    let (shard_directory, shard_directory_task) = shardplane_cluster::watch_all(client.clone());
+    let (node_directory, node_directory_task) = shardplane_cluster::watch_all(client.clone());
     let peers = dataplane::Peers::new(config.token.clone());
     let sources = shards::Sources {
         cache: cache.clone(),

@@ -1,11 +1,10 @@
 //! Chat templates: the Jinja template a model ships (GGUF
 //! `tokenizer.chat_template`), rendered with minijinja for OpenAI-style messages.
 
-use candle_core::quantized::gguf_file::Content;
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
+use shardplane_formats::GgufHeader;
 
-use crate::config::meta_str;
 use crate::error::{Error, Result};
 
 /// ChatML, for models that ship no template.
@@ -73,11 +72,13 @@ impl ChatTemplate {
     }
 
     /// The template a GGUF file ships, or ChatML when it has none.
-    pub fn from_gguf(content: &Content, bos_token: &str, eos_token: &str) -> Result<Self> {
-        let source = meta_str(content, "tokenizer.chat_template").unwrap_or_else(|_| {
-            tracing::warn!("the model ships no chat template; using ChatML");
-            CHATML
-        });
+    pub fn from_gguf(header: &GgufHeader, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let source = header
+            .get_str("tokenizer.chat_template")
+            .unwrap_or_else(|_| {
+                tracing::warn!("the model ships no chat template; using ChatML");
+                CHATML
+            });
         Self::new(source, bos_token, eos_token)
     }
 

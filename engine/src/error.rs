@@ -85,5 +85,22 @@ pub enum Error {
     Backend(#[from] candle_core::Error),
 }
 
+impl From<shardplane_formats::Error> for Error {
+    fn from(e: shardplane_formats::Error) -> Self {
+        use shardplane_formats::Error as F;
+        match e {
+            F::UnsupportedArchitecture(a) => Error::UnsupportedArchitecture(a),
+            F::UnsupportedTensorType { tensor, dtype } => {
+                Error::UnsupportedTensorType { tensor, dtype }
+            }
+            F::MissingMetadata { what, detail } => Error::MissingMetadata { what, detail },
+            other => Error::CorruptModel {
+                path: PathBuf::from("the model file"),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
 /// The engine's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

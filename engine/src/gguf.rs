@@ -1,13 +1,14 @@
-//! Opening GGUF files: the header (metadata and tensor directory) read once,
-//! tensors read on demand, every failure turned into a clear [`Error`].
+//! Opening GGUF files: the header (metadata and tensor directory, read by
+//! `shardplane-formats` within bounds) read once, tensors read on demand, every
+//! failure turned into a clear [`Error`].
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use candle_core::quantized::QTensor;
-use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QTensor};
+use shardplane_formats::{GgmlType, GgufHeader};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -16,7 +17,7 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
-    content: Content,
+    header: GgufHeader,
     config: ModelConfig,
 }
 
@@ -28,28 +29,18 @@ impl GgufFile {
             path: path.clone(),
             source,
         })?;
-        let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| header_error(&path, e))?;
-        let config = ModelConfig::from_gguf(&content)?;
-        Ok(GgufFile {
-            path,
-            content,
-            config,
-        })
+        Self::from_header(&path.to_string_lossy(), &mut BufReader::new(file))
     }
 
     /// Reads a header from `reader` (e.g. the first bytes of a remote file);
     /// `origin` names it in errors. Tensors cannot be read from such a file.
-    pub fn from_header<R: std::io::Read + std::io::Seek>(
-        origin: &str,
-        reader: &mut R,
-    ) -> Result<Self> {
+    pub fn from_header<R: Read>(origin: &str, reader: &mut R) -> Result<Self> {
         let path = PathBuf::from(origin);
-        let content = Content::read(reader).map_err(|e| header_error(&path, e))?;
-        let config = ModelConfig::from_gguf(&content)?;
+        let header = GgufHeader::read(reader).map_err(|e| header_error(&path, e))?;
+        let config = ModelConfig::from_gguf(&header)?;
         Ok(GgufFile {
             path,
-            content,
+            header,
             config,
         })
     }
@@ -60,8 +51,8 @@ impl GgufFile {
     }
 
     /// The parsed header.
-    pub fn content(&self) -> &Content {
-        &self.content
+    pub fn header(&self) -> &GgufHeader {
+        &self.header
     }
 
     /// The model configuration.
@@ -71,15 +62,12 @@ impl GgufFile {
 
     /// Whether the file has a tensor named `name`.
     pub fn has_tensor(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
+        self.header.tensors.contains_key(name)
     }
 
     /// Bytes a tensor takes in the file (0 when absent).
     pub fn tensor_bytes(&self, name: &str) -> u64 {
-        self.content.tensor_infos.get(name).map_or(0, |info| {
-            let elems = info.shape.elem_count();
-            (elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64
-        })
+        self.header.tensor_bytes(name)
     }
 
     /// Reads one tensor through `reader` (a handle on the same file).
@@ -89,18 +77,26 @@ impl GgufFile {
         name: &str,
         device: &Device,
     ) -> Result<QTensor> {
-        if !self.has_tensor(name) {
-            return Err(Error::MissingMetadata {
-                what: format!("tensor {name}"),
-                detail: "the tensor is absent".into(),
-            });
-        }
-        self.content
-            .tensor(reader, name, device)
-            .map_err(|e| Error::CorruptModel {
-                path: self.path.clone(),
-                reason: format!("tensor {name}: {e}"),
-            })
+        let info = self.header.tensor(name)?;
+        let dtype = candle_type(info.dtype).ok_or_else(|| Error::UnsupportedTensorType {
+            tensor: name.to_string(),
+            dtype: info.dtype.name().to_string(),
+        })?;
+        let (start, len) = self.header.tensor_range(name)?;
+        let corrupt = |reason: String| Error::CorruptModel {
+            path: self.path.clone(),
+            reason: format!("tensor {name}: {reason}"),
+        };
+        let len = usize::try_from(len).map_err(|_| corrupt(format!("{len} bytes")))?;
+        let mut raw = vec![0u8; len];
+        reader
+            .seek(SeekFrom::Start(start))
+            .and_then(|_| reader.read_exact(&mut raw))
+            .map_err(|e| corrupt(format!("{e} (truncated file?)")))?;
+        // candle wants the outermost dimension first; GGUF lists it last.
+        let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
+        candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &raw, dims, device)
+            .map_err(|e| corrupt(e.to_string()))
     }
 
     /// A new reader on the file, for reading tensors.
@@ -113,18 +109,40 @@ impl GgufFile {
     }
 }
 
-fn header_error(path: &Path, e: candle_core::Error) -> Error {
-    let reason = e.to_string();
-    // candle reports a tensor type it does not know while reading the tensor
-    // directory, before any tensor name is at hand.
-    if let Some(code) = reason.strip_prefix("unknown dtype for tensor ") {
-        return Error::UnsupportedTensorType {
-            tensor: "(listed in the header)".into(),
-            dtype: format!("ggml type {code}"),
-        };
-    }
-    Error::CorruptModel {
-        path: path.to_path_buf(),
-        reason,
+/// candle's name for a tensor type it computes with.
+fn candle_type(t: GgmlType) -> Option<GgmlDType> {
+    Some(match t {
+        GgmlType::F32 => GgmlDType::F32,
+        GgmlType::F16 => GgmlDType::F16,
+        GgmlType::BF16 => GgmlDType::BF16,
+        GgmlType::Q4_0 => GgmlDType::Q4_0,
+        GgmlType::Q4_1 => GgmlDType::Q4_1,
+        GgmlType::Q5_0 => GgmlDType::Q5_0,
+        GgmlType::Q5_1 => GgmlDType::Q5_1,
+        GgmlType::Q8_0 => GgmlDType::Q8_0,
+        GgmlType::Q8_1 => GgmlDType::Q8_1,
+        GgmlType::Q2_K => GgmlDType::Q2K,
+        GgmlType::Q3_K => GgmlDType::Q3K,
+        GgmlType::Q4_K => GgmlDType::Q4K,
+        GgmlType::Q5_K => GgmlDType::Q5K,
+        GgmlType::Q6_K => GgmlDType::Q6K,
+        GgmlType::Q8_K => GgmlDType::Q8K,
+        _ => return None,
+    })
+}
+
+fn header_error(path: &Path, e: shardplane_formats::Error) -> Error {
+    match e {
+        shardplane_formats::Error::Io(source) => Error::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+        shardplane_formats::Error::Corrupt(_) | shardplane_formats::Error::TooLarge { .. } => {
+            Error::CorruptModel {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            }
+        }
+        other => other.into(),
     }
 }

@@ -290,11 +290,11 @@ pub struct TextModel {
 impl TextModel {
     /// Builds both from a GGUF file.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
-        let tokenizer = Tokenizer::from_gguf(file.content())?;
+        let tokenizer = Tokenizer::from_gguf(file.header())?;
         let name = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
         let bos = name(tokenizer.bos_token());
         let eos = name(tokenizer.stop_tokens().first().copied());
-        let template = ChatTemplate::from_gguf(file.content(), &bos, &eos)?;
+        let template = ChatTemplate::from_gguf(file.header(), &bos, &eos)?;
         Ok(TextModel {
             tokenizer,
             template,

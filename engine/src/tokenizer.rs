@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::{Content, Value};
+use shardplane_formats::gguf::{Array, GgufHeader};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -13,7 +13,6 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use crate::config::{meta, meta_str, meta_u32};
 use crate::error::{Error, Result};
 
 /// GPT-2's split, also what `ByteLevel` applies with `use_regex`; listed for the
@@ -26,8 +25,8 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types that are control or user-defined tokens, matched whole in text.
-const TOKEN_TYPE_CONTROL: i32 = 3;
-const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// A tokenizer and the model's special tokens.
 #[derive(Clone)]
@@ -92,36 +91,17 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     })
 }
 
-fn string_array<'a>(content: &'a Content, key: &str) -> Result<Vec<&'a str>> {
-    match meta(content, key)? {
-        Value::Array(items) => items
-            .iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s.as_str()),
-                other => Err(Error::MissingMetadata {
-                    what: key.into(),
-                    detail: format!("expected strings, found {other:?}"),
-                }),
-            })
-            .collect(),
-        other => Err(Error::MissingMetadata {
-            what: key.into(),
-            detail: format!("expected an array, found {other:?}"),
-        }),
-    }
-}
-
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
-    pub fn from_gguf(content: &Content) -> Result<Self> {
-        let model = meta_str(content, "tokenizer.ggml.model")?;
+    pub fn from_gguf(header: &GgufHeader) -> Result<Self> {
+        let model = header.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
             return Err(Error::Tokenizer(format!(
                 "tokenizer model {model:?} is not supported: supported is the BPE model GGUF calls gpt2 (SmolLM, Llama 3, Qwen)"
             )));
         }
-        let tokens = string_array(content, "tokenizer.ggml.tokens")?;
-        let merges = string_array(content, "tokenizer.ggml.merges")?;
+        let tokens = header.get_strings("tokenizer.ggml.tokens")?;
+        let merges = header.get_strings("tokenizer.ggml.merges")?;
         let vocab: tokenizers::models::bpe::Vocab = tokens
             .iter()
             .enumerate()
@@ -140,14 +120,16 @@ impl Tokenizer {
             .build()
             .map_err(tok_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = meta_str(content, "tokenizer.ggml.pre").unwrap_or("default");
+        let pre = header.get_str("tokenizer.ggml.pre").unwrap_or("default");
         inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
 
-        let types: Vec<i32> = match meta(content, "tokenizer.ggml.token_type") {
-            Ok(Value::Array(types)) => types.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
-            _ => Vec::new(),
-        };
+        let types: Vec<i64> = header
+            .get("tokenizer.ggml.token_type")
+            .ok()
+            .and_then(|v| v.as_array())
+            .and_then(Array::to_i64s)
+            .unwrap_or_default();
         let specials: Vec<AddedToken> = types
             .iter()
             .enumerate()
@@ -157,15 +139,14 @@ impl Tokenizer {
             .collect();
         inner.add_special_tokens(&specials);
 
-        let bos = meta_u32(content, "tokenizer.ggml.bos_token_id").ok();
-        let add_bos = matches!(
-            meta(content, "tokenizer.ggml.add_bos_token"),
-            Ok(Value::Bool(true))
-        );
+        let bos = header.get_u32("tokenizer.ggml.bos_token_id").ok();
+        let add_bos = header
+            .get("tokenizer.ggml.add_bos_token")
+            .is_ok_and(|v| v.as_bool() == Some(true));
         let mut stop_tokens: Vec<u32> =
             ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
                 .iter()
-                .filter_map(|k| meta_u32(content, k).ok())
+                .filter_map(|k| header.get_u32(k).ok())
                 .collect();
         // Chat models end a turn with their end-of-turn marker, whichever the file calls EOS.
         for marker in [

@@ -421,10 +421,10 @@ fn logits_agree_with_llama_cpp_where_greedy_paths_part() {
 fn pre_tokenizer_types_split_as_llama_cpp_does() {
     // The test model's vocabulary with tokenizer.ggml.pre changed; the ids are
     // llama.cpp's for the same edited files.
-    let mut content = {
-        let mut reader =
+    let mut header = {
+        let reader =
             std::io::BufReader::new(std::fs::File::open(shardplane_testkit::test_model()).unwrap());
-        candle_core::quantized::gguf_file::Content::read(&mut reader).unwrap()
+        shardplane_formats::GgufHeader::read(reader).unwrap()
     };
     let cases: &[(&str, &str, &[u32])] = &[
         (
@@ -543,11 +543,11 @@ fn pre_tokenizer_types_split_as_llama_cpp_does() {
         ),
     ];
     for (pre, text, ids) in cases {
-        content.metadata.insert(
+        header.metadata.insert(
             "tokenizer.ggml.pre".into(),
-            candle_core::quantized::gguf_file::Value::String(pre.to_string()),
+            shardplane_formats::gguf::Value::String(pre.to_string()),
         );
-        let tokenizer = shardplane_engine::tokenizer::Tokenizer::from_gguf(&content).unwrap();
+        let tokenizer = shardplane_engine::tokenizer::Tokenizer::from_gguf(&header).unwrap();
         assert_eq!(
             tokenizer.encode(text, false).unwrap(),
             *ids,

@@ -98,10 +98,10 @@ pub async fn run(
     let keys = auth::Keys::new(config.keys.clone(), config.rate_limit_per_minute);
     keys.load(&client).await?;
     tokio::spawn(keys.clone().reload_forever(client.clone()));
-    let (deployments, _) = shardplane_admin::watch_all(client.clone());
-    let (models, _) = shardplane_admin::watch_all(client.clone());
-    let (shards, _) = shardplane_admin::watch_all(client.clone());
-    let http = shardplane_models::http_client()?;
+    let (deployments, _) = shardplane_cluster::watch_all(client.clone());
+    let (models, _) = shardplane_cluster::watch_all(client.clone());
+    let (shards, _) = shardplane_cluster::watch_all(client.clone());
+    let http = external::http_client()?;
     let router = routing::Router::new(
         client.clone(),
         deployments.clone(),

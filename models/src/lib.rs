@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use shardplane_crds::{ModelSpec, ModelStatus};
-use shardplane_engine::gguf::GgufFile;
+use shardplane_formats::{GgufHeader, ModelConfig};
 
 /// Why a model could not be resolved: a condition reason and a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,22 +28,26 @@ pub fn kv_bytes_per_token_per_layer(kv_heads: u64, head_dim: u64) -> u64 {
 
 /// Reads the model's metadata from a GGUF file at `path`.
 pub fn resolve_gguf(path: &Path, spec: &ModelSpec) -> Result<ModelStatus, Unresolved> {
-    let file = GgufFile::open(path).map_err(engine_unresolved)?;
-    Ok(status_from_gguf(
-        &file,
-        spec,
-        std::fs::metadata(path).ok().map(|m| m.len()),
-    ))
+    let unreadable = |e: std::io::Error| Unresolved {
+        reason: "SourceUnreadable",
+        message: format!("cannot read model file {}: {e}", path.display()),
+    };
+    let file = std::fs::File::open(path).map_err(unreadable)?;
+    let size = file.metadata().map_err(unreadable)?.len();
+    let header = GgufHeader::read(std::io::BufReader::new(file))
+        .map_err(|e| format_unresolved(&path.display().to_string(), e))?;
+    status_from_gguf(&header, spec, Some(size))
+        .map_err(|e| format_unresolved(&path.display().to_string(), e))
 }
 
-fn engine_unresolved(e: shardplane_engine::Error) -> Unresolved {
+fn format_unresolved(origin: &str, e: shardplane_formats::Error) -> Unresolved {
     Unresolved {
         reason: match e {
-            shardplane_engine::Error::Io { .. } => "SourceUnreadable",
-            shardplane_engine::Error::UnsupportedArchitecture(_) => "UnsupportedArchitecture",
+            shardplane_formats::Error::Io(_) => "SourceUnreadable",
+            shardplane_formats::Error::UnsupportedArchitecture(_) => "UnsupportedArchitecture",
             _ => "CorruptModel",
         },
-        message: e.to_string(),
+        message: format!("{origin}: {e}"),
     }
 }
 
@@ -95,15 +99,16 @@ pub async fn resolve_gguf_url(
             }
         }
         let whole = total.is_some_and(|t| bytes.len() as u64 >= t);
-        match GgufFile::from_header(url, &mut std::io::Cursor::new(&bytes)) {
-            Ok(file) => return Ok(status_from_gguf(&file, spec, total)),
+        match GgufHeader::read(&bytes[..]) {
+            Ok(header) => {
+                return status_from_gguf(&header, spec, total)
+                    .map_err(|e| format_unresolved(url, e));
+            }
             // A header longer than the window: fetch more, unless that was all there is.
-            Err(shardplane_engine::Error::CorruptModel { .. })
-                if !whole && window < LARGEST_WINDOW =>
-            {
+            Err(shardplane_formats::Error::Corrupt(_)) if !whole && window < LARGEST_WINDOW => {
                 window *= 4;
             }
-            Err(e) => return Err(engine_unresolved(e)),
+            Err(e) => return Err(format_unresolved(url, e)),
         }
     }
 }
@@ -117,40 +122,57 @@ pub fn hugging_face_url(endpoint: &str, repo: &str, file: &str, revision: Option
     )
 }
 
-/// What placement needs, from an opened GGUF header.
-fn status_from_gguf(file: &GgufFile, spec: &ModelSpec, total_bytes: Option<u64>) -> ModelStatus {
-    let c = file.config();
+/// The most layers a model may claim (the largest models have about 130).
+const MAX_LAYERS: usize = 4096;
+
+/// What placement needs, from a GGUF header.
+fn status_from_gguf(
+    header: &GgufHeader,
+    spec: &ModelSpec,
+    total_bytes: Option<u64>,
+) -> Result<ModelStatus, shardplane_formats::Error> {
+    let c = ModelConfig::from_gguf(header)?;
     let layers = c.layers;
-    let layer_bytes: Vec<u64> = (0..layers)
-        .map(|i| {
-            let prefix = format!("blk.{i}.");
-            file.content()
-                .tensor_infos
-                .keys()
-                .filter(|n| n.starts_with(&prefix))
-                .map(|n| file.tensor_bytes(n))
-                .sum()
-        })
-        .collect();
-    let embedding = file.tensor_bytes("token_embd.weight");
-    let head = if file.has_tensor("output.weight") {
-        file.tensor_bytes("output.weight")
+    if layers == 0 || layers > MAX_LAYERS {
+        return Err(shardplane_formats::Error::TooLarge {
+            what: "block_count".into(),
+            found: layers as u64,
+            limit: MAX_LAYERS as u64,
+        });
+    }
+    // Tensors grouped by layer in one pass (`blk.<i>.…`).
+    let mut layer_bytes = vec![0u64; layers];
+    for (name, info) in &header.tensors {
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
+            *slot += info.bytes;
+        }
+    }
+    let embedding = header.tensor_bytes("token_embd.weight");
+    let head = if header.tensors.contains_key("output.weight") {
+        header.tensor_bytes("output.weight")
     } else {
         embedding
     };
     // The weight type holding the most bytes names the quantization.
-    let mut by_type: BTreeMap<String, u64> = BTreeMap::new();
-    for (name, info) in &file.content().tensor_infos {
-        *by_type.entry(format!("{:?}", info.ggml_dtype)).or_default() += file.tensor_bytes(name);
+    let mut by_type: BTreeMap<&str, u64> = BTreeMap::new();
+    for info in header.tensors.values() {
+        *by_type.entry(info.dtype.name()).or_default() += info.bytes;
     }
-    let quantization = by_type.into_iter().max_by_key(|(_, b)| *b).map(|(t, _)| t);
+    let quantization = by_type
+        .into_iter()
+        .max_by_key(|(_, b)| *b)
+        .map(|(t, _)| t.to_string());
     let context = spec
         .max_context_length
         .map_or(c.context_length as u32, |max| {
             max.min(c.context_length as u32)
         });
     let kv_per_layer = kv_bytes_per_token_per_layer(c.kv_heads as u64, c.head_dim as u64);
-    ModelStatus {
+    Ok(ModelStatus {
         architecture: Some(c.architecture.gguf_name().to_string()),
         layers: Some(layers as u32),
         hidden_size: Some(c.hidden_size as u32),
@@ -161,12 +183,12 @@ fn status_from_gguf(file: &GgufFile, spec: &ModelSpec, total_bytes: Option<u64>)
         context_length: Some(context),
         quantization,
         embedding_bytes: Some(embedding),
-        output_bytes: Some(head + file.tensor_bytes("output_norm.weight")),
+        output_bytes: Some(head + header.tensor_bytes("output_norm.weight")),
         kv_bytes_per_token: Some(kv_per_layer * layers as u64),
         total_bytes,
         layer_bytes,
         ..Default::default()
-    }
+    })
 }
 
 /// The public Hugging Face hub.

@@ -1,0 +1,16 @@
+//! What every Kubernetes client of shardplane (operator, agent, gateway)
+//! shares.
+//!
+//! ```text
+//!  watch ──► reflector ──► Store<K>  (read by reconciles, routing, peers)
+//!  status ──► server-side apply under one field manager ──► /status
+//! ```
+//!
+//! Layout: [`status`] writes an object's status the one way every component
+//! does; [`stores`] keeps watch-fed caches of cluster objects.
+
+pub mod status;
+pub mod stores;
+
+pub use status::apply_status;
+pub use stores::watch_all;

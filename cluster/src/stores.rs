@@ -1,0 +1,36 @@
+//! Watch-fed caches of cluster objects: a reflector on a task of its own,
+//! retrying with backoff.
+
+use futures::StreamExt;
+use kube::runtime::reflector::Store;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+
+/// Every object of kind `K` in the cluster, kept current by a watch on a task
+/// of its own (retrying with backoff): the cache agents and the gateway look
+/// Shards, nodes and deployments up in.
+pub fn watch_all<K>(client: kube::Client) -> (Store<K>, tokio::task::JoinHandle<()>)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let api: kube::Api<K> = kube::Api::all(client);
+    let task = tokio::spawn(async move {
+        watcher(api, watcher::Config::default())
+            .default_backoff()
+            .reflect(writer)
+            .for_each(|e| {
+                if let Err(e) = e {
+                    tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
+                }
+                std::future::ready(())
+            })
+            .await;
+    });
+    (reader, task)
+}
