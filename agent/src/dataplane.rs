@@ -56,6 +56,7 @@ pub struct Service {
     peers: Peers,
     metrics: Metrics,
     cache: Cache,
+    max_queue_wait: std::time::Duration,
 }
 
 impl Service {
@@ -79,7 +80,15 @@ impl Service {
             peers,
             metrics,
             cache,
+            max_queue_wait: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// Refuses new generations that would wait longer than `wait` for their
+    /// stage (30 s unless set).
+    pub fn with_max_queue_wait(mut self, wait: std::time::Duration) -> Self {
+        self.max_queue_wait = wait;
+        self
     }
 
     /// The channels to peers, shared with the link prober.
@@ -291,6 +300,19 @@ async fn run_step(
     Ok((step, out))
 }
 
+/// Runs `work` unless the stream it answers on closes first (the stage
+/// before went away): then the work is dropped, and with it the queued job.
+async fn until_closed<T, R>(
+    answers: &mpsc::Sender<Result<R, Status>>,
+    work: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    tokio::select! {
+        biased;
+        _ = answers.closed() => Err(Status::cancelled("the previous stage went away")),
+        r = work => r,
+    }
+}
+
 fn hidden_input(step: &dp::Step, width: usize) -> Result<StageInput, Status> {
     let h = step
         .hidden
@@ -377,6 +399,23 @@ impl DataPlane for Service {
         } else {
             Vec::new()
         };
+        // Admission: work this stage cannot start within the bound is refused
+        // at once, so a client learns it now (and the gateway tries another
+        // instance) instead of waiting in a queue that only grows.
+        let wait = stage.worker.stats.estimated_wait();
+        if wait > self.max_queue_wait {
+            self.metrics
+                .generations
+                .with_label_values(&["refused"])
+                .inc();
+            return Err(Status::resource_exhausted(format!(
+                "shard {} on node {} is busy: about {:.1} s of work is queued, more than the {:.1} s it admits",
+                stage.name,
+                self.node,
+                wait.as_secs_f64(),
+                self.max_queue_wait.as_secs_f64()
+            )));
+        }
         let id: SequenceId = rand::random();
         let downstream = if stage.is_last() {
             None
@@ -467,7 +506,8 @@ impl DataPlane for Service {
                 let seq = seq;
                 while let Ok(Some(msg)) = inbound.message().await {
                     let answer = async {
-                        let (step, out) = run_step(&seq, msg, width).await?;
+                        let (step, out) =
+                            until_closed(&answers, run_step(&seq, msg, width)).await?;
                         let StageOutput::Logits(mut logits) = out else {
                             return Err(Status::internal("the last stage gave hidden states"));
                         };
@@ -517,7 +557,8 @@ impl DataPlane for Service {
                 let seq = seq;
                 while let Ok(Some(msg)) = inbound.message().await {
                     let sent = async {
-                        let (step, out) = run_step(&seq, msg, width).await?;
+                        let (step, out) =
+                            until_closed(&answers, run_step(&seq, msg, width)).await?;
                         let StageOutput::Hidden(a) = out else {
                             return Err(Status::internal("a middle stage gave logits"));
                         };
@@ -689,8 +730,18 @@ impl Generation {
     }
 
     /// Runs `tokens` through the head stage and the rest of the pipeline;
-    /// returns the sampled token.
+    /// returns the sampled token. Gives up as soon as the client goes away,
+    /// so a stage never computes for a request nobody waits for.
     async fn step(&mut self, tokens: &[u32]) -> Result<u32, Status> {
+        let events = self.events.clone();
+        tokio::select! {
+            biased;
+            _ = events.closed() => Err(Status::cancelled("the client went away")),
+            token = self.step_inner(tokens) => token,
+        }
+    }
+
+    async fn step_inner(&mut self, tokens: &[u32]) -> Result<u32, Status> {
         let stage = self.seq.stage.clone();
         match &mut self.downstream {
             None => {

@@ -61,6 +61,10 @@ pub struct AgentConfig {
     pub probe_links_every: Duration,
     /// The engine stages run on.
     pub engine: shardplane_engine::pipeline::EngineKind,
+    /// The longest a new generation may wait for its stage before it is
+    /// refused (`RESOURCE_EXHAUSTED`), as the queued work and recent passes
+    /// estimate it.
+    pub max_queue_wait: Duration,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -141,7 +145,8 @@ pub async fn run(
         peers,
         metrics.clone(),
         cache.clone(),
-    );
+    )
+    .with_max_queue_wait(config.max_queue_wait);
     let link_task = tokio::spawn(links::run(
         client.clone(),
         reg.node.clone(),

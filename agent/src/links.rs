@@ -7,7 +7,9 @@
 //!  every --probe-links-every: for each peer with a data plane
 //!    route: peer address on the best link kind we share ─► its data-plane port
 //!    latency: 9 empty Pings, median round trip
-//!    throughput: one Ping answered with PROBE_BYTES (cut at 8 s: an upper bound)
+//!    throughput: Pings answered with 64 KiB, then 1 MiB, then PROBE_BYTES,
+//!                stopping at the first that takes long enough to time well
+//!                (a slow link gets a small probe, so probing never clogs it)
 //!    ─► InferenceNode status.links (field manager shardplane-agent-links)
 //! ```
 
@@ -30,9 +32,16 @@ use crate::machine::{Machine, link_rank};
 /// status fields, which are applied whole on every report).
 pub const LINKS_MANAGER: &str = "shardplane-agent-links";
 
-/// Bytes of the throughput probe: enough to fill a fast link's pipe for a
-/// moment, small enough to be harmless every half minute.
+/// Bytes of the largest throughput probe: enough to fill a fast link's pipe
+/// for a moment, small enough to be harmless every half minute.
 pub const PROBE_BYTES: u32 = 8 << 20;
+
+/// The throughput probes, smallest first: each is sent only when the one
+/// before finished in under [`WELL_TIMED`].
+const PROBE_SIZES: [u32; 3] = [64 << 10, 1 << 20, PROBE_BYTES];
+
+/// A probe that takes this long is timed well enough to give the rate.
+const WELL_TIMED: Duration = Duration::from_millis(200);
 
 /// Round trips in a latency measurement.
 const LATENCY_SAMPLES: usize = 9;
@@ -104,8 +113,8 @@ pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> 
 pub struct Measurement {
     /// Median round trip of an empty Ping.
     pub latency: Duration,
-    /// Throughput of a `PROBE_BYTES` answer, in megabits per second. An
-    /// answer slower than `BANDWIDTH_TIMEOUT` is cut short and recorded at
+    /// Throughput of the largest probe answer sent, in megabits per second.
+    /// An answer slower than `BANDWIDTH_TIMEOUT` is cut short and recorded at
     /// the rate that would have taken that long, an upper bound (a link that
     /// slow still gets its latency recorded).
     pub bandwidth_mbps: u32,
@@ -113,7 +122,7 @@ pub struct Measurement {
 
 /// How long the latency Pings may take together.
 const LATENCY_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the `PROBE_BYTES` answer may take.
+/// How long one throughput probe's answer may take.
 const BANDWIDTH_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Measures the link to `client`'s data plane: latency (failing when the
@@ -133,20 +142,27 @@ pub async fn measure(client: &dp::Client) -> Result<Measurement, tonic::Status> 
     })
     .await
     .map_err(|_| tonic::Status::deadline_exceeded("the latency Pings timed out"))??;
-    let t = Instant::now();
-    let big = dp::PingRequest {
-        payload: Vec::new(),
-        reply_bytes: PROBE_BYTES,
-    };
-    let secs = match tokio::time::timeout(BANDWIDTH_TIMEOUT, client.clone().ping(big)).await {
-        Ok(answer) => {
-            answer?;
-            t.elapsed().saturating_sub(latency).as_secs_f64().max(1e-6)
+    let mut bandwidth_mbps = 0;
+    for size in PROBE_SIZES {
+        let t = Instant::now();
+        let probe = dp::PingRequest {
+            payload: Vec::new(),
+            reply_bytes: size,
+        };
+        let took = match tokio::time::timeout(BANDWIDTH_TIMEOUT, client.clone().ping(probe)).await {
+            Ok(answer) => {
+                answer?;
+                t.elapsed()
+            }
+            // Cut short: the link is no faster than a rate that takes that long.
+            Err(_) => BANDWIDTH_TIMEOUT,
+        };
+        let secs = took.saturating_sub(latency).as_secs_f64().max(1e-6);
+        bandwidth_mbps = (size as f64 * 8.0 / secs / 1e6).min(u32::MAX as f64) as u32;
+        if took >= WELL_TIMED {
+            break;
         }
-        // Cut short: the link is no faster than a rate that takes that long.
-        Err(_) => BANDWIDTH_TIMEOUT.as_secs_f64(),
-    };
-    let bandwidth_mbps = (PROBE_BYTES as f64 * 8.0 / secs / 1e6).min(u32::MAX as f64) as u32;
+    }
     Ok(Measurement {
         latency,
         bandwidth_mbps,

@@ -27,7 +27,8 @@ pub struct Metrics {
     pub forward_seconds: HistogramVec,
     /// Tokens (rows) run through each shard.
     pub forward_tokens: IntCounterVec,
-    /// Generations on head stages by outcome (`ok`, `cancelled`, `error`).
+    /// Generations on head stages by outcome (`ok`, `cancelled`, `error`, or
+    /// `refused` at admission because the stage was too busy).
     pub generations: IntCounterVec,
     /// Tokens generated on head stages.
     pub generated_tokens: IntCounter,
@@ -100,7 +101,7 @@ impl Metrics {
         let generations = IntCounterVec::new(
             Opts::new(
                 "shardplane_agent_generations_total",
-                "Generations run on this node's head stages, by outcome.",
+                "Generations asked of this node's head stages, by outcome (refused: the stage had more work queued than --max-queue-wait allows).",
             ),
             &["outcome"],
         )
@@ -170,7 +171,7 @@ impl Metrics {
         for source in ["url", "peer"] {
             download_bytes.with_label_values(&[source]);
         }
-        for outcome in ["ok", "cancelled", "error"] {
+        for outcome in ["ok", "cancelled", "error", "refused"] {
             generations.with_label_values(&[outcome]);
         }
         let described = shardplane_admin::register(

@@ -34,6 +34,32 @@ pub struct StageStats {
     pub sequences: AtomicU64,
     /// Bytes of KV cache allocated.
     pub kv_cache_bytes: AtomicU64,
+    /// Tokens of the forward jobs waiting in the queue or running.
+    pub queued_tokens: AtomicU64,
+    /// Recent nanoseconds per token of a pass (a moving average; 0 before
+    /// the first pass).
+    pub nanos_per_token: AtomicU64,
+}
+
+impl StageStats {
+    /// How long work queued now waits before it starts, as the recent
+    /// passes suggest.
+    pub fn estimated_wait(&self) -> std::time::Duration {
+        let tokens = self.queued_tokens.load(Ordering::Relaxed);
+        let per_token = self.nanos_per_token.load(Ordering::Relaxed);
+        std::time::Duration::from_nanos(tokens.saturating_mul(per_token))
+    }
+
+    /// Records a pass of `rows` tokens that took `seconds`.
+    fn record_pass(&self, rows: usize, seconds: f64) {
+        if rows == 0 {
+            return;
+        }
+        let now = (seconds * 1e9 / rows as f64) as u64;
+        let old = self.nanos_per_token.load(Ordering::Relaxed);
+        let new = if old == 0 { now } else { (old * 4 + now) / 5 };
+        self.nanos_per_token.store(new, Ordering::Relaxed);
+    }
 }
 
 /// Observes each forward pass: (rows in the pass, seconds).
@@ -81,9 +107,16 @@ impl StageWorker {
     ) -> shardplane_engine::Result<StageOutput> {
         let (reply, answer) = oneshot::channel();
         let gone = || shardplane_engine::Error::InvalidInput("the stage was unloaded".into());
-        self.jobs
-            .send(Job::Forward { seq, input, reply })
-            .map_err(|_| gone())?;
+        let tokens = input.len() as u64;
+        self.stats
+            .queued_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+        if self.jobs.send(Job::Forward { seq, input, reply }).is_err() {
+            self.stats
+                .queued_tokens
+                .fetch_sub(tokens, Ordering::Relaxed);
+            return Err(gone());
+        }
         answer.await.map_err(|_| gone())?
     }
 
@@ -108,6 +141,9 @@ fn run(
         }
         let started = Instant::now();
         let rows = batch.len();
+        stats
+            .queued_tokens
+            .fetch_sub(rows as u64, Ordering::Relaxed);
         if batch.len() == 1 {
             let (seq, input, reply) = batch.pop().expect("one step");
             let _ = reply.send(shard.forward(seq, input));
@@ -129,7 +165,12 @@ fn run(
                 }
             }
         }
-        observe(rows, started.elapsed().as_secs_f64());
+        let seconds = started.elapsed().as_secs_f64();
+        stats.record_pass(rows, seconds);
+        stats
+            .queued_tokens
+            .fetch_sub(rows as u64, Ordering::Relaxed);
+        observe(rows, seconds);
     };
     while let Ok(first) = queue.recv() {
         let mut jobs = vec![first];
@@ -138,6 +179,13 @@ fn run(
         }
         for job in jobs {
             match job {
+                // Nobody waits for it (the client or the previous stage went
+                // away): computing it would only delay the sequences that wait.
+                Job::Forward { reply, input, .. } if reply.is_closed() => {
+                    stats
+                        .queued_tokens
+                        .fetch_sub(input.len() as u64, Ordering::Relaxed);
+                }
                 Job::Forward { seq, input, reply } => {
                     let batchable = input.len() == 1 && shard.sequence_len(seq) > 0;
                     if batchable && !batch.iter().any(|(s, _, _)| *s == seq) {
@@ -150,8 +198,13 @@ fn run(
                     } else {
                         let started = Instant::now();
                         let rows = input.len();
+                        stats
+                            .queued_tokens
+                            .fetch_sub(rows as u64, Ordering::Relaxed);
                         let _ = reply.send(shard.forward(seq, input));
-                        observe(rows, started.elapsed().as_secs_f64());
+                        let seconds = started.elapsed().as_secs_f64();
+                        stats.record_pass(rows, seconds);
+                        observe(rows, seconds);
                     }
                 }
                 Job::Release { seq } => {

@@ -22,7 +22,7 @@ use kube::Api;
 use kube::api::{ListParams, PostParams};
 use shardplane_crds::*;
 use shardplane_operator::conditions::is_true;
-use shardplane_testkit::{control_plane, eventually, fixtures, unique_name};
+use shardplane_testkit::{control_plane, eventually, eventually_or, fixtures, unique_name};
 
 mod e2e;
 
@@ -84,7 +84,21 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
         part_pool.as_str(),
         part_pool.as_str(),
     ];
-    let mut cluster = start('l', 77, &pools, &tag, &["--probe-links-seconds", "2"]);
+    // The prober below gives up on a request after 5 s: a stage refuses work
+    // it cannot start within 2 s rather than do it for nobody. Only the node
+    // serving the prober computes at a time, so agents take both cores.
+    let mut cluster = start(
+        'l',
+        77,
+        &pools,
+        &tag,
+        &[
+            "--probe-links-seconds",
+            "2",
+            "--max-queue-wait-seconds",
+            "2",
+        ],
+    );
     let http = shardplane_models::http_client().unwrap();
 
     create_model(&client, &ns, &format!("{tag}-m")).await;
@@ -139,17 +153,29 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
     }
     let fast = link(0, 2).await.unwrap();
     let how = cluster.net.slow_link(0, 1);
-    let slow = eventually("the slow link is measured", WAIT, || async {
-        // Each end measures; an end whose probe cannot get through at all
-        // (a shaped link clogged by the throughput probe) lists no link,
-        // and the other end's measurement stands for both.
-        let measured: Vec<(u32, u32)> = [link(0, 1).await, link(1, 0).await]
-            .into_iter()
-            .flatten()
-            .collect();
-        let slow = |l: &(u32, u32)| l.0 > 10 * fast.0 || l.1 * 10 < fast.1;
-        (!measured.is_empty() && measured.iter().all(slow)).then(|| measured[0])
-    })
+    let last_measured = Mutex::new(Vec::new());
+    let slow = eventually_or(
+        "the slow link is measured",
+        WAIT,
+        || async {
+            // Each end measures; an end whose probe cannot get through at all
+            // (a shaped link clogged by the throughput probe) lists no link,
+            // and the other end's measurement stands for both.
+            let measured: Vec<(u32, u32)> = [link(0, 1).await, link(1, 0).await]
+                .into_iter()
+                .flatten()
+                .collect();
+            *last_measured.lock().unwrap() = measured.clone();
+            let slow = |l: &(u32, u32)| l.0 > 10 * fast.0 || l.1 * 10 < fast.1;
+            (!measured.is_empty() && measured.iter().all(slow)).then(|| measured[0])
+        },
+        || {
+            format!(
+                "{how}: the slow link's two ends last measured {:?} (microseconds, Mbit/s) against {fast:?} on a fast one",
+                last_measured.lock().unwrap()
+            )
+        },
+    )
     .await;
 
     let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
@@ -255,10 +281,25 @@ async fn the_ring_avoids_a_slow_link_and_a_cut_off_node_is_replaced_without_dupl
         }
         if cut.elapsed() > WAIT {
             let d = deployments.get("part").await.ok().and_then(|d| d.status);
+            // What the node that took over did (its generations and passes).
+            let url = format!("http://{}:9091/metrics", cluster.net.hosts[other].ip);
+            let agent = match http.get(&url).send().await {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(e) => e.to_string(),
+            };
+            let agent: Vec<&str> = agent
+                .lines()
+                .filter(|l| {
+                    l.starts_with("shardplane_agent_generations_total")
+                        || l.starts_with("shardplane_agent_forward_seconds_sum")
+                        || l.starts_with("shardplane_agent_forward_seconds_count")
+                        || l.starts_with("shardplane_agent_forward_tokens_total")
+                })
+                .collect();
             let o = outcomes.lock().unwrap();
             let since: Vec<_> = o.iter().filter(|(t, _)| *t >= cut).collect();
             panic!(
-                "not serving again {} s after the cut: {} requests since, last {:?}; deployment status {d:?}",
+                "not serving again {} s after the cut: {} requests since, last {:?}; deployment status {d:?}; the node that took over: {agent:?}",
                 WAIT.as_secs(),
                 since.len(),
                 since.last()

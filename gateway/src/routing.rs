@@ -134,6 +134,16 @@ impl ApiError {
         }
     }
 
+    /// A 429: every instance that could answer is too busy now.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: Kind::RateLimited,
+            message: message.into(),
+            retry_after: Some(2),
+        }
+    }
+
     /// A 502 for an upstream that broke mid-answer.
     pub fn upstream(message: impl Into<String>) -> Self {
         ApiError {
@@ -222,6 +232,9 @@ impl Drop for Outstanding {
 enum Attempt {
     /// Try the next candidate.
     Next(String),
+    /// The candidate is too busy to start it soon: try the next; when every
+    /// candidate says so, the client hears 429.
+    Busy(String),
     /// Give the client this error.
     Fail(ApiError),
 }
@@ -350,6 +363,7 @@ impl Router {
             return Err(ApiError::unknown_model(name));
         };
         let mut tried = Vec::new();
+        let (mut busy, mut failed) = (0, 0);
         let mut seen = HashSet::new();
         let mut chain = vec![FallbackTarget::Deployment(
             first.metadata.name.clone().unwrap_or_default(),
@@ -372,10 +386,17 @@ impl Router {
                         tried.push(format!("deployment {dep_name} has no ready instance"));
                     }
                     for inst in instances {
+                        tracing::debug!(model = name, instance = %inst.key, endpoint = %inst.endpoint, "trying an instance");
                         match self.try_instance(name, &dep_name, &inst, prompt).await {
                             Ok(answer) => return Ok(answer),
                             Err(Attempt::Fail(e)) => return Err(e),
+                            Err(Attempt::Busy(why)) => {
+                                busy += 1;
+                                tracing::debug!(model = name, instance = %inst.key, %why, "instance busy; trying the next");
+                                tried.push(format!("{}: {why}", inst.key));
+                            }
                             Err(Attempt::Next(why)) => {
+                                failed += 1;
                                 self.metrics
                                     .upstream_errors
                                     .with_label_values(&[name, "instance"])
@@ -392,7 +413,8 @@ impl Router {
                     match self.try_external(name, &ns, &ext, prompt).await {
                         Ok(answer) => return Ok(answer),
                         Err(Attempt::Fail(e)) => return Err(e),
-                        Err(Attempt::Next(why)) => {
+                        Err(Attempt::Next(why) | Attempt::Busy(why)) => {
+                            failed += 1;
                             self.metrics
                                 .upstream_errors
                                 .with_label_values(&[name, "external"])
@@ -402,6 +424,12 @@ impl Router {
                     }
                 }
             }
+        }
+        if busy > 0 && failed == 0 {
+            return Err(ApiError::overloaded(format!(
+                "every instance of {name:?} is busy; retry shortly ({})",
+                tried.join("; ")
+            )));
         }
         Err(ApiError::unavailable(format!(
             "no instance of {name:?} can answer now ({})",
@@ -490,6 +518,7 @@ impl Router {
         };
         let refused = |s: dp::tonic::Status| match s.code() {
             Code::InvalidArgument => Attempt::Fail(ApiError::invalid(s.message())),
+            Code::ResourceExhausted => Attempt::Busy(s.message().to_string()),
             Code::Unauthenticated => Attempt::Fail(ApiError::upstream(
                 "the gateway's data-plane token was refused by the agents",
             )),
@@ -664,7 +693,7 @@ impl Answering {
                         inst.key, e.message
                     )));
                 }
-                Err(Attempt::Next(failure)) => {
+                Err(Attempt::Next(failure) | Attempt::Busy(failure)) => {
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
                 }

@@ -236,7 +236,22 @@ pub fn test_model() -> PathBuf {
 
 /// Polls `check` every 250 ms until it gives `Some`, or panics after `within`
 /// naming `what` was awaited.
-pub async fn eventually<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, within: std::time::Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    eventually_or(what, within, check, String::new).await
+}
+
+/// [`eventually`], saying what `explain` gives when it times out (the last
+/// state the check saw, say).
+pub async fn eventually_or<T, F, Fut>(
+    what: &str,
+    within: std::time::Duration,
+    mut check: F,
+    explain: impl Fn() -> String,
+) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -248,7 +263,8 @@ where
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "timed out after {within:?} waiting for: {what}"
+            "timed out after {within:?} waiting for: {what}. {}",
+            explain()
         );
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
@@ -298,13 +314,22 @@ pub fn spawn_component_as(bin: &str, args: &[&str], kubeconfig: &Path) -> ChildG
         .args(args)
         .arg("--kubeconfig")
         .arg(kubeconfig)
-        .env("RUST_LOG", "warn,kube_client=error")
+        .env("RUST_LOG", component_log())
+        // Several components share the machine's cores: one compute thread each.
+        .env("RAYON_NUM_THREADS", "1")
         .env("SHARDPLANE_DATA_PLANE_TOKEN_FILE", token_file())
         .env("SHARDPLANE_DATA_PLANE_ADDRESS", "127.0.0.1:0")
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
     ChildGuard(child)
+}
+
+/// The log filter of the components a test starts: `SHARDPLANE_TEST_LOG`
+/// when set (for example `info,kube=warn` to follow a failing test), else
+/// warnings only.
+pub fn component_log() -> String {
+    std::env::var("SHARDPLANE_TEST_LOG").unwrap_or_else(|_| "warn,kube_client=error".into())
 }
 
 /// `setpriv` (util-linux) arguments that kill a component when the test

@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::component_log;
 use crate::{ChildGuard, control_plane, token_file};
 
 /// One host: a network namespace with one veth on the bridge.
@@ -204,7 +205,9 @@ impl Network {
             .args(args)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
-            .env("RUST_LOG", "warn,kube_client=error")
+            .env("RUST_LOG", component_log())
+            // Several components share the machine's cores: one compute thread each.
+            .env("RAYON_NUM_THREADS", "1")
             .env("SHARDPLANE_DATA_PLANE_TOKEN_FILE", token_file())
             .stdout(Stdio::null())
             .spawn()

@@ -67,7 +67,8 @@ pub struct AgentArgs {
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: PathBuf,
     /// Seconds between measurements of the links to the other nodes (each a
-    /// few small round trips and one 8 MiB answer per peer).
+    /// few small round trips and answers of up to 8 MiB per peer, smaller on
+    /// slow links).
     #[arg(long, env = "SHARDPLANE_PROBE_LINKS_SECONDS", default_value_t = 30)]
     probe_links_seconds: u64,
     /// Seconds the node's Lease holds without renewal.
@@ -77,10 +78,27 @@ pub struct AgentArgs {
     /// the `mlx` feature).
     #[arg(long, env = "SHARDPLANE_ENGINE", default_value = "candle")]
     engine: String,
+    /// Compute threads for this agent's stages (default: the machine's
+    /// cores). Agents sharing a machine should split its cores between them:
+    /// compute pools that together outnumber the cores slow every agent
+    /// several-fold.
+    #[arg(long, env = "SHARDPLANE_THREADS")]
+    threads: Option<usize>,
+    /// Seconds a new generation may wait for its stage: when the queued work
+    /// would take longer, the request is refused at once and the gateway
+    /// tries another instance or answers 429 (clients that give up sooner
+    /// than this would otherwise wait for nothing).
+    #[arg(
+        long,
+        env = "SHARDPLANE_MAX_QUEUE_WAIT_SECONDS",
+        default_value_t = 30.0
+    )]
+    max_queue_wait_seconds: f64,
 }
 
 /// Runs the agent until Ctrl-C or SIGTERM, then drains.
 pub fn run(args: AgentArgs) -> anyhow::Result<()> {
+    super::threads::use_threads(args.threads)?;
     let node = match args.node_name {
         Some(n) => n,
         None => std::fs::read_to_string("/etc/hostname")
@@ -122,6 +140,8 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             .map(parse_bytes_str)
             .transpose()?,
         probe_links_every: Duration::from_secs(args.probe_links_seconds.max(1)),
+        max_queue_wait: Duration::try_from_secs_f64(args.max_queue_wait_seconds)
+            .context("--max-queue-wait-seconds must be a number of seconds, 0 or more")?,
         engine: args.engine.parse()?,
     };
     tokio::runtime::Runtime::new()?.block_on(async {

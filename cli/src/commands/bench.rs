@@ -1,7 +1,5 @@
 //! `shardplane bench`: prefill and decode speed of a model on this machine.
 
-use std::process::Command;
-
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
@@ -86,19 +84,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(endpoint) = &args.copy_from {
         return copy(&args, endpoint);
     }
-    if let Some(threads) = args.threads {
-        let wanted = threads.to_string();
-        if std::env::var("RAYON_NUM_THREADS").ok().as_deref() != Some(wanted.as_str()) {
-            // The thread count is read from the environment when the compute pools
-            // start; run again with it set.
-            let status = Command::new(std::env::current_exe()?)
-                .args(std::env::args_os().skip(1))
-                .env("RAYON_NUM_THREADS", &wanted)
-                .status()
-                .context("cannot re-run with the thread count set")?;
-            std::process::exit(status.code().unwrap_or(1));
-        }
-    }
+    super::threads::use_threads(args.threads)?;
     let load_before = load_average();
     let (figures, stages) = if let Some(endpoint) = &args.endpoint {
         let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;

@@ -11,4 +11,5 @@ pub mod generate;
 mod kube_client;
 mod model_args;
 pub mod operator;
+pub mod threads;
 pub mod up;

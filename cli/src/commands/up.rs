@@ -137,6 +137,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             "127.0.0.1:9090",
         ],
     )?;
+    // The agents share this machine's cores (see `threads`).
+    let threads = super::threads::share(args.agents as usize).to_string();
     for i in 0..args.agents {
         let tier = if i < 2 { "daily" } else { "reasoning" };
         let cache = state.join(format!("cache/node-{i}"));
@@ -161,6 +163,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 cache.to_str().context("cache path")?,
                 "--memory-reserve",
                 "1Gi",
+                "--threads",
+                &threads,
             ],
         )?;
     }
