@@ -16,6 +16,7 @@ pub mod machine;
 pub mod metrics;
 pub mod models;
 pub mod registration;
+pub mod scheduler;
 pub mod shards;
 pub mod stage;
 
@@ -65,6 +66,8 @@ pub struct AgentConfig {
     /// refused (`RESOURCE_EXHAUSTED`), as the queued work and recent passes
     /// estimate it.
     pub max_queue_wait: Duration,
+    /// How a stage's steps are made up (prompt tokens per step).
+    pub budget: scheduler::Budget,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -128,6 +131,7 @@ pub async fn run(
             addresses: Machine::read().addresses,
         }),
         engine: config.engine,
+        budget: config.budget,
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

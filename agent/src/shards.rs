@@ -112,6 +112,8 @@ pub struct Sources {
     pub peers: Option<PeerSources>,
     /// The engine stages are loaded into.
     pub engine: EngineKind,
+    /// How the stages' steps are made up.
+    pub budget: crate::scheduler::Budget,
 }
 
 /// The API's name for an engine.
@@ -426,7 +428,7 @@ async fn bring_up(
         message: e.to_string(),
     })?;
     let (engine, text) = loaded;
-    let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1));
+    let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1), sources.budget);
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
     shards.loaded.lock().expect("shard set lock").insert(

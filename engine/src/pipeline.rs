@@ -188,9 +188,9 @@ impl LocalPipeline {
             .unwrap_or(0)
     }
 
-    /// Runs tokens of several sequences through every stage; returns the
-    /// logits at each sequence's last token, in input order. Several sequences
-    /// must each bring one token (a decode step).
+    /// Runs tokens of several sequences through every stage as one step;
+    /// returns the logits at each sequence's last token, in input order. A
+    /// step may mix decode tokens with slices of prompts.
     pub fn step(&mut self, batch: Vec<(SequenceId, Vec<u32>)>) -> Result<Vec<Vec<f32>>> {
         let seqs: Vec<SequenceId> = batch.iter().map(|(s, _)| *s).collect();
         let mut inputs: Vec<(SequenceId, StageInput)> = batch

@@ -167,8 +167,10 @@ pub trait Shard: Send {
     /// sequence starts at position 0).
     fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput>;
 
-    /// Runs one decode step for several sequences at once: each input is one
-    /// token (or one row of hidden state). Outputs are in input order.
+    /// Runs one step for several sequences at once: each brings one or more
+    /// tokens (or rows of hidden state): a decode step, a slice of a prompt,
+    /// or both mixed. The rows are stacked so the weights are read once.
+    /// Outputs are in input order, as [`Shard::forward`] gives them.
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>>;
 
     /// Frees a sequence's KV cache; returns whether it existed.
@@ -261,15 +263,4 @@ pub(crate) fn plan_step(
         offset += input.len();
     }
     Ok(items)
-}
-
-/// Checks that a batched decode step brings one token (or row) per sequence.
-pub(crate) fn check_decode_batch(batch: &[(SequenceId, StageInput)]) -> Result<()> {
-    match batch.iter().find(|(_, input)| input.len() != 1) {
-        Some((seq, input)) => Err(Error::InvalidInput(format!(
-            "a batched decode step takes one token per sequence; sequence {seq} has {}",
-            input.len()
-        ))),
-        None => Ok(()),
-    }
 }

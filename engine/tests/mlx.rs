@@ -315,9 +315,12 @@ fn bad_input_and_bad_files_are_errors_not_crashes() {
     let e = tail.forward(1, StageInput::Tokens(vec![1, 2])).unwrap_err();
     assert!(e.to_string().contains("does not start the model"), "{e}");
     let e = whole
-        .forward_batch(vec![(1, StageInput::Tokens(vec![1, 2]))])
+        .forward_batch(vec![
+            (1, StageInput::Tokens(vec![1, 2])),
+            (1, StageInput::Tokens(vec![3])),
+        ])
         .unwrap_err();
-    assert!(e.to_string().contains("one token per sequence"), "{e}");
+    assert!(e.to_string().contains("appears twice in one step"), "{e}");
     let e = tail
         .forward(
             2,

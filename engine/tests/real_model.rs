@@ -208,6 +208,44 @@ fn interleaved_and_batched_sequences_match_each_alone() {
     }
     assert_eq!(got[0], alone[0], "batched decode of sequence 0");
     assert_eq!(got[1], alone[1], "batched decode of sequence 1");
+    p.release(10);
+    p.release(11);
+
+    // Mixed: sequence 20 decodes while sequence 21's prompt arrives in
+    // 5-token slices in the same steps (chunked prefill), then both decode.
+    let argmax = shardplane_engine::sampler::argmax;
+    let logits = p.step(vec![(20, prompts[0].clone())]).unwrap();
+    let mut next = [argmax(&logits[0]), 0];
+    let mut got = [Vec::new(), Vec::new()];
+    let slices: Vec<&[u32]> = prompts[1].chunks(5).collect();
+    for slice in &slices {
+        got[0].push(next[0]);
+        let logits = p
+            .step(vec![(20, vec![next[0]]), (21, slice.to_vec())])
+            .unwrap();
+        next = [argmax(&logits[0]), argmax(&logits[1])];
+    }
+    while got[0].len() < 12 || got[1].len() < 12 {
+        let mut step = Vec::new();
+        for (i, seq) in [(0, 20u64), (1, 21)] {
+            if got[i].len() < 12 {
+                got[i].push(next[i]);
+                step.push((i, seq));
+            }
+        }
+        let logits = p
+            .step(step.iter().map(|&(i, seq)| (seq, vec![next[i]])).collect())
+            .unwrap();
+        for (k, &(i, _)) in step.iter().enumerate() {
+            next[i] = argmax(&logits[k]);
+        }
+    }
+    assert!(slices.len() > 2, "the prompt spans several slices");
+    assert_eq!(got[0], alone[0], "decode mixed with another's prefill");
+    assert_eq!(
+        got[1], alone[1],
+        "a prompt prefilled in slices beside a decode"
+    );
 }
 
 #[test]
@@ -380,9 +418,12 @@ fn bad_stage_inputs_are_errors_not_panics() {
         "{e}"
     );
     let e = p.stages_mut()[0]
-        .forward_batch(vec![(1, StageInput::Tokens(vec![1, 2]))])
+        .forward_batch(vec![
+            (1, StageInput::Tokens(vec![1, 2])),
+            (1, StageInput::Tokens(vec![3])),
+        ])
         .unwrap_err();
-    assert!(e.to_string().contains("one token per sequence"), "{e}");
+    assert!(e.to_string().contains("appears twice in one step"), "{e}");
     assert_eq!(
         p.stages()[0].sequences(),
         0,

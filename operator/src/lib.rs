@@ -5,18 +5,22 @@
 //!  Lease ──► node controller ──► InferenceNode Ready
 //!  InferenceNode ──► node-pool controller ──► NodePool members, ready, allocatable
 //!  ModelDeployment + Model + NodePool + ShardingStrategy + nodes + Shards
-//!     ──► deployment controller: validate → plan (shardplane-placement) → Shards → status
+//!     ──► deployment controller: observe → validate → plan (shardplane-placement)
+//!                                → apply Shards → status
 //! ```
+//!
+//! One watch per kind fills the stores every controller reads (`caches`);
+//! a reconcile never LISTs.
 //!
 //! Only the replica holding the leader Lease runs controllers. Every replica
 //! serves `/metrics`, `/livez` and `/readyz` on its admin port.
 
+pub mod caches;
 pub mod conditions;
 pub mod controllers;
 pub mod error;
 pub mod leader;
 pub mod metrics;
-pub mod world;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -74,6 +78,15 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     leader::ensure_namespace(&client, NODE_LEASE_NAMESPACE)
         .await
         .map_err(|e| format!("cannot create namespace {NODE_LEASE_NAMESPACE}: {e}"))?;
+    // Controllers subscribe to the shared watches before they start.
+    let mut caches = caches::Caches::new();
+    let (models, nodes, pools, deployments) = (
+        controllers::model::controller(&caches),
+        controllers::node::controller(&caches),
+        controllers::node_pool::controller(&caches),
+        controllers::deployment::controller(&caches),
+    );
+    caches.start(&client);
     let ctx = Arc::new(controllers::Context {
         client: client.clone(),
         metrics: metrics.clone(),
@@ -85,13 +98,14 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         http: http_client()?,
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
         read_model_paths: config.read_model_paths,
+        stores: caches.stores(),
     });
     ready.store(true, Ordering::Relaxed);
     let controllers = futures::future::join4(
-        controllers::model::run(ctx.clone()),
-        controllers::node::run(ctx.clone()),
-        controllers::node_pool::run(ctx.clone()),
-        controllers::deployment::run(ctx),
+        controllers::model::run(models, ctx.clone()),
+        controllers::node::run(nodes, ctx.clone()),
+        controllers::node_pool::run(pools, ctx.clone()),
+        controllers::deployment::run(deployments, ctx),
     );
     let outcome = tokio::select! {
         _ = controllers => Ok(()),

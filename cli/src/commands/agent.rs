@@ -94,6 +94,18 @@ pub struct AgentArgs {
         default_value_t = 30.0
     )]
     max_queue_wait_seconds: f64,
+    /// Prompt tokens a stage's step takes at most besides its decode tokens:
+    /// long prompts run in slices, so sequences already decoding never wait
+    /// for a whole prompt.
+    #[arg(long, env = "SHARDPLANE_PREFILL_TOKENS_PER_STEP", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    prefill_tokens_per_step: u32,
+    /// Milliseconds a step should take while sequences decode: prompt
+    /// slices shrink (to 8 tokens at least) on a slow stage so that every
+    /// decoding sequence still gets a token about this often.
+    #[arg(long, env = "SHARDPLANE_DECODE_STEP_MILLIS", default_value_t = 200,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    decode_step_millis: u64,
 }
 
 /// Runs the agent until Ctrl-C or SIGTERM, then drains.
@@ -142,6 +154,10 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         probe_links_every: Duration::from_secs(args.probe_links_seconds.max(1)),
         max_queue_wait: Duration::try_from_secs_f64(args.max_queue_wait_seconds)
             .context("--max-queue-wait-seconds must be a number of seconds, 0 or more")?,
+        budget: shardplane_agent::scheduler::Budget {
+            prefill_tokens: args.prefill_tokens_per_step as usize,
+            decode_step: Duration::from_millis(args.decode_step_millis),
+        },
         engine: args.engine.parse()?,
     };
     tokio::runtime::Runtime::new()?.block_on(async {

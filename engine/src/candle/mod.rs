@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::shard::{
     Activations, Item, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
-    check_decode_batch, plan_step,
+    plan_step,
 };
 use weights::{LayerWeights, TensorLoader};
 
@@ -370,7 +370,6 @@ impl Shard for CandleShard {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        check_decode_batch(&batch)?;
         self.run(batch)
     }
 

@@ -12,6 +12,7 @@ use kube::Client;
 use kube::runtime::controller::Action;
 use kube::runtime::events::Reporter;
 
+use crate::caches::Stores;
 use crate::error::Error;
 use crate::metrics::Metrics;
 
@@ -32,6 +33,8 @@ pub struct Context {
     pub hugging_face_endpoint: String,
     /// Read `path` model sources here rather than wait for an agent's report.
     pub read_model_paths: bool,
+    /// What the watches have seen: reconciles read these, never LIST.
+    pub stores: Stores,
 }
 
 /// Runs `reconcile` and records its outcome and duration under `controller`.

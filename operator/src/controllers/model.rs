@@ -5,11 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
-use serde_json::json;
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
     CONDITION_READY, CONDITION_RESOLVED, Model, ModelFormat, ModelSource, ModelStatus,
@@ -17,16 +14,21 @@ use shardplane_crds::{
 };
 
 use super::{Context, instrumented, retry_after_error};
+use crate::caches::Caches;
 use crate::conditions;
 use crate::error::{Error, Result};
 use shardplane_models::{
     Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url, safetensors,
 };
 
+/// The Model controller.
+pub fn controller(caches: &Caches) -> Controller<Model> {
+    Controller::for_shared_stream(caches.models.subscribe(), caches.models.store.clone())
+}
+
 /// Runs the Model controller until the stream ends.
-pub async fn run(ctx: Arc<Context>) {
-    let models: Api<Model> = Api::all(ctx.client.clone());
-    Controller::new(models, watcher::Config::default())
+pub async fn run(controller: Controller<Model>, ctx: Arc<Context>) {
+    controller
         .shutdown_on_signal()
         .run(
             |m, ctx| async move { instrumented(&ctx, "model", reconcile(m, ctx.clone())).await },
@@ -162,14 +164,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
     status.observed_generation = generation;
     if model.status.as_ref() != Some(&status) || model.status.is_none() {
         let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
-        let patch =
-            json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Model", "status": status});
-        api.patch_status(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
+        shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
     }
     Ok(requeue)
 }

@@ -5,26 +5,27 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
-use serde_json::json;
 use shardplane_crds::{CONDITION_READY, InferenceNode, NODE_LEASE_NAMESPACE, OPERATOR_MANAGER};
 
 use super::{Context, instrumented, retry_after_error};
+use crate::caches::Caches;
 use crate::conditions;
 use crate::error::Result;
 
-/// Runs the InferenceNode controller until the stream ends.
-pub async fn run(ctx: Arc<Context>) {
-    let nodes: Api<InferenceNode> = Api::all(ctx.client.clone());
-    let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), NODE_LEASE_NAMESPACE);
-    Controller::new(nodes, watcher::Config::default())
-        .watches(leases, watcher::Config::default(), |lease| {
+/// The InferenceNode controller, triggered by nodes and their Leases.
+pub fn controller(caches: &Caches) -> Controller<InferenceNode> {
+    Controller::for_shared_stream(caches.nodes.subscribe(), caches.nodes.store.clone())
+        .watches_shared_stream(caches.leases.subscribe(), |lease| {
             Some(ObjectRef::<InferenceNode>::new(&lease.name_any()))
         })
+}
+
+/// Runs the InferenceNode controller until the stream ends.
+pub async fn run(controller: Controller<InferenceNode>, ctx: Arc<Context>) {
+    controller
         .shutdown_on_signal()
         .run(
             |n, ctx| async move { instrumented(&ctx, "inferencenode", reconcile(n, ctx.clone())).await },
@@ -51,9 +52,11 @@ fn lease_left(lease: Option<&Lease>, default: Duration) -> Option<Duration> {
 
 async fn reconcile(node: Arc<InferenceNode>, ctx: Arc<Context>) -> Result<Action> {
     let name = node.name_any();
-    let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), NODE_LEASE_NAMESPACE);
-    let lease = leases.get_opt(&name).await?;
-    let left = lease_left(lease.as_ref(), ctx.default_lease_duration);
+    let lease = ctx
+        .stores
+        .leases
+        .get(&ObjectRef::new(&name).within(NODE_LEASE_NAMESPACE));
+    let left = lease_left(lease.as_deref(), ctx.default_lease_duration);
     let previous = node
         .status
         .as_ref()
@@ -85,11 +88,11 @@ async fn reconcile(node: Arc<InferenceNode>, ctx: Arc<Context>) -> Result<Action
     if conds != previous {
         tracing::info!(node = %name, ready, reason, "node readiness changed");
         let api: Api<InferenceNode> = Api::all(ctx.client.clone());
-        let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode", "status": {"conditions": conds}});
-        api.patch_status(
+        shardplane_cluster::apply_status(
+            &api,
             &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(&patch),
+            OPERATOR_MANAGER,
+            &serde_json::json!({ "conditions": conds }),
         )
         .await?;
     }

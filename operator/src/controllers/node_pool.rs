@@ -4,35 +4,28 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::{Selector, SelectorExt};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
-use serde_json::json;
 use shardplane_crds::quantity::{format_bytes, parse_bytes};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{CONDITION_READY, InferenceNode, NodePool, NodePoolStatus, OPERATOR_MANAGER};
 
 use super::{Context, instrumented, retry_after_error};
+use crate::caches::{Caches, all_of};
 use crate::conditions;
 use crate::error::Result;
 
+/// The NodePool controller: every pool is looked at again when a node changes.
+pub fn controller(caches: &Caches) -> Controller<NodePool> {
+    let pools = caches.pools.store.clone();
+    Controller::for_shared_stream(caches.pools.subscribe(), pools.clone())
+        .watches_shared_stream(caches.nodes.subscribe(), move |_| all_of(&pools))
+}
+
 /// Runs the NodePool controller until the stream ends.
-pub async fn run(ctx: Arc<Context>) {
-    let pools: Api<NodePool> = Api::all(ctx.client.clone());
-    let controller = Controller::new(pools, watcher::Config::default());
-    let store = controller.store();
-    let nodes: Api<InferenceNode> = Api::all(ctx.client.clone());
+pub async fn run(controller: Controller<NodePool>, ctx: Arc<Context>) {
     controller
-        .watches(nodes, watcher::Config::default(), move |_| {
-            store
-                .state()
-                .into_iter()
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
-        })
         .shutdown_on_signal()
         .run(
             |p, ctx| async move { instrumented(&ctx, "nodepool", reconcile(p, ctx.clone())).await },
@@ -99,11 +92,12 @@ async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action> {
             generation,
         );
     } else {
-        let nodes = Api::<InferenceNode>::all(ctx.client.clone())
-            .list(&ListParams::default())
-            .await?;
-        let members: Vec<&InferenceNode> =
-            nodes.items.iter().filter(|n| selects(&pool, n)).collect();
+        let nodes = ctx.stores.nodes.state();
+        let members: Vec<&InferenceNode> = nodes
+            .iter()
+            .map(|n| n.as_ref())
+            .filter(|n| selects(&pool, n))
+            .collect();
         let ready: Vec<&&InferenceNode> = members.iter().filter(|n| node_ready(n)).collect();
         status.nodes = members.iter().map(|n| n.name_any()).collect();
         status.nodes.sort();
@@ -137,14 +131,7 @@ async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action> {
     }
     if pool.status.as_ref() != Some(&status) {
         let api: Api<NodePool> = Api::all(ctx.client.clone());
-        let patch =
-            json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "NodePool", "status": status});
-        api.patch_status(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
+        shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
     }
     Ok(Action::await_change())
 }

@@ -1,6 +1,8 @@
-//! What a deployment's reconcile observes, turned into the planner's terms.
+//! What the planner sees of the cluster: a model's footprint, a strategy,
+//! and the pool's nodes with the room other deployments already take.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use kube::ResourceExt;
 use shardplane_crds::quantity::parse_bytes;
@@ -70,7 +72,7 @@ pub fn strategy(spec: &ShardingStrategySpec) -> placement::Strategy {
 
 /// Bytes a Shard of another deployment holds: what its agent reports, else
 /// what its model and KV budget imply.
-fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Model>) -> u64 {
+fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Arc<Model>>) -> u64 {
     if let Some(b) = shard.status.as_ref().and_then(|s| s.memory_bytes) {
         return b;
     }
@@ -99,9 +101,9 @@ pub fn cluster(
     me: &str,
     pool: &NodePool,
     model: &Model,
-    nodes: &[InferenceNode],
-    shards: &[Shard],
-    models: &BTreeMap<(String, String), Model>,
+    nodes: &[Arc<InferenceNode>],
+    shards: &[Arc<Shard>],
+    models: &BTreeMap<(String, String), Arc<Model>>,
 ) -> placement::Cluster {
     let source = model.spec.source.cache_key();
     let mut cluster = placement::Cluster::new();

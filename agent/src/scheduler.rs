@@ -1,0 +1,576 @@
+//! A stage's step loop: every step advances all decoding sequences together
+//! and takes a bounded slice of waiting prompts (chunked prefill), so a long
+//! prompt never stalls the sequences that are decoding.
+//!
+//! ```text
+//!  jobs ──► [decode steps: one token per held sequence] ─┐
+//!       └─► [prefills, oldest first] ── slice ≤ budget ──┴─► one forward_batch ─► replies
+//!  a prefill is answered when its last slice has run (hidden rows gathered for
+//!  a middle stage; the last slice's logits for a last stage)
+//! ```
+//!
+//! Work nobody waits for (its caller went away) is dropped before it runs.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use shardplane_engine::{Activations, SequenceId, Shard, StageInput, StageOutput};
+use tokio::sync::oneshot;
+
+use crate::stage::{PassObserver, StageStats};
+
+/// A reply to one forward job.
+pub type Reply = oneshot::Sender<shardplane_engine::Result<StageOutput>>;
+
+/// What the stage thread is asked to do.
+pub enum Job {
+    /// Run `input` for `seq`.
+    Forward {
+        /// The sequence.
+        seq: SequenceId,
+        /// Its tokens or hidden rows.
+        input: StageInput,
+        /// Where the output goes.
+        reply: Reply,
+    },
+    /// Free `seq`'s KV cache.
+    Release {
+        /// The sequence.
+        seq: SequenceId,
+    },
+}
+
+/// How a step is made up.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Prompt tokens a step takes at most, besides its decode tokens.
+    pub prefill_tokens: usize,
+    /// How long a step should take while sequences are decoding: the
+    /// prompt slice shrinks (to [`MIN_SLICE`] at least) so that the decode
+    /// steps, which wait for the whole step, keep this pace.
+    pub decode_step: Duration,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Budget {
+            prefill_tokens: 512,
+            decode_step: Duration::from_millis(200),
+        }
+    }
+}
+
+/// The fewest prompt tokens a step takes while a prompt waits, however
+/// slow the passes: prompts always make progress.
+pub const MIN_SLICE: usize = 8;
+
+impl Budget {
+    /// Prompt tokens the next step may take beside `decodes` decode steps,
+    /// when a row of a pass recently cost `nanos_per_token` (0: not known).
+    pub fn prefill_room(&self, decodes: usize, nanos_per_token: u64) -> usize {
+        let most = self.prefill_tokens.max(1);
+        if decodes == 0 || nanos_per_token == 0 {
+            return most;
+        }
+        let rows = (self.decode_step.as_nanos() / u128::from(nanos_per_token)) as usize;
+        rows.saturating_sub(decodes)
+            .clamp(MIN_SLICE.min(most), most)
+    }
+}
+
+/// A prompt being run in slices.
+struct Prefill {
+    seq: SequenceId,
+    rest: StageInput,
+    /// Hidden rows of the slices already run (stages that pass them on).
+    rows: Vec<f32>,
+    reply: Reply,
+}
+
+/// One sequence's part in a step.
+enum Part {
+    Decode(Reply),
+    Slice { prefill: usize, last: bool },
+}
+
+/// Runs jobs from `queue` on `shard` until every sender is gone.
+pub fn run(
+    mut shard: Box<dyn Shard>,
+    queue: mpsc::Receiver<Job>,
+    stats: std::sync::Arc<StageStats>,
+    observe: PassObserver,
+    budget: Budget,
+) {
+    let mut decodes: Vec<(SequenceId, StageInput, Reply)> = Vec::new();
+    let mut prefills: VecDeque<Prefill> = VecDeque::new();
+    let mut releases: Vec<SequenceId> = Vec::new();
+    loop {
+        if decodes.is_empty() && prefills.is_empty() {
+            match queue.recv() {
+                Ok(job) => take(
+                    job,
+                    &*shard,
+                    &mut decodes,
+                    &mut prefills,
+                    &mut releases,
+                    &stats,
+                ),
+                Err(_) => return,
+            }
+        }
+        while let Ok(job) = queue.try_recv() {
+            take(
+                job,
+                &*shard,
+                &mut decodes,
+                &mut prefills,
+                &mut releases,
+                &stats,
+            );
+        }
+        for seq in releases.drain(..) {
+            shard.release(seq);
+        }
+        drop_abandoned(&mut decodes, &mut prefills, &stats);
+        step(
+            &mut *shard,
+            &mut decodes,
+            &mut prefills,
+            budget,
+            &stats,
+            &observe,
+        );
+        stats
+            .sequences
+            .store(shard.sequences() as u64, Ordering::Relaxed);
+        stats
+            .kv_cache_bytes
+            .store(shard.kv_cache_bytes() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Files a job: a single token for a sequence the stage holds is a decode
+/// step; anything else is a prefill, run in slices.
+fn take(
+    job: Job,
+    shard: &dyn Shard,
+    decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
+    prefills: &mut VecDeque<Prefill>,
+    releases: &mut Vec<SequenceId>,
+    stats: &StageStats,
+) {
+    match job {
+        Job::Forward { seq, input, reply } => {
+            let busy =
+                decodes.iter().any(|(s, _, _)| *s == seq) || prefills.iter().any(|p| p.seq == seq);
+            if input.len() == 1 && shard.sequence_len(seq) > 0 && !busy {
+                decodes.push((seq, input, reply));
+            } else {
+                prefills.push_back(Prefill {
+                    seq,
+                    rest: input,
+                    rows: Vec::new(),
+                    reply,
+                });
+            }
+        }
+        Job::Release { seq } => {
+            // Its caller is gone: so is what it still waited for.
+            decodes.retain(|(s, _, _)| {
+                let keep = *s != seq;
+                if !keep {
+                    stats.unqueue_tokens(1);
+                }
+                keep
+            });
+            prefills.retain(|p| {
+                let keep = p.seq != seq;
+                if !keep {
+                    stats.unqueue_tokens(p.rest.len());
+                }
+                keep
+            });
+            releases.push(seq);
+        }
+    }
+}
+
+/// Drops work whose caller went away (the client or the previous stage).
+fn drop_abandoned(
+    decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
+    prefills: &mut VecDeque<Prefill>,
+    stats: &StageStats,
+) {
+    decodes.retain(|(_, input, reply)| {
+        let keep = !reply.is_closed();
+        if !keep {
+            stats.unqueue_tokens(input.len());
+        }
+        keep
+    });
+    prefills.retain(|p| {
+        let keep = !p.reply.is_closed();
+        if !keep {
+            stats.unqueue_tokens(p.rest.len());
+        }
+        keep
+    });
+}
+
+/// Splits the first `n` rows off `input`.
+fn split_front(input: &mut StageInput, n: usize) -> StageInput {
+    match input {
+        StageInput::Tokens(ids) => StageInput::Tokens(ids.drain(..n).collect()),
+        StageInput::Hidden(a) => {
+            let front: Vec<f32> = a.data.drain(..n * a.hidden).collect();
+            a.tokens -= n;
+            StageInput::Hidden(Activations {
+                tokens: n,
+                hidden: a.hidden,
+                data: front,
+            })
+        }
+    }
+}
+
+/// One step: every decode, then prompt slices up to the budget.
+fn step(
+    shard: &mut dyn Shard,
+    decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
+    prefills: &mut VecDeque<Prefill>,
+    budget: Budget,
+    stats: &StageStats,
+    observe: &PassObserver,
+) {
+    let mut batch: Vec<(SequenceId, StageInput)> = Vec::new();
+    let mut parts: Vec<Part> = Vec::new();
+    for (seq, input, reply) in decodes.drain(..) {
+        batch.push((seq, input));
+        parts.push(Part::Decode(reply));
+    }
+    let mut room = budget.prefill_room(batch.len(), stats.nanos_per_token.load(Ordering::Relaxed));
+    for (i, p) in prefills.iter_mut().enumerate() {
+        if room == 0 {
+            break;
+        }
+        let n = p.rest.len().min(room);
+        room -= n;
+        let last = n == p.rest.len();
+        batch.push((p.seq, split_front(&mut p.rest, n)));
+        parts.push(Part::Slice { prefill: i, last });
+    }
+    if batch.is_empty() {
+        return;
+    }
+    let rows: usize = batch.iter().map(|(_, input)| input.len()).sum();
+    let started = Instant::now();
+    let result = shard.forward_batch(batch);
+    let seconds = started.elapsed().as_secs_f64();
+    stats.record_pass(rows, seconds);
+    stats.unqueue_tokens(rows);
+    observe(rows, seconds);
+    let mut finished: Vec<usize> = Vec::new();
+    match result {
+        Ok(outputs) => {
+            for (part, out) in parts.into_iter().zip(outputs) {
+                match part {
+                    Part::Decode(reply) => {
+                        let _ = reply.send(Ok(out));
+                    }
+                    Part::Slice { prefill, last } => {
+                        let p = &mut prefills[prefill];
+                        match (last, out) {
+                            (false, StageOutput::Hidden(a)) => p.rows.extend(a.data),
+                            // A last stage's logits only matter at the prompt's end.
+                            (false, StageOutput::Logits(_)) => {}
+                            (true, out) => {
+                                let out = match out {
+                                    StageOutput::Hidden(a) if !p.rows.is_empty() => {
+                                        let mut rows = std::mem::take(&mut p.rows);
+                                        rows.extend(a.data);
+                                        Activations::new(rows.len() / a.hidden, a.hidden, rows)
+                                            .map(StageOutput::Hidden)
+                                    }
+                                    out => Ok(out),
+                                };
+                                finished.push(prefill);
+                                let (_, reply) = take_reply(p);
+                                let _ = reply.send(out);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            // The engine dropped these sequences' caches: every caller hears why.
+            let message = e.to_string();
+            let fail = || shardplane_engine::Error::InvalidInput(message.clone());
+            for part in parts {
+                match part {
+                    Part::Decode(reply) => {
+                        let _ = reply.send(Err(fail()));
+                    }
+                    Part::Slice { prefill, .. } => {
+                        let p = &mut prefills[prefill];
+                        stats.unqueue_tokens(p.rest.len());
+                        finished.push(prefill);
+                        let (_, reply) = take_reply(p);
+                        let _ = reply.send(Err(fail()));
+                    }
+                }
+            }
+        }
+    }
+    finished.sort_unstable();
+    for i in finished.into_iter().rev() {
+        prefills.remove(i);
+    }
+}
+
+/// Swaps the reply out of a finished prefill (it is removed afterwards).
+fn take_reply(p: &mut Prefill) -> (SequenceId, Reply) {
+    let (placeholder, _) = oneshot::channel();
+    (p.seq, std::mem::replace(&mut p.reply, placeholder))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use shardplane_engine::{ModelConfig, StageLayout};
+
+    use super::*;
+
+    /// Each step's make-up: (sequence, rows) per part.
+    type Steps = Arc<Mutex<Vec<Vec<(SequenceId, usize)>>>>;
+
+    /// A stage that echoes: its output row for a token is the token's
+    /// position in its sequence, and it records every step's make-up.
+    struct Echo {
+        config: ModelConfig,
+        layout: StageLayout,
+        held: HashMap<SequenceId, usize>,
+        steps: Steps,
+        last: bool,
+    }
+
+    impl Echo {
+        fn new(last: bool) -> (Self, Steps) {
+            let steps = Arc::new(Mutex::new(Vec::new()));
+            let config = ModelConfig {
+                architecture: shardplane_engine::Architecture::Llama,
+                layers: 2,
+                hidden_size: 1,
+                intermediate_size: 1,
+                heads: 1,
+                kv_heads: 1,
+                head_dim: 1,
+                vocab_size: 1000,
+                context_length: 4096,
+                rope_theta: 1.0,
+                rms_eps: 1e-5,
+            };
+            let layout = if last {
+                StageLayout::new(1..2, 2).unwrap()
+            } else {
+                StageLayout::new(0..1, 2).unwrap()
+            };
+            (
+                Echo {
+                    config,
+                    layout,
+                    held: HashMap::new(),
+                    steps: steps.clone(),
+                    last,
+                },
+                steps,
+            )
+        }
+    }
+
+    impl Shard for Echo {
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn layout(&self) -> &StageLayout {
+            &self.layout
+        }
+        fn context_length(&self) -> usize {
+            4096
+        }
+        fn forward(
+            &mut self,
+            seq: SequenceId,
+            input: StageInput,
+        ) -> shardplane_engine::Result<StageOutput> {
+            Ok(self.forward_batch(vec![(seq, input)])?.remove(0))
+        }
+        fn forward_batch(
+            &mut self,
+            batch: Vec<(SequenceId, StageInput)>,
+        ) -> shardplane_engine::Result<Vec<StageOutput>> {
+            self.steps
+                .lock()
+                .unwrap()
+                .push(batch.iter().map(|(s, i)| (*s, i.len())).collect());
+            Ok(batch
+                .into_iter()
+                .map(|(seq, input)| {
+                    let start = *self.held.get(&seq).unwrap_or(&0);
+                    let n = input.len();
+                    self.held.insert(seq, start + n);
+                    let rows: Vec<f32> = (start..start + n).map(|p| p as f32).collect();
+                    if self.last {
+                        StageOutput::Logits(vec![*rows.last().unwrap()])
+                    } else {
+                        StageOutput::Hidden(Activations::new(n, 1, rows).unwrap())
+                    }
+                })
+                .collect())
+        }
+        fn release(&mut self, seq: SequenceId) -> bool {
+            self.held.remove(&seq).is_some()
+        }
+        fn sequence_len(&self, seq: SequenceId) -> usize {
+            *self.held.get(&seq).unwrap_or(&0)
+        }
+        fn sequences(&self) -> usize {
+            self.held.len()
+        }
+        fn weight_bytes(&self) -> usize {
+            0
+        }
+        fn kv_cache_bytes(&self) -> usize {
+            0
+        }
+    }
+
+    fn forward(
+        seq: SequenceId,
+        input: StageInput,
+    ) -> (
+        Job,
+        oneshot::Receiver<shardplane_engine::Result<StageOutput>>,
+    ) {
+        let (reply, answer) = oneshot::channel();
+        (Job::Forward { seq, input, reply }, answer)
+    }
+
+    fn tokens(n: usize) -> StageInput {
+        StageInput::Tokens((0..n as u32).collect())
+    }
+
+    /// Runs `jobs` through a scheduler over `shard` (all queued before it
+    /// starts, as a burst arrives) and returns the answers.
+    fn run_jobs(shard: Echo, jobs: Vec<Job>, budget: usize) -> Arc<StageStats> {
+        let (send, queue) = mpsc::channel();
+        let stats = Arc::new(StageStats::default());
+        for job in jobs {
+            if let Job::Forward { input, .. } = &job {
+                stats
+                    .queued_tokens
+                    .fetch_add(input.len() as u64, Ordering::Relaxed);
+            }
+            send.send(job).unwrap();
+        }
+        drop(send);
+        run(
+            Box::new(shard),
+            queue,
+            stats.clone(),
+            Arc::new(|_, _| {}),
+            Budget {
+                prefill_tokens: budget,
+                ..Budget::default()
+            },
+        );
+        stats
+    }
+
+    #[test]
+    fn a_long_prompt_runs_in_slices_beside_the_decoding_sequences() {
+        let (mut shard, steps) = Echo::new(false);
+        // Sequence 1 is decoding already.
+        shard.forward(1, tokens(3)).unwrap();
+        steps.lock().unwrap().clear();
+        let (prompt, prompt_answer) = forward(2, tokens(10));
+        let (decode, decode_answer) = forward(1, tokens(1));
+        let stats = run_jobs(shard, vec![prompt, decode], 4);
+        // The decode step went in the first step, beside the first slice.
+        assert_eq!(
+            *steps.lock().unwrap(),
+            vec![vec![(1, 1), (2, 4)], vec![(2, 4)], vec![(2, 2)]]
+        );
+        let Ok(Ok(StageOutput::Hidden(a))) = prompt_answer.blocking_recv() else {
+            panic!("the prompt's hidden rows");
+        };
+        assert_eq!(a.data, (0..10).map(|p| p as f32).collect::<Vec<_>>());
+        let Ok(Ok(StageOutput::Hidden(d))) = decode_answer.blocking_recv() else {
+            panic!("the decode step's row");
+        };
+        assert_eq!(d.data, vec![3.0]);
+        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+        assert!(stats.estimated_wait().is_zero());
+    }
+
+    #[test]
+    fn a_last_stage_answers_a_sliced_prompt_with_its_last_logits() {
+        let (shard, steps) = Echo::new(true);
+        let (prompt, answer) = forward(
+            7,
+            StageInput::Hidden(Activations::new(5, 1, vec![0.0; 5]).unwrap()),
+        );
+        run_jobs(shard, vec![prompt], 2);
+        assert_eq!(steps.lock().unwrap().len(), 3);
+        let Ok(Ok(StageOutput::Logits(l))) = answer.blocking_recv() else {
+            panic!("logits");
+        };
+        assert_eq!(l, vec![4.0], "the logits at the prompt's last token");
+    }
+
+    #[test]
+    fn work_whose_caller_left_and_released_prompts_never_run() {
+        let (shard, steps) = Echo::new(false);
+        let (gone, answer) = forward(1, tokens(8));
+        drop(answer);
+        let (released, _answer) = forward(2, tokens(8));
+        let (kept, kept_answer) = forward(3, tokens(2));
+        let stats = run_jobs(
+            shard,
+            vec![gone, released, Job::Release { seq: 2 }, kept],
+            64,
+        );
+        assert_eq!(*steps.lock().unwrap(), vec![vec![(3, 2)]]);
+        assert!(matches!(kept_answer.blocking_recv(), Ok(Ok(_))));
+        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
+        let budget = Budget {
+            prefill_tokens: 512,
+            decode_step: Duration::from_millis(200),
+        };
+        // Nothing decodes, or the pace is not known yet: the whole budget.
+        assert_eq!(budget.prefill_room(0, 36_000_000), 512);
+        assert_eq!(budget.prefill_room(3, 0), 512);
+        // 1 ms a row: 200 rows a step, 3 of them decode steps.
+        assert_eq!(budget.prefill_room(3, 1_000_000), 197);
+        // Fast: capped by the budget.
+        assert_eq!(budget.prefill_room(3, 10_000), 512);
+        // 36 ms a row: 5 rows fit; prompts still move by MIN_SLICE.
+        assert_eq!(budget.prefill_room(3, 36_000_000), MIN_SLICE);
+        assert_eq!(budget.prefill_room(50, 1_000_000), 150);
+        assert_eq!(budget.prefill_room(250, 1_000_000), MIN_SLICE);
+        // A budget below MIN_SLICE is kept.
+        let tiny = Budget {
+            prefill_tokens: 2,
+            ..budget
+        };
+        assert_eq!(tiny.prefill_room(3, 36_000_000), 2);
+    }
+}
