@@ -11,6 +11,10 @@
 #                                   process PID exits.
 #   control-plane.sh stop DIR       stop what `start DIR` started and remove its etcd prefix
 set -euo pipefail
+# Run from `cargo run` (shardplane up), the environment may still carry
+# cargo's build variables; Kubernetes' Makefile would put its output under an
+# inherited OUT_DIR.
+unset OUT_DIR
 
 CACHE="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}"
 APISERVER="$CACHE/bin/kube-apiserver"

@@ -39,6 +39,8 @@ pub struct GatewayConfig {
     pub keys: auth::KeySource,
     /// Requests per minute per key, when limited.
     pub rate_limit_per_minute: Option<u32>,
+    /// How long a request waits while every instance is busy (then 429).
+    pub busy_wait: std::time::Duration,
 }
 
 /// The shared state of the handlers.
@@ -110,7 +112,8 @@ pub async fn run(
         config.token.clone(),
         http,
         metrics.clone(),
-    );
+    )
+    .with_busy_wait(config.busy_wait);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;

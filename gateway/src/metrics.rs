@@ -23,6 +23,8 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// Answers resumed on another instance after theirs failed mid-answer.
     pub resumed_answers: IntCounterVec,
+    /// Pauses of requests waiting because every instance was busy.
+    pub busy_waits: IntCounterVec,
 }
 
 impl Metrics {
@@ -91,6 +93,14 @@ impl Metrics {
             &["model"],
         )
         .expect("valid metric");
+        let busy_waits = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_busy_waits_total",
+                "Pauses of requests that waited because every instance was busy, by model.",
+            ),
+            &["model"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -101,6 +111,7 @@ impl Metrics {
                 Box::new(in_flight.clone()),
                 Box::new(upstream_errors.clone()),
                 Box::new(resumed_answers.clone()),
+                Box::new(busy_waits.clone()),
             ],
         );
         Metrics {
@@ -113,6 +124,7 @@ impl Metrics {
             in_flight,
             upstream_errors,
             resumed_answers,
+            busy_waits,
         }
     }
 }

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use futures::{Stream, StreamExt};
@@ -212,6 +212,14 @@ pub struct Router {
     outstanding: Arc<Mutex<HashMap<String, usize>>>,
     http: reqwest::Client,
     metrics: Metrics,
+    busy_wait: Duration,
+}
+
+/// What one walk through a deployment's instances and fallbacks ended with.
+struct Walked {
+    error: ApiError,
+    /// Some instance refused only because it was busy.
+    busy: bool,
 }
 
 /// Counts a request against an instance until dropped.
@@ -259,7 +267,15 @@ impl Router {
             outstanding: Arc::default(),
             http,
             metrics,
+            busy_wait: Duration::from_secs(60),
         }
+    }
+
+    /// How long a request waits, retrying, while every instance that could
+    /// answer it is busy, before it is answered 429.
+    pub fn with_busy_wait(mut self, busy_wait: Duration) -> Self {
+        self.busy_wait = busy_wait;
+        self
     }
 
     fn model_of(&self, d: &ModelDeployment) -> Option<Arc<Model>> {
@@ -358,9 +374,34 @@ impl Router {
 
     /// Starts answering `prompt` with the model called `name`: the first ready
     /// instance that produces a first token, through the fallback chain.
+    /// While an instance is only busy (admission refused it), the walk is
+    /// tried again with a growing pause (0.25 s up to 2 s) for up to the
+    /// router's busy wait; a client that leaves ends the wait.
     pub async fn complete(&self, name: &str, prompt: &Prompt) -> Result<Answer, ApiError> {
+        let deadline = tokio::time::Instant::now() + self.busy_wait;
+        let mut pause = Duration::from_millis(250);
+        loop {
+            match self.walk(name, prompt).await {
+                Ok(answer) => return Ok(answer),
+                Err(Walked { busy: true, .. })
+                    if tokio::time::Instant::now() + pause < deadline =>
+                {
+                    self.metrics.busy_waits.with_label_values(&[name]).inc();
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(walked) => return Err(walked.error),
+            }
+        }
+    }
+
+    /// One walk through the deployment's ready instances, then its fallbacks.
+    async fn walk(&self, name: &str, prompt: &Prompt) -> Result<Answer, Walked> {
         let Some(first) = self.deployment_for(name) else {
-            return Err(ApiError::unknown_model(name));
+            return Err(Walked {
+                error: ApiError::unknown_model(name),
+                busy: false,
+            });
         };
         let mut tried = Vec::new();
         let (mut busy, mut failed) = (0, 0);
@@ -389,7 +430,7 @@ impl Router {
                         tracing::debug!(model = name, instance = %inst.key, endpoint = %inst.endpoint, "trying an instance");
                         match self.try_instance(name, &dep_name, &inst, prompt).await {
                             Ok(answer) => return Ok(answer),
-                            Err(Attempt::Fail(e)) => return Err(e),
+                            Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
                             Err(Attempt::Busy(why)) => {
                                 busy += 1;
                                 tracing::debug!(model = name, instance = %inst.key, %why, "instance busy; trying the next");
@@ -412,7 +453,7 @@ impl Router {
                 FallbackTarget::External(ext) => {
                     match self.try_external(name, &ns, &ext, prompt).await {
                         Ok(answer) => return Ok(answer),
-                        Err(Attempt::Fail(e)) => return Err(e),
+                        Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
                         Err(Attempt::Next(why) | Attempt::Busy(why)) => {
                             failed += 1;
                             self.metrics
@@ -425,16 +466,21 @@ impl Router {
                 }
             }
         }
-        if busy > 0 && failed == 0 {
-            return Err(ApiError::overloaded(format!(
+        let error = if busy > 0 && failed == 0 {
+            ApiError::overloaded(format!(
                 "every instance of {name:?} is busy; retry shortly ({})",
                 tried.join("; ")
-            )));
-        }
-        Err(ApiError::unavailable(format!(
-            "no instance of {name:?} can answer now ({})",
-            tried.join("; ")
-        )))
+            ))
+        } else {
+            ApiError::unavailable(format!(
+                "no instance of {name:?} can answer now ({})",
+                tried.join("; ")
+            ))
+        };
+        Err(Walked {
+            error,
+            busy: busy > 0,
+        })
     }
 
     /// Answers on `inst`, a ready instance of deployment `deployment`. Once

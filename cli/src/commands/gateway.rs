@@ -49,6 +49,11 @@ pub struct GatewayArgs {
     /// Requests per minute each API key may make (unlimited when unset).
     #[arg(long, env = "SHARDPLANE_RATE_LIMIT_PER_MINUTE")]
     rate_limit_per_minute: Option<u32>,
+    /// Seconds a request waits, retrying, while every instance that could
+    /// answer it is busy (their agents refuse new work); then 429 with
+    /// Retry-After. 0 answers 429 at once.
+    #[arg(long, env = "SHARDPLANE_BUSY_WAIT_SECONDS", default_value_t = 60)]
+    busy_wait_seconds: u64,
 }
 
 /// Runs the gateway until Ctrl-C or SIGTERM.
@@ -74,6 +79,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     let token =
         shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
     let config = GatewayConfig {
+        busy_wait: std::time::Duration::from_secs(args.busy_wait_seconds),
         listen: args.listen,
         admin_address: args.admin_address,
         token,

@@ -11,5 +11,6 @@ pub mod generate;
 mod kube_client;
 mod model_args;
 pub mod operator;
+mod process;
 pub mod threads;
 pub mod up;

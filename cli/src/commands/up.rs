@@ -10,7 +10,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -21,6 +21,7 @@ use shardplane_crds::{CONDITION_READY, InferenceNode, ModelDeployment};
 
 use super::agent_kubeconfig::write_private;
 use super::kube_client::client;
+use super::process::command;
 use shardplane_operator::conditions::is_true;
 
 /// Options of `shardplane up`.
@@ -89,7 +90,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     cluster.control_plane = true;
     let kubectl = |args: &[&str], input: Option<&str>| kubectl(&kubeconfig, args, input);
 
-    let crds = Command::new(&bin).arg("crds").output()?;
+    let crds = command(&bin).arg("crds").output()?;
     kubectl(
         &["apply", "-f", "-"],
         Some(&String::from_utf8(crds.stdout)?),
@@ -251,7 +252,7 @@ impl Cluster {
         let log = File::create(self.state.join(format!("logs/{name}.log")))?;
         // setpriv (util-linux) sets the parent-death signal: should `up`
         // itself be killed, the component is stopped too.
-        let mut command = Command::new("setpriv");
+        let mut command = command("setpriv");
         command
             .args(["--pdeathsig", "TERM", "--"])
             .arg(bin)
@@ -297,7 +298,7 @@ impl Cluster {
         step("stopping");
         // Gateway first, then the agents (they drain), then the operator.
         for (name, child) in self.children.iter_mut().rev() {
-            let _ = Command::new("kill")
+            let _ = command("kill")
                 .args(["-TERM", &child.id().to_string()])
                 .stderr(Stdio::null())
                 .status();
@@ -555,7 +556,7 @@ fn home() -> anyhow::Result<PathBuf> {
 /// Runs `bash SCRIPT ARGS…` in the checkout; returns its output, fails with
 /// what it printed on error.
 fn script(repo: &Path, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new("bash")
+    let out = command("bash")
         .args(args)
         .current_dir(repo)
         .stderr(Stdio::inherit())
@@ -568,7 +569,7 @@ fn script(repo: &Path, args: &[&str]) -> anyhow::Result<String> {
 }
 
 fn kubectl(kubeconfig: &Path, args: &[&str], input: Option<&str>) -> anyhow::Result<String> {
-    let mut child = Command::new("kubectl")
+    let mut child = command("kubectl")
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .args(args)
