@@ -378,17 +378,14 @@ impl Router {
     /// tried again with a growing pause (0.25 s up to 2 s) for up to the
     /// router's busy wait; a client that leaves ends the wait.
     pub async fn complete(&self, name: &str, prompt: &Prompt) -> Result<Answer, ApiError> {
-        let deadline = tokio::time::Instant::now() + self.busy_wait;
-        let mut pause = Duration::from_millis(250);
+        let mut wait = BusyWait::new(self.busy_wait);
         loop {
             match self.walk(name, prompt).await {
                 Ok(answer) => return Ok(answer),
-                Err(Walked { busy: true, .. })
-                    if tokio::time::Instant::now() + pause < deadline =>
-                {
-                    self.metrics.busy_waits.with_label_values(&[name]).inc();
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
+                Err(Walked { busy: true, error }) => {
+                    if !wait.pause(&self.metrics, name).await {
+                        return Err(error);
+                    }
                 }
                 Err(walked) => return Err(walked.error),
             }
@@ -708,20 +705,54 @@ impl Answering {
         if self.tail_seen {
             return Err(ApiError::upstream(why));
         }
-        let deployment = router
-            .deployments
-            .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
-        let candidates: Vec<Instance> = deployment
-            .map(|d| router.instances(&d))
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|i| !self.tried.contains(&i.key))
-            .collect();
+        let mut wait = BusyWait::new(router.busy_wait);
+        loop {
+            // Read again on every try: a replica re-placed meanwhile counts.
+            let deployment = router
+                .deployments
+                .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
+            let candidates: Vec<Instance> = deployment
+                .map(|d| router.instances(&d))
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|i| !self.tried.contains(&i.key))
+                .collect();
+            match self.resume_on(&router, candidates, &from, &why).await? {
+                None => return Ok(()),
+                Some((failures, busy)) => {
+                    if busy && wait.pause(&router.metrics, &self.model).await {
+                        continue;
+                    }
+                    return Err(ApiError::upstream(if failures.is_empty() {
+                        format!("{why}; no other instance is ready to resume it")
+                    } else {
+                        format!("{why}; resuming it failed ({})", failures.join("; "))
+                    }));
+                }
+            }
+        }
+    }
+
+    /// One try of `candidates` in turn: `None` once one took the answer
+    /// over, else why each failed and whether any was only busy (a busy
+    /// instance stays a candidate for the next try).
+    async fn resume_on(
+        &mut self,
+        router: &Router,
+        candidates: Vec<Instance>,
+        from: &str,
+        why: &str,
+    ) -> Result<Option<(Vec<String>, bool)>, ApiError> {
+        let errors = router
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.model, "instance"]);
         let mut failures = Vec::new();
+        let mut busy = false;
         for inst in candidates {
-            self.tried.push(inst.key.clone());
             match router.open(&inst, &self.prompt, &self.tokens).await {
                 Ok(opened) => {
+                    self.tried.push(inst.key.clone());
                     tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
                     router
                         .metrics
@@ -731,7 +762,7 @@ impl Answering {
                     self.pending = opened.first.into();
                     self.stream = opened.stream;
                     self._guard = opened.guard;
-                    return Ok(());
+                    return Ok(None);
                 }
                 Err(Attempt::Fail(e)) => {
                     return Err(ApiError::upstream(format!(
@@ -739,17 +770,46 @@ impl Answering {
                         inst.key, e.message
                     )));
                 }
-                Err(Attempt::Next(failure) | Attempt::Busy(failure)) => {
+                Err(Attempt::Busy(failure)) => {
+                    busy = true;
+                    failures.push(format!("{}: {failure}", inst.key));
+                }
+                Err(Attempt::Next(failure)) => {
+                    self.tried.push(inst.key.clone());
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
                 }
             }
         }
-        Err(ApiError::upstream(if failures.is_empty() {
-            format!("{why}; no other instance is ready to resume it")
-        } else {
-            format!("{why}; resuming it failed ({})", failures.join("; "))
-        }))
+        Ok(Some((failures, busy)))
+    }
+}
+
+/// The pauses of a request that only busy instances stand in the way of:
+/// 0.25 s growing to 2 s, until the router's busy wait is spent.
+struct BusyWait {
+    deadline: tokio::time::Instant,
+    pause: Duration,
+}
+
+impl BusyWait {
+    fn new(budget: Duration) -> Self {
+        BusyWait {
+            deadline: tokio::time::Instant::now() + budget,
+            pause: Duration::from_millis(250),
+        }
+    }
+
+    /// Sleeps the next pause and says true, or says false when it would
+    /// end past the deadline.
+    async fn pause(&mut self, metrics: &Metrics, model: &str) -> bool {
+        if tokio::time::Instant::now() + self.pause >= self.deadline {
+            return false;
+        }
+        metrics.busy_waits.with_label_values(&[model]).inc();
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_secs(2));
+        true
     }
 }
 
