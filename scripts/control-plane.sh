@@ -4,6 +4,8 @@
 # source package, cached under ~/.cache/shardplane/.
 #
 #   control-plane.sh install        install etcd and build kube-apiserver (idempotent)
+#   control-plane.sh check-build    fetch the kube-apiserver source and check its build
+#                                   step with make -n (where it writes), compiling nothing
 #   control-plane.sh start DIR [PID]
 #                                   start both with state in DIR; writes DIR/kubeconfig,
 #                                   DIR/env (source it) and pid files; prints DIR/kubeconfig.
@@ -54,12 +56,11 @@ install_etcd() {
   command -v etcd >/dev/null 2>&1 || apt_install etcd-server
 }
 
-build_apiserver() {
-  [ -x "$APISERVER" ] && return 0
-  log "building kube-apiserver from Debian's kubernetes source package (about 5 minutes, once)"
+# Fetches Debian's kubernetes source into WORK/src, ready to build.
+apiserver_source() { # apiserver_source WORK
+  local work=$1
   enable_deb_src
   apt_install golang-1.19-go rsync make golang-github-modern-go-reflect2-dev dpkg-dev
-  local work="$CACHE/build/kubernetes"
   rm -rf "$work"; mkdir -p "$work"
   (cd "$work" && apt-get source --download-only kubernetes >&2)
   local orig
@@ -71,13 +72,43 @@ build_apiserver() {
   rm -rf "$work/src/vendor/github.com/modern-go/reflect2"
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$work/src/vendor/github.com/modern-go/reflect2"
   rm -f "$work/src/vendor/github.com/modern-go/reflect2/go.mod"
-  (cd "$work/src" && PATH=/usr/lib/go-1.19/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=vendor \
-     make WHAT=cmd/kube-apiserver >&2)
+}
+
+# Kubernetes' make for kube-apiserver in SRC, as the build runs it (extra
+# arguments such as -n go to make).
+kube_make() { # kube_make SRC [MAKE-ARGS...]
+  local src=$1; shift
+  (cd "$src" && PATH=/usr/lib/go-1.19/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=vendor \
+     make "$@" WHAT=cmd/kube-apiserver)
+}
+
+build_apiserver() {
+  [ -x "$APISERVER" ] && return 0
+  log "building kube-apiserver from Debian's kubernetes source package (about 5 minutes, once)"
+  local work="$CACHE/build/kubernetes"
+  apiserver_source "$work"
+  kube_make "$work/src" >&2
   mkdir -p "$CACHE/bin"
   cp "$work/src/_output/bin/kube-apiserver" "$APISERVER.tmp"
   mv "$APISERVER.tmp" "$APISERVER"
   rm -rf "$work"
   log "kube-apiserver cached at $APISERVER"
+}
+
+# The build step without compiling: fetches the source as a cold cache would,
+# lets make print what it would run (make -n) in this environment, and checks
+# that every file it would write lies in the source tree's own _output/.
+check_build() {
+  local work plan outside
+  work=$(mktemp -d -t shardplane-apiserver-check-XXXXXX)
+  apiserver_source "$work"
+  plan=$(kube_make "$work/src" -n 2>&1) || { rm -rf "$work"; printf '%s\n' "$plan" | tail -20 >&2; die "make -n failed"; }
+  rm -rf "$work"
+  grep -q '^touch _output/bin/' <<<"$plan" ||
+    die "make -n shows no build tool made under _output/bin: the Makefile changed, or OUT_DIR was inherited"
+  outside=$(grep -E '^touch ' <<<"$plan" | grep -v '^touch _output/' || true)
+  [ -z "$outside" ] || die "the kube-apiserver build would write outside its source tree: $outside"
+  log "checked: the kube-apiserver build writes only under its source tree's _output/"
 }
 
 install() {
@@ -188,7 +219,8 @@ stop() {
 
 case "${1:-}" in
   install) install ;;
+  check-build) check_build ;;
   start) [ $# -ge 2 ] && [ $# -le 3 ] || die "usage: $0 start DIR [OWNER_PID]"; start "$2" "${3:-}" ;;
   stop) [ $# -eq 2 ] || die "usage: $0 stop DIR"; stop "$2" ;;
-  *) echo "usage: $0 install | start DIR | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 install | check-build | start DIR | stop DIR" >&2; exit 2 ;;
 esac

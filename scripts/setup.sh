@@ -9,8 +9,25 @@
 #   - helm-python-sdk (Helm's Go SDK as a Python package, in the venv) for the chart test
 #   - promtool, from Debian's prometheus package
 #   - cargo-fuzz (crates.io), for the data-plane fuzz target
+#
+# SHARDPLANE_SETUP=check checks instead what a cold machine's first run depends
+# on and the cache cannot show: that no cargo build variable reached this
+# script (`cargo run -- up` must not pass them on) and that the kube-apiserver
+# build step writes only in its own tree (fetched and dry-run, not compiled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${SHARDPLANE_SETUP:-}" = check ]; then
+  for variable in OUT_DIR CARGO_MANIFEST_DIR CARGO_PKG_NAME CARGO_CRATE_NAME; do
+    if printenv "$variable" >/dev/null; then
+      echo "[setup] error: cargo's build variable $variable=$(printenv "$variable") reached setup.sh" >&2
+      exit 1
+    fi
+  done
+  bash scripts/control-plane.sh check-build
+  echo "[setup] checked" >&2
+  exit 0
+fi
 
 for tool in cargo kubectl python3; do
   command -v "$tool" >/dev/null 2>&1 || { echo "[setup] error: $tool is missing: install it first" >&2; exit 1; }

@@ -7,7 +7,6 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use shardplane_crds::CachedModel;
 
@@ -213,6 +212,58 @@ impl Cache {
         evicted
     }
 
+    /// Removes the partial downloads (and peer-copy records) of models
+    /// neither in `wanted` nor pinned: what an interrupted download left of a
+    /// model whose Shards are gone. Returns the removed files' names.
+    pub fn sweep_partials<'a>(&self, wanted: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let mut keep: std::collections::BTreeSet<PathBuf> = wanted
+            .into_iter()
+            .map(|k| self.file_for(k).with_extension("gguf.partial"))
+            .collect();
+        for key in self.pins.lock().expect("pin lock").keys() {
+            keep.insert(self.file_for(key).with_extension("gguf.partial"));
+        }
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut removed = Vec::new();
+        for path in dir.filter_map(|e| e.ok().map(|e| e.path())) {
+            let name = path.to_string_lossy();
+            let partial = match name.strip_suffix(".pieces") {
+                Some(p) if p.ends_with(".gguf.partial") => PathBuf::from(p),
+                _ if name.ends_with(".gguf.partial") => path.clone(),
+                _ => continue,
+            };
+            if keep.contains(&partial) {
+                continue;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    let file = path.file_name().unwrap_or_default().to_string_lossy();
+                    tracing::info!(%file, "removed a partial download no Shard wants");
+                    removed.push(file.into_owned());
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "cannot remove a partial download")
+                }
+            }
+        }
+        removed
+    }
+
+    /// Makes room for a model of `size` bytes of which `remaining` are still
+    /// to be written: refused when it exceeds the budget on its own or the
+    /// free disk, else idle models are evicted to fit the budget.
+    fn room(&self, size: u64, remaining: u64) -> Result<(), Failure> {
+        crate::download::within_budget(size, self.budget)?;
+        self.make_room(size);
+        let free = crate::download::free_space(&self.dir).map_err(|e| Failure {
+            reason: "CacheUnwritable",
+            message: format!("{}: {e}", self.dir.display()),
+        })?;
+        crate::download::on_disk(remaining, free, &self.dir)
+    }
+
     /// Records that `key`'s file was just used (its modification time orders
     /// eviction).
     fn touch(&self, key: &str) {
@@ -272,55 +323,8 @@ impl Cache {
             let partial = path.with_extension("gguf.partial");
             // A peer copy left pieces here: keep what runs on from the start.
             contiguous_prefix(&partial).map_err(io)?;
-            let offset = std::fs::metadata(&partial).map(|m| m.len()).unwrap_or(0);
-            let mut request = self.http.get(url);
-            if offset > 0 {
-                request = request.header(reqwest::header::RANGE, format!("bytes={offset}-"));
-            }
-            let unreachable = |e: String| Failure {
-                reason: "DownloadFailed",
-                message: format!("GET {url}: {e}"),
-            };
-            let response = request
-                .send()
-                .await
-                .map_err(|e| unreachable(e.to_string()))?;
-            let status = response.status();
-            if !status.is_success() {
-                return Err(unreachable(format!("HTTP {status}")));
-            }
-            // 206: the server continues where the partial file stops; 200: from the start.
-            let resumed = status == reqwest::StatusCode::PARTIAL_CONTENT;
-            let start = if resumed { offset } else { 0 };
-            let total = response.content_length().map(|len| len + start);
-            let mut file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(resumed)
-                .write(true)
-                .truncate(!resumed)
-                .open(&partial)
-                .map_err(io)?;
-            let mut done = start;
-            progress(done, total);
-            let mut stream = response.bytes_stream();
-            let mut last = std::time::Instant::now();
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(|e| unreachable(e.to_string()))?;
-                file.write_all(&chunk).map_err(io)?;
-                done += chunk.len() as u64;
-                if last.elapsed().as_millis() >= 500 {
-                    progress(done, total);
-                    last = std::time::Instant::now();
-                }
-            }
-            file.flush().map_err(io)?;
-            progress(done, total);
-            if total.is_some_and(|t| t != done) {
-                return Err(unreachable(format!(
-                    "the download stopped at {done} of {} bytes",
-                    total.unwrap_or(0)
-                )));
-            }
+            let room = |size, remaining| self.room(size, remaining);
+            crate::download::download(&self.http, url, &partial, room, &mut progress).await?;
             std::fs::rename(&partial, &path).map_err(io)?;
         }
         self.admit(key, &path, sha256, url).await
@@ -410,6 +414,7 @@ impl Cache {
                 message: format!("{}: {e}", partial.display()),
             };
             let done = pieces_done(&partial, size).map_err(io)?;
+            self.room(size, size.saturating_sub(done.len() as u64 * PIECE))?;
             let file = std::fs::OpenOptions::new()
                 .create(true)
                 .truncate(false)
@@ -695,5 +700,35 @@ mod tests {
         put(&setup, "kept", 5000, 0);
         let unlimited = Cache::new(dir.path().into(), http()).unwrap();
         assert!(unlimited.make_room(1 << 40).is_empty());
+    }
+
+    #[test]
+    fn partial_downloads_of_models_no_shard_wants_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::new(dir.path().into(), http()).unwrap();
+        let partial = |key: &str| cache.file_for(key).with_extension("gguf.partial");
+        for key in ["wanted", "pinned", "abandoned", "abandoned-copy"] {
+            std::fs::write(partial(key), b"some bytes").unwrap();
+        }
+        std::fs::write(pieces_file(&partial("abandoned-copy")), b"0\n").unwrap();
+        put(&cache, "whole", 10, 0);
+        cache.pin("pinned");
+        let mut removed = cache.sweep_partials(["wanted"]);
+        removed.sort();
+        let mut expected = vec![
+            partial("abandoned"),
+            partial("abandoned-copy"),
+            pieces_file(&partial("abandoned-copy")),
+        ]
+        .into_iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect::<Vec<_>>();
+        expected.sort();
+        assert_eq!(removed, expected);
+        assert!(partial("wanted").exists() && partial("pinned").exists());
+        assert!(!partial("abandoned").exists());
+        // Whole models are the budget's business, not the sweep's.
+        assert!(cache.complete_file("whole").is_some());
+        assert!(cache.sweep_partials(["wanted"]).is_empty());
     }
 }

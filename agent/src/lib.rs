@@ -11,11 +11,13 @@
 
 pub mod cache;
 pub mod dataplane;
+pub mod download;
 pub mod links;
 pub mod machine;
 pub mod metrics;
 pub mod models;
 pub mod registration;
+pub mod retry;
 pub mod scheduler;
 pub mod shards;
 pub mod stage;
@@ -108,7 +110,8 @@ pub async fn run(
     admin.set_ready(true);
 
     let shard_set = shards::ShardSet::new(&endpoint);
-    let http = shardplane_models::http_client()?;
+    // Weights: no total deadline, but 30 s without a byte is a stall.
+    let http = shardplane_models::download_client(std::time::Duration::from_secs(30))?;
     let cache = cache::Cache::new(config.cache_dir.clone(), http)
         .map_err(|e| {
             format!(

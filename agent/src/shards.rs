@@ -7,11 +7,13 @@
 //!    Delete ──► unload (free weights and KV cache)
 //! ```
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -27,6 +29,7 @@ use shardplane_engine::{LoadOptions, StageLayout};
 
 use crate::cache::{Cache, Failure, verify_sha256};
 use crate::metrics::Metrics;
+use crate::retry;
 use crate::stage::StageWorker;
 
 /// A Shard's key: `namespace/name`.
@@ -58,6 +61,7 @@ impl ServedStage {
 pub struct ShardSet {
     loaded: Arc<Mutex<BTreeMap<Key, Arc<ServedStage>>>>,
     phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
+    failures: Arc<Mutex<BTreeMap<Key, retry::Record>>>,
     endpoint: Arc<str>,
 }
 
@@ -67,6 +71,7 @@ impl ShardSet {
         ShardSet {
             loaded: Arc::default(),
             phases: Arc::default(),
+            failures: Arc::default(),
             endpoint: endpoint.into(),
         }
     }
@@ -215,16 +220,31 @@ pub async fn run(
     let api: Api<Shard> = Api::all(client.clone());
     let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
     let mut seen_during_init: HashSet<Key> = HashSet::new();
+    // The cache key each of this node's Shards wants: partial downloads of
+    // any other model are swept once the Shards are known and when one goes.
+    let mut wanted: HashMap<Key, String> = HashMap::new();
+    let sweep = |wanted: &HashMap<Key, String>| {
+        sources
+            .cache
+            .sweep_partials(wanted.values().map(String::as_str));
+    };
     let mut stream = watcher(api, config).default_backoff().boxed();
     while let Some(event) = stream.next().await {
         match event {
             Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
                 seen_during_init.insert(key(&s));
+                wanted.insert(key(&s), s.spec.source.cache_key());
                 ensure(&client, s, &shards, &metrics, &sources);
             }
-            Ok(watcher::Event::Delete(s)) => unload(&key(&s), &shards, &metrics, &sources.cache),
+            Ok(watcher::Event::Delete(s)) => {
+                unload(&key(&s), &shards, &metrics, &sources.cache);
+                wanted.remove(&key(&s));
+                sweep(&wanted);
+            }
             Ok(watcher::Event::Init) => seen_during_init.clear(),
             Ok(watcher::Event::InitDone) => {
+                wanted.retain(|k, _| seen_during_init.contains(k));
+                sweep(&wanted);
                 // Shards deleted while the watch was down.
                 let gone: Vec<Key> = shards
                     .loaded
@@ -273,6 +293,7 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
 }
 
 fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
+    shards.failures.lock().expect("failure lock").remove(key);
     if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
         cache.unpin(&l.spec.source.cache_key());
         // In-flight sequences hold the stage until their streams end.
@@ -293,24 +314,29 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         return;
     }
     let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
-    if matches!(
-        phase,
-        Some(ShardPhase::Downloading | ShardPhase::Loading | ShardPhase::Failed)
-    ) {
-        return;
+    match phase {
+        Some(ShardPhase::Downloading | ShardPhase::Loading) => return,
+        // A retry is pending, or the spec failed for good: a new spec is tried.
+        Some(ShardPhase::Failed)
+            if !shards
+                .failures
+                .lock()
+                .expect("failure lock")
+                .get(&k)
+                .is_some_and(|r| r.may_try(shard.metadata.generation)) =>
+        {
+            return;
+        }
+        _ => {}
     }
     set_phase(shards, metrics, &k, Some(ShardPhase::Downloading));
     // The weights stay in the cache while the shard runs.
     let cache_key = shard.spec.source.cache_key();
     sources.cache.pin(&cache_key);
-    let (client, shards, metrics, sources) = (
-        client.clone(),
-        shards.clone(),
-        metrics.clone(),
-        sources.clone(),
-    );
+    let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
         let result = bring_up(&client, &shard, &shards, &metrics, &sources).await;
+        let mut retry = None;
         let status = match result {
             Ok(bytes) => ShardStatus {
                 phase: Some(ShardPhase::Ready),
@@ -324,25 +350,112 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             },
             Err(f) => {
                 sources.cache.unpin(&cache_key);
-                tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed");
+                let pause = shards
+                    .failures
+                    .lock()
+                    .expect("failure lock")
+                    .entry(k.clone())
+                    .or_default()
+                    .failed(f.reason, &f.message, shard.metadata.generation);
+                match pause {
+                    Some(p) => {
+                        tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed; trying again in {p:?}")
+                    }
+                    None => {
+                        tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed; not trying again until its spec changes")
+                    }
+                }
+                retry = pause;
                 ShardStatus {
                     phase: Some(ShardPhase::Failed),
                     reason: Some(f.reason.into()),
                     message: Some(f.message),
                     observed_generation: shard.metadata.generation,
+                    next_retry_time: pause
+                        .and_then(|p| Timestamp::now().checked_add(p).ok())
+                        .map(Time),
                     ..Default::default()
                 }
             }
         };
         set_phase(&shards, &metrics, &k, status.phase);
-        if let Err(e) = write_status(&client, &k, &status).await {
+        if let Err(e) = write_status(&client, &shards, &k, &status).await {
             tracing::warn!(shard = %k.1, error = %e, "cannot report shard status");
+        }
+        if let Some(pause) = retry {
+            retry_later(&client, k, pause, &shards, &metrics, &sources);
         }
     });
 }
 
-async fn write_status(client: &Client, k: &Key, status: &ShardStatus) -> kube::Result<()> {
+/// Brings the Shard up again after `pause`, as it then is, unless it was
+/// deleted, moved or brought up otherwise meanwhile.
+/// Owned handles for a spawned task.
+fn owned(
+    client: &Client,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+) -> (Client, ShardSet, Metrics, Sources) {
+    (
+        client.clone(),
+        shards.clone(),
+        metrics.clone(),
+        sources.clone(),
+    )
+}
+
+fn retry_later(
+    client: &Client,
+    k: Key,
+    pause: std::time::Duration,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+) {
+    let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
+    tokio::spawn(async move {
+        let api: Api<Shard> = Api::namespaced(client.clone(), &k.0);
+        let mut wait = pause;
+        loop {
+            tokio::time::sleep(wait).await;
+            if shards.phases.lock().expect("phase lock").get(&k) != Some(&ShardPhase::Failed) {
+                return;
+            }
+            match api.get_opt(&k.1).await {
+                Ok(Some(shard)) => {
+                    if let Some(r) = shards.failures.lock().expect("failure lock").get_mut(&k) {
+                        r.restarts += 1;
+                    }
+                    tracing::info!(shard = %k.1, "trying the failed shard again");
+                    set_phase(&shards, &metrics, &k, None);
+                    ensure(&client, shard, &shards, &metrics, &sources);
+                    return;
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(shard = %k.1, error = %e, "cannot read the shard to try it again");
+                    wait = retry::FIRST_PAUSE;
+                }
+            }
+        }
+    });
+}
+
+/// Writes the Shard's status, with its failure record (every write carries
+/// it: fields the agent leaves out of an apply are removed).
+async fn write_status(
+    client: &Client,
+    shards: &ShardSet,
+    k: &Key,
+    status: &ShardStatus,
+) -> kube::Result<()> {
     let api: Api<Shard> = Api::namespaced(client.clone(), &k.0);
+    let mut status = status.clone();
+    if let Some(r) = shards.failures.lock().expect("failure lock").get(k) {
+        status.restarts = (r.restarts > 0).then_some(r.restarts);
+        status.last_failure.clone_from(&r.last_failure);
+    }
     let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard", "status": status});
     api.patch_status(
         &k.1,
@@ -374,14 +487,16 @@ async fn bring_up(
     };
     let _ = write_status(
         client,
+        shards,
         &k,
         &status(ShardPhase::Downloading, "checking the weights".into()),
     )
     .await;
-    let path = fetch(client, shard, sources, metrics).await?;
+    let path = fetch(client, shards, shard, sources, metrics).await?;
 
     let _ = write_status(
         client,
+        shards,
         &k,
         &status(
             ShardPhase::Loading,
@@ -447,6 +562,7 @@ async fn bring_up(
 /// Makes sure the weights are on this node; returns their path.
 async fn fetch(
     client: &Client,
+    shards: &ShardSet,
     shard: &Shard,
     sources: &Sources,
     metrics: &Metrics,
@@ -474,8 +590,9 @@ async fn fetch(
     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let reporter = {
-        let (client, k, done, total, generation) = (
+        let (client, shards, k, done, total, generation) = (
             client.clone(),
+            shards.clone(),
             key(shard),
             done.clone(),
             total.clone(),
@@ -492,7 +609,7 @@ async fn fetch(
                     observed_generation: generation,
                     ..Default::default()
                 };
-                let _ = write_status(&client, &k, &status).await;
+                let _ = write_status(&client, &shards, &k, &status).await;
             }
         })
     };

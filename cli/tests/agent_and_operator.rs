@@ -220,13 +220,75 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
     })
     .await;
     assert_eq!(
-        failed.status.unwrap().reason.as_deref(),
+        failed.status.as_ref().unwrap().reason.as_deref(),
         Some("ChecksumMismatch")
     );
     assert!(
         !cache.file_for(&format!("url:{other}")).exists(),
         "a mismatching download is discarded"
     );
+    let st = failed.status.as_ref().unwrap();
+    assert!(st.next_retry_time.is_some(), "a fresh fetch is due: {st:?}");
+    // The fresh fetch mismatches too: Failed for good, not hot-looped.
+    let st = eventually("badsum fails again, for good", || async {
+        let st = shards.get("badsum-0-0").await.ok()?.status?;
+        (st.phase == Some(ShardPhase::Failed) && st.restarts == Some(1)).then_some(st)
+    })
+    .await;
+    assert_eq!(st.next_retry_time, None, "{st:?}");
+    assert!(
+        st.last_failure
+            .as_deref()
+            .is_some_and(|f| f.starts_with("ChecksumMismatch: ")),
+        "{st:?}"
+    );
+
+    // A source that served a damaged file once heals on the retry.
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flaky = {
+        let (served, bytes) = (served.clone(), bytes.clone());
+        axum::Router::new().route(
+            "/flaky.gguf",
+            axum::routing::get(move || {
+                let (served, mut bytes) = (served.clone(), bytes.clone());
+                async move {
+                    if served.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                        bytes[1000] ^= 0xff;
+                    }
+                    bytes
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let flaky_url = format!("http://{}/flaky.gguf", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, flaky).await.unwrap() });
+    let mut healing = fixtures::shard("healing", &node, 0, 1, LayerRange { start: 0, end: 30 });
+    healing.spec.source = ModelSource::Url(UrlSource {
+        url: flaky_url,
+        sha256: Some(MODEL_SHA256.into()),
+    });
+    shards
+        .create(&PostParams::default(), &healing)
+        .await
+        .unwrap();
+    let st = eventually("the damaged download's Shard heals", || async {
+        let st = shards.get("healing-0-0").await.ok()?.status?;
+        (st.phase == Some(ShardPhase::Ready)).then_some(st)
+    })
+    .await;
+    assert_eq!(st.restarts, Some(1), "{st:?}");
+    assert!(
+        st.last_failure
+            .as_deref()
+            .is_some_and(|f| f.starts_with("ChecksumMismatch: ")),
+        "{st:?}"
+    );
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 2);
+    shards
+        .delete("healing-0-0", &DeleteParams::default())
+        .await
+        .unwrap();
     std::fs::remove_dir_all(cache_dir(&node)).unwrap();
 
     // Broken weights fail their Shard with a reason; the agent keeps running.

@@ -135,3 +135,53 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     let left = processes_with(&state_path);
     assert!(left.is_empty(), "still running: {left:?}");
 }
+
+/// The README's main command on a machine where nothing is cached, up to what
+/// can be checked without compiling kube-apiserver: `up` run with the
+/// variables `cargo run` gives it (`OUT_DIR` among them) and an empty cache
+/// starts `scripts/setup.sh` without them, and the kube-apiserver build step
+/// (source fetched as on a cold machine, `make -n`) writes only in its own
+/// tree. That build once wrote under cargo's `OUT_DIR` and failed on every
+/// new machine while the tests, run with a warm cache, passed.
+#[test]
+fn the_readme_main_command_starts_setup_cleanly_under_cargo_run_on_a_cold_machine() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let main = "cargo run --release --locked -p shardplane -- up";
+    assert!(
+        readme.lines().any(|l| l.trim() == main),
+        "the README's main command is no longer `{main}`: check it as this test does"
+    );
+    let cold = tempfile::tempdir().unwrap();
+    let cargo_out = cold.path().join("target/release/build/shardplane-0123/out");
+    let out = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .arg("up")
+        .current_dir(repo_root())
+        .env("SHARDPLANE_SETUP", "check")
+        .env("SHARDPLANE_CACHE", cold.path().join("cache"))
+        // What `cargo run` sets for the program it runs.
+        .env("OUT_DIR", &cargo_out)
+        .env("CARGO", "cargo")
+        .env("CARGO_MANIFEST_DIR", repo_root().join("cli"))
+        .env("CARGO_PKG_NAME", "shardplane")
+        .env("CARGO_CRATE_NAME", "shardplane")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "up failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("checked: the kube-apiserver build writes only under its source tree"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("setup checked"), "{stdout}");
+    assert!(
+        !cold.path().join("target").exists(),
+        "something wrote under cargo's OUT_DIR"
+    );
+}

@@ -312,7 +312,7 @@ async fn kubectl_get_shows_printer_columns_and_the_category() -> anyhow::Result<
     assert_eq!(
         header,
         [
-            "NAME", "MODEL", "NODE", "STAGE", "FROM", "TO", "PHASE", "AGE"
+            "NAME", "MODEL", "NODE", "STAGE", "FROM", "TO", "PHASE", "RESTARTS", "AGE"
         ],
         "{out}"
     );

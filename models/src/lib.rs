@@ -196,12 +196,22 @@ pub const HUGGING_FACE_HUB: &str = "https://huggingface.co";
 
 /// An HTTP client for model sources (rustls with the ring provider, as kube uses).
 pub fn http_client() -> Result<reqwest::Client, String> {
+    client(reqwest::Client::builder().timeout(Duration::from_secs(120)))
+}
+
+/// An HTTP client for downloading weights: a connect timeout and an idle
+/// timeout (`idle` without a byte read), never a total deadline, so a 50 GB
+/// file at 30 MB/s finishes.
+pub fn download_client(idle: Duration) -> Result<reqwest::Client, String> {
+    client(reqwest::Client::builder().read_timeout(idle))
+}
+
+fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, String> {
     // Several crates bring rustls; name the provider once for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder()
+    builder
         .user_agent(concat!("shardplane/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(Duration::from_secs(10))
-        .timeout(Duration::from_secs(120))
         .build()
         .map_err(|e| format!("cannot build an HTTP client: {e}"))
 }

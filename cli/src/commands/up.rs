@@ -74,6 +74,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     if !args.no_setup {
         step("installing what is needed (cached after the first run)");
         script(&repo, &["scripts/setup.sh"])?;
+        if std::env::var_os("SHARDPLANE_SETUP").is_some_and(|v| v == "check") {
+            // scripts/setup.sh only checked what a cold first run depends on.
+            step("setup checked (SHARDPLANE_SETUP=check); starting nothing");
+            return Ok(());
+        }
     }
     script(&repo, &["scripts/model.sh", "--install-to", MODELS])?;
 

@@ -1,5 +1,6 @@
 //! `Shard`: one stage of one instance, bound to one node. This system's Pod.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -26,6 +27,7 @@ use super::{
     printcolumn(name = "From", type_ = "integer", json_path = ".spec.layers.start"),
     printcolumn(name = "To", type_ = "integer", json_path = ".spec.layers.end"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Restarts", type_ = "integer", json_path = ".status.restarts"),
     printcolumn(
         name = "Endpoint",
         type_ = "string",
@@ -135,6 +137,16 @@ pub struct ShardStatus {
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Times the agent has tried the shard again after a failure that may pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarts: Option<u32>,
+    /// The last failure, `Reason: message`; kept after the shard recovers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<String>,
+    /// When a Failed shard is tried again; absent when its failure is
+    /// permanent (it waits for a new spec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retry_time: Option<Time>,
     /// `Ready`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
