@@ -71,7 +71,8 @@ impl Registration {
         cached: &[CachedModel],
         metrics: &Metrics,
     ) -> kube::Result<()> {
-        let allocatable = machine.memory_total.saturating_sub(self.memory_reserve);
+        // On a Mac, what Metal may wire, not all of RAM.
+        let allocatable = machine.memory_usable.saturating_sub(self.memory_reserve);
         metrics
             .memory_bytes
             .with_label_values(&["total"])

@@ -18,6 +18,8 @@ pub struct Cli {
     command: Command,
 }
 
+// Parsed once at start-up: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Print every CustomResourceDefinition of the shardplane.dev API as YAML,

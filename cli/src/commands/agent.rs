@@ -1,4 +1,5 @@
-//! `shardplane agent`.
+//! `shardplane agent`: run the node agent, or `agent install` it as a
+//! service (see [`super::agent_install`]).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -6,20 +7,41 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Args;
+use clap::{Args, Subcommand};
 use shardplane_agent::AgentConfig;
+use shardplane_agent::machine;
 use shardplane_agent::registration::Registration;
 use shardplane_crds::quantity::parse_bytes_str;
 
 use super::kube_client::client;
 
-/// Options of `shardplane agent`.
+/// `shardplane agent [OPTIONS]` runs the agent; `shardplane agent install
+/// [OPTIONS]` installs it as a service with those options.
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct AgentArgs {
+    #[command(subcommand)]
+    action: Option<AgentAction>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// What `shardplane agent` does besides running.
+#[derive(Subcommand, Debug)]
+enum AgentAction {
+    /// Install the agent as a service that starts at boot and is restarted
+    /// when it stops: a systemd unit on Linux, a launchd daemon on macOS.
+    Install(super::agent_install::InstallArgs),
+}
+
+/// Options of the agent.
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct RunArgs {
     /// The kubeconfig to use; KUBECONFIG, ~/.kube/config or in-cluster when unset.
     #[arg(long, env = "SHARDPLANE_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
-    /// This node's name (the host name when unset).
+    /// This node's name (a DNS-1123 name); when unset, the host name's first
+    /// label, lowercased, with characters a name cannot hold turned into `-`.
     #[arg(long, env = "SHARDPLANE_NODE_NAME")]
     node_name: Option<String>,
     /// Labels for the InferenceNode when it is first created, `key=value`
@@ -62,10 +84,12 @@ pub struct AgentArgs {
     /// fastest link when listening everywhere.
     #[arg(long, env = "SHARDPLANE_ADVERTISE_ADDRESS")]
     advertise_address: Option<String>,
-    /// File holding the cluster's data-plane token (the same on every agent
-    /// and the gateway; calls without it are refused).
+    /// File holding the cluster's data-plane token (required: the same on
+    /// every agent and the gateway; calls without it are refused).
+    // Checked when used: marked required, clap would ask for it before
+    // `agent install` too, whose own copy of the options holds it.
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
-    token_file: PathBuf,
+    token_file: Option<PathBuf>,
     /// Seconds between measurements of the links to the other nodes (each a
     /// few small round trips and answers of up to 8 MiB per peer, smaller on
     /// slow links).
@@ -74,10 +98,11 @@ pub struct AgentArgs {
     /// Seconds the node's Lease holds without renewal.
     #[arg(long, env = "SHARDPLANE_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
-    /// The engine stages run on: candle, or mlx (Macs; binaries built with
-    /// the `mlx` feature).
-    #[arg(long, env = "SHARDPLANE_ENGINE", default_value = "candle")]
-    engine: String,
+    /// The engine stages run on: candle, or mlx (binaries built with the
+    /// `mlx` feature). When unset: mlx where it is built in and the machine
+    /// has Metal (Apple Silicon), else candle.
+    #[arg(long, env = "SHARDPLANE_ENGINE")]
+    engine: Option<String>,
     /// Compute threads for this agent's stages (default: the machine's
     /// cores). Agents sharing a machine should split its cores between them:
     /// compute pools that together outnumber the cores slow every agent
@@ -108,16 +133,115 @@ pub struct AgentArgs {
     decode_step_millis: u64,
 }
 
-/// Runs the agent until Ctrl-C or SIGTERM, then drains.
+/// Runs the agent until Ctrl-C or SIGTERM, then drains; or installs it.
 pub fn run(args: AgentArgs) -> anyhow::Result<()> {
+    match args.action {
+        Some(AgentAction::Install(install)) => super::agent_install::run(install),
+        None => run_agent(args.run),
+    }
+}
+
+impl RunArgs {
+    /// This node's name: `--node-name` checked, else made from the host name.
+    pub(crate) fn node(&self) -> anyhow::Result<String> {
+        match &self.node_name {
+            Some(n) => {
+                machine::check_node_name(n).map_err(anyhow::Error::msg)?;
+                Ok(n.clone())
+            }
+            None => machine::node_name_from_host(&machine::host_name()).map_err(anyhow::Error::msg),
+        }
+    }
+
+    /// The engine: `--engine`, else this machine's default.
+    pub(crate) fn engine(&self) -> &str {
+        self.engine.as_deref().unwrap_or_else(|| {
+            let mlx = shardplane_engine::pipeline::EngineKind::available().contains(&"mlx");
+            machine::default_engine(mlx, machine::has_metal())
+        })
+    }
+
+    /// The token file and the kubeconfig made absolute (a service does not
+    /// start in the directory `install` ran in).
+    pub(crate) fn with_absolute_paths(mut self) -> anyhow::Result<RunArgs> {
+        let absolute = |p: &std::path::Path, what: &str| {
+            std::path::absolute(p).with_context(|| format!("{what} {}", p.display()))
+        };
+        self.token_file = Some(absolute(self.token_file()?, "--token-file")?);
+        if let Some(k) = &self.kubeconfig {
+            self.kubeconfig = Some(absolute(k, "--kubeconfig")?);
+        }
+        self.cache_dir = absolute(&self.cache_dir, "--cache-dir")?;
+        Ok(self)
+    }
+
+    /// The token file this agent reads.
+    pub(crate) fn token_file(&self) -> anyhow::Result<&std::path::Path> {
+        self.token_file.as_deref().context(
+            "--token-file is required: the cluster's data-plane token file \
+             (or SHARDPLANE_DATA_PLANE_TOKEN_FILE)",
+        )
+    }
+
+    /// The kubeconfig this agent reads, when one is named.
+    pub(crate) fn kubeconfig(&self) -> Option<&std::path::Path> {
+        self.kubeconfig.as_deref()
+    }
+
+    /// These options as `shardplane agent` arguments, every one spelled out
+    /// (a service runs without the environment `install` ran in), with the
+    /// node name and engine resolved so they stay fixed.
+    pub(crate) fn to_args(&self, node: &str, engine: &str) -> Vec<String> {
+        let mut a: Vec<String> = Vec::new();
+        let mut put = |flag: &str, value: String| {
+            a.push(format!("--{flag}"));
+            a.push(value);
+        };
+        let path = |p: &PathBuf| p.display().to_string();
+        if let Some(k) = &self.kubeconfig {
+            put("kubeconfig", path(k));
+        }
+        put("node-name", node.to_string());
+        for l in &self.labels {
+            put("label", l.clone());
+        }
+        put("admin-address", self.admin_address.to_string());
+        put("memory-reserve", self.memory_reserve.clone());
+        put("cache-dir", path(&self.cache_dir));
+        if let Some(b) = &self.cache_budget {
+            put("cache-budget", b.clone());
+        }
+        put("hugging-face-endpoint", self.hugging_face_endpoint.clone());
+        put("data-plane-address", self.data_plane_address.to_string());
+        if let Some(x) = &self.advertise_address {
+            put("advertise-address", x.clone());
+        }
+        if let Some(t) = &self.token_file {
+            put("token-file", path(t));
+        }
+        put("probe-links-seconds", self.probe_links_seconds.to_string());
+        put("lease-seconds", self.lease_seconds.to_string());
+        put("engine", engine.to_string());
+        if let Some(t) = self.threads {
+            put("threads", t.to_string());
+        }
+        put(
+            "max-queue-wait-seconds",
+            self.max_queue_wait_seconds.to_string(),
+        );
+        put(
+            "prefill-tokens-per-step",
+            self.prefill_tokens_per_step.to_string(),
+        );
+        put("decode-step-millis", self.decode_step_millis.to_string());
+        a
+    }
+}
+
+fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     super::threads::use_threads(args.threads)?;
-    let node = match args.node_name {
-        Some(n) => n,
-        None => std::fs::read_to_string("/etc/hostname")
-            .context("no --node-name and no /etc/hostname")?
-            .trim()
-            .to_lowercase(),
-    };
+    let node = args.node()?;
+    let engine = args.engine().parse()?;
     let mut labels = BTreeMap::new();
     for l in &args.labels {
         let Some((k, v)) = l.split_once('=') else {
@@ -128,7 +252,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
     let memory_reserve = parse_bytes_str(&args.memory_reserve)?;
     let lease = Duration::from_secs(args.lease_seconds.max(3));
     let token =
-        shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
+        shardplane_dataplane::Token::from_file(args.token_file()?).map_err(anyhow::Error::msg)?;
     let config = AgentConfig {
         registration: Registration {
             node,
@@ -158,7 +282,7 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
             prefill_tokens: args.prefill_tokens_per_step as usize,
             decode_step: Duration::from_millis(args.decode_step_millis),
         },
-        engine: args.engine.parse()?,
+        engine,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;
@@ -174,5 +298,53 @@ pub(crate) async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Agent {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    #[test]
+    fn the_arguments_a_service_gets_parse_back_to_the_same_options() {
+        let given = [
+            "agent",
+            "--kubeconfig=/etc/shardplane/kubeconfig",
+            "--node-name=mac-1",
+            "--label=tier=daily",
+            "--label=room=attic",
+            "--admin-address=0.0.0.0:9191",
+            "--memory-reserve=6Gi",
+            "--cache-dir=/srv/weights",
+            "--cache-budget=300Gi",
+            "--hugging-face-endpoint=https://hf-mirror.example",
+            "--data-plane-address=0.0.0.0:7171",
+            "--advertise-address=10.0.0.5:7171",
+            "--token-file=/etc/shardplane/token",
+            "--probe-links-seconds=45",
+            "--lease-seconds=20",
+            "--engine=candle",
+            "--threads=6",
+            "--max-queue-wait-seconds=12.5",
+            "--prefill-tokens-per-step=256",
+            "--decode-step-millis=150",
+        ];
+        let run = Agent::parse_from(given).run;
+        let args = run.to_args("mac-1", "candle");
+        let again = Agent::parse_from(std::iter::once("agent".to_string()).chain(args)).run;
+        assert_eq!(again, run);
+        // Every option was given a value other than its default, so an option
+        // `to_args` forgot would come back different.
+        let defaults = Agent::parse_from(["agent", "--token-file=/t"]).run;
+        assert_ne!(defaults.admin_address, run.admin_address);
+        assert_ne!(defaults.decode_step_millis, run.decode_step_millis);
     }
 }

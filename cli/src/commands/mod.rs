@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod agent;
+pub mod agent_install;
 pub mod agent_kubeconfig;
 pub mod bench;
 mod bench_remote;
