@@ -199,12 +199,9 @@ async fn streaming_load_survives_killing_an_agent_and_the_operator_and_frees_eve
     let (_new_operator, new_admin) = operator(&tag);
     let restarted_at = Instant::now();
     let led_at = eventually("the new operator takes the lead", WAIT, || async {
-        let r = http
-            .get(format!("http://{new_admin}/readyz"))
-            .send()
-            .await
-            .ok()?;
-        (r.status() == 200).then(Instant::now)
+        let metrics = shardplane_testkit::metrics::scrape(&new_admin).await;
+        (shardplane_testkit::metrics::sum(&metrics, "shardplane_operator_leader ") == 1.0)
+            .then(Instant::now)
     })
     .await;
     let converged = eventually("the lost replica is re-placed and Ready", WAIT, || async {

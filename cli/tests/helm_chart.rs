@@ -1,14 +1,19 @@
-//! The Helm chart, rendered by Helm's own Go SDK (the helm-python-sdk package:
-//! lint, values.schema.json, templates) and checked against the real API
-//! server:
-//! - default values and a rack-of-Studios values file with every option on
-//!   pass `kubectl apply --dry-run=server` without a warning;
+//! The Helm chart, rendered and installed by Helm's own Go SDK (the
+//! helm-python-sdk package: lint, values.schema.json, templates, install,
+//! upgrade, uninstall) and checked against the real API server:
+//! - default values (rendered as `helm install --dry-run=server` does) and a
+//!   rack-of-Studios values file with every option on (as `helm template`
+//!   does) pass `kubectl apply --dry-run=server` without a warning;
 //! - the schema turns away bad values;
-//! - installed for real, the chart's RBAC gives the operator, the gateway and
-//!   the agents what they use and nothing more (the API server's RBAC
-//!   authorizer answers), and a real agent and a real gateway run with
+//! - installed for real with Helm, the chart's RBAC gives the operator, the
+//!   gateway and the agents what they use and nothing more (the API server's
+//!   RBAC authorizer answers), and a real agent and a real gateway run with
 //!   kubeconfigs made by `shardplane agent-kubeconfig` for their
-//!   ServiceAccounts.
+//!   ServiceAccounts;
+//! - on a control plane of its own (the chart owns the CRDs there): install,
+//!   upgrade from an older chart (the CRDs follow it), uninstall (CRDs and
+//!   secrets stay), and generated secrets that never change; rendered offline
+//!   (Argo CD) without given secrets the chart refuses, naming the values.
 //!
 //! The Prometheus Operator's CRDs are not in this API server, so its objects
 //! (ServiceMonitor, PodMonitor, ScrapeConfig, PrometheusRule) are checked by
@@ -44,24 +49,70 @@ fn helm(args: &[&str]) -> std::process::Output {
         .expect("python runs")
 }
 
-/// The chart rendered as release `release` in `namespace`, as JSON objects.
-fn render(release: &str, namespace: &str, values: Option<&Path>) -> Vec<Value> {
-    let chart = chart();
-    let mut args = vec!["render", chart.to_str().unwrap(), namespace, release];
-    if let Some(v) = values {
-        args.push(v.to_str().unwrap());
-    }
-    let out = helm(&args);
+/// `helm_chart.py args`, which must succeed; its stdout.
+fn helm_ok(args: &[&str]) -> String {
+    let out = helm(args);
     assert!(
         out.status.success(),
-        "helm render failed: {}",
+        "helm {} failed: {}",
+        args[0],
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_saphyr::from_multiple::<Value>(&String::from_utf8(out.stdout).unwrap())
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn yaml_stream(text: &str) -> Vec<Value> {
+    serde_saphyr::from_multiple::<Value>(text)
         .expect("the rendered chart is YAML")
         .into_iter()
         .filter(|d| !d.is_null())
         .collect()
+}
+
+fn paths(values: &[&Path]) -> Vec<String> {
+    values
+        .iter()
+        .map(|p| p.to_str().unwrap().to_string())
+        .collect()
+}
+
+/// The chart rendered offline as release `release` in `namespace`, as JSON
+/// objects (`helm template`, as Argo CD renders).
+fn render(release: &str, namespace: &str, values: &[&Path]) -> Vec<Value> {
+    let chart = chart();
+    let mut args = vec!["render", chart.to_str().unwrap(), namespace, release];
+    let values = paths(values);
+    args.extend(values.iter().map(String::as_str));
+    yaml_stream(&helm_ok(&args))
+}
+
+/// The chart as `helm install --dry-run=server` renders it against the test
+/// control plane: `lookup` and the API versions come from the cluster.
+fn dry_run(release: &str, namespace: &str, values: &[&Path]) -> Vec<Value> {
+    let chart = chart();
+    let kubeconfig = control_plane().kubeconfig().to_str().unwrap().to_string();
+    let mut args = vec![
+        "dry-run",
+        &kubeconfig,
+        chart.to_str().unwrap(),
+        namespace,
+        release,
+    ];
+    let values = paths(values);
+    args.extend(values.iter().map(String::as_str));
+    yaml_stream(&helm_ok(&args))
+}
+
+/// Values for a release in the shared test control plane, whose CRDs and
+/// node-lease namespace the test set-up owns (Helm refuses to adopt them).
+fn shared_cluster_values(dir: &Path) -> PathBuf {
+    let path = dir.join("shared-cluster-values.yaml");
+    std::fs::write(
+        &path,
+        "crds:\n  enabled: false\nnodeLeaseNamespace:\n  create: false\n",
+    )
+    .unwrap();
+    path
 }
 
 /// The objects as one `v1 List`, in order.
@@ -86,16 +137,20 @@ fn is_prometheus_operator(d: &Value) -> bool {
         .is_some_and(|v| v.starts_with("monitoring.coreos.com/"))
 }
 
-/// `kubectl apply` (or its server dry run) of everything but the Prometheus
+/// The server dry run of `kubectl apply` of everything but the Prometheus
 /// Operator's objects; returns what kubectl printed.
-fn apply(docs: &[Value], dry_run: bool) -> String {
+fn apply_dry_run(docs: &[Value]) -> String {
     let cp = control_plane();
     let objects: Vec<&Value> = docs.iter().filter(|d| !is_prometheus_operator(d)).collect();
     // Server-side, as Helm 4 applies.
-    let mut args = vec!["apply", "--server-side", "--field-manager=helm", "-f", "-"];
-    if dry_run {
-        args.push("--dry-run=server");
-    }
+    let args = [
+        "apply",
+        "--server-side",
+        "--field-manager=helm",
+        "-f",
+        "-",
+        "--dry-run=server",
+    ];
     let out = cp.kubectl_output(&args, &list(&objects)).unwrap();
     assert!(out.success, "kubectl apply failed:\n{}", out.stderr);
     assert!(
@@ -138,11 +193,31 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
     let cp = control_plane();
     let client = cp.client().await.unwrap();
     ensure_namespace(NODE_LEASE_NAMESPACE);
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared_cluster_values(dir.path());
     let rack = chart().join("ci/studio-rack-values.yaml");
-    for values in [None, Some(rack.as_path())] {
+    // The rack values turn on the Prometheus Operator's objects, whose CRDs
+    // this API server lacks, so they render offline (where Helm's default API
+    // versions hold policy/v1, which this 1.20 API server lacks: no PDBs).
+    let no_pdb = dir.path().join("no-pdb.yaml");
+    std::fs::write(
+        &no_pdb,
+        "operator:\n  podDisruptionBudget:\n    enabled: false\n\
+         gateway:\n  podDisruptionBudget:\n    enabled: false\n",
+    )
+    .unwrap();
+    for rack_values in [false, true] {
         let ns = cp.namespace(&client, "helm-dry").await.unwrap();
-        let docs = render("shardplane", &ns, values);
-        let printed = apply(&docs, true);
+        let docs = if rack_values {
+            let with_pdbs = render("shardplane", &ns, &[shared.as_path(), rack.as_path()]);
+            for pdb in of_kind(&with_pdbs, "PodDisruptionBudget") {
+                assert_eq!(pdb["apiVersion"], "policy/v1", "{pdb}");
+            }
+            render("shardplane", &ns, &[&shared, &rack, &no_pdb])
+        } else {
+            dry_run("shardplane", &ns, &[&shared])
+        };
+        let printed = apply_dry_run(&docs);
         assert!(printed.contains("(server dry run)"), "{printed}");
         for kind in [
             "Deployment",
@@ -155,6 +230,29 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
             assert!(!of_kind(&docs, kind).is_empty(), "no {kind} rendered");
         }
         assert_eq!(of_kind(&docs, "Deployment").len(), 2);
+        assert!(
+            of_kind(&docs, "CustomResourceDefinition").is_empty(),
+            "crds.enabled=false leaves the CRDs out"
+        );
+        if !rack_values {
+            // The cluster's API versions: a 1.20 API server has only v1beta1.
+            let pdbs = of_kind(&docs, "PodDisruptionBudget");
+            assert_eq!(pdbs.len(), 2, "operator and gateway each get one");
+            for pdb in pdbs {
+                assert_eq!(pdb["apiVersion"], "policy/v1beta1", "{pdb}");
+                assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+            }
+        }
+        // Every replicated component spreads over hosts, softly.
+        for d in of_kind(&docs, "Deployment") {
+            let spread = &d["spec"]["template"]["spec"]["topologySpreadConstraints"][0];
+            assert_eq!(spread["topologyKey"], "kubernetes.io/hostname", "{d}");
+            assert_eq!(spread["whenUnsatisfiable"], "ScheduleAnyway");
+            assert!(labels_match(
+                &spread["labelSelector"],
+                &d["spec"]["template"]["metadata"]["labels"]
+            ));
+        }
 
         // The dashboards, one ConfigMap each, exactly the shipped JSON.
         let maps = of_kind(&docs, "ConfigMap");
@@ -178,10 +276,10 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
         }
 
         let monitoring: Vec<&Value> = docs.iter().filter(|d| is_prometheus_operator(d)).collect();
-        if values.is_none() {
-            assert!(monitoring.is_empty(), "monitoring objects are opt-in");
-        } else {
+        if rack_values {
             check_monitoring(&docs);
+        } else {
+            assert!(monitoring.is_empty(), "monitoring objects are opt-in");
         }
         cp.kubectl(&["delete", "namespace", &ns, "--wait=false"])
             .unwrap();
@@ -241,6 +339,9 @@ fn check_monitoring(docs: &[Value]) {
 
     let pods = of_kind(docs, "PodMonitor");
     assert_eq!(pods.len(), 1);
+    let relabel = &pods[0]["spec"]["podMetricsEndpoints"][0]["relabelings"][0];
+    assert_eq!(relabel["targetLabel"], "job");
+    assert_eq!(relabel["replacement"], "shardplane-$1");
     for d in of_kind(docs, "Deployment") {
         let labels = &d["spec"]["template"]["metadata"]["labels"];
         assert!(labels_match(&pods[0]["spec"]["selector"], labels), "{d}");
@@ -357,6 +458,8 @@ struct Release {
 impl Drop for Release {
     fn drop(&mut self) {
         let cp = control_plane();
+        let kubeconfig = cp.kubeconfig().to_str().unwrap();
+        let _ = helm(&["uninstall", kubeconfig, &self.namespace, &self.name]);
         let selector = format!("app.kubernetes.io/instance={}", self.name);
         for kind in ["clusterrole", "clusterrolebinding"] {
             let _ = cp.kubectl(&["delete", kind, "-l", &selector, "--wait=false"]);
@@ -383,8 +486,19 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         namespace: ns.clone(),
         node: unique_name("helm-agent"),
     };
-    let docs = render(&release.name, &ns, None);
-    apply(&docs, false);
+    let values_dir = tempfile::tempdir().unwrap();
+    let shared = shared_cluster_values(values_dir.path());
+    let chart = chart();
+    let kubeconfig = cp.kubeconfig().to_str().unwrap();
+    let status = helm_ok(&[
+        "install",
+        kubeconfig,
+        chart.to_str().unwrap(),
+        &ns,
+        &release.name,
+        shared.to_str().unwrap(),
+    ]);
+    assert_eq!(status.trim(), "deployed");
     let full = format!("{}-shardplane", release.name);
     let sa = |c: &str| format!("system:serviceaccount:{ns}:{full}-{c}");
     let (operator, gateway, agent) = (sa("operator"), sa("gateway"), sa("agent"));
@@ -567,4 +681,168 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
 
     drop(_agent);
     let _ = nodes.delete(&release.node, &DeleteParams::default()).await;
+}
+
+/// The `jsonpath` of object `what` (kind/name, in `namespace` when given).
+fn get(cp: &shardplane_testkit::ControlPlane, what: &str, ns: Option<&str>, path: &str) -> String {
+    let mut args = vec!["get", what, "-o"];
+    let jsonpath = format!("jsonpath={path}");
+    args.push(&jsonpath);
+    if let Some(ns) = ns {
+        args.extend(["-n", ns]);
+    }
+    cp.kubectl(&args).unwrap()
+}
+
+#[test]
+fn on_its_own_cluster_the_chart_installs_upgrades_and_uninstalls_keeping_crds_and_secrets() {
+    let chart = chart();
+    // Offline (helm template, Argo CD) with nothing to take the secrets from:
+    // refused, naming what to set, instead of new random secrets per render.
+    let out = helm(&["render", chart.to_str().unwrap(), "sp", "shardplane"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an offline render generated secrets");
+    assert!(
+        said.contains("dataPlaneToken.existingSecret")
+            && said.contains("without access to the cluster"),
+        "{said}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let existing = dir.path().join("existing-secrets.yaml");
+    std::fs::write(
+        &existing,
+        "dataPlaneToken:\n  existingSecret: my-token\ngateway:\n  apiKeys:\n    existingSecret: my-keys\n",
+    )
+    .unwrap();
+    let docs = render("shardplane", "sp", &[&existing]);
+    assert!(
+        of_kind(&docs, "Secret")
+            .iter()
+            .all(|s| s["type"] != "Opaque")
+    );
+    assert!(list(&docs.iter().collect::<Vec<_>>()).contains("\"my-token\""));
+
+    // The chart as it was: version 0.0.9, whose Shard CRD lacks a column.
+    let old = dir.path().join("old-chart");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(&chart)
+        .arg(&old)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let meta = std::fs::read_to_string(old.join("Chart.yaml")).unwrap();
+    std::fs::write(
+        old.join("Chart.yaml"),
+        meta.replace("\nversion: 0.1.0\n", "\nversion: 0.0.9\n"),
+    )
+    .unwrap();
+    let shards_crd = old.join("files/crds/shards.shardplane.dev.yaml");
+    let mut crd: Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&shards_crd).unwrap()).unwrap();
+    let columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        .as_array_mut()
+        .unwrap();
+    let before = columns.len();
+    columns.retain(|c| c["name"] != "Restarts");
+    assert_eq!(
+        columns.len(),
+        before - 1,
+        "the Shard CRD has a Restarts column"
+    );
+    std::fs::write(&shards_crd, crd.to_string()).unwrap();
+
+    let cp = shardplane_testkit::OwnControlPlane::start();
+    let kubeconfig = cp.kubeconfig().to_str().unwrap().to_string();
+    let ns = "shardplane-system";
+    let helm_in = |args: &[&str]| helm_ok(&[&[args[0], kubeconfig.as_str()], &args[1..]].concat());
+    let columns = || {
+        get(
+            &cp,
+            "crd/shards.shardplane.dev",
+            None,
+            "{.spec.versions[0].additionalPrinterColumns[*].name}",
+        )
+    };
+    let secrets = || {
+        (
+            get(
+                &cp,
+                "secret/shardplane-data-plane-token",
+                Some(ns),
+                "{.data.token}",
+            ),
+            get(
+                &cp,
+                "secret/shardplane-api-keys",
+                Some(ns),
+                "{.data.default}",
+            ),
+        )
+    };
+
+    assert_eq!(
+        helm_in(&["install", old.to_str().unwrap(), ns, "shardplane"]).trim(),
+        "deployed"
+    );
+    assert!(!columns().contains("Restarts"), "{}", columns());
+    let first = secrets();
+    assert!(first.0.len() > 40 && first.1.len() > 40, "{first:?}");
+    assert_eq!(
+        get(
+            &cp,
+            "crd/shards.shardplane.dev",
+            None,
+            "{.metadata.annotations.helm\\.sh/resource-policy}"
+        ),
+        "keep"
+    );
+
+    // An upgrade to this chart upgrades the CRDs and keeps the secrets.
+    assert_eq!(
+        helm_in(&["upgrade", chart.to_str().unwrap(), ns, "shardplane"]).trim(),
+        "deployed"
+    );
+    assert!(columns().contains("Restarts"), "{}", columns());
+    assert_eq!(
+        get(
+            &cp,
+            "crd/shards.shardplane.dev",
+            None,
+            "{.metadata.labels.helm\\.sh/chart}"
+        ),
+        "shardplane-0.1.0"
+    );
+    assert_eq!(secrets(), first, "generated secrets change on upgrade");
+
+    // Objects of the chart's kinds, and the secrets, outlive an uninstall.
+    let mut strategy =
+        shardplane_testkit::fixtures::strategy("kept", shardplane_crds::Parallelism::None);
+    strategy.metadata.labels = None;
+    cp.kubectl_stdin(
+        &["apply", "-f", "-"],
+        &serde_json::to_string(&strategy).unwrap(),
+    )
+    .unwrap();
+    let said = helm_in(&["uninstall", ns, "shardplane"]);
+    assert!(said.contains("kept due to the resource policy"), "{said}");
+    assert!(
+        cp.kubectl(&["get", "deployment", "-n", ns, "-o", "name"])
+            .unwrap()
+            .trim()
+            .is_empty()
+    );
+    assert!(columns().contains("Restarts"));
+    assert_eq!(
+        get(&cp, "shardingstrategy/kept", None, "{.metadata.name}"),
+        "kept"
+    );
+    assert_eq!(secrets(), first);
+
+    // Installed again, the release takes the kept CRDs and secrets back.
+    assert_eq!(
+        helm_in(&["install", chart.to_str().unwrap(), ns, "shardplane"]).trim(),
+        "deployed"
+    );
+    assert_eq!(secrets(), first);
 }

@@ -104,7 +104,7 @@ pub fn all_crds_yaml() -> Result<String, serde_saphyr::SerializeError> {
 }
 
 /// Every CRD as `(file name, YAML)`, the files committed in the Helm chart's
-/// `crds/` directory (`shardplane crds --dir charts/shardplane/crds`).
+/// `files/crds/` (templated into the release; `shardplane crds --dir charts/shardplane/files/crds`).
 pub fn crd_files() -> Result<Vec<(String, String)>, serde_saphyr::SerializeError> {
     all_crds()
         .into_iter()

@@ -4,8 +4,8 @@ use std::collections::BTreeSet;
 
 #[test]
 fn committed_crds_match_the_rust_types() {
-    let dir = shardplane_testkit::repo_root().join("charts/shardplane/crds");
-    let regenerate = "regenerate them with `cargo run -p shardplane -- crds --dir charts/shardplane/crds` and commit";
+    let dir = shardplane_testkit::repo_root().join("charts/shardplane/files/crds");
+    let regenerate = "regenerate them with `cargo run -p shardplane -- crds --dir charts/shardplane/files/crds` and commit";
     let generated = shardplane_crds::crd_files().expect("CRDs serialize");
     for (file, yaml) in &generated {
         let path = dir.join(file);

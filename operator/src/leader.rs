@@ -1,7 +1,20 @@
 //! Leader election on a Lease: of several operator replicas, only the holder
 //! of the Lease runs controllers. A holder that cannot renew in time steps
 //! down (the process exits and is restarted) so two never act at once.
+//!
+//! ```text
+//!  standby ──try_take every renew_every──► leader ──renew──► leader
+//!     │ ready while the API server answers     │ renewals fail for a whole
+//!     ▼                                        ▼ lease_duration
+//!  not ready (API server unreachable)       steps down (process exits)
+//! ```
+//!
+//! Readiness does not depend on leadership: a standby that reaches the API
+//! server is ready to take over, so rollouts, `helm install --wait` and GitOps
+//! health checks complete with standbys. Who leads shows in the
+//! `shardplane_operator_leader` gauge and the Lease's holder.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -47,13 +60,35 @@ pub async fn ensure_namespace(client: &Client, name: &str) -> kube::Result<()> {
 }
 
 impl Election {
-    /// Waits until this replica holds the Lease.
-    pub async fn acquire(&self, client: &Client) -> kube::Result<()> {
-        ensure_namespace(client, &self.namespace).await?;
+    /// Waits until this replica holds the Lease. `ready` says whether the
+    /// last try reached the API server (a standby that does is ready to take
+    /// over); a failed try is logged and tried again.
+    pub async fn acquire(&self, client: &Client, ready: &AtomicBool) {
+        let (mut failing, mut namespace_seen) = (false, false);
         loop {
-            if self.try_take(client).await? {
-                tracing::info!(identity = %self.identity, lease = %self.name, "became the leader");
-                return Ok(());
+            let tried = match namespace_seen {
+                true => self.try_take(client).await,
+                false => match ensure_namespace(client, &self.namespace).await {
+                    Ok(()) => {
+                        namespace_seen = true;
+                        self.try_take(client).await
+                    }
+                    Err(e) => Err(e),
+                },
+            };
+            ready.store(tried.is_ok(), Ordering::Relaxed);
+            match tried {
+                Ok(true) => {
+                    tracing::info!(identity = %self.identity, lease = %self.name, "became the leader");
+                    return;
+                }
+                Ok(false) => failing = false,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, lease = %self.name, "cannot reach the leader lease; trying again");
+                    }
+                    failing = true;
+                }
             }
             tokio::time::sleep(self.renew_every).await;
         }

@@ -13,7 +13,9 @@
 //! a reconcile never LISTs.
 //!
 //! Only the replica holding the leader Lease runs controllers. Every replica
-//! serves `/metrics`, `/livez` and `/readyz` on its admin port.
+//! serves `/metrics`, `/livez` and `/readyz` on its admin port; `/readyz` says
+//! the replica reaches the API server (leader or standby), the
+//! `shardplane_operator_leader` gauge says it leads.
 
 pub mod caches;
 pub mod conditions;
@@ -24,7 +26,7 @@ pub mod metrics;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use kube::Client;
@@ -47,6 +49,9 @@ pub struct OperatorConfig {
     /// Read `path` model sources where the operator runs (one machine); when
     /// false, agents holding the file report its metadata.
     pub read_model_paths: bool,
+    /// The gateway's base URL, written into each placed deployment's
+    /// `status.endpoint`; no endpoint is written when unset.
+    pub gateway_url: Option<String>,
 }
 
 pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
@@ -69,11 +74,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         },
     ));
 
-    config
-        .election
-        .acquire(&client)
-        .await
-        .map_err(|e| format!("leader election failed: {e}"))?;
+    config.election.acquire(&client, &ready).await;
     metrics.leader.set(1);
     leader::ensure_namespace(&client, NODE_LEASE_NAMESPACE)
         .await
@@ -98,9 +99,9 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         http: http_client()?,
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
         read_model_paths: config.read_model_paths,
+        gateway_url: config.gateway_url.clone(),
         stores: caches.stores(),
     });
-    ready.store(true, Ordering::Relaxed);
     let controllers = futures::future::join4(
         controllers::model::run(models, ctx.clone()),
         controllers::node::run(nodes, ctx.clone()),

@@ -1,5 +1,7 @@
 //! Two operator replicas: only the Lease holder acts; when it dies mid-way
 //! the other takes over and converges, with no duplicate or orphaned Shards.
+//! Both report ready (`/readyz`) while they reach the API server: a standby is
+//! ready to take over; the leader gauge says which one leads.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -33,6 +35,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
         hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
+        gateway_url: None,
     };
     let client = client.clone();
     let task = tokio::spawn(async move {
@@ -57,21 +60,32 @@ async fn ready(admin: SocketAddr) -> bool {
     String::from_utf8_lossy(&out.stdout) == "200"
 }
 
+/// Whether the replica at `admin` says it leads (its leader gauge is 1).
+async fn leads(admin: SocketAddr) -> bool {
+    let metrics = shardplane_testkit::metrics::scrape(&admin.to_string()).await;
+    shardplane_testkit::metrics::sum(&metrics, "shardplane_operator_leader ") == 1.0
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_leads_and_the_other_takes_over_without_duplicates() {
     let client = control_plane().client().await.unwrap();
     let election = unique_name("election");
     let (a, admin_a) = replica(&client, &election);
     eventually("replica A leads", WAIT, || async {
-        ready(admin_a).await.then_some(())
+        (leads(admin_a).await && ready(admin_a).await).then_some(())
     })
     .await;
     let (b, admin_b) = replica(&client, &election);
+    eventually("standby B is ready", WAIT, || async {
+        ready(admin_b).await.then_some(())
+    })
+    .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        !ready(admin_b).await,
+        !leads(admin_b).await,
         "replica B must stand by while A holds the Lease"
     );
+    assert!(ready(admin_b).await, "a standby stays ready");
 
     // A places a deployment.
     let ns = control_plane().namespace(&client, "lead").await.unwrap();
@@ -129,7 +143,7 @@ async fn one_replica_leads_and_the_other_takes_over_without_duplicates() {
 
     // B takes over once the Lease expires and converges: 3 shards, no duplicates.
     eventually("replica B leads", WAIT, || async {
-        ready(admin_b).await.then_some(())
+        leads(admin_b).await.then_some(())
     })
     .await;
     let items = eventually("B converges to 3 instances", WAIT, || async {

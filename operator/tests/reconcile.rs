@@ -15,6 +15,7 @@ use shardplane_testkit::as_agent::{register_node, renew_lease};
 use shardplane_testkit::{control_plane, fixtures, unique_name};
 
 const WAIT: Duration = Duration::from_secs(60);
+const GATEWAY_URL: &str = "http://gateway.example:8080/v1";
 
 /// Starts the operator in this process (once per test binary's runtime).
 async fn start_operator(client: &Client) -> SocketAddr {
@@ -39,6 +40,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
+        gateway_url: Some(GATEWAY_URL.into()),
     };
     let client = client.clone();
     tokio::spawn(async move {
@@ -282,6 +284,15 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
     let st = d.status.unwrap();
     assert_eq!((st.replicas, st.ready_replicas), (1, 1));
     assert_eq!(st.instances[0].stages.len(), 3);
+    let served = models.get("smollm2").await.unwrap();
+    assert_eq!(
+        st.endpoint,
+        Some(DeploymentEndpoint {
+            url: GATEWAY_URL.into(),
+            model: served.served_name().into(),
+        }),
+        "clients are told where to ask"
+    );
 
     // A node stops renewing its Lease: only its stage moves, to the spare node.
     let lost = stages[1].spec.node.clone();
@@ -343,6 +354,46 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         (v.len() == 2 && v.iter().all(|x| x.spec.node != cordoned)).then_some(())
     })
     .await;
+
+    // A replica that keeps failing on its node (its agent's retries say so)
+    // moves to a node that can take it, and the deployment says why.
+    nodes
+        .patch(
+            &cordoned,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": false}})),
+        )
+        .await
+        .unwrap();
+    let failing = shards_of(&client, &s.ns, "chat").await.remove(0);
+    let failing_node = failing.spec.node.clone();
+    let failed = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard",
+                        "status": {"phase": "Failed", "restarts": 3,
+                                   "message": "load: out of memory",
+                                   "lastFailure": "load: out of memory"}});
+    Api::<Shard>::namespaced(client.clone(), &s.ns)
+        .patch_status(
+            &failing.name_any(),
+            &PatchParams::apply(AGENT_MANAGER).force(),
+            &Patch::Apply(&failed),
+        )
+        .await
+        .unwrap();
+    eventually("the failing replica moves", || async {
+        let v = shards_of(&client, &s.ns, "chat").await;
+        (v.len() == 2 && v.iter().all(|x| x.spec.node != failing_node)).then_some(())
+    })
+    .await;
+    let d = deployments.get("chat").await.unwrap();
+    let progressing = condition(&d, CONDITION_PROGRESSING).unwrap();
+    assert_eq!(progressing.reason, "StageMoved");
+    assert!(
+        progressing.message.contains(&format!(
+            "failed 3 times on {failing_node}: load: out of memory"
+        )),
+        "{}",
+        progressing.message
+    );
 
     // Scaling to 1 removes an instance; scaling up again cannot exceed the nodes.
     deployments
@@ -431,6 +482,11 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         (c.status == "False" && c.reason == "InsufficientMemory").then_some(d)
     })
     .await;
+    assert_eq!(
+        d.status.as_ref().unwrap().endpoint,
+        None,
+        "nothing placed, no endpoint"
+    );
     let message = &condition(&d, CONDITION_READY).unwrap().message;
     assert!(
         message.contains("KV cache for 1048576 tokens x 64 sequences")

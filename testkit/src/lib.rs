@@ -13,6 +13,10 @@
 //! ([`unique_name`]). Namespaces are never deleted: the test server has no
 //! controller-manager to finish deleting them, and it is thrown away afterwards.
 //!
+//! [`OwnControlPlane`] starts one for a single test, without the CRDs, for
+//! tests that install cluster-scoped things the shared one holds (a Helm
+//! release owning the CRDs).
+//!
 //! [`test_model`] gives the path of the real test model.
 
 use std::path::{Path, PathBuf};
@@ -72,34 +76,78 @@ pub fn control_plane() -> &'static ControlPlane {
     }
 }
 
+/// A control plane of one test's own, without the shardplane CRDs; stopped
+/// when dropped (and, should the test process die, by the script's watcher).
+#[derive(Debug)]
+pub struct OwnControlPlane {
+    cp: ControlPlane,
+    dir: PathBuf,
+}
+
+impl OwnControlPlane {
+    /// Starts one; panics with the set-up command when it cannot.
+    pub fn start() -> OwnControlPlane {
+        match start_control_plane() {
+            Ok((cp, dir)) => OwnControlPlane { cp, dir },
+            Err(e) => panic!(
+                "cannot start a control plane: {e:#}\n\
+                 Set it up with `bash scripts/control-plane.sh install` (or run the whole suite with `bash scripts/test.sh`)."
+            ),
+        }
+    }
+}
+
+impl std::ops::Deref for OwnControlPlane {
+    type Target = ControlPlane;
+    fn deref(&self) -> &ControlPlane {
+        &self.cp
+    }
+}
+
+impl Drop for OwnControlPlane {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(repo_root().join("scripts/control-plane.sh"))
+            .arg("stop")
+            .arg(&self.dir)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts a control plane with `scripts/control-plane.sh` in a new directory;
+/// the script's watcher stops it and removes the directory once this process
+/// exits.
+fn start_control_plane() -> anyhow::Result<(ControlPlane, PathBuf)> {
+    let dir = tempfile::Builder::new()
+        .prefix("shardplane-cp-")
+        .tempdir()?
+        .keep();
+    let script = repo_root().join("scripts/control-plane.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("start")
+        .arg(&dir)
+        .arg(std::process::id().to_string())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} start failed ({})", script.display(), out.status);
+    }
+    let cp = ControlPlane {
+        kubeconfig: dir.join("kubeconfig"),
+    };
+    Ok((cp, dir))
+}
+
 impl ControlPlane {
     fn start_or_reuse() -> anyhow::Result<ControlPlane> {
         let cp = match std::env::var_os("SHARDPLANE_TEST_KUBECONFIG").filter(|v| !v.is_empty()) {
             Some(path) => ControlPlane {
                 kubeconfig: PathBuf::from(path),
             },
-            None => {
-                // The script's watcher removes the directory once this process exits.
-                let dir = tempfile::Builder::new()
-                    .prefix("shardplane-cp-")
-                    .tempdir()?
-                    .keep();
-                let script = repo_root().join("scripts/control-plane.sh");
-                let out = Command::new("bash")
-                    .arg(&script)
-                    .arg("start")
-                    .arg(&dir)
-                    .arg(std::process::id().to_string())
-                    .stderr(Stdio::inherit())
-                    .output()
-                    .with_context(|| format!("cannot run {}", script.display()))?;
-                if !out.status.success() {
-                    bail!("{} start failed ({})", script.display(), out.status);
-                }
-                ControlPlane {
-                    kubeconfig: dir.join("kubeconfig"),
-                }
-            }
+            None => start_control_plane()?.0,
         };
         cp.install_crds()?;
         Ok(cp)

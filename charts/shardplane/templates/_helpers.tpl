@@ -91,3 +91,52 @@ affinity:
 priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
+
+{{/*
+requireCluster DICT(root, what, set): fails unless lookup reaches the cluster.
+Offline (helm template, Argo CD, a client dry run) lookup answers nothing, so
+a generated value would change on every render.
+*/}}
+{{- define "shardplane.requireCluster" -}}
+{{- if not (lookup "v1" "Namespace" "" "").items }}
+{{- fail (printf "cannot generate %s without access to the cluster (helm template and Argo CD render offline, and a value generated there changes on every render): set %s; see docs/helm.md, \"Secrets under GitOps\"" .what .set) }}
+{{- end }}
+{{- end -}}
+
+{{/* spread DICT(root, component, values): topologySpreadConstraints over the
+component's own pods, when values.topologySpread.enabled. */}}
+{{- define "shardplane.spread" -}}
+{{- with .values.topologySpread }}
+{{- if .enabled }}
+topologySpreadConstraints:
+  - maxSkew: {{ .maxSkew }}
+    topologyKey: {{ .topologyKey }}
+    whenUnsatisfiable: {{ .whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "shardplane.selectorLabels" (dict "root" $.root "component" $.component) | nindent 8 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* pdb DICT(root, component, values): a PodDisruptionBudget for a component
+with more than one replica, when values.podDisruptionBudget.enabled. */}}
+{{- define "shardplane.pdb" -}}
+{{- $pdb := .values.podDisruptionBudget }}
+{{- if and $pdb.enabled (gt (int .values.replicas) 1) }}
+---
+apiVersion: {{ if .root.Capabilities.APIVersions.Has "policy/v1" }}policy/v1{{ else }}policy/v1beta1{{ end }}
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "shardplane.fullname" .root }}-{{ .component }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "shardplane.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  maxUnavailable: {{ $pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "shardplane.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+{{- end }}
+{{- end -}}

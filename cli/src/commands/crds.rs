@@ -10,7 +10,7 @@ use clap::Args;
 #[derive(Args, Debug)]
 pub struct CrdsArgs {
     /// Write one `<name>.yaml` file per CRD into this directory instead of
-    /// printing a YAML stream (e.g. `charts/shardplane/crds`).
+    /// printing a YAML stream (e.g. `charts/shardplane/files/crds`).
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
 }

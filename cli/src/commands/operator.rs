@@ -45,6 +45,22 @@ pub struct OperatorArgs {
     /// Seconds a node's Lease holds when it does not say.
     #[arg(long, env = "SHARDPLANE_NODE_LEASE_SECONDS", default_value_t = 15)]
     node_lease_seconds: u64,
+    /// The gateway's base URL as clients reach it (`http://host:8080/v1`),
+    /// written with the served model name into each deployment's
+    /// `status.endpoint`.
+    #[arg(long, env = "SHARDPLANE_GATEWAY_URL", value_parser = gateway_url)]
+    gateway_url: Option<String>,
+}
+
+/// An http(s) URL with a host, without a trailing slash.
+fn gateway_url(text: &str) -> Result<String, String> {
+    let url = reqwest::Url::parse(text).map_err(|e| format!("not a URL ({e}): {text}"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(format!(
+            "an http:// or https:// URL with a host is wanted: {text}"
+        ));
+    }
+    Ok(text.trim_end_matches('/').to_string())
 }
 
 /// Runs the operator until Ctrl-C or lost leadership.
@@ -66,6 +82,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
         default_node_lease: Duration::from_secs(args.node_lease_seconds),
         hugging_face_endpoint: args.hugging_face_endpoint,
         read_model_paths: args.read_model_paths,
+        gateway_url: args.gateway_url,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -141,6 +141,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             kc,
             "--admin-address",
             "127.0.0.1:9090",
+            "--gateway-url",
+            &format!("http://{}/v1", args.gateway_address),
         ],
     )?;
     // The agents share this machine's cores (see `threads`).
@@ -452,23 +454,22 @@ fn progress(d: &ModelDeployment) -> (String, bool) {
     )
 }
 
-/// The names the gateway serves the deployments under (first alias, else
-/// the deployment's name).
+/// The names the gateway serves the deployments under, as the operator
+/// wrote them in each deployment's `status.endpoint`.
 async fn served_names(client: &kube::Client) -> anyhow::Result<Vec<String>> {
     let api: Api<ModelDeployment> = Api::all(client.clone());
-    Ok(api
-        .list(&ListParams::default())
+    api.list(&ListParams::default())
         .await?
         .items
         .iter()
         .map(|d| {
-            d.spec
-                .aliases
-                .first()
-                .cloned()
-                .unwrap_or_else(|| d.name_any())
+            d.status
+                .as_ref()
+                .and_then(|s| s.endpoint.as_ref())
+                .map(|e| e.model.clone())
+                .with_context(|| format!("{} has no status.endpoint", d.name_any()))
         })
-        .collect())
+        .collect()
 }
 
 async fn chat(address: &str, key: &str, model: &str) -> anyhow::Result<String> {

@@ -102,7 +102,8 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
 }
 
 /// An operator with 4 s leader and node Leases that reads model paths
-/// itself, and where its `/readyz` answers (ready: it leads).
+/// itself, and where its admin port answers (`shardplane_operator_leader`
+/// says it leads).
 pub fn operator(leader_namespace: &str) -> (ChildGuard, String) {
     let admin = free_address().to_string();
     let guard = spawn_component(

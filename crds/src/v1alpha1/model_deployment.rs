@@ -110,15 +110,28 @@ pub struct ModelDeploymentStatus {
     /// The placed instances and their stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub instances: Vec<InstanceStatus>,
-    /// Where clients reach the deployment (the gateway's URL and served name).
+    /// Where clients reach the deployment: the gateway's URL and the model
+    /// name to ask it for. Written once the deployment is placed, when the
+    /// operator knows the gateway (`--gateway-url`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub endpoint: Option<String>,
+    pub endpoint: Option<DeploymentEndpoint>,
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// `Ready`, `Placed`, `Progressing` and `Degraded`, with reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
+}
+
+/// Where clients reach a deployment.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct DeploymentEndpoint {
+    /// The gateway's base URL (OpenAI-compatible, e.g. `http://gateway:8080/v1`).
+    pub url: String,
+    /// The model name to ask for (the Model's served name).
+    pub model: String,
 }
 
 /// One instance: a full copy of the model over one or more stages.

@@ -33,6 +33,8 @@ pub struct Context {
     pub hugging_face_endpoint: String,
     /// Read `path` model sources here rather than wait for an agent's report.
     pub read_model_paths: bool,
+    /// The gateway's base URL for deployments' `status.endpoint`.
+    pub gateway_url: Option<String>,
     /// What the watches have seen: reconciles read these, never LIST.
     pub stores: Stores,
 }

@@ -155,6 +155,10 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
         );
         apply::event(ctx, d, false, "Placed", "Place", &note).await?;
     }
+    if !planned.moved.is_empty() && changed > 0 {
+        let note = planned.moved.join("; ");
+        apply::event(ctx, d, true, "StageMoved", "Place", &note).await?;
+    }
     let outcome = match (&plan.unplaced, plan.instances.is_empty()) {
         (None, _) => "placed",
         (Some(_), false) => "partial",
@@ -166,7 +170,22 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
     {
         apply::event(ctx, d, true, why.reason.as_str(), "Place", &why.message).await?;
     }
-    let status = status::planned(d, &mine, &planned, changed);
+    // Where clients ask, once there is something to answer them.
+    let endpoint = (!plan.instances.is_empty())
+        .then_some(ctx.gateway_url.as_ref())
+        .flatten()
+        .map(|url| DeploymentEndpoint {
+            url: url.clone(),
+            // An alias names this deployment alone; the Model's served name
+            // may be shared by several deployments of it.
+            model: d
+                .spec
+                .aliases
+                .first()
+                .cloned()
+                .unwrap_or_else(|| valid.model.served_name().to_string()),
+        });
+    let status = status::planned(d, &mine, &planned, changed, endpoint);
     let settled = status.ready_replicas >= planned.replicas as i32 && plan.unplaced.is_none();
     write_status(ctx, d, status).await?;
     Ok(if settled {

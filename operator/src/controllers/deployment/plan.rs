@@ -14,6 +14,10 @@ use super::cluster_view::{self, TIER_LABEL, deployment_key};
 use super::observe::Observed;
 use super::validate::Valid;
 
+/// Failures of one stage on one node (its agent's retries) after which the
+/// stage is placed on another node when one can take it.
+pub const MOVE_AFTER_FAILURES: u32 = 3;
+
 /// What the deployment should look like.
 pub struct Planned {
     /// Where each instance's stages run, and why any could not be placed.
@@ -22,14 +26,48 @@ pub struct Planned {
     pub desired: Vec<Shard>,
     /// Instances asked for.
     pub replicas: u32,
+    /// Stages this plan moves off a node where they kept failing, in words.
+    pub moved: Vec<String>,
 }
 
-/// Places the deployment on its pool.
+/// The nodes where a Shard of this deployment has failed at least
+/// [`MOVE_AFTER_FAILURES`] times and is Failed now, with what it said.
+pub fn failing_nodes(mine: &[&Shard]) -> BTreeMap<String, String> {
+    mine.iter()
+        .filter_map(|s| {
+            let st = s.status.as_ref()?;
+            let failing = st.phase == Some(ShardPhase::Failed)
+                && st.restarts.unwrap_or(0) >= MOVE_AFTER_FAILURES;
+            failing.then(|| {
+                let said = st
+                    .last_failure
+                    .clone()
+                    .or_else(|| st.message.clone())
+                    .unwrap_or_default();
+                (
+                    s.spec.node.clone(),
+                    format!(
+                        "instance {} stage {} failed {} times on {}: {said}",
+                        s.spec.instance,
+                        s.spec.stage,
+                        st.restarts.unwrap_or(0),
+                        s.spec.node
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// Places the deployment on its pool. Nodes where a stage keeps failing are
+/// avoided when the deployment places as fully without them; otherwise the
+/// stage stays where it is and its agent keeps retrying.
 pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
     let ns = d.namespace().unwrap_or_default();
     let me = deployment_key(&ns, &d.name_any());
-    let mut cluster = cluster_view::cluster(&me, v.pool, v.model, &o.nodes, &o.shards, &o.models);
-    let current = cluster_view::current_instances(&o.mine(d));
+    let cluster = cluster_view::cluster(&me, v.pool, v.model, &o.nodes, &o.shards, &o.models);
+    let mine = o.mine(d);
+    let current = cluster_view::current_instances(&mine);
     let strategy = cluster_view::strategy(&v.strategy.spec);
     let replicas = d.spec.replicas.max(0) as u32;
     let request = placement::Request {
@@ -43,12 +81,37 @@ pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
         strategy: &strategy,
         current: &current,
     };
-    let plan = placement::plan(&mut cluster, &request);
+    let failing = failing_nodes(&mine);
+    let mut moved = Vec::new();
+    let mut plan = placement::plan(&mut cluster.clone(), &request);
+    if !failing.is_empty() {
+        let mut avoiding = cluster;
+        for node in failing.keys() {
+            if let Some(n) = avoiding.nodes.get_mut(node) {
+                n.schedulable = false;
+            }
+        }
+        let elsewhere = placement::plan(&mut avoiding, &request);
+        if elsewhere.instances.len() >= plan.instances.len() {
+            let used: std::collections::BTreeSet<&str> = elsewhere
+                .instances
+                .iter()
+                .flat_map(|i| i.stages.iter().map(|s| s.node.as_str()))
+                .collect();
+            moved = failing
+                .iter()
+                .filter(|(node, _)| !used.contains(node.as_str()))
+                .map(|(_, why)| format!("{why}; placed elsewhere"))
+                .collect();
+            plan = elsewhere;
+        }
+    }
     let desired = desired_shards(d, v, &plan);
     Planned {
         plan,
         desired,
         replicas,
+        moved,
     }
 }
 
@@ -134,6 +197,33 @@ pub fn describe(plan: &placement::Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shard(node: &str, phase: ShardPhase, restarts: u32) -> Shard {
+        let layers = LayerRange { start: 0, end: 30 };
+        let mut s = shardplane_testkit::fixtures::shard("chat", node, 0, 1, layers);
+        s.status = Some(ShardStatus {
+            phase: Some(phase),
+            restarts: Some(restarts),
+            last_failure: Some("load: out of memory".into()),
+            ..Default::default()
+        });
+        s
+    }
+
+    #[test]
+    fn only_a_stage_failed_often_enough_marks_its_node() {
+        let (often, twice, healed) = (
+            shard("a", ShardPhase::Failed, MOVE_AFTER_FAILURES),
+            shard("b", ShardPhase::Failed, MOVE_AFTER_FAILURES - 1),
+            shard("c", ShardPhase::Loading, MOVE_AFTER_FAILURES + 2),
+        );
+        let nodes = failing_nodes(&[&often, &twice, &healed]);
+        assert_eq!(nodes.keys().collect::<Vec<_>>(), ["a"]);
+        assert_eq!(
+            nodes["a"],
+            "instance 0 stage 0 failed 3 times on a: load: out of memory"
+        );
+    }
 
     #[test]
     fn shard_names_are_pinned() {

@@ -11,6 +11,9 @@ use super::plan::{Planned, describe, shard_name};
 use super::validate::Blocked;
 use crate::conditions;
 
+/// The `Progressing` reason while a stage moved off a failing node starts.
+pub const STAGE_MOVED: &str = "StageMoved";
+
 fn base(d: &ModelDeployment) -> ModelDeploymentStatus {
     ModelDeploymentStatus {
         selector: Some(d.shard_selector()),
@@ -46,19 +49,22 @@ pub fn blocked(d: &ModelDeployment, mine: &[&Shard], why: &Blocked) -> ModelDepl
 }
 
 /// The status of a planned deployment: its instances with their stages'
-/// phases, and the conditions `Placed`, `Ready`, `Progressing`, `Degraded`.
-/// `changed` counts the Shards just created, updated or deleted.
+/// phases, where clients reach it, and the conditions `Placed`, `Ready`,
+/// `Progressing`, `Degraded`. `changed` counts the Shards just created,
+/// updated or deleted.
 pub fn planned(
     d: &ModelDeployment,
     mine: &[&Shard],
     planned: &Planned,
     changed: usize,
+    endpoint: Option<DeploymentEndpoint>,
 ) -> ModelDeploymentStatus {
     let previous = previous(d);
     let generation = d.metadata.generation;
     let name = d.name_any();
     let plan = &planned.plan;
     let mut status = base(d);
+    status.endpoint = endpoint;
     let phases: BTreeMap<String, ShardPhase> = mine
         .iter()
         .filter_map(|s| Some((s.name_any(), s.status.as_ref()?.phase?)))
@@ -172,16 +178,24 @@ pub fn planned(
         ready_reason,
         ready_message.clone(),
     );
+    // A stage moved off a node where it kept failing says so until the
+    // deployment settles.
+    let moved_before = previous
+        .iter()
+        .find(|c| c.type_ == CONDITION_PROGRESSING && c.reason == STAGE_MOVED)
+        .map(|c| c.message.clone());
+    let (reason, message) = match (progressing, planned.moved.is_empty(), moved_before) {
+        (true, false, _) => (STAGE_MOVED, planned.moved.join("; ")),
+        (true, true, Some(before)) => (STAGE_MOVED, before),
+        (true, true, None) => ("ShardsStarting", String::new()),
+        (false, _, _) => ("Settled", String::new()),
+    };
     set(
         &mut status,
         CONDITION_PROGRESSING,
         progressing,
-        if progressing {
-            "ShardsStarting"
-        } else {
-            "Settled"
-        },
-        String::new(),
+        reason,
+        message,
     );
     let degraded = replicas > 0
         && status.ready_replicas < replicas
