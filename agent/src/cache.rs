@@ -15,6 +15,9 @@ use shardplane_crds::CachedModel;
 pub struct Cache {
     dir: PathBuf,
     http: reqwest::Client,
+    /// The Hugging Face hub's endpoint and the client carrying its token,
+    /// used for URLs on that endpoint only.
+    hub: Option<(String, reqwest::Client)>,
     entries: Arc<Mutex<BTreeMap<String, CachedModel>>>,
     changed: Arc<tokio::sync::Notify>,
     budget: Option<u64>,
@@ -116,6 +119,7 @@ impl Cache {
         Ok(Cache {
             dir,
             http,
+            hub: None,
             entries: Arc::new(Mutex::new(entries)),
             changed: Arc::default(),
             budget: None,
@@ -128,6 +132,21 @@ impl Cache {
     pub fn with_budget(mut self, bytes: Option<u64>) -> Self {
         self.budget = bytes;
         self
+    }
+
+    /// Downloads from the Hugging Face hub at `endpoint` with `client` (the
+    /// one carrying the hub token); every other URL keeps the plain client.
+    pub fn with_hub(mut self, endpoint: &str, client: reqwest::Client) -> Self {
+        self.hub = Some((endpoint.to_string(), client));
+        self
+    }
+
+    /// The client for `url`: the hub's (with its token) on the hub only.
+    fn client_for(&self, url: &str) -> &reqwest::Client {
+        match &self.hub {
+            Some((endpoint, client)) if shardplane_models::hub::is_on(endpoint, url) => client,
+            _ => &self.http,
+        }
     }
 
     /// Marks `key` as used by a shard: it is never evicted while pinned.
@@ -324,7 +343,8 @@ impl Cache {
             // A peer copy left pieces here: keep what runs on from the start.
             contiguous_prefix(&partial).map_err(io)?;
             let room = |size, remaining| self.room(size, remaining);
-            crate::download::download(&self.http, url, &partial, room, &mut progress).await?;
+            let http = self.client_for(url);
+            crate::download::download(http, url, &partial, room, &mut progress).await?;
             std::fs::rename(&partial, &path).map_err(io)?;
         }
         self.admit(key, &path, sha256, url).await

@@ -49,6 +49,9 @@ pub struct AgentConfig {
     pub cache_dir: std::path::PathBuf,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
+    /// The hub token for gated and private repositories; sent only to the
+    /// hub's endpoint.
+    pub hugging_face_token: Option<String>,
     /// The most bytes the cache may hold (least recently used models no
     /// shard uses are evicted); unlimited when unset.
     pub cache_budget: Option<u64>,
@@ -111,7 +114,9 @@ pub async fn run(
 
     let shard_set = shards::ShardSet::new(&endpoint);
     // Weights: no total deadline, but 30 s without a byte is a stall.
-    let http = shardplane_models::download_client(std::time::Duration::from_secs(30))?;
+    let idle = std::time::Duration::from_secs(30);
+    let http = shardplane_models::download_client(idle)?;
+    let hub = shardplane_models::hub::download_client(idle, config.hugging_face_token.as_deref())?;
     let cache = cache::Cache::new(config.cache_dir.clone(), http)
         .map_err(|e| {
             format!(
@@ -119,7 +124,8 @@ pub async fn run(
                 config.cache_dir.display()
             )
         })?
-        .with_budget(config.cache_budget);
+        .with_budget(config.cache_budget)
+        .with_hub(&config.hugging_face_endpoint, hub);
     cache.make_room(0);
     let (shard_directory, shard_directory_task) = shardplane_cluster::watch_all(client.clone());
     let (node_directory, node_directory_task) = shardplane_cluster::watch_all(client.clone());

@@ -583,7 +583,8 @@ async fn fetch(
                 hf.file.as_deref().unwrap_or_default(),
                 hf.revision.as_deref(),
             ),
-            None,
+            // The operator fills it from the hub's LFS metadata.
+            hf.sha256.clone(),
         ),
     };
     // Progress goes to the Shard's status once a second while the download runs.

@@ -104,6 +104,11 @@ fn check_source(c: &mut Collector, source: &ModelSource, format: ModelFormat, pa
                     "a safetensors model is the whole repository: remove file".into()
                 }),
             }
+            if let Some(sum) = &hf.sha256 {
+                c.check(is_sha256(sum), &format!("{p}.sha256"), || {
+                    "must be 64 lowercase hex digits".into()
+                });
+            }
         }
         ModelSource::Url(u) => {
             let p = format!("{path}.url");

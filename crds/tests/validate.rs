@@ -80,10 +80,22 @@ fn model_source_must_fit_the_format() {
         repo: "owner/repo".into(),
         file: None,
         revision: None,
+        sha256: None,
     });
     assert_rejects(&m, "spec.source.huggingFace.file", "name the one to serve");
     m.spec.format = ModelFormat::Safetensors;
     m.validate().unwrap();
+    if let ModelSource::HuggingFace(hf) = &mut m.spec.source {
+        hf.sha256 = Some("ABC".into());
+    }
+    assert_rejects(
+        &m,
+        "spec.source.huggingFace.sha256",
+        "64 lowercase hex digits",
+    );
+    if let ModelSource::HuggingFace(hf) = &mut m.spec.source {
+        hf.sha256 = None;
+    }
     m.spec.source = ModelSource::Url(UrlSource {
         url: "https://example.invalid/model".into(),
         sha256: None,

@@ -2,6 +2,7 @@
 //! (tensor directory and hyper-parameters), never the tensor data — from a
 //! path, or from a URL with HTTP range requests.
 
+pub mod hub;
 pub mod safetensors;
 
 use std::collections::BTreeMap;

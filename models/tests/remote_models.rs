@@ -94,3 +94,73 @@ async fn remote_gguf_headers_resolve_with_range_requests() {
         .unwrap_err();
     assert_eq!(e.reason, "SourceUnreachable");
 }
+
+/// A gated repository on a stand-in hub speaking the hub's protocol: the
+/// revision resolves to a commit with the file's LFS SHA-256 only with the
+/// token, the header is read from the commit, and no message shows the token.
+#[tokio::test]
+async fn a_gated_hugging_face_revision_resolves_to_a_commit_with_the_token() {
+    use shardplane_models::hub;
+    use shardplane_testkit::hub::{HUB_COMMIT, HUB_FILE, HUB_REPO, HUB_TOKEN, serve_hub};
+    let hub_server = serve_hub().await;
+    let base = &hub_server.base;
+    let anonymous = hub::api_client(None).unwrap();
+    let e = hub::resolve_revision(&anonymous, base, HUB_REPO, None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason, "GatedRepo", "{}", e.message);
+    assert!(
+        e.message.contains("restricted") && e.message.contains("HF_TOKEN"),
+        "{}",
+        e.message
+    );
+
+    let with_token = hub::api_client(Some(HUB_TOKEN)).unwrap();
+    let revision = hub::resolve_revision(&with_token, base, HUB_REPO, Some("main"))
+        .await
+        .unwrap();
+    assert_eq!(revision.commit, HUB_COMMIT);
+    let file = revision.file(HUB_REPO, HUB_FILE).unwrap();
+    assert_eq!(file.sha256.as_deref(), Some(hub_server.sha256.as_str()));
+    let size = std::fs::metadata(shardplane_testkit::test_model())
+        .unwrap()
+        .len();
+    assert_eq!(file.size, Some(size), "the LFS size, not the pointer's");
+    assert_eq!(
+        revision.file(HUB_REPO, "absent.gguf").unwrap_err().reason,
+        "FileNotFound"
+    );
+
+    let e = hub::resolve_revision(&with_token, base, HUB_REPO, Some("v9"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason, "RevisionNotFound", "{}", e.message);
+    assert!(
+        e.message.starts_with("org/gated@v9: HTTP 404"),
+        "{}",
+        e.message
+    );
+
+    // The header comes from the pinned commit, with the token.
+    let url = hugging_face_url(base, HUB_REPO, HUB_FILE, Some(&revision.commit));
+    let spec = fixtures::model("m").spec;
+    let status = resolve_gguf_url(&with_token, &url, &spec).await.unwrap();
+    assert_eq!(status.layers, Some(30));
+    let e = resolve_gguf_url(&anonymous, &url, &spec).await.unwrap_err();
+    assert!(!e.message.contains(HUB_TOKEN));
+
+    let requests = hub_server.requests.lock().unwrap().clone();
+    assert!(
+        requests
+            .iter()
+            .any(|(path, _)| path == "/api/models/org/gated/revision/main?blobs=true"),
+        "{requests:?}"
+    );
+    assert!(
+        requests
+            .iter()
+            .filter(|(path, _)| path.contains("/resolve/"))
+            .all(|(path, _)| path.contains(HUB_COMMIT)),
+        "files are fetched at the commit: {requests:?}"
+    );
+}

@@ -46,6 +46,9 @@ pub struct OperatorConfig {
     pub default_node_lease: Duration,
     /// Base URL of the Hugging Face hub (or a mirror) for `huggingFace` sources.
     pub hugging_face_endpoint: String,
+    /// The hub token for gated and private repositories; sent only to the
+    /// hub's endpoint, never logged or written anywhere.
+    pub hugging_face_token: Option<String>,
     /// Read `path` model sources where the operator runs (one machine); when
     /// false, agents holding the file report its metadata.
     pub read_model_paths: bool,
@@ -97,6 +100,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         },
         default_lease_duration: config.default_node_lease,
         http: http_client()?,
+        hub_http: shardplane_models::hub::api_client(config.hugging_face_token.as_deref())?,
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
         read_model_paths: config.read_model_paths,
         gateway_url: config.gateway_url.clone(),

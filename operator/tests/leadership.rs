@@ -33,6 +33,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
         },
         default_node_lease: Duration::from_secs(30),
         hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
+        hugging_face_token: None,
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
         gateway_url: None,

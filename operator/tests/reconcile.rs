@@ -38,6 +38,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         },
         default_node_lease: Duration::from_secs(4),
         hugging_face_endpoint: shardplane_operator::HUGGING_FACE_HUB.into(),
+        hugging_face_token: None,
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
         gateway_url: Some(GATEWAY_URL.into()),

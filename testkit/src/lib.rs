@@ -33,6 +33,7 @@ use kube::{Api, Client, Config};
 
 pub mod as_agent;
 pub mod fixtures;
+pub mod hub;
 pub mod metrics;
 pub mod netns;
 

@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
     #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_models::HUGGING_FACE_HUB)]
     hugging_face_endpoint: String,
+    /// A file holding the Hugging Face token for gated or private
+    /// repositories (else the HF_TOKEN environment variable, if set); sent
+    /// only to the hub's endpoint.
+    #[arg(long, env = "SHARDPLANE_HUGGING_FACE_TOKEN_FILE")]
+    hugging_face_token_file: Option<PathBuf>,
     /// Where the gRPC data plane listens (`0.0.0.0:7070` listens everywhere; port 0 picks a free one).
     #[arg(
         long,
@@ -212,6 +217,9 @@ impl RunArgs {
             put("cache-budget", b.clone());
         }
         put("hugging-face-endpoint", self.hugging_face_endpoint.clone());
+        if let Some(t) = &self.hugging_face_token_file {
+            put("hugging-face-token-file", path(t));
+        }
         put("data-plane-address", self.data_plane_address.to_string());
         if let Some(x) = &self.advertise_address {
             put("advertise-address", x.clone());
@@ -266,6 +274,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         renew_every: lease / 3,
         report_every: Duration::from_secs(30),
         cache_dir: args.cache_dir,
+        hugging_face_token: super::hugging_face_token(args.hugging_face_token_file.as_deref())?,
         hugging_face_endpoint: args.hugging_face_endpoint,
         data_plane_address: args.data_plane_address,
         advertise_address: args.advertise_address,

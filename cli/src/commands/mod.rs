@@ -15,3 +15,15 @@ pub mod operator;
 mod process;
 pub mod threads;
 pub mod up;
+
+/// The Hugging Face token: from `file` when given, else the `HF_TOKEN`
+/// environment variable; none when neither holds one.
+pub(crate) fn hugging_face_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    match file {
+        Some(file) => shardplane_models::hub::read_token(file).map_err(anyhow::Error::msg),
+        None => Ok(std::env::var("HF_TOKEN")
+            .ok()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())),
+    }
+}

@@ -38,6 +38,10 @@ pub struct OperatorArgs {
     /// Base URL of the Hugging Face hub, or a mirror, for `huggingFace` sources.
     #[arg(long, env = "HF_ENDPOINT", default_value = shardplane_operator::HUGGING_FACE_HUB)]
     hugging_face_endpoint: String,
+    /// A file holding the Hugging Face token for gated or private
+    /// repositories (else the HF_TOKEN environment variable, if set).
+    #[arg(long, env = "SHARDPLANE_HUGGING_FACE_TOKEN_FILE")]
+    hugging_face_token_file: Option<PathBuf>,
     /// Read `path` model sources where the operator runs (all on one machine)
     /// instead of waiting for an agent holding the file to report it.
     #[arg(long, env = "SHARDPLANE_READ_MODEL_PATHS")]
@@ -81,6 +85,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
         },
         default_node_lease: Duration::from_secs(args.node_lease_seconds),
         hugging_face_endpoint: args.hugging_face_endpoint,
+        hugging_face_token: super::hugging_face_token(args.hugging_face_token_file.as_deref())?,
         read_model_paths: args.read_model_paths,
         gateway_url: args.gateway_url,
     };

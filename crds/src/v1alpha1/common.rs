@@ -86,9 +86,17 @@ pub struct HuggingFaceSource {
     /// (e.g. `model.Q4_K_M.gguf`). Unset for a safetensors repository.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
-    /// Branch, tag or commit; `main` when unset.
+    /// Branch, tag or commit; `main` when unset. The operator resolves it
+    /// once to a commit (the Model's `status.resolvedRevision`) and every
+    /// node fetches that commit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// The file's SHA-256 as 64 hex digits; downloads that do not match are
+    /// discarded. The operator fills it in each Shard from the hub's LFS
+    /// metadata; set it here to pin the bytes yourself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub sha256: Option<String>,
 }
 
 /// A model file at an HTTP(S) URL.

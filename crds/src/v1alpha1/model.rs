@@ -103,6 +103,10 @@ pub struct ModelStatus {
     /// Total bytes of the weights as stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_bytes: Option<u64>,
+    /// The commit a Hugging Face `revision` resolved to: every node fetches
+    /// this commit, so no two stages run different weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_revision: Option<String>,
     /// SHA-256 of the weights file, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
@@ -122,5 +126,21 @@ impl Model {
             .as_deref()
             .or(self.metadata.name.as_deref())
             .unwrap_or_default()
+    }
+
+    /// The source as the nodes fetch it: a Hugging Face revision pinned to
+    /// the commit it resolved to, with the file's SHA-256 from the hub when
+    /// the spec gives none. Before it is resolved, the spec's source.
+    pub fn pinned_source(&self) -> ModelSource {
+        let mut source = self.spec.source.clone();
+        if let (ModelSource::HuggingFace(hf), Some(status)) = (&mut source, &self.status)
+            && let Some(commit) = &status.resolved_revision
+        {
+            hf.revision = Some(commit.clone());
+            if hf.sha256.is_none() && self.spec.format == ModelFormat::Gguf {
+                hf.sha256 = status.sha256.clone();
+            }
+        }
+        source
     }
 }

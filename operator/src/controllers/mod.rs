@@ -29,6 +29,8 @@ pub struct Context {
     pub default_lease_duration: Duration,
     /// HTTP client for reading remote model headers.
     pub http: reqwest::Client,
+    /// HTTP client for the hub's endpoint only: it carries the hub token.
+    pub hub_http: reqwest::Client,
     /// Base URL of the Hugging Face hub (or a mirror).
     pub hugging_face_endpoint: String,
     /// Read `path` model sources here rather than wait for an agent's report.

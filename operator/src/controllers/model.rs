@@ -18,7 +18,7 @@ use crate::caches::Caches;
 use crate::conditions;
 use crate::error::{Error, Result};
 use shardplane_models::{
-    Unresolved, hugging_face_url, resolve_gguf, resolve_gguf_url, safetensors,
+    Unresolved, hub, hugging_face_url, resolve_gguf, resolve_gguf_url, safetensors,
 };
 
 /// The Model controller.
@@ -69,24 +69,38 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
             }),
         },
         (ModelSource::Url(u), _) => resolve_gguf_url(&ctx.http, &u.url, spec).await,
-        (ModelSource::HuggingFace(hf), ModelFormat::Gguf) => {
-            let file = hf.file.as_deref().unwrap_or_default();
-            let url = hugging_face_url(
-                &ctx.hugging_face_endpoint,
-                &hf.repo,
-                file,
-                hf.revision.as_deref(),
-            );
-            resolve_gguf_url(&ctx.http, &url, spec).await
-        }
-        (ModelSource::HuggingFace(hf), ModelFormat::Safetensors) => {
-            let base = hugging_face_url(
-                &ctx.hugging_face_endpoint,
-                &hf.repo,
-                "",
-                hf.revision.as_deref(),
-            );
-            safetensors::resolve_repo(&ctx.http, base.trim_end_matches('/'), spec).await
+        (ModelSource::HuggingFace(hf), format) => {
+            // Resolved once per spec: the commit goes into status and every
+            // node fetches that commit (`Model::pinned_source`).
+            let endpoint = &ctx.hugging_face_endpoint;
+            let http = &ctx.hub_http;
+            // Once: the commit recorded for this spec stays (an operator
+            // restart does not follow a branch that moved since).
+            let recorded = model
+                .status
+                .as_ref()
+                .filter(|s| s.observed_generation == model.metadata.generation)
+                .and_then(|s| s.resolved_revision.clone());
+            let asked = recorded.as_deref().or(hf.revision.as_deref());
+            let revision = hub::resolve_revision(http, endpoint, &hf.repo, asked).await?;
+            let commit = Some(revision.commit.as_str());
+            let mut status = match format {
+                ModelFormat::Gguf => {
+                    let file = hf.file.as_deref().unwrap_or_default();
+                    let entry = revision.file(&hf.repo, file)?;
+                    let url = hugging_face_url(endpoint, &hf.repo, file, commit);
+                    let mut status = resolve_gguf_url(http, &url, spec).await?;
+                    status.sha256 = entry.sha256.clone();
+                    status.total_bytes = entry.size.or(status.total_bytes);
+                    status
+                }
+                ModelFormat::Safetensors => {
+                    let base = hugging_face_url(endpoint, &hf.repo, "", commit);
+                    safetensors::resolve_repo(http, base.trim_end_matches('/'), spec).await?
+                }
+            };
+            status.resolved_revision = Some(revision.commit);
+            Ok(status)
         }
     }
 }
@@ -116,13 +130,18 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
                 ModelSource::Path(_) if !ctx.read_model_paths => "ReportedByAgent",
                 _ => "HeaderRead",
             };
+            let pinned = status
+                .resolved_revision
+                .as_ref()
+                .map(|c| format!("revision resolved to commit {c}"))
+                .unwrap_or_default();
             conditions::set(
                 &mut status.conditions,
                 &previous,
                 CONDITION_RESOLVED,
                 true,
                 how,
-                "",
+                pinned,
                 generation,
             );
             conditions::set(

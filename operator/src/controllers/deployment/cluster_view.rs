@@ -105,7 +105,7 @@ pub fn cluster(
     shards: &[Arc<Shard>],
     models: &BTreeMap<(String, String), Arc<Model>>,
 ) -> placement::Cluster {
-    let source = model.spec.source.cache_key();
+    let source = model.pinned_source().cache_key();
     let mut cluster = placement::Cluster::new();
     for node in nodes.iter().filter(|n| selects(pool, n)) {
         let status = node.status.clone().unwrap_or_default();

@@ -155,7 +155,7 @@ fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) ->
                 spec: ShardSpec {
                     deployment: name.clone(),
                     model: v.model.name_any(),
-                    source: v.model.spec.source.clone(),
+                    source: v.model.pinned_source(),
                     format: v.model.spec.format,
                     node: s.node.clone(),
                     instance: inst.index,

@@ -1,0 +1,131 @@
+//! A stand-in for the Hugging Face hub on loopback, speaking the two requests
+//! shardplane makes of it (the real hub is not reachable from the tests):
+//!
+//! ```text
+//!  GET /api/models/org/gated/revision/{main|<commit>}?blobs=true
+//!      ─► {"sha": HUB_COMMIT, "siblings": [m.gguf with lfs {sha256, size}, README.md]}
+//!      other revisions ─► 404, X-Error-Code: RevisionNotFound
+//!  GET /org/gated/resolve/HUB_COMMIT/m.gguf   the real test model (Range works)
+//!  without `Authorization: Bearer HUB_TOKEN` ─► 401, X-Error-Code: GatedRepo
+//! ```
+//!
+//! Every request's path and Authorization header is recorded.
+
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::extract::{Path, Request};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use sha2::{Digest, Sha256};
+use tower_http::services::ServeFile;
+
+/// The token the stand-in hub wants.
+pub const HUB_TOKEN: &str = "hf_test_token_0123456789abcdef";
+/// The gated repository it serves.
+pub const HUB_REPO: &str = "org/gated";
+/// The file in it (the real test model).
+pub const HUB_FILE: &str = "m.gguf";
+/// The commit `main` resolves to.
+pub const HUB_COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// What the hub saw: each request's path and query, and its Authorization header.
+pub type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
+/// A running stand-in hub.
+pub struct Hub {
+    /// Its base URL (the endpoint to configure).
+    pub base: String,
+    /// Each request's path and query, and its Authorization header.
+    pub requests: Seen,
+    /// The SHA-256 the hub gives for the model file (the file's real one).
+    pub sha256: String,
+}
+
+/// Starts a stand-in hub on loopback.
+pub async fn serve_hub() -> Hub {
+    let model = crate::test_model();
+    let bytes = std::fs::read(&model).expect("the test model");
+    let sha256: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let size = bytes.len() as u64;
+    drop(bytes);
+    let requests: Seen = Arc::new(Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    let sum = sha256.clone();
+    let app = Router::new()
+        .route(
+            &format!("/api/models/{HUB_REPO}/revision/{{revision}}"),
+            get(move |Path(revision): Path<String>| async move {
+                if revision != "main" && revision != HUB_COMMIT {
+                    return refusal(StatusCode::NOT_FOUND, "RevisionNotFound", "Invalid rev id");
+                }
+                json(serde_json::json!({
+                    "id": HUB_REPO,
+                    "sha": HUB_COMMIT,
+                    "siblings": [
+                        {"rfilename": "README.md", "size": 120},
+                        {"rfilename": HUB_FILE, "size": 134,
+                         "lfs": {"sha256": sum, "size": size, "pointerSize": 134}},
+                    ],
+                }))
+            }),
+        )
+        .route_service(
+            &format!("/{HUB_REPO}/resolve/{HUB_COMMIT}/{HUB_FILE}"),
+            ServeFile::new(&model),
+        )
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let seen = seen.clone();
+            async move {
+                let auth = req
+                    .headers()
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                let path = req
+                    .uri()
+                    .path_and_query()
+                    .map(|p| p.to_string())
+                    .unwrap_or_default();
+                seen.lock().unwrap().push((path, auth.clone()));
+                if auth.as_deref() != Some(&format!("Bearer {HUB_TOKEN}")) {
+                    return refusal(
+                        StatusCode::UNAUTHORIZED,
+                        "GatedRepo",
+                        "Access to model org/gated is restricted. You must have access to it and be authenticated to access it. Please log in.",
+                    );
+                }
+                next.run(req).await
+            }
+        }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("an address"));
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the hub serves") });
+    Hub {
+        base,
+        requests,
+        sha256,
+    }
+}
+
+/// A JSON answer.
+fn json(value: serde_json::Value) -> Response {
+    ([("content-type", "application/json")], value.to_string()).into_response()
+}
+
+/// A refusal as the hub words it: status, X-Error-Code and a JSON error.
+fn refusal(status: StatusCode, code: &'static str, message: &str) -> Response {
+    let mut response = json(serde_json::json!({ "error": message }));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert("x-error-code", axum::http::HeaderValue::from_static(code));
+    response
+}
