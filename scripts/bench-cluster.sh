@@ -22,3 +22,4 @@ export KUBECONFIG="$STATE/kubeconfig"
 kubectl wait --for=condition=Established --timeout=60s $("$bin" crds | awk '/^  name: /{print "crd/"$2}') >/dev/null
 TOKEN_FILE="$STATE/token"
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TOKEN_FILE"
+chmod 600 "$TOKEN_FILE"

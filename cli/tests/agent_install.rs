@@ -230,11 +230,38 @@ fn bad_input_is_refused_before_anything_is_written() {
         &["--token-file", &token, "--kubeconfig", &kubeconfig],
         "readable by every user",
     );
-    // Running the agent still needs its token file.
+    // Running the agent still needs its token file, and one only its user reads.
     let out = shardplane(&["agent"]);
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("--token-file"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = shardplane(&["agent", "--token-file", &token, "--kubeconfig", &kubeconfig]);
+    assert!(!out.status.success(), "a world-readable token was taken");
+    assert!(
+        text(&out.stderr).contains("readable by every user"),
+        "{}",
+        text(&out.stderr)
+    );
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let hf = f.path("hf-token");
+    std::fs::write(&hf, "hf_abc\n").unwrap();
+    std::fs::set_permissions(&hf, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = shardplane(&[
+        "agent",
+        "--token-file",
+        &token,
+        "--kubeconfig",
+        &kubeconfig,
+        "--hugging-face-token-file",
+        &hf,
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--hugging-face-token-file")
+            && text(&out.stderr).contains("readable by every user"),
         "{}",
         text(&out.stderr)
     );

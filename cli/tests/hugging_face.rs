@@ -41,6 +41,11 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("hf-token");
     std::fs::write(&token_file, format!("{HUB_TOKEN}\n")).unwrap();
+    std::fs::set_permissions(
+        &token_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let token_file = token_file.to_str().unwrap();
     let _operator = shardplane(&[
         "operator",

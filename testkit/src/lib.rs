@@ -396,6 +396,9 @@ pub fn token_file() -> &'static Path {
         std::fs::create_dir_all(&dir).expect("a scratch directory");
         let path = dir.join("data-plane-token");
         std::fs::write(&path, DATA_PLANE_TOKEN).expect("write the token file");
+        // Agents refuse a token file every user may read.
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .expect("make the token file private");
         path
     })
 }

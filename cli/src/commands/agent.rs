@@ -259,6 +259,8 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     }
     let memory_reserve = parse_bytes_str(&args.memory_reserve)?;
     let lease = Duration::from_secs(args.lease_seconds.max(3));
+    // Not readable by every user of the machine, as `agent install` demands.
+    super::agent_install::check_token_file(args.token_file()?)?;
     let token =
         shardplane_dataplane::Token::from_file(args.token_file()?).map_err(anyhow::Error::msg)?;
     let config = AgentConfig {

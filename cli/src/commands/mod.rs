@@ -20,7 +20,20 @@ pub mod up;
 /// environment variable; none when neither holds one.
 pub(crate) fn hugging_face_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
     match file {
-        Some(file) => shardplane_models::hub::read_token(file).map_err(anyhow::Error::msg),
+        Some(file) => {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(file)
+                .map(|m| m.permissions().mode())
+                .unwrap_or(0);
+            anyhow::ensure!(
+                mode & 0o004 == 0,
+                "--hugging-face-token-file {} is readable by every user of this machine (mode {:o}); `chmod 600 {}` first",
+                file.display(),
+                mode & 0o777,
+                file.display()
+            );
+            shardplane_models::hub::read_token(file).map_err(anyhow::Error::msg)
+        }
         None => Ok(std::env::var("HF_TOKEN")
             .ok()
             .map(|t| t.trim().to_string())

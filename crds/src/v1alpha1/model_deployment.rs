@@ -111,7 +111,7 @@ pub struct ModelDeploymentStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub instances: Vec<InstanceStatus>,
     /// Where clients reach the deployment: the gateway's URL and the model
-    /// name to ask it for. Written once the deployment is placed, when the
+    /// name to ask it for. Written once the deployment validates, when the
     /// operator knows the gateway (`--gateway-url`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<DeploymentEndpoint>,

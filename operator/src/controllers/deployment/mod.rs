@@ -132,7 +132,14 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
             if previous.iter().all(|c| c.reason != blocked.reason) {
                 apply::event(ctx, d, true, blocked.reason, "Validate", &blocked.message).await?;
             }
-            write_status(ctx, d, status::blocked(d, &mine, &blocked)).await?;
+            let mut status = status::blocked(d, &mine, &blocked);
+            // Kept as written before (see `place` below).
+            status.endpoint = ctx
+                .gateway_url
+                .as_ref()
+                .and(d.status.as_ref())
+                .and_then(|s| s.endpoint.clone());
+            write_status(ctx, d, status).await?;
             // A missing Model, pool or strategy may be created any moment; watches bring it.
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
@@ -170,21 +177,21 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
     {
         apply::event(ctx, d, true, why.reason.as_str(), "Place", &why.message).await?;
     }
-    // Where clients ask, once there is something to answer them.
-    let endpoint = (!plan.instances.is_empty())
-        .then_some(ctx.gateway_url.as_ref())
-        .flatten()
-        .map(|url| DeploymentEndpoint {
-            url: url.clone(),
-            // An alias names this deployment alone; the Model's served name
-            // may be shared by several deployments of it.
-            model: d
-                .spec
-                .aliases
-                .first()
-                .cloned()
-                .unwrap_or_else(|| valid.model.served_name().to_string()),
-        });
+    // Where clients ask: known once the deployment validates, and kept while
+    // instances come and go (servers before 1.22 turn a field that server-side
+    // apply drops into a null the schema refuses, so it is never dropped
+    // while a gateway is configured).
+    let endpoint = ctx.gateway_url.as_ref().map(|url| DeploymentEndpoint {
+        url: url.clone(),
+        // An alias names this deployment alone; the Model's served name may
+        // be shared by several deployments of it.
+        model: d
+            .spec
+            .aliases
+            .first()
+            .cloned()
+            .unwrap_or_else(|| valid.model.served_name().to_string()),
+    });
     let status = status::planned(d, &mine, &planned, changed, endpoint);
     let settled = status.ready_replicas >= planned.replicas as i32 && plan.unplaced.is_none();
     write_status(ctx, d, status).await?;
