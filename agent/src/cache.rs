@@ -3,7 +3,7 @@
 //! status.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -41,7 +41,7 @@ pub struct Failure {
     pub message: String,
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -273,7 +273,7 @@ impl Cache {
     /// Makes room for a model of `size` bytes of which `remaining` are still
     /// to be written: refused when it exceeds the budget on its own or the
     /// free disk, else idle models are evicted to fit the budget.
-    fn room(&self, size: u64, remaining: u64) -> Result<(), Failure> {
+    pub(crate) fn room(&self, size: u64, remaining: u64) -> Result<(), Failure> {
         crate::download::within_budget(size, self.budget)?;
         self.make_room(size);
         let free = crate::download::free_space(&self.dir).map_err(|e| Failure {
@@ -341,7 +341,7 @@ impl Cache {
         if !path.is_file() {
             let partial = path.with_extension("gguf.partial");
             // A peer copy left pieces here: keep what runs on from the start.
-            contiguous_prefix(&partial).map_err(io)?;
+            crate::peer_copy::contiguous_prefix(&partial).map_err(io)?;
             let room = |size, remaining| self.room(size, remaining);
             let http = self.client_for(url);
             crate::download::download(http, url, &partial, room, &mut progress).await?;
@@ -351,7 +351,7 @@ impl Cache {
     }
 
     /// Verifies a file that has just arrived in the cache and lists it.
-    async fn admit(
+    pub(crate) async fn admit(
         &self,
         key: &str,
         path: &Path,
@@ -362,7 +362,7 @@ impl Cache {
     }
 
     /// As [`Cache::admit`], with the file's SHA-256 already computed when `hashed`.
-    async fn admit_hashed(
+    pub(crate) async fn admit_hashed(
         &self,
         key: &str,
         path: &Path,
@@ -411,257 +411,12 @@ impl Cache {
         self.changed.notify_waiters();
         Ok(path.to_path_buf())
     }
-
-    /// Copies the model `key` (`size` bytes) from a peer's cache over the
-    /// data plane: `PIECE`-sized pieces fetched by `COPY_STREAMS` parallel
-    /// streams and written in place. Finished pieces are recorded, so an
-    /// interrupted copy resumes with the pieces it lacks. The file is checked
-    /// against `sha256` before it is used. `copied(bytes)` counts what arrives.
-    pub async fn fetch_from_peer(
-        &self,
-        peer: &shardplane_dataplane::Client,
-        from: &str,
-        key: &str,
-        size: u64,
-        sha256: Option<&str>,
-        copied: impl Fn(u64) + Send + Sync + 'static,
-    ) -> Result<PathBuf, Failure> {
-        let path = self.file_for(key);
-        if !path.is_file() {
-            let partial = path.with_extension("gguf.partial");
-            let io = |e: std::io::Error| Failure {
-                reason: "CacheUnwritable",
-                message: format!("{}: {e}", partial.display()),
-            };
-            let done = pieces_done(&partial, size).map_err(io)?;
-            self.room(size, size.saturating_sub(done.len() as u64 * PIECE))?;
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&partial)
-                .map_err(io)?;
-            file.set_len(size).map_err(io)?;
-            let pieces = size.div_ceil(PIECE);
-            let todo: Vec<u64> = (0..pieces).filter(|p| !done.contains(p)).collect();
-            let queue = Arc::new(Mutex::new(todo.into_iter()));
-            let file = Arc::new(file);
-            let record = Arc::new(Mutex::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(pieces_file(&partial))
-                    .map_err(io)?,
-            ));
-            let copied = Arc::new(copied);
-            // The file is hashed in order while later pieces still travel.
-            let (finished, hasher) = ordered_hasher(partial.clone(), size, done.clone());
-            let workers = (0..COPY_STREAMS).map(|_| {
-                let (peer, queue, file, record, copied, finished) = (
-                    peer.clone(),
-                    queue.clone(),
-                    file.clone(),
-                    record.clone(),
-                    copied.clone(),
-                    finished.clone(),
-                );
-                let key = key.to_string();
-                async move {
-                    loop {
-                        let Some(piece) = queue.lock().expect("queue lock").next() else {
-                            return Ok::<(), String>(());
-                        };
-                        let offset = piece * PIECE;
-                        let length = PIECE.min(size - offset);
-                        copy_piece(&peer, &key, offset, length, &file, &*copied).await?;
-                        file.sync_data().map_err(|e| e.to_string())?;
-                        writeln!(record.lock().expect("record lock"), "{piece}")
-                            .map_err(|e| e.to_string())?;
-                        let _ = finished.send(piece);
-                    }
-                }
-            });
-            let copy = futures::future::try_join_all(workers).await;
-            drop(finished);
-            copy.map_err(|message| Failure {
-                reason: "PeerCopyFailed",
-                message: format!("copying {key} from {from}: {message}"),
-            })?;
-            let hashed = hasher
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()))
-                .map_err(|e| Failure {
-                    reason: "WeightsUnreadable",
-                    message: format!("{}: {e}", partial.display()),
-                })?;
-            std::fs::rename(&partial, &path).map_err(io)?;
-            let _ = std::fs::remove_file(pieces_file(&partial));
-            return self
-                .admit_hashed(
-                    key,
-                    &path,
-                    sha256,
-                    Some(hashed),
-                    &format!("{key} from {from}"),
-                )
-                .await;
-        }
-        self.admit(key, &path, sha256, &format!("{key} from {from}"))
-            .await
-    }
-}
-
-/// Bytes per piece of a peer copy.
-pub const PIECE: u64 = 16 << 20;
-
-/// Parallel streams of a peer copy.
-pub const COPY_STREAMS: usize = 4;
-
-/// The record of a peer copy's finished pieces, beside its partial file.
-fn pieces_file(partial: &Path) -> PathBuf {
-    let mut name = partial.as_os_str().to_owned();
-    name.push(".pieces");
-    PathBuf::from(name)
-}
-
-/// The pieces of `partial` already there: those its record lists, or, for a
-/// partial file without a record (an interrupted download from a URL), the
-/// whole pieces it starts with.
-fn pieces_done(partial: &Path, size: u64) -> std::io::Result<std::collections::BTreeSet<u64>> {
-    let record = pieces_file(partial);
-    let pieces = size.div_ceil(PIECE);
-    match std::fs::read_to_string(&record) {
-        Ok(text) => Ok(text
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .filter(|p| *p < pieces)
-            .collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let len = std::fs::metadata(partial).map(|m| m.len()).unwrap_or(0);
-            let whole = if len >= size { pieces } else { len / PIECE };
-            let done: std::collections::BTreeSet<u64> = (0..whole).collect();
-            let mut f = std::fs::File::create(&record)?;
-            for p in &done {
-                writeln!(f, "{p}")?;
-            }
-            Ok(done)
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// Hashes `path`'s pieces in order as they are reported finished (those in
-/// `done` already are); resolves to the file's SHA-256 once every piece has
-/// been hashed, or to an error if the reports stop first.
-fn ordered_hasher(
-    path: PathBuf,
-    size: u64,
-    done: std::collections::BTreeSet<u64>,
-) -> (
-    std::sync::mpsc::Sender<u64>,
-    tokio::task::JoinHandle<std::io::Result<String>>,
-) {
-    use std::os::unix::fs::FileExt;
-    let (tx, rx) = std::sync::mpsc::channel::<u64>();
-    let handle = tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::open(&path)?;
-        let pieces = size.div_ceil(PIECE);
-        let mut ready = done;
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; PIECE as usize];
-        let mut next = 0;
-        loop {
-            while ready.remove(&next) {
-                let offset = next * PIECE;
-                let len = PIECE.min(size - offset) as usize;
-                file.read_exact_at(&mut buf[..len], offset)?;
-                hasher.update(&buf[..len]);
-                next += 1;
-            }
-            if next >= pieces {
-                return Ok(hex(&hasher.finalize()));
-            }
-            match rx.recv() {
-                Ok(p) => {
-                    ready.insert(p);
-                }
-                Err(_) => {
-                    return Err(std::io::Error::other(
-                        "the copy stopped before every piece arrived",
-                    ));
-                }
-            }
-        }
-    });
-    (tx, handle)
-}
-
-/// Turns a peer copy's partial file into a plain prefix (for a download from
-/// the start of the missing part): keeps the pieces that run on from the start.
-fn contiguous_prefix(partial: &Path) -> std::io::Result<()> {
-    let record = pieces_file(partial);
-    let Ok(text) = std::fs::read_to_string(&record) else {
-        return Ok(());
-    };
-    let done: std::collections::BTreeSet<u64> =
-        text.lines().filter_map(|l| l.trim().parse().ok()).collect();
-    let run = (0..).take_while(|p| done.contains(p)).count() as u64;
-    if let Ok(f) = std::fs::OpenOptions::new().write(true).open(partial) {
-        let len = f.metadata()?.len();
-        f.set_len((run * PIECE).min(len))?;
-    }
-    std::fs::remove_file(record)
-}
-
-async fn copy_piece(
-    peer: &shardplane_dataplane::Client,
-    key: &str,
-    offset: u64,
-    length: u64,
-    file: &std::fs::File,
-    copied: &(dyn Fn(u64) + Send + Sync),
-) -> Result<(), String> {
-    use std::os::unix::fs::FileExt;
-    let mut stream = peer
-        .clone()
-        .read_blob(shardplane_dataplane::ReadBlobRequest {
-            key: key.to_string(),
-            offset,
-            length,
-        })
-        .await
-        .map_err(|e| e.message().to_string())?
-        .into_inner();
-    let mut at = offset;
-    while let Some(chunk) = stream
-        .message()
-        .await
-        .map_err(|e| e.message().to_string())?
-    {
-        if chunk.offset != at || at + chunk.data.len() as u64 > offset + length {
-            return Err(format!(
-                "the peer sent bytes at {} when {at} was expected",
-                chunk.offset
-            ));
-        }
-        file.write_all_at(&chunk.data, at)
-            .map_err(|e| e.to_string())?;
-        at += chunk.data.len() as u64;
-        copied(chunk.data.len() as u64);
-    }
-    if at != offset + length {
-        return Err(format!(
-            "the peer stopped at byte {at} of the piece {offset}..{}",
-            offset + length
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::peer_copy::pieces_file;
 
     fn http() -> reqwest::Client {
         shardplane_models::http_client().unwrap()

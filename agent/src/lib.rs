@@ -16,6 +16,7 @@ pub mod links;
 pub mod machine;
 pub mod metrics;
 pub mod models;
+pub mod peer_copy;
 pub mod registration;
 pub mod retry;
 pub mod scheduler;

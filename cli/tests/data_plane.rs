@@ -675,7 +675,7 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
 
     // B already has two pieces of an interrupted copy.
     let model = std::fs::read(shardplane_testkit::test_model()).unwrap();
-    let piece = shardplane_agent::cache::PIECE as usize;
+    let piece = shardplane_agent::peer_copy::PIECE as usize;
     let cache_b =
         shardplane_agent::cache::Cache::new(cache_of(&b), reqwest::Client::new()).unwrap();
     let partial = cache_b.file_for(&key).with_extension("gguf.partial");

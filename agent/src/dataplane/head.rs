@@ -1,0 +1,352 @@
+//! `Generate` on a head stage: the request is checked and admitted (or
+//! refused at once when the stage is too busy), the pipeline is opened, and
+//! one task per generation runs prefill and decode, turning tokens into text.
+//!
+//! ```text
+//!  request ─► prompt tokens ─► admit ─► open next stage ─► Generation::run
+//!                                                        prefill (chunks) ─► first token
+//!                                                        decode ─► Delta … ─► Finished
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use shardplane_dataplane as dp;
+use shardplane_engine::pipeline::ban;
+use shardplane_engine::sampler::{Sampler, SamplingParams};
+use shardplane_engine::text_output::TextOutput;
+use shardplane_engine::{SequenceId, StageInput, StageOutput};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::next_stage::Downstream;
+use super::relay::Sequence;
+use super::wire::{engine_status, event, in_vocabulary, sampling_params};
+use super::{EventStream, Service};
+use crate::metrics::Metrics;
+
+/// Prompt tokens sent down the pipeline in one step; longer prompts go in
+/// several steps, which later stages work on while earlier ones go on.
+const PREFILL_CHUNK: usize = 512;
+
+impl Service {
+    /// `Generate` on a head stage: checks the request, admits it or refuses
+    /// it at once, opens the pipeline and starts the generation's task.
+    pub(super) async fn generate_on_head(
+        &self,
+        request: Request<dp::GenerateRequest>,
+    ) -> Result<Response<EventStream<dp::GenerateResponse>>, Status> {
+        let received = Instant::now();
+        let req = request.into_inner();
+        let stage = self.stage(req.shard.as_ref())?;
+        let text = stage.text.clone().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "shard {} runs layers from {}; Generate goes to the first stage",
+                stage.name, stage.spec.layers.start
+            ))
+        })?;
+        use dp::generate_request::Input;
+        let prompt = match &req.input {
+            Some(Input::Chat(c)) => {
+                let messages: Vec<_> = c
+                    .messages
+                    .iter()
+                    .map(|m| shardplane_engine::chat::ChatMessage {
+                        role: m.role.clone(),
+                        content: m.content.clone(),
+                    })
+                    .collect();
+                text.chat_prompt(&messages).map_err(engine_status)?
+            }
+            Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
+            Some(Input::Tokens(t)) => in_vocabulary(&text, t.ids.clone())?,
+            None => return Err(Status::invalid_argument("no chat, prompt or tokens")),
+        };
+        let resume = in_vocabulary(&text, req.resume.map(|t| t.ids).unwrap_or_default())?;
+        let context = stage.worker.context_length;
+        if prompt.is_empty() {
+            return Err(Status::invalid_argument("the prompt is empty"));
+        }
+        if prompt.len() >= context {
+            return Err(Status::invalid_argument(format!(
+                "the prompt is {} tokens; the context holds {context}, so at most {} fit with room for a reply",
+                prompt.len(),
+                context - 1
+            )));
+        }
+        let sampling = req.sampling.unwrap_or_default();
+        let params = sampling_params(&sampling, context - prompt.len())?;
+        if resume.len() > params.max_tokens {
+            return Err(Status::invalid_argument(format!(
+                "{} tokens to resume from; this answer may have at most {}",
+                resume.len(),
+                params.max_tokens
+            )));
+        }
+        // The prompt, then the answer so far (which repetition penalties see
+        // as well).
+        let prompt_len = prompt.len();
+        let mut context = prompt;
+        context.extend(&resume);
+        let banned: Vec<u32> = if params.ignore_eos {
+            text.tokenizer.stop_tokens().to_vec()
+        } else {
+            Vec::new()
+        };
+        // Admission: work this stage cannot start within the bound is refused
+        // at once, so a client learns it now (and the gateway tries another
+        // instance) instead of waiting in a queue that only grows.
+        let wait = stage.worker.stats.estimated_wait();
+        if wait > self.max_queue_wait {
+            self.metrics
+                .generations
+                .with_label_values(&["refused"])
+                .inc();
+            return Err(Status::resource_exhausted(format!(
+                "shard {} on node {} is busy: about {:.1} s of work is queued, more than the {:.1} s it admits",
+                stage.name,
+                self.node,
+                wait.as_secs_f64(),
+                self.max_queue_wait.as_secs_f64()
+            )));
+        }
+        let id: SequenceId = rand::random();
+        let downstream = if stage.is_last() {
+            None
+        } else {
+            Some(
+                self.open_next(
+                    &stage,
+                    dp::Open {
+                        shard: None,
+                        sequence: id,
+                        sampling: Some(sampling),
+                        prompt: context.clone(),
+                        banned: banned.clone(),
+                    },
+                )
+                .await?,
+            )
+        };
+        let local_sampler = if downstream.is_none() {
+            Some(Sampler::new(params.clone(), &context).map_err(engine_status)?)
+        } else {
+            None
+        };
+        let (events, stream) = mpsc::channel(64);
+        let generation = Generation {
+            seq: Sequence {
+                stage: stage.clone(),
+                id,
+            },
+            text,
+            params,
+            context,
+            prompt_len,
+            banned,
+            downstream,
+            sampler: local_sampler,
+            events: events.clone(),
+            received,
+            metrics: self.metrics.clone(),
+        };
+        tokio::spawn(async move {
+            let outcome = generation.run().await;
+            match outcome {
+                Ok(()) => {}
+                Err(e) if e.code() == tonic::Code::Cancelled => {}
+                Err(e) => {
+                    let _ = events.send(Err(e)).await;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// One generation on a head stage.
+struct Generation {
+    seq: Sequence,
+    text: Arc<shardplane_engine::pipeline::TextModel>,
+    params: SamplingParams,
+    /// The prompt, then the tokens of the answer given before (see
+    /// `GenerateRequest.resume`).
+    context: Vec<u32>,
+    prompt_len: usize,
+    banned: Vec<u32>,
+    downstream: Option<Downstream>,
+    sampler: Option<Sampler>,
+    events: mpsc::Sender<Result<dp::GenerateResponse, Status>>,
+    received: Instant,
+    metrics: Metrics,
+}
+
+impl Generation {
+    async fn emit(&self, e: dp::generate_response::Event) -> Result<(), Status> {
+        self.events
+            .send(event(e))
+            .await
+            .map_err(|_| Status::cancelled("the client went away"))
+    }
+
+    /// Runs `tokens` through the head stage and the rest of the pipeline;
+    /// returns the sampled token. Gives up as soon as the client goes away,
+    /// so a stage never computes for a request nobody waits for.
+    async fn step(&mut self, tokens: &[u32]) -> Result<u32, Status> {
+        let events = self.events.clone();
+        tokio::select! {
+            biased;
+            _ = events.closed() => Err(Status::cancelled("the client went away")),
+            token = self.step_inner(tokens) => token,
+        }
+    }
+
+    async fn step_inner(&mut self, tokens: &[u32]) -> Result<u32, Status> {
+        let stage = self.seq.stage.clone();
+        match &mut self.downstream {
+            None => {
+                let out = stage
+                    .worker
+                    .forward(self.seq.id, StageInput::Tokens(tokens.to_vec()))
+                    .await
+                    .map_err(engine_status)?;
+                let StageOutput::Logits(mut logits) = out else {
+                    return Err(Status::internal("a whole-model stage gave hidden states"));
+                };
+                ban(&mut logits, &self.banned);
+                Ok(self
+                    .sampler
+                    .as_mut()
+                    .expect("a local sampler without a next stage")
+                    .sample(&mut logits))
+            }
+            Some(down) => {
+                let chunks = tokens.len().div_ceil(PREFILL_CHUNK);
+                for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
+                    let out = stage
+                        .worker
+                        .forward(self.seq.id, StageInput::Tokens(chunk.to_vec()))
+                        .await
+                        .map_err(engine_status)?;
+                    let StageOutput::Hidden(a) = out else {
+                        return Err(Status::internal("a first stage gave logits"));
+                    };
+                    down.send(&a, i + 1 == chunks).await?;
+                    self.metrics
+                        .hidden_bytes_sent
+                        .inc_by((a.data.len() * 4) as u64);
+                }
+                let sent = Instant::now();
+                let mut last = dp::ForwardResponse::default();
+                for _ in 0..chunks {
+                    last = down.answer().await?;
+                }
+                if tokens.len() == 1 {
+                    self.metrics
+                        .downstream_step_seconds
+                        .with_label_values(&[&stage.name])
+                        .observe(sent.elapsed().as_secs_f64());
+                }
+                if !last.sampled {
+                    return Err(Status::internal("the last stage sampled no token"));
+                }
+                Ok(last.token)
+            }
+        }
+    }
+
+    async fn run(mut self) -> Result<(), Status> {
+        let outcome = self.run_inner().await;
+        let label = match &outcome {
+            Ok(()) => "ok",
+            Err(e) if e.code() == tonic::Code::Cancelled => "cancelled",
+            Err(_) => "error",
+        };
+        self.metrics.generations.with_label_values(&[label]).inc();
+        outcome
+    }
+
+    async fn run_inner(&mut self) -> Result<(), Status> {
+        use dp::generate_response::Event;
+        self.emit(Event::Started(dp::Started {
+            prompt_tokens: self.prompt_len as u32,
+            sequence: self.seq.id,
+        }))
+        .await?;
+        let text = self.text.clone();
+        let mut output = TextOutput::new(&text.tokenizer, &self.params);
+        let max_new = self.params.max_tokens;
+        let context = std::mem::take(&mut self.context);
+        let resume = &context[self.prompt_len..];
+        let mut reason = dp::FinishReason::Length;
+        // The answer so far: the text it released was given then; what it
+        // holds back comes with the next token.
+        for (i, &token) in resume.iter().enumerate() {
+            if output.push(token).map_err(engine_status)?.stop {
+                if i + 1 < resume.len() {
+                    return Err(Status::invalid_argument(format!(
+                        "the tokens to resume from end the answer at token {i} of {}",
+                        resume.len()
+                    )));
+                }
+                reason = dp::FinishReason::Stop;
+            }
+        }
+        let mut generated = resume.len();
+        let finished_already = reason == dp::FinishReason::Stop || generated >= max_new;
+        let mut first_token_at = Instant::now();
+        if !finished_already {
+            let token = self.step(&context).await?;
+            first_token_at = Instant::now();
+            reason = self.decode(&mut output, token, &mut generated).await?;
+        }
+        let tail = output.finish().map_err(engine_status)?;
+        if !tail.is_empty() {
+            self.emit(Event::Delta(dp::Delta {
+                text: tail,
+                tokens: Vec::new(),
+            }))
+            .await?;
+        }
+        let done = Instant::now();
+        self.emit(Event::Finished(dp::Finished {
+            reason: reason as i32,
+            prompt_tokens: self.prompt_len as u32,
+            completion_tokens: generated as u32,
+            time_to_first_token_us: (first_token_at - self.received).as_micros() as u64,
+            decode_us: (done - first_token_at).as_micros() as u64,
+        }))
+        .await?;
+        Ok(())
+    }
+
+    /// Gives `token` and decodes the ones after it until a stop or the
+    /// limit; `generated` counts the answer's tokens.
+    async fn decode(
+        &mut self,
+        output: &mut TextOutput<'_>,
+        mut token: u32,
+        generated: &mut usize,
+    ) -> Result<dp::FinishReason, Status> {
+        use dp::generate_response::Event;
+        let max_new = self.params.max_tokens;
+        loop {
+            *generated += 1;
+            self.metrics.generated_tokens.inc();
+            let piece = output.push(token).map_err(engine_status)?;
+            self.emit(Event::Delta(dp::Delta {
+                text: piece.text,
+                tokens: vec![token],
+            }))
+            .await?;
+            if piece.stop {
+                return Ok(dp::FinishReason::Stop);
+            }
+            if *generated >= max_new {
+                return Ok(dp::FinishReason::Length);
+            }
+            token = self.step(&[token]).await?;
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! The agent's gRPC data plane: `Generate` on head stages, `Forward` between
+//! stages, `Status`, `Ping` for link measurement and `ReadBlob` for peers
+//! copying weights.
+//!
+//! ```text
+//!  Generate ─► head: tokenize, stage 0 ─Forward(open, step…)─► stage 1 ─Forward─► last: sample
+//!     ▲                         ◄──────── token per step ◄─────── relay ◄────────┘
+//!     └─ text deltas (detokenized, stop strings held back)
+//! ```
+//!
+//! A sequence lives as long as its streams: when the client of `Generate`
+//! goes away, the head drops its `Forward` stream, the next stage sees it end
+//! and drops its own, and every stage frees the sequence's KV cache.
+//!
+//! # Layout
+//! - this module: the service, its calls, and the small ones (`Status`, `Ping`);
+//! - [`head`]: `Generate`, admission and the generation loop of a first stage;
+//! - [`relay`]: `Forward`, middle stages pass hidden states on, the last samples;
+//! - [`next_stage`]: finding the next stage's node and opening the sequence there;
+//! - [`wire`]: conversions between the wire's messages and the engine's types;
+//! - `ReadBlob` is served by [`crate::peer_copy`], beside the side that copies.
+
+mod head;
+mod next_stage;
+mod relay;
+mod wire;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use kube::runtime::reflector::Store;
+use shardplane_crds::{InferenceNode, NodeAddress, Shard};
+use shardplane_dataplane as dp;
+pub use shardplane_dataplane::Peers;
+use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::cache::Cache;
+use crate::metrics::Metrics;
+use crate::shards::{ServedStage, ShardSet};
+pub use wire::sampling_params;
+
+/// Bytes a `Ping` may ask for.
+const MAX_PING_BYTES: u32 = 64 << 20;
+
+/// The data-plane service of one agent.
+#[derive(Clone)]
+pub struct Service {
+    node: String,
+    shards: ShardSet,
+    directory: Store<Shard>,
+    nodes: Store<InferenceNode>,
+    addresses: Arc<Vec<NodeAddress>>,
+    peers: Peers,
+    metrics: Metrics,
+    cache: Cache,
+    max_queue_wait: std::time::Duration,
+}
+
+impl Service {
+    /// A service for the stages in `shards`; `directory` holds every Shard of
+    /// the cluster, to find next stages.
+    pub fn new(
+        node: String,
+        shards: ShardSet,
+        directory: Store<Shard>,
+        nodes: Store<InferenceNode>,
+        peers: Peers,
+        metrics: Metrics,
+        cache: Cache,
+    ) -> Self {
+        Service {
+            node,
+            shards,
+            directory,
+            nodes,
+            addresses: Arc::new(crate::machine::Machine::read().addresses),
+            peers,
+            metrics,
+            cache,
+            max_queue_wait: std::time::Duration::from_secs(30),
+        }
+    }
+
+    /// Refuses new generations that would wait longer than `wait` for their
+    /// stage (30 s unless set).
+    pub fn with_max_queue_wait(mut self, wait: std::time::Duration) -> Self {
+        self.max_queue_wait = wait;
+        self
+    }
+
+    /// The channels to peers, shared with the link prober.
+    pub fn peers(&self) -> Peers {
+        self.peers.clone()
+    }
+
+    /// The tonic service, refusing calls without `token`.
+    pub fn into_server(
+        self,
+        token: dp::Token,
+    ) -> tonic::service::interceptor::InterceptedService<DataPlaneServer<Service>, dp::RequireToken>
+    {
+        tonic::service::interceptor::InterceptedService::new(
+            DataPlaneServer::new(self)
+                .max_decoding_message_size(dp::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(dp::MAX_MESSAGE_BYTES),
+            dp::RequireToken(token),
+        )
+    }
+
+    fn stage(&self, shard: Option<&dp::ShardRef>) -> Result<Arc<ServedStage>, Status> {
+        let r = shard.ok_or_else(|| Status::invalid_argument("no shard named"))?;
+        self.shards.served(&r.namespace, &r.name).ok_or_else(|| {
+            Status::not_found(format!(
+                "shard {}/{} is not loaded on node {}",
+                r.namespace, r.name, self.node
+            ))
+        })
+    }
+}
+
+type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl DataPlane for Service {
+    type GenerateStream = EventStream<dp::GenerateResponse>;
+    type ForwardStream = EventStream<dp::ForwardResponse>;
+    type ReadBlobStream = EventStream<dp::BlobChunk>;
+
+    async fn generate(
+        &self,
+        request: Request<dp::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        self.generate_on_head(request).await
+    }
+
+    async fn forward(
+        &self,
+        request: Request<Streaming<dp::ForwardRequest>>,
+    ) -> Result<Response<Self::ForwardStream>, Status> {
+        self.relay(request).await
+    }
+
+    async fn status(
+        &self,
+        _request: Request<dp::StatusRequest>,
+    ) -> Result<Response<dp::StatusResponse>, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stages = self
+            .shards
+            .all_served()
+            .into_iter()
+            .map(|s| dp::StageStatus {
+                shard: Some(dp::ShardRef {
+                    namespace: s.namespace.clone(),
+                    name: s.name.clone(),
+                }),
+                first_layer: s.spec.layers.start,
+                end_layer: s.spec.layers.end,
+                total_layers: s.spec.total_layers,
+                sequences: s.worker.stats.sequences.load(Relaxed) as u32,
+                kv_cache_bytes: s.worker.stats.kv_cache_bytes.load(Relaxed),
+                weight_bytes: s.worker.weight_bytes as u64,
+            })
+            .collect();
+        Ok(Response::new(dp::StatusResponse {
+            node: self.node.clone(),
+            stages,
+        }))
+    }
+
+    async fn ping(
+        &self,
+        request: Request<dp::PingRequest>,
+    ) -> Result<Response<dp::PingResponse>, Status> {
+        let n = request.into_inner().reply_bytes;
+        if n > MAX_PING_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "reply_bytes {n} is over {MAX_PING_BYTES}"
+            )));
+        }
+        Ok(Response::new(dp::PingResponse {
+            payload: vec![0; n as usize],
+        }))
+    }
+
+    async fn read_blob(
+        &self,
+        request: Request<dp::ReadBlobRequest>,
+    ) -> Result<Response<Self::ReadBlobStream>, Status> {
+        let req = request.into_inner();
+        let path = self.cache.complete_file(&req.key).ok_or_else(|| {
+            Status::not_found(format!(
+                "model {:?} is not in the cache of node {}",
+                req.key, self.node
+            ))
+        })?;
+        let stream = crate::peer_copy::serve(path, req.offset, req.length, self.metrics.clone());
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

@@ -1,0 +1,198 @@
+//! `Forward` on the stages after the head: each step of hidden states runs
+//! through the stage; a middle stage sends its output on and relays the
+//! answers back up, the last stage samples the next token.
+//!
+//! ```text
+//!  stage before ─Open, Step…─► this stage ─Step…─► next stage     (middle)
+//!               ◄── answers ◄──────────── relay ◄──┘
+//!  stage before ─Open, Step…─► this stage: logits ─► sample ─► answer   (last)
+//! ```
+
+use std::sync::Arc;
+
+use shardplane_dataplane as dp;
+use shardplane_engine::pipeline::ban;
+use shardplane_engine::sampler::Sampler;
+use shardplane_engine::{Activations, SequenceId, StageInput, StageOutput};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::next_stage::{Downstream, send_step};
+use super::wire::{engine_status, sampling_params};
+use super::{EventStream, Service};
+use crate::shards::ServedStage;
+
+impl Service {
+    /// `Forward` on a later stage: the last samples, a middle one passes its
+    /// hidden states on and relays the answers back.
+    pub(super) async fn relay(
+        &self,
+        request: Request<Streaming<dp::ForwardRequest>>,
+    ) -> Result<Response<EventStream<dp::ForwardResponse>>, Status> {
+        let mut inbound = request.into_inner();
+        let open = match inbound.message().await? {
+            Some(dp::ForwardRequest {
+                message: Some(dp::forward_request::Message::Open(open)),
+            }) => open,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "a Forward stream starts with an Open message",
+                ));
+            }
+        };
+        let stage = self.stage(open.shard.as_ref())?;
+        if stage.text.is_some() {
+            return Err(Status::failed_precondition(format!(
+                "shard {} is a first stage; it takes Generate, not hidden states",
+                stage.name
+            )));
+        }
+        let seq = Sequence {
+            stage: stage.clone(),
+            id: open.sequence,
+        };
+        let width = stage.worker.hidden;
+        let (answers, stream) = mpsc::channel(64);
+        if stage.is_last() {
+            let sampling = open.sampling.clone().unwrap_or_default();
+            let params = sampling_params(&sampling, stage.worker.context_length)?;
+            let mut sampler = Sampler::new(params, &open.prompt).map_err(engine_status)?;
+            let banned = open.banned.clone();
+            tokio::spawn(async move {
+                let seq = seq;
+                while let Ok(Some(msg)) = inbound.message().await {
+                    let answer = async {
+                        let (step, out) =
+                            until_closed(&answers, run_step(&seq, msg, width)).await?;
+                        let StageOutput::Logits(mut logits) = out else {
+                            return Err(Status::internal("the last stage gave hidden states"));
+                        };
+                        if !step.sample {
+                            return Ok(dp::ForwardResponse::default());
+                        }
+                        ban(&mut logits, &banned);
+                        Ok(dp::ForwardResponse {
+                            token: sampler.sample(&mut logits),
+                            sampled: true,
+                        })
+                    }
+                    .await;
+                    let failed = answer.is_err();
+                    if answers.send(answer).await.is_err() || failed {
+                        break;
+                    }
+                }
+            });
+        } else {
+            let mut open = open;
+            open.shard = None;
+            let downstream = self.open_next(&stage, open).await?;
+            let Downstream {
+                requests,
+                answers: mut down_answers,
+                ..
+            } = downstream;
+            let relay = answers.clone();
+            // Answers come back up on their own task, so several prefill
+            // chunks can be in flight along the pipeline.
+            tokio::spawn(async move {
+                loop {
+                    let item = match down_answers.message().await {
+                        Ok(Some(a)) => Ok(a),
+                        Ok(None) => break,
+                        Err(e) => Err(e),
+                    };
+                    let failed = item.is_err();
+                    if relay.send(item).await.is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            let metrics = self.metrics.clone();
+            tokio::spawn(async move {
+                let seq = seq;
+                while let Ok(Some(msg)) = inbound.message().await {
+                    let sent = async {
+                        let (step, out) =
+                            until_closed(&answers, run_step(&seq, msg, width)).await?;
+                        let StageOutput::Hidden(a) = out else {
+                            return Err(Status::internal("a middle stage gave logits"));
+                        };
+                        send_step(&requests, &a, step.sample).await?;
+                        metrics.hidden_bytes_sent.inc_by((a.data.len() * 4) as u64);
+                        Ok(())
+                    }
+                    .await;
+                    if let Err(e) = sent {
+                        let _ = answers.send(Err(e)).await;
+                        break;
+                    }
+                }
+            });
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+}
+
+/// Frees a sequence on a stage when dropped, however the call ends.
+pub(super) struct Sequence {
+    pub(super) stage: Arc<ServedStage>,
+    pub(super) id: SequenceId,
+}
+
+impl Drop for Sequence {
+    fn drop(&mut self) {
+        self.stage.worker.release(self.id);
+    }
+}
+
+/// Runs one inbound `Forward` message (a step of hidden states) through the
+/// sequence's stage.
+async fn run_step(
+    seq: &Sequence,
+    msg: dp::ForwardRequest,
+    width: usize,
+) -> Result<(dp::Step, StageOutput), Status> {
+    let Some(dp::forward_request::Message::Step(step)) = msg.message else {
+        return Err(Status::invalid_argument("only steps follow Open"));
+    };
+    let input = hidden_input(&step, width)?;
+    let out = seq
+        .stage
+        .worker
+        .forward(seq.id, input)
+        .await
+        .map_err(engine_status)?;
+    Ok((step, out))
+}
+
+/// Runs `work` unless the stream it answers on closes first (the stage
+/// before went away): then the work is dropped, and with it the queued job.
+async fn until_closed<T, R>(
+    answers: &mpsc::Sender<Result<R, Status>>,
+    work: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    tokio::select! {
+        biased;
+        _ = answers.closed() => Err(Status::cancelled("the previous stage went away")),
+        r = work => r,
+    }
+}
+
+fn hidden_input(step: &dp::Step, width: usize) -> Result<StageInput, Status> {
+    let h = step
+        .hidden
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument("a step carries no hidden states"))?;
+    let data = dp::decode_hidden(h).map_err(Status::invalid_argument)?;
+    if h.width as usize != width {
+        return Err(Status::invalid_argument(format!(
+            "hidden states are {} wide; this stage takes {width}",
+            h.width
+        )));
+    }
+    Ok(StageInput::Hidden(
+        Activations::new(h.tokens as usize, width, data).map_err(engine_status)?,
+    ))
+}

@@ -1,0 +1,64 @@
+//! Conversions between the data plane's messages and the engine's types.
+
+use shardplane_dataplane as dp;
+use shardplane_engine::sampler::SamplingParams;
+use tonic::Status;
+
+/// The gRPC status of an engine error: the caller's fault or ours.
+pub(super) fn engine_status(e: shardplane_engine::Error) -> Status {
+    match e {
+        shardplane_engine::Error::InvalidInput(m) | shardplane_engine::Error::Sampling(m) => {
+            Status::invalid_argument(m)
+        }
+        e @ shardplane_engine::Error::ContextOverflow { .. } => {
+            Status::invalid_argument(e.to_string())
+        }
+        e => Status::internal(e.to_string()),
+    }
+}
+
+/// The engine's sampling parameters from the wire's (0 means unset).
+pub fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingParams, Status> {
+    let params = SamplingParams {
+        temperature: s.temperature,
+        top_k: (s.top_k > 0).then_some(s.top_k as usize),
+        top_p: (s.top_p > 0.0).then_some(s.top_p),
+        min_p: (s.min_p > 0.0).then_some(s.min_p),
+        repetition_penalty: if s.repetition_penalty == 0.0 {
+            1.0
+        } else {
+            s.repetition_penalty
+        },
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        seed: s.seed,
+        max_tokens: if s.max_tokens == 0 {
+            room
+        } else {
+            (s.max_tokens as usize).min(room)
+        },
+        stop: s.stop.clone(),
+        ignore_eos: s.ignore_eos,
+    };
+    params.validate().map_err(engine_status)?;
+    Ok(params)
+}
+
+/// `ids` when every one is in the model's vocabulary.
+pub(super) fn in_vocabulary(
+    text: &shardplane_engine::pipeline::TextModel,
+    ids: Vec<u32>,
+) -> Result<Vec<u32>, Status> {
+    let vocab = text.tokenizer.vocab_size() as u32;
+    match ids.iter().find(|&&id| id >= vocab) {
+        Some(bad) => Err(Status::invalid_argument(format!(
+            "token {bad} is past the vocabulary of {vocab}"
+        ))),
+        None => Ok(ids),
+    }
+}
+
+/// A `Generate` answer carrying `e`.
+pub(super) fn event(e: dp::generate_response::Event) -> Result<dp::GenerateResponse, Status> {
+    Ok(dp::GenerateResponse { event: Some(e) })
+}
