@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client};
 
-use crate::routing::{ApiError, Kind};
+use crate::protocol::{ApiError, Kind};
 
 /// Where the keys come from.
 #[derive(Debug, Clone)]

@@ -6,7 +6,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use shardplane_crds::ExternalEndpoint;
 
-use crate::routing::{Answer, ApiError, Event, Finish, Input, Kind, Prompt};
+use crate::protocol::{Answer, ApiError, Event, Finish, Input, Kind, Prompt};
 
 /// The HTTP client for external endpoints (rustls with the ring provider, as
 /// kube uses). Streams have no overall deadline; connecting has one.

@@ -13,6 +13,7 @@ pub mod apis;
 pub mod auth;
 pub mod external;
 pub mod metrics;
+pub mod protocol;
 pub mod routing;
 
 use std::net::SocketAddr;
@@ -24,7 +25,7 @@ use axum::http::HeaderMap;
 use axum::routing::{get, post};
 use kube::Client;
 
-use crate::apis::Api;
+use crate::apis::{Anthropic, Dialect, Ollama, OpenAi};
 
 /// How the gateway runs.
 #[derive(Debug, Clone)]
@@ -53,8 +54,8 @@ pub struct App {
 
 /// The HTTP routes.
 pub fn routes(app: App) -> Http {
-    fn generation(
-        api: Api,
+    fn generation<D: Dialect>(
+        api: D,
     ) -> impl Fn(
         State<App>,
         HeaderMap,
@@ -69,12 +70,12 @@ pub fn routes(app: App) -> Http {
         }
     }
     Http::new()
-        .route("/v1/chat/completions", post(generation(Api::OpenAiChat)))
-        .route("/v1/completions", post(generation(Api::OpenAiText)))
+        .route("/v1/chat/completions", post(generation(OpenAi::Chat)))
+        .route("/v1/completions", post(generation(OpenAi::Text)))
         .route("/v1/models", get(apis::openai_models))
-        .route("/v1/messages", post(generation(Api::Anthropic)))
-        .route("/api/chat", post(generation(Api::OllamaChat)))
-        .route("/api/generate", post(generation(Api::OllamaGenerate)))
+        .route("/v1/messages", post(generation(Anthropic)))
+        .route("/api/chat", post(generation(Ollama::Chat)))
+        .route("/api/generate", post(generation(Ollama::Generate)))
         .route("/api/tags", get(apis::ollama_tags))
         .route(
             "/api/version",

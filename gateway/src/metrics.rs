@@ -1,6 +1,11 @@
 //! The gateway's Prometheus metrics.
 
+use std::time::Instant;
+
+use futures::StreamExt;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use crate::protocol::{Event, Events};
 
 /// Every metric the gateway exposes.
 #[derive(Clone)]
@@ -133,4 +138,35 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Times a generation for the metrics as its events pass.
+pub fn observed(events: Events, model: &str, metrics: &Metrics, start: Instant) -> Events {
+    let ttft = metrics.time_to_first_token.with_label_values(&[model]);
+    let itl = metrics.inter_token_latency.with_label_values(&[model]);
+    let tokens_in = metrics.tokens.with_label_values(&[model, "in"]);
+    let tokens_out = metrics.tokens.with_label_values(&[model, "out"]);
+    let mut last: Option<Instant> = None;
+    Box::pin(events.map(move |e| {
+        match &e {
+            Ok(Event::Text(_)) => {
+                let now = Instant::now();
+                match last {
+                    None => ttft.observe((now - start).as_secs_f64()),
+                    Some(prev) => itl.observe((now - prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+            Ok(Event::Done {
+                prompt_tokens,
+                completion_tokens,
+                ..
+            }) => {
+                tokens_in.inc_by(*prompt_tokens as u64);
+                tokens_out.inc_by(*completion_tokens as u64);
+            }
+            Err(_) => {}
+        }
+        e
+    }))
 }

@@ -10,15 +10,19 @@
 //!
 //! An instance that fails after its first token does not cut the answer: it
 //! goes on, after the tokens already given, on another ready instance of the
-//! same deployment (`GenerateRequest.resume`).
+//! same deployment (`GenerateRequest.resume`).//!
+//! # Layout
+//! - this module: the router, its view of deployments and instances, and the
+//!   walk through instances and fallbacks up to an answer's first token;
+//! - [`resume`]: an answer after its first token, resumed on another instance
+//!   when its own fails.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::pin::Pin;
+mod resume;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::http::StatusCode;
-use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client};
@@ -29,144 +33,8 @@ use shardplane_dataplane as dp;
 use shardplane_dataplane::tonic::Code;
 
 use crate::metrics::Metrics;
-
-/// What a client asks for, whatever API it spoke.
-#[derive(Debug, Clone)]
-pub struct Prompt {
-    /// A conversation, or raw text.
-    pub input: Input,
-    /// Sampling and limits.
-    pub sampling: dp::Sampling,
-}
-
-/// The input of a request.
-#[derive(Debug, Clone)]
-pub enum Input {
-    /// `(role, content)` messages, rendered with the model's chat template.
-    Chat(Vec<(String, String)>),
-    /// Text used as is.
-    Text(String),
-}
-
-/// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// End of sequence or a stop string.
-    Stop,
-    /// The token limit.
-    Length,
-}
-
-/// What a generation produces, in order: text pieces, then one `Done`.
-#[derive(Debug, Clone)]
-pub enum Event {
-    /// A piece of text (possibly empty: a token whose text is held back).
-    Text(String),
-    /// The end.
-    Done {
-        /// Why it ended.
-        finish: Finish,
-        /// Tokens of the prompt.
-        prompt_tokens: u32,
-        /// Tokens generated.
-        completion_tokens: u32,
-    },
-}
-
-/// The kinds of error every API renders in its own shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// Malformed or impossible request (400).
-    InvalidRequest,
-    /// Missing or wrong API key (401).
-    Authentication,
-    /// Unknown model (404).
-    NotFound,
-    /// Too many requests for the key (429).
-    RateLimited,
-    /// Nothing can serve now (503).
-    Unavailable,
-    /// Something broke upstream (500/502).
-    Internal,
-}
-
-/// An error for the client.
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: StatusCode,
-    /// What kind of error.
-    pub kind: Kind,
-    /// For a person.
-    pub message: String,
-    /// Seconds to wait before retrying (503, 429).
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    /// A 400.
-    pub fn invalid(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            kind: Kind::InvalidRequest,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-
-    /// A 404 for a model.
-    pub fn unknown_model(name: &str) -> Self {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            kind: Kind::NotFound,
-            message: format!("model {name:?} is not served here (see /v1/models)"),
-            retry_after: None,
-        }
-    }
-
-    /// A 503.
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            kind: Kind::Unavailable,
-            message: message.into(),
-            retry_after: Some(5),
-        }
-    }
-
-    /// A 429: every instance that could answer is too busy now.
-    pub fn overloaded(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            kind: Kind::RateLimited,
-            message: message.into(),
-            retry_after: Some(2),
-        }
-    }
-
-    /// A 502 for an upstream that broke mid-answer.
-    pub fn upstream(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::BAD_GATEWAY,
-            kind: Kind::Internal,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-}
-
-/// A stream of events.
-pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
-
-/// An answer under way: the first token has arrived (or the answer is done).
-pub struct Answer {
-    /// The name the client asked for.
-    pub model: String,
-    /// Tokens of the prompt.
-    pub prompt_tokens: u32,
-    /// The events, from the first.
-    pub events: Events,
-}
+use crate::protocol::{Answer, ApiError, Event, Input, Prompt};
+use resume::Answering;
 
 /// A ready instance: its head stage.
 #[derive(Debug, Clone)]
@@ -639,152 +507,6 @@ struct Opened {
     guard: Outstanding,
 }
 
-/// An answer being streamed, and what it takes to resume it elsewhere.
-struct Answering {
-    router: Router,
-    model: String,
-    namespace: String,
-    deployment: String,
-    prompt: Prompt,
-    /// Tokens given so far.
-    tokens: Vec<u32>,
-    /// The text held back at the end has been given (only `Finished` is
-    /// left, so there is nothing to resume).
-    tail_seen: bool,
-    /// Instances this answer ran on.
-    tried: Vec<String>,
-    pending: VecDeque<dp::generate_response::Event>,
-    stream: dp::tonic::Streaming<dp::GenerateResponse>,
-    _guard: Outstanding,
-}
-
-impl Answering {
-    /// The next event: text, or the end.
-    async fn next(&mut self) -> Result<Event, ApiError> {
-        use dp::generate_response::Event as E;
-        loop {
-            let event = match self.pending.pop_front() {
-                Some(e) => e,
-                None => match self.stream.message().await {
-                    Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
-                    Ok(Some(_)) => continue,
-                    Ok(None) => {
-                        self.resume("the instance ended the answer early".into())
-                            .await?;
-                        continue;
-                    }
-                    Err(s) => {
-                        self.resume(format!("the instance failed mid-answer: {}", s.message()))
-                            .await?;
-                        continue;
-                    }
-                },
-            };
-            match event {
-                E::Started(_) => {}
-                E::Delta(d) => {
-                    self.tail_seen |= d.tokens.is_empty();
-                    self.tokens.extend(&d.tokens);
-                    return Ok(Event::Text(d.text));
-                }
-                E::Finished(f) => return Ok(done(&f)),
-            }
-        }
-    }
-
-    /// Goes on with the answer on another ready instance of the deployment,
-    /// after the tokens given so far; an error when none can.
-    async fn resume(&mut self, why: String) -> Result<(), ApiError> {
-        let router = self.router.clone();
-        let errors = router
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&self.model, "instance"]);
-        errors.inc();
-        let from = self.tried.last().cloned().unwrap_or_default();
-        if self.tail_seen {
-            return Err(ApiError::upstream(why));
-        }
-        let mut wait = BusyWait::new(router.busy_wait);
-        loop {
-            // Read again on every try: a replica re-placed meanwhile counts.
-            let deployment = router
-                .deployments
-                .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
-            let candidates: Vec<Instance> = deployment
-                .map(|d| router.instances(&d))
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|i| !self.tried.contains(&i.key))
-                .collect();
-            match self.resume_on(&router, candidates, &from, &why).await? {
-                None => return Ok(()),
-                Some((failures, busy)) => {
-                    if busy && wait.pause(&router.metrics, &self.model).await {
-                        continue;
-                    }
-                    return Err(ApiError::upstream(if failures.is_empty() {
-                        format!("{why}; no other instance is ready to resume it")
-                    } else {
-                        format!("{why}; resuming it failed ({})", failures.join("; "))
-                    }));
-                }
-            }
-        }
-    }
-
-    /// One try of `candidates` in turn: `None` once one took the answer
-    /// over, else why each failed and whether any was only busy (a busy
-    /// instance stays a candidate for the next try).
-    async fn resume_on(
-        &mut self,
-        router: &Router,
-        candidates: Vec<Instance>,
-        from: &str,
-        why: &str,
-    ) -> Result<Option<(Vec<String>, bool)>, ApiError> {
-        let errors = router
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&self.model, "instance"]);
-        let mut failures = Vec::new();
-        let mut busy = false;
-        for inst in candidates {
-            match router.open(&inst, &self.prompt, &self.tokens).await {
-                Ok(opened) => {
-                    self.tried.push(inst.key.clone());
-                    tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
-                    router
-                        .metrics
-                        .resumed_answers
-                        .with_label_values(&[&self.model])
-                        .inc();
-                    self.pending = opened.first.into();
-                    self.stream = opened.stream;
-                    self._guard = opened.guard;
-                    return Ok(None);
-                }
-                Err(Attempt::Fail(e)) => {
-                    return Err(ApiError::upstream(format!(
-                        "{why}; {} refused to resume it: {}",
-                        inst.key, e.message
-                    )));
-                }
-                Err(Attempt::Busy(failure)) => {
-                    busy = true;
-                    failures.push(format!("{}: {failure}", inst.key));
-                }
-                Err(Attempt::Next(failure)) => {
-                    self.tried.push(inst.key.clone());
-                    errors.inc();
-                    failures.push(format!("{}: {failure}", inst.key));
-                }
-            }
-        }
-        Ok(Some((failures, busy)))
-    }
-}
-
 /// The pauses of a request that only busy instances stand in the way of:
 /// 0.25 s growing to 2 s, until the router's busy wait is spent.
 struct BusyWait {
@@ -811,47 +533,4 @@ impl BusyWait {
         self.pause = (self.pause * 2).min(Duration::from_secs(2));
         true
     }
-}
-
-fn done(f: &dp::Finished) -> Event {
-    Event::Done {
-        finish: if f.reason == dp::FinishReason::Length as i32 {
-            Finish::Length
-        } else {
-            Finish::Stop
-        },
-        prompt_tokens: f.prompt_tokens,
-        completion_tokens: f.completion_tokens,
-    }
-}
-
-/// Times a generation for the metrics as its events pass.
-pub fn observed(events: Events, model: &str, metrics: &Metrics, start: Instant) -> Events {
-    let ttft = metrics.time_to_first_token.with_label_values(&[model]);
-    let itl = metrics.inter_token_latency.with_label_values(&[model]);
-    let tokens_in = metrics.tokens.with_label_values(&[model, "in"]);
-    let tokens_out = metrics.tokens.with_label_values(&[model, "out"]);
-    let mut last: Option<Instant> = None;
-    Box::pin(events.map(move |e| {
-        match &e {
-            Ok(Event::Text(_)) => {
-                let now = Instant::now();
-                match last {
-                    None => ttft.observe((now - start).as_secs_f64()),
-                    Some(prev) => itl.observe((now - prev).as_secs_f64()),
-                }
-                last = Some(now);
-            }
-            Ok(Event::Done {
-                prompt_tokens,
-                completion_tokens,
-                ..
-            }) => {
-                tokens_in.inc_by(*prompt_tokens as u64);
-                tokens_out.inc_by(*completion_tokens as u64);
-            }
-            Err(_) => {}
-        }
-        e
-    }))
 }

@@ -1,0 +1,185 @@
+//! Ollama: `/api/chat`, `/api/generate` and `/api/tags`. Sampling lives in
+//! `options`; streams (the default) are newline-delimited JSON lines, the
+//! last one `done` with the token counts.
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use futures::stream::BoxStream;
+use serde_json::{Value, json};
+use shardplane_dataplane as dp;
+
+use super::fields::{float, max_tokens, messages, model, stops, uint};
+use super::{Collected, Dialect, Request, chunked, error_response, json_body, json_response};
+use crate::App;
+use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
+
+/// The Ollama API, chat or generate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ollama {
+    /// `/api/chat`.
+    Chat,
+    /// `/api/generate`.
+    Generate,
+}
+
+impl Ollama {
+    /// One line of an answer carrying `text`.
+    fn line(self, model: &str, text: &str, done: bool) -> Value {
+        let mut v = json!({
+            "model": model,
+            "created_at": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true),
+            "done": done,
+        });
+        match self {
+            Ollama::Chat => v["message"] = json!({"role": "assistant", "content": text}),
+            Ollama::Generate => v["response"] = json!(text),
+        }
+        v
+    }
+
+    /// The last line of an answer.
+    fn last_line(
+        self,
+        model: &str,
+        text: &str,
+        finish: Finish,
+        prompt: u32,
+        completion: u32,
+    ) -> Value {
+        let mut v = self.line(model, text, true);
+        v["done_reason"] = json!(match finish {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        });
+        v["prompt_eval_count"] = json!(prompt);
+        v["eval_count"] = json!(completion);
+        v
+    }
+}
+
+impl Dialect for Ollama {
+    const LABEL: &'static str = "ollama";
+    const STREAM_CONTENT_TYPE: &'static str = "application/x-ndjson";
+
+    fn parse(self, v: &Value) -> Result<Request, ApiError> {
+        let model = model(v)?;
+        let o = &v["options"];
+        if !(o.is_null() || o.is_object()) {
+            return Err(ApiError::invalid("`options` must be an object"));
+        }
+        let input = match self {
+            Ollama::Chat => Input::Chat(messages(v, "messages")?),
+            Ollama::Generate => {
+                let prompt = v["prompt"]
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid("`prompt` is required"))?
+                    .to_string();
+                if v["raw"].as_bool().unwrap_or(false) {
+                    Input::Text(prompt)
+                } else {
+                    let mut chat = Vec::new();
+                    if let Some(s) = v["system"].as_str() {
+                        chat.push(("system".to_string(), s.to_string()));
+                    }
+                    chat.push(("user".to_string(), prompt));
+                    Input::Chat(chat)
+                }
+            }
+        };
+        let limit = match &o["num_predict"] {
+            Value::Number(n) if n.as_i64().is_some_and(|n| n < 0) => None,
+            _ => uint(o, "num_predict")?,
+        };
+        Ok(Request {
+            model,
+            prompt: Prompt {
+                input,
+                sampling: dp::Sampling {
+                    temperature: float(o, "temperature", 0.8, (0.0, 100.0))?,
+                    top_p: float(o, "top_p", 0.0, (0.0, 1.0))?,
+                    top_k: uint(o, "top_k")?.unwrap_or(0) as u32,
+                    min_p: float(o, "min_p", 0.0, (0.0, 1.0))?,
+                    repetition_penalty: float(o, "repeat_penalty", 1.0, (0.0, 100.0))?,
+                    presence_penalty: float(o, "presence_penalty", 0.0, (-100.0, 100.0))?,
+                    frequency_penalty: float(o, "frequency_penalty", 0.0, (-100.0, 100.0))?,
+                    seed: match &o["seed"] {
+                        Value::Number(n) => Some(n.as_i64().unwrap_or(0) as u64),
+                        _ => None,
+                    },
+                    max_tokens: max_tokens(limit)?,
+                    stop: stops(o, "stop")?,
+                    ..Default::default()
+                },
+            },
+            stream: v["stream"].as_bool().unwrap_or(true),
+            include_usage: true,
+        })
+    }
+
+    fn error_body(self, e: &ApiError) -> Value {
+        json!({"error": e.message})
+    }
+
+    fn answer(self, model: &str, c: &Collected) -> Value {
+        self.last_line(
+            model,
+            &c.text,
+            c.finish,
+            c.prompt_tokens,
+            c.completion_tokens,
+        )
+    }
+
+    fn stream(
+        self,
+        model: String,
+        _prompt_tokens: u32,
+        _include_usage: bool,
+        events: Events,
+    ) -> BoxStream<'static, String> {
+        chunked(Vec::new(), events, move |e| {
+            let line = match e {
+                Ok(Event::Text(t)) => self.line(&model, &t, false),
+                Ok(Event::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                }) => self.last_line(&model, "", finish, prompt_tokens, completion_tokens),
+                Err(e) => json!({"error": e.message}),
+            };
+            vec![json_body(&line) + "\n"]
+        })
+    }
+}
+
+/// `GET /api/tags`.
+pub async fn tags(State(app): State<App>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.keys.check(&headers) {
+        return error_response(Ollama::Chat, &e);
+    }
+    let models: Vec<Value> = app
+        .router
+        .served()
+        .into_iter()
+        .map(|s| {
+            let st = s.model.as_ref().and_then(|m| m.status.clone()).unwrap_or_default();
+            let modified = s.created().map(|t| t.to_string()).unwrap_or_default();
+            json!({
+                "name": s.name,
+                "model": s.name,
+                "modified_at": modified,
+                "size": st.total_bytes.unwrap_or(0),
+                "digest": st.sha256.clone().unwrap_or_default(),
+                "details": {
+                    "format": s.model.as_ref().map(|m| format!("{:?}", m.spec.format).to_lowercase()).unwrap_or_default(),
+                    "family": st.architecture.clone().unwrap_or_default(),
+                    "families": st.architecture.iter().collect::<Vec<_>>(),
+                    "parameter_size": "",
+                    "quantization_level": st.quantization.clone().unwrap_or_default(),
+                },
+            })
+        })
+        .collect();
+    json_response(&json!({"models": models}))
+}

@@ -1,0 +1,238 @@
+//! OpenAI: `/v1/chat/completions`, the legacy `/v1/completions` and
+//! `/v1/models`. Streams are server-sent events ending in `data: [DONE]`.
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use futures::stream::BoxStream;
+use serde_json::{Value, json};
+use shardplane_dataplane as dp;
+
+use super::fields::{float, max_tokens, messages, model, stops, uint};
+use super::{
+    Collected, Dialect, Request, chunked, error_response, id, json_response, now_secs, sse,
+};
+use crate::App;
+use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
+
+/// The OpenAI API, chat or legacy text completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenAi {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Text,
+}
+
+impl OpenAi {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            OpenAi::Chat => "chatcmpl-",
+            OpenAi::Text => "cmpl-",
+        }
+    }
+
+    /// The `object` of a streamed chunk.
+    fn chunk_object(self) -> &'static str {
+        match self {
+            OpenAi::Chat => "chat.completion.chunk",
+            OpenAi::Text => "text_completion",
+        }
+    }
+}
+
+fn finish_reason(f: Finish) -> &'static str {
+    match f {
+        Finish::Stop => "stop",
+        Finish::Length => "length",
+    }
+}
+
+impl Dialect for OpenAi {
+    const LABEL: &'static str = "openai";
+
+    fn parse(self, v: &Value) -> Result<Request, ApiError> {
+        let model = model(v)?;
+        if uint(v, "n")?.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid("only `n` = 1 is supported"));
+        }
+        let input = match self {
+            OpenAi::Chat => Input::Chat(messages(v, "messages")?),
+            OpenAi::Text => Input::Text(match &v["prompt"] {
+                Value::String(s) => s.clone(),
+                Value::Array(a) if a.len() == 1 && a[0].is_string() => {
+                    a[0].as_str().unwrap_or_default().to_string()
+                }
+                Value::Null => return Err(ApiError::invalid("`prompt` is required")),
+                _ => return Err(ApiError::invalid("`prompt` must be one string")),
+            }),
+        };
+        let limit = uint(v, "max_completion_tokens")?.or(uint(v, "max_tokens")?);
+        // The legacy completions API stops at 16 tokens unless told otherwise.
+        let limit = match self {
+            OpenAi::Text => Some(limit.unwrap_or(16)),
+            OpenAi::Chat => limit,
+        };
+        Ok(Request {
+            model,
+            prompt: Prompt {
+                input,
+                sampling: dp::Sampling {
+                    temperature: float(v, "temperature", 1.0, (0.0, 2.0))?,
+                    top_p: float(v, "top_p", 0.0, (0.0, 1.0))?,
+                    seed: match &v["seed"] {
+                        Value::Null => None,
+                        Value::Number(n) => Some(n.as_i64().unwrap_or(0) as u64),
+                        _ => return Err(ApiError::invalid("`seed` must be an integer")),
+                    },
+                    max_tokens: max_tokens(limit)?,
+                    stop: stops(v, "stop")?,
+                    frequency_penalty: float(v, "frequency_penalty", 0.0, (-2.0, 2.0))?,
+                    presence_penalty: float(v, "presence_penalty", 0.0, (-2.0, 2.0))?,
+                    ..Default::default()
+                },
+            },
+            stream: v["stream"].as_bool().unwrap_or(false),
+            include_usage: v["stream_options"]["include_usage"]
+                .as_bool()
+                .unwrap_or(false),
+        })
+    }
+
+    fn error_body(self, e: &ApiError) -> Value {
+        json!({"error": {
+            "message": e.message,
+            "type": match e.kind {
+                Kind::InvalidRequest => "invalid_request_error",
+                Kind::Authentication => "authentication_error",
+                Kind::NotFound => "not_found_error",
+                Kind::RateLimited => "rate_limit_error",
+                Kind::Unavailable => "service_unavailable",
+                Kind::Internal => "api_error",
+            },
+            "param": null,
+            "code": match e.kind {
+                Kind::NotFound => json!("model_not_found"),
+                Kind::Authentication => json!("invalid_api_key"),
+                _ => Value::Null,
+            },
+        }})
+    }
+
+    fn answer(self, model: &str, c: &Collected) -> Value {
+        let usage = json!({
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+        });
+        let (object, choice) = match self {
+            OpenAi::Chat => (
+                "chat.completion",
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": null,
+                    "finish_reason": finish_reason(c.finish),
+                }),
+            ),
+            OpenAi::Text => (
+                "text_completion",
+                json!({
+                    "index": 0,
+                    "text": c.text,
+                    "logprobs": null,
+                    "finish_reason": finish_reason(c.finish),
+                }),
+            ),
+        };
+        json!({
+            "id": id(self.id_prefix()),
+            "object": object,
+            "created": now_secs(),
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        })
+    }
+
+    fn stream(
+        self,
+        model: String,
+        _prompt_tokens: u32,
+        include_usage: bool,
+        events: Events,
+    ) -> BoxStream<'static, String> {
+        let cid = id(self.id_prefix());
+        let created = now_secs();
+        let chunk = {
+            let (cid, model) = (cid.clone(), model.clone());
+            move |delta: Value, finish: Option<&str>| -> String {
+                let choice = match self {
+                    OpenAi::Chat => {
+                        json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                    }
+                    OpenAi::Text => {
+                        json!({"index": 0, "text": delta["content"].as_str().unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                    }
+                };
+                sse(
+                    None,
+                    &json!({
+                        "id": cid,
+                        "object": self.chunk_object(),
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }),
+                )
+            }
+        };
+        let opening = match self {
+            OpenAi::Chat => vec![chunk(json!({"role": "assistant", "content": ""}), None)],
+            OpenAi::Text => Vec::new(),
+        };
+        chunked(opening, events, move |e| match e {
+            Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), None)],
+            Ok(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                let mut out = vec![chunk(json!({}), Some(finish_reason(finish)))];
+                if include_usage {
+                    out.push(sse(
+                        None,
+                        &json!({
+                            "id": cid, "object": self.chunk_object(),
+                            "created": created, "model": model, "choices": [],
+                            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+                        }),
+                    ));
+                }
+                out.push("data: [DONE]\n\n".to_string());
+                out
+            }
+            Err(e) => vec![sse(
+                None,
+                &json!({"error": {"message": e.message, "type": "api_error"}}),
+            )],
+        })
+    }
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.keys.check(&headers) {
+        return error_response(OpenAi::Chat, &e);
+    }
+    let data: Vec<Value> = app
+        .router
+        .served()
+        .into_iter()
+        .map(|s| {
+            let created = s.created().map_or(0, |t| t.as_second());
+            json!({"id": s.name, "object": "model", "created": created, "owned_by": "shardplane"})
+        })
+        .collect();
+    json_response(&json!({"object": "list", "data": data}))
+}

@@ -1,0 +1,152 @@
+//! The gateway's API-neutral vocabulary: every dialect parses its requests
+//! into a [`Prompt`], the router answers with [`Events`], and errors travel
+//! as [`ApiError`] until a dialect renders them in its own shape.
+//!
+//! ```text
+//!  OpenAI / Anthropic / Ollama body ─► Prompt ─► router ─► Events (Text…, Done) ─► dialect's JSON, SSE or NDJSON
+//!                                  └─► ApiError (kind, status, message) ─────────► dialect's error body
+//! ```
+
+use std::pin::Pin;
+
+use axum::http::StatusCode;
+use futures::Stream;
+use shardplane_dataplane as dp;
+
+/// What a client asks for, whatever API it spoke.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    /// A conversation, or raw text.
+    pub input: Input,
+    /// Sampling and limits.
+    pub sampling: dp::Sampling,
+}
+
+/// The input of a request.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// `(role, content)` messages, rendered with the model's chat template.
+    Chat(Vec<(String, String)>),
+    /// Text used as is.
+    Text(String),
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End of sequence or a stop string.
+    Stop,
+    /// The token limit.
+    Length,
+}
+
+/// What a generation produces, in order: text pieces, then one `Done`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A piece of text (possibly empty: a token whose text is held back).
+    Text(String),
+    /// The end.
+    Done {
+        /// Why it ended.
+        finish: Finish,
+        /// Tokens of the prompt.
+        prompt_tokens: u32,
+        /// Tokens generated.
+        completion_tokens: u32,
+    },
+}
+
+/// The kinds of error every API renders in its own shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Malformed or impossible request (400).
+    InvalidRequest,
+    /// Missing or wrong API key (401).
+    Authentication,
+    /// Unknown model (404).
+    NotFound,
+    /// Too many requests for the key (429).
+    RateLimited,
+    /// Nothing can serve now (503).
+    Unavailable,
+    /// Something broke upstream (500/502).
+    Internal,
+}
+
+/// An error for the client.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// What kind of error.
+    pub kind: Kind,
+    /// For a person.
+    pub message: String,
+    /// Seconds to wait before retrying (503, 429).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A 400.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: Kind::InvalidRequest,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// A 404 for a model.
+    pub fn unknown_model(name: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: Kind::NotFound,
+            message: format!("model {name:?} is not served here (see /v1/models)"),
+            retry_after: None,
+        }
+    }
+
+    /// A 503.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: Kind::Unavailable,
+            message: message.into(),
+            retry_after: Some(5),
+        }
+    }
+
+    /// A 429: every instance that could answer is too busy now.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: Kind::RateLimited,
+            message: message.into(),
+            retry_after: Some(2),
+        }
+    }
+
+    /// A 502 for an upstream that broke mid-answer.
+    pub fn upstream(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            kind: Kind::Internal,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
+
+/// A stream of events.
+pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
+
+/// An answer under way: the first token has arrived (or the answer is done).
+pub struct Answer {
+    /// The name the client asked for.
+    pub model: String,
+    /// Tokens of the prompt.
+    pub prompt_tokens: u32,
+    /// The events, from the first.
+    pub events: Events,
+}

@@ -1,0 +1,175 @@
+//! An answer after its first token: events are read from the instance's
+//! stream and the tokens given are kept, so that when the instance fails
+//! mid-answer another ready instance of the same deployment goes on after
+//! them (`GenerateRequest.resume`) and the client sees one answer.
+//!
+//! ```text
+//!  instance A: Delta Delta ✗ ─► resume(tokens so far) ─► instance B: Delta … Finished
+//!                                 busy? wait and retry   none left? 502 to the client
+//! ```
+
+use std::collections::VecDeque;
+
+use kube::runtime::reflector::ObjectRef;
+use shardplane_dataplane as dp;
+
+use super::{Attempt, BusyWait, Instance, Outstanding, Router};
+use crate::protocol::{ApiError, Event, Finish, Prompt};
+
+/// An answer being streamed, and what it takes to resume it elsewhere.
+pub(super) struct Answering {
+    pub(super) router: Router,
+    pub(super) model: String,
+    pub(super) namespace: String,
+    pub(super) deployment: String,
+    pub(super) prompt: Prompt,
+    /// Tokens given so far.
+    pub(super) tokens: Vec<u32>,
+    /// The text held back at the end has been given (only `Finished` is
+    /// left, so there is nothing to resume).
+    pub(super) tail_seen: bool,
+    /// Instances this answer ran on.
+    pub(super) tried: Vec<String>,
+    pub(super) pending: VecDeque<dp::generate_response::Event>,
+    pub(super) stream: dp::tonic::Streaming<dp::GenerateResponse>,
+    pub(super) _guard: Outstanding,
+}
+
+impl Answering {
+    /// The next event: text, or the end.
+    pub(super) async fn next(&mut self) -> Result<Event, ApiError> {
+        use dp::generate_response::Event as E;
+        loop {
+            let event = match self.pending.pop_front() {
+                Some(e) => e,
+                None => match self.stream.message().await {
+                    Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        self.resume("the instance ended the answer early".into())
+                            .await?;
+                        continue;
+                    }
+                    Err(s) => {
+                        self.resume(format!("the instance failed mid-answer: {}", s.message()))
+                            .await?;
+                        continue;
+                    }
+                },
+            };
+            match event {
+                E::Started(_) => {}
+                E::Delta(d) => {
+                    self.tail_seen |= d.tokens.is_empty();
+                    self.tokens.extend(&d.tokens);
+                    return Ok(Event::Text(d.text));
+                }
+                E::Finished(f) => return Ok(done(&f)),
+            }
+        }
+    }
+
+    /// Goes on with the answer on another ready instance of the deployment,
+    /// after the tokens given so far; an error when none can.
+    async fn resume(&mut self, why: String) -> Result<(), ApiError> {
+        let router = self.router.clone();
+        let errors = router
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.model, "instance"]);
+        errors.inc();
+        let from = self.tried.last().cloned().unwrap_or_default();
+        if self.tail_seen {
+            return Err(ApiError::upstream(why));
+        }
+        let mut wait = BusyWait::new(router.busy_wait);
+        loop {
+            // Read again on every try: a replica re-placed meanwhile counts.
+            let deployment = router
+                .deployments
+                .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
+            let candidates: Vec<Instance> = deployment
+                .map(|d| router.instances(&d))
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|i| !self.tried.contains(&i.key))
+                .collect();
+            match self.resume_on(&router, candidates, &from, &why).await? {
+                None => return Ok(()),
+                Some((failures, busy)) => {
+                    if busy && wait.pause(&router.metrics, &self.model).await {
+                        continue;
+                    }
+                    return Err(ApiError::upstream(if failures.is_empty() {
+                        format!("{why}; no other instance is ready to resume it")
+                    } else {
+                        format!("{why}; resuming it failed ({})", failures.join("; "))
+                    }));
+                }
+            }
+        }
+    }
+
+    /// One try of `candidates` in turn: `None` once one took the answer
+    /// over, else why each failed and whether any was only busy (a busy
+    /// instance stays a candidate for the next try).
+    async fn resume_on(
+        &mut self,
+        router: &Router,
+        candidates: Vec<Instance>,
+        from: &str,
+        why: &str,
+    ) -> Result<Option<(Vec<String>, bool)>, ApiError> {
+        let errors = router
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.model, "instance"]);
+        let mut failures = Vec::new();
+        let mut busy = false;
+        for inst in candidates {
+            match router.open(&inst, &self.prompt, &self.tokens).await {
+                Ok(opened) => {
+                    self.tried.push(inst.key.clone());
+                    tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
+                    router
+                        .metrics
+                        .resumed_answers
+                        .with_label_values(&[&self.model])
+                        .inc();
+                    self.pending = opened.first.into();
+                    self.stream = opened.stream;
+                    self._guard = opened.guard;
+                    return Ok(None);
+                }
+                Err(Attempt::Fail(e)) => {
+                    return Err(ApiError::upstream(format!(
+                        "{why}; {} refused to resume it: {}",
+                        inst.key, e.message
+                    )));
+                }
+                Err(Attempt::Busy(failure)) => {
+                    busy = true;
+                    failures.push(format!("{}: {failure}", inst.key));
+                }
+                Err(Attempt::Next(failure)) => {
+                    self.tried.push(inst.key.clone());
+                    errors.inc();
+                    failures.push(format!("{}: {failure}", inst.key));
+                }
+            }
+        }
+        Ok(Some((failures, busy)))
+    }
+}
+
+fn done(f: &dp::Finished) -> Event {
+    Event::Done {
+        finish: if f.reason == dp::FinishReason::Length as i32 {
+            Finish::Length
+        } else {
+            Finish::Stop
+        },
+        prompt_tokens: f.prompt_tokens,
+        completion_tokens: f.completion_tokens,
+    }
+}
