@@ -49,6 +49,19 @@ pub async fn bind(address: SocketAddr) -> std::io::Result<tokio::net::TcpListene
     tokio::net::TcpListener::bind(address).await
 }
 
+/// What can go wrong on the admin port.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The address cannot be bound.
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        /// The admin address.
+        address: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
 /// The admin port of a running process: serves until stopped, and answers
 /// `/readyz` as the process says.
 pub struct Admin {
@@ -59,10 +72,10 @@ pub struct Admin {
 
 impl Admin {
     /// Binds `address` and serves `registry` there, not ready yet.
-    pub async fn start(address: SocketAddr, registry: Registry) -> Result<Admin, String> {
+    pub async fn start(address: SocketAddr, registry: Registry) -> Result<Admin, Error> {
         let listener = bind(address)
             .await
-            .map_err(|e| format!("cannot listen on {address}: {e}"))?;
+            .map_err(|source| Error::Listen { address, source })?;
         let ready = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(serve(listener, registry, ready.clone(), async {

@@ -12,6 +12,7 @@
 pub mod cache;
 pub mod dataplane;
 pub mod download;
+mod error;
 pub mod links;
 pub mod machine;
 pub mod metrics;
@@ -29,6 +30,7 @@ use std::time::Duration;
 
 use kube::Client;
 
+pub use crate::error::{Error, Result};
 use crate::machine::Machine;
 use crate::registration::Registration;
 
@@ -77,53 +79,97 @@ pub struct AgentConfig {
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
+///
+/// ```text
+///  admin port ─► bind data plane ─► register (node, status, Lease) ─► ready
+///     ─► serve: shards, models, links, data plane, heartbeat ─► shutdown ─► drain
+/// ```
 pub async fn run(
     client: Client,
     config: AgentConfig,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), String> {
+) -> Result<()> {
     let metrics = metrics::Metrics::new();
     let admin =
         shardplane_admin::Admin::start(config.admin_address, metrics.registry.clone()).await?;
-
+    let listen = |source| Error::Listen {
+        address: config.data_plane_address,
+        source,
+    };
     let data_listener = tokio::net::TcpListener::bind(config.data_plane_address)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.data_plane_address))?;
-    let bound = data_listener
-        .local_addr()
-        .map_err(|e| format!("data plane: {e}"))?;
+        .map_err(listen)?;
+    let bound = data_listener.local_addr().map_err(listen)?;
     let endpoint = match &config.advertise_address {
         Some(a) => a.clone(),
         None => advertised(bound, &Machine::read()),
     };
-    let mut registration = config.registration.clone();
-    registration.data_plane_endpoint = Some(endpoint.clone());
-    registration.engines = shards::engines(config.engine);
-    let reg = &registration;
-    ensure_lease_namespace(&client).await?;
-    reg.ensure_node(&client)
-        .await
-        .map_err(|e| format!("cannot register node {}: {e}", reg.node))?;
-    reg.report(&client, &Machine::read(), false, &[], &metrics)
-        .await
-        .map_err(|e| format!("cannot report node {}: {e}", reg.node))?;
-    reg.renew(&client)
-        .await
-        .map_err(|e| format!("cannot take the Lease of node {}: {e}", reg.node))?;
-    tracing::info!(node = %reg.node, "registered");
+    let reg = register(&client, &config, &endpoint, &metrics).await?;
     admin.set_ready(true);
+    let serving = serve(&client, &config, &reg, &endpoint, data_listener, &metrics)?;
+    tracing::info!(listen = %bound, endpoint = %endpoint, "data plane up");
+    shutdown.await;
+    drain(&client, &reg, serving, &metrics, admin).await;
+    Ok(())
+}
 
-    let shard_set = shards::ShardSet::new(&endpoint);
+/// Registers this node: its InferenceNode, a first status, and its Lease.
+async fn register(
+    client: &Client,
+    config: &AgentConfig,
+    endpoint: &str,
+    metrics: &metrics::Metrics,
+) -> Result<Registration> {
+    let mut reg = config.registration.clone();
+    reg.data_plane_endpoint = Some(endpoint.to_string());
+    reg.engines = shards::engines(config.engine);
+    ensure_lease_namespace(client).await?;
+    let refused = |step| {
+        let node = reg.node.clone();
+        move |source| Error::Registration { step, node, source }
+    };
+    reg.ensure_node(client).await.map_err(refused("register"))?;
+    reg.report(client, &Machine::read(), false, &[], metrics)
+        .await
+        .map_err(refused("report"))?;
+    reg.renew(client)
+        .await
+        .map_err(refused("take the Lease of"))?;
+    tracing::info!(node = %reg.node, "registered");
+    Ok(reg)
+}
+
+/// What runs while the agent serves, to be stopped by [`drain`].
+struct Serving {
+    shard_set: shards::ShardSet,
+    cache: cache::Cache,
+    /// Watches, controllers, the link prober and the heartbeat.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop_data: tokio::sync::oneshot::Sender<()>,
+    data_plane: tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>,
+}
+
+/// Starts everything that serves: the cache, the Shard and Model
+/// controllers, the link prober, the data plane and the heartbeat.
+fn serve(
+    client: &Client,
+    config: &AgentConfig,
+    reg: &Registration,
+    endpoint: &str,
+    data_listener: tokio::net::TcpListener,
+    metrics: &metrics::Metrics,
+) -> Result<Serving> {
+    let reg = reg.clone();
+    let (client, metrics) = (client.clone(), metrics.clone());
+    let shard_set = shards::ShardSet::new(endpoint);
     // Weights: no total deadline, but 30 s without a byte is a stall.
     let idle = std::time::Duration::from_secs(30);
     let http = shardplane_models::download_client(idle)?;
     let hub = shardplane_models::hub::download_client(idle, config.hugging_face_token.as_deref())?;
     let cache = cache::Cache::new(config.cache_dir.clone(), http)
-        .map_err(|e| {
-            format!(
-                "cannot use cache directory {}: {e}",
-                config.cache_dir.display()
-            )
+        .map_err(|source| Error::CacheDirectory {
+            dir: config.cache_dir.clone(),
+            source,
         })?
         .with_budget(config.cache_budget)
         .with_hub(&config.hugging_face_endpoint, hub);
@@ -185,69 +231,98 @@ pub async fn run(
                 },
             ),
     );
-    tracing::info!(listen = %bound, endpoint = %endpoint, "data plane up");
-    let heartbeat = {
-        let (client, reg, metrics, cache, shard_set) = (
-            client.clone(),
-            reg.clone(),
-            metrics.clone(),
-            cache.clone(),
-            shard_set.clone(),
-        );
-        let (renew_every, report_every) = (config.renew_every, config.report_every);
-        tokio::spawn(async move {
-            let mut last_report = tokio::time::Instant::now();
-            loop {
-                // A new model in the cache is reported at once; otherwise on the timer.
-                let cache_changed = tokio::select! {
-                    _ = tokio::time::sleep(renew_every) => false,
-                    _ = cache.changed() => true,
-                };
-                metrics.cache_bytes.set(cache.total_bytes() as i64);
-                for stage in shard_set.all_served() {
-                    metrics
-                        .sequences
-                        .with_label_values(&[&stage.name])
-                        .set(stage.worker.stats.sequences.load(Ordering::Relaxed) as i64);
-                }
-                match reg.renew(&client).await {
-                    Ok(()) => metrics.lease_renewals.inc(),
-                    Err(e) => {
-                        metrics.lease_failures.inc();
-                        tracing::warn!(error = %e, "cannot renew the Lease");
-                    }
-                }
-                if cache_changed || last_report.elapsed() >= report_every {
-                    last_report = tokio::time::Instant::now();
-                    if let Err(e) = reg
-                        .report(&client, &Machine::read(), false, &cache.listed(), &metrics)
-                        .await
-                    {
-                        tracing::warn!(error = %e, "cannot report the node");
-                    }
+    let heartbeat = heartbeat(
+        client,
+        reg,
+        metrics,
+        cache.clone(),
+        shard_set.clone(),
+        (config.renew_every, config.report_every),
+    );
+    Ok(Serving {
+        shard_set,
+        cache,
+        tasks: vec![
+            heartbeat,
+            shard_task,
+            model_task,
+            shard_directory_task,
+            node_directory_task,
+            link_task,
+        ],
+        stop_data,
+        data_plane,
+    })
+}
+
+/// Renews the Lease and reports the node, on a timer and whenever the
+/// cache lists a new model.
+fn heartbeat(
+    client: Client,
+    reg: Registration,
+    metrics: metrics::Metrics,
+    cache: cache::Cache,
+    shard_set: shards::ShardSet,
+    (renew_every, report_every): (Duration, Duration),
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut last_report = tokio::time::Instant::now();
+        loop {
+            // A new model in the cache is reported at once; otherwise on the timer.
+            let cache_changed = tokio::select! {
+                _ = tokio::time::sleep(renew_every) => false,
+                _ = cache.changed() => true,
+            };
+            metrics.cache_bytes.set(cache.total_bytes() as i64);
+            for stage in shard_set.all_served() {
+                metrics
+                    .sequences
+                    .with_label_values(&[&stage.name])
+                    .set(stage.worker.stats.sequences.load(Ordering::Relaxed) as i64);
+            }
+            match reg.renew(&client).await {
+                Ok(()) => metrics.lease_renewals.inc(),
+                Err(e) => {
+                    metrics.lease_failures.inc();
+                    tracing::warn!(error = %e, "cannot renew the Lease");
                 }
             }
-        })
-    };
+            if cache_changed || last_report.elapsed() >= report_every {
+                last_report = tokio::time::Instant::now();
+                if let Err(e) = reg
+                    .report(&client, &Machine::read(), false, &cache.listed(), &metrics)
+                    .await
+                {
+                    tracing::warn!(error = %e, "cannot report the node");
+                }
+            }
+        }
+    })
+}
 
-    shutdown.await;
+/// Drains: not ready, background work stopped, in-flight generations ended,
+/// the node reported draining, shards unloaded, the Lease given up. Every
+/// step is bounded: a drain must end even when the API server is gone.
+async fn drain(
+    client: &Client,
+    reg: &Registration,
+    serving: Serving,
+    metrics: &metrics::Metrics,
+    admin: shardplane_admin::Admin,
+) {
     tracing::info!(node = %reg.node, "draining");
     admin.set_ready(false);
-    heartbeat.abort();
-    shard_task.abort();
-    model_task.abort();
-    shard_directory_task.abort();
-    node_directory_task.abort();
-    link_task.abort();
+    for task in &serving.tasks {
+        task.abort();
+    }
     // In-flight generations end when the data plane stops; new ones are refused.
-    let _ = stop_data.send(());
-    match tokio::time::timeout(DRAIN_STEP, data_plane).await {
+    let _ = serving.stop_data.send(());
+    match tokio::time::timeout(DRAIN_STEP, serving.data_plane).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "data plane failed"),
         Ok(Err(e)) => tracing::warn!(error = %e, "data plane panicked"),
         Err(_) => tracing::warn!("drain: in-flight streams outlived the drain step"),
     }
-    // Every step is bounded: a drain must end even when the API server is gone.
     let bounded = |what: &'static str| {
         move |r: Result<kube::Result<()>, tokio::time::error::Elapsed>| match r {
             Ok(Ok(())) => {}
@@ -258,15 +333,20 @@ pub async fn run(
     bounded("report draining")(
         tokio::time::timeout(
             DRAIN_STEP,
-            reg.report(&client, &Machine::read(), true, &cache.listed(), &metrics),
+            reg.report(
+                client,
+                &Machine::read(),
+                true,
+                &serving.cache.listed(),
+                metrics,
+            ),
         )
         .await,
     );
-    shard_set.unload_all();
-    bounded("give up the Lease")(tokio::time::timeout(DRAIN_STEP, reg.release(&client)).await);
+    serving.shard_set.unload_all();
+    bounded("give up the Lease")(tokio::time::timeout(DRAIN_STEP, reg.release(client)).await);
     admin.stop(DRAIN_STEP).await;
     tracing::info!(node = %reg.node, "stopped");
-    Ok(())
 }
 
 /// The endpoint peers reach a data plane bound to `bound` at: the bound
@@ -303,7 +383,7 @@ pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
 }
 
 /// Creates the node-lease namespace if the operator has not yet.
-async fn ensure_lease_namespace(client: &Client) -> Result<(), String> {
+async fn ensure_lease_namespace(client: &Client) -> Result<()> {
     use k8s_openapi::api::core::v1::Namespace;
     use kube::Api;
     use kube::api::{ObjectMeta, PostParams};
@@ -318,9 +398,9 @@ async fn ensure_lease_namespace(client: &Client) -> Result<(), String> {
     match api.create(&PostParams::default(), &ns).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 || e.code == 403 => Ok(()),
-        Err(e) => Err(format!(
-            "cannot create namespace {}: {e}",
-            shardplane_crds::NODE_LEASE_NAMESPACE
-        )),
+        Err(source) => Err(Error::Namespace {
+            namespace: shardplane_crds::NODE_LEASE_NAMESPACE,
+            source,
+        }),
     }
 }

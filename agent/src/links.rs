@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::Store;
 use kube::{Api, Client};
 use serde_json::json;
@@ -219,18 +218,8 @@ pub async fn run(
             }
         }
         links.sort_by(|a, b| a.node.cmp(&b.node));
-        let patch = json!({
-            "apiVersion": "shardplane.dev/v1alpha1",
-            "kind": "InferenceNode",
-            "status": {"links": links},
-        });
-        if let Err(e) = api
-            .patch_status(
-                &node,
-                &PatchParams::apply(LINKS_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await
+        let status = json!({"links": links});
+        if let Err(e) = shardplane_cluster::apply_status(&api, &node, LINKS_MANAGER, &status).await
         {
             tracing::warn!(error = %e, "cannot write the measured links");
         }

@@ -162,7 +162,7 @@ pub fn host_name() -> String {
 /// run of characters a DNS-1123 label does not allow turned into one `-`
 /// ("Johns-MacBook-Pro.local" → "johns-macbook-pro", "John's Mac" →
 /// "john-s-mac"), at most 63 characters.
-pub fn node_name_from_host(host: &str) -> Result<String, String> {
+pub fn node_name_from_host(host: &str) -> crate::Result<String> {
     let first = host.trim().split('.').next().unwrap_or_default();
     let mut name = String::new();
     for c in first.chars().flat_map(char::to_lowercase) {
@@ -175,10 +175,9 @@ pub fn node_name_from_host(host: &str) -> Result<String, String> {
     name.truncate(63);
     let name = name.trim_end_matches('-').to_string();
     if name.is_empty() {
-        return Err(format!(
-            "the host name {host:?} gives no valid node name: set --node-name \
-             (or SHARDPLANE_NODE_NAME) to a DNS-1123 name such as \"mac-studio-1\""
-        ));
+        return Err(crate::Error::NoNodeName {
+            host: host.to_string(),
+        });
     }
     Ok(name)
 }
@@ -186,12 +185,12 @@ pub fn node_name_from_host(host: &str) -> Result<String, String> {
 /// Checks a node name given by hand: a DNS-1123 subdomain (lowercase letters,
 /// digits, `-` and `.`, each label starting and ending with a letter or digit,
 /// at most 253 characters), as an InferenceNode's and a Lease's name must be.
-pub fn check_node_name(name: &str) -> Result<(), String> {
-    let bad = |why: &str| {
-        Err(format!(
-            "--node-name {name:?} is not a valid node name: {why} \
-             (a DNS-1123 name such as \"mac-studio-1\")"
-        ))
+pub fn check_node_name(name: &str) -> crate::Result<()> {
+    let bad = |why: &'static str| {
+        Err(crate::Error::InvalidNodeName {
+            name: name.to_string(),
+            why,
+        })
     };
     if name.is_empty() || name.len() > 253 {
         return bad("it must have 1 to 253 characters");
@@ -305,7 +304,7 @@ mod tests {
         assert_eq!(ok("GPU01.lab.example.com"), "gpu01");
         let long = "a".repeat(70) + "-b";
         assert_eq!(ok(&long), "a".repeat(63));
-        let e = node_name_from_host("....").unwrap_err();
+        let e = node_name_from_host("....").unwrap_err().to_string();
         assert!(e.contains("--node-name"), "{e}");
         assert!(node_name_from_host("日本").is_err());
         for h in ["Johns-MacBook-Pro.local", "John's MacBook Pro", "x_y"] {
@@ -325,7 +324,7 @@ mod tests {
             ("mac.", "starts and ends"),
             ("", "1 to 253"),
         ] {
-            let e = check_node_name(bad).unwrap_err();
+            let e = check_node_name(bad).unwrap_err().to_string();
             assert!(e.contains(why) && e.contains("--node-name"), "{bad}: {e}");
         }
         assert!(check_node_name(&"a".repeat(64)).is_err());

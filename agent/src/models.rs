@@ -5,10 +5,8 @@
 use std::path::Path;
 
 use futures::StreamExt;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
-use serde_json::json;
 use shardplane_crds::{AGENT_MANAGER, Model, ModelFormat, ModelSource, ModelStatus};
 
 /// Watches Models and reports those whose file is on this node.
@@ -66,14 +64,8 @@ async fn report(client: &Client, model: &Model) -> kube::Result<()> {
         return Ok(());
     }
     let ns = model.namespace().unwrap_or_default();
-    let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Model", "status": status});
-    Api::<Model>::namespaced(client.clone(), &ns)
-        .patch_status(
-            &model.name_any(),
-            &PatchParams::apply(AGENT_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
+    let api = Api::<Model>::namespaced(client.clone(), &ns);
+    shardplane_cluster::apply_status(&api, &model.name_any(), AGENT_MANAGER, &status).await?;
     tracing::info!(model = %model.name_any(), path = %p.path, "reported model metadata");
     Ok(())
 }

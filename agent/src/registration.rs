@@ -103,15 +103,8 @@ impl Registration {
             "cachedModels": cached,
             "agentVersion": env!("CARGO_PKG_VERSION"),
         });
-        let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "InferenceNode", "status": status});
-        Api::<InferenceNode>::all(client.clone())
-            .patch_status(
-                &self.node,
-                &PatchParams::apply(AGENT_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await?;
-        Ok(())
+        let api = Api::<InferenceNode>::all(client.clone());
+        shardplane_cluster::apply_status(&api, &self.node, AGENT_MANAGER, &status).await
     }
 
     /// Renews (or creates) the node's Lease.

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use shardplane_engine::{Activations, SequenceId, Shard, StageInput, StageOutput};
+use shardplane_engine::{Activations, SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
 
 use crate::stage::{PassObserver, StageStats};
@@ -97,7 +97,7 @@ enum Part {
 
 /// Runs jobs from `queue` on `shard` until every sender is gone.
 pub fn run(
-    mut shard: Box<dyn Shard>,
+    mut shard: Box<dyn Stage>,
     queue: mpsc::Receiver<Job>,
     stats: std::sync::Arc<StageStats>,
     observe: PassObserver,
@@ -155,7 +155,7 @@ pub fn run(
 /// step; anything else is a prefill, run in slices.
 fn take(
     job: Job,
-    shard: &dyn Shard,
+    shard: &dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     releases: &mut Vec<SequenceId>,
@@ -237,7 +237,7 @@ fn split_front(input: &mut StageInput, n: usize) -> StageInput {
 
 /// One step: every decode, then prompt slices up to the budget.
 fn step(
-    shard: &mut dyn Shard,
+    shard: &mut dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     budget: Budget,
@@ -392,7 +392,7 @@ mod tests {
         }
     }
 
-    impl Shard for Echo {
+    impl Stage for Echo {
         fn config(&self) -> &ModelConfig {
             &self.config
         }

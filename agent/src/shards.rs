@@ -14,10 +14,8 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
-use serde_json::json;
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
     AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardSpec,
@@ -26,6 +24,7 @@ use shardplane_crds::{
 use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::pipeline::{EngineKind, TextModel, load_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
+use tokio::sync::watch;
 
 use crate::cache::{Cache, Failure, verify_sha256};
 use crate::metrics::Metrics;
@@ -62,6 +61,8 @@ pub struct ShardSet {
     loaded: Arc<Mutex<BTreeMap<Key, Arc<ServedStage>>>>,
     phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
     failures: Arc<Mutex<BTreeMap<Key, retry::Record>>>,
+    /// The status each Shard should show; one task per Shard writes it.
+    statuses: Arc<Mutex<BTreeMap<Key, watch::Sender<ShardStatus>>>>,
     endpoint: Arc<str>,
 }
 
@@ -72,6 +73,7 @@ impl ShardSet {
             loaded: Arc::default(),
             phases: Arc::default(),
             failures: Arc::default(),
+            statuses: Arc::default(),
             endpoint: endpoint.into(),
         }
     }
@@ -294,6 +296,8 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
 
 fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
     shards.failures.lock().expect("failure lock").remove(key);
+    // Its writer writes what it was last given, then ends.
+    shards.statuses.lock().expect("status lock").remove(key);
     if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
         cache.unpin(&l.spec.source.cache_key());
         // In-flight sequences hold the stage until their streams end.
@@ -379,17 +383,13 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             }
         };
         set_phase(&shards, &metrics, &k, status.phase);
-        if let Err(e) = write_status(&client, &shards, &k, &status).await {
-            tracing::warn!(shard = %k.1, error = %e, "cannot report shard status");
-        }
+        report(&client, &shards, &k, status);
         if let Some(pause) = retry {
             retry_later(&client, k, pause, &shards, &metrics, &sources);
         }
     });
 }
 
-/// Brings the Shard up again after `pause`, as it then is, unless it was
-/// deleted, moved or brought up otherwise meanwhile.
 /// Owned handles for a spawned task.
 fn owned(
     client: &Client,
@@ -405,6 +405,8 @@ fn owned(
     )
 }
 
+/// Brings the Shard up again after `pause`, as it then is, unless it was
+/// deleted, moved or brought up otherwise meanwhile.
 fn retry_later(
     client: &Client,
     k: Key,
@@ -442,6 +444,41 @@ fn retry_later(
     });
 }
 
+/// Sets the status Shard `k` should show. Its one writer applies the latest
+/// status in order; one superseded before it could be written is skipped.
+fn report(client: &Client, shards: &ShardSet, k: &Key, status: ShardStatus) {
+    let mut statuses = shards.statuses.lock().expect("status lock");
+    match statuses.get(k) {
+        Some(tx) => {
+            tx.send_replace(status);
+        }
+        None => {
+            let (tx, rx) = watch::channel(status);
+            statuses.insert(k.clone(), tx);
+            tokio::spawn(status_writer(client.clone(), shards.clone(), k.clone(), rx));
+        }
+    }
+}
+
+/// The one writer of Shard `k`'s status: writes each status it is given
+/// (the latest when several came meanwhile), until the Shard is unloaded.
+async fn status_writer(
+    client: Client,
+    shards: ShardSet,
+    k: Key,
+    mut statuses: watch::Receiver<ShardStatus>,
+) {
+    loop {
+        let status = statuses.borrow_and_update().clone();
+        if let Err(e) = write_status(&client, &shards, &k, &status).await {
+            tracing::warn!(shard = %k.1, error = %e, "cannot report shard status");
+        }
+        if statuses.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Writes the Shard's status, with its failure record (every write carries
 /// it: fields the agent leaves out of an apply are removed).
 async fn write_status(
@@ -456,14 +493,7 @@ async fn write_status(
         status.restarts = (r.restarts > 0).then_some(r.restarts);
         status.last_failure.clone_from(&r.last_failure);
     }
-    let patch = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard", "status": status});
-    api.patch_status(
-        &k.1,
-        &PatchParams::apply(AGENT_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
-    Ok(())
+    shardplane_cluster::apply_status(&api, &k.1, AGENT_MANAGER, &status).await
 }
 
 /// Fetches and loads a shard; returns the bytes it holds.
@@ -485,25 +515,23 @@ async fn bring_up(
         observed_generation: shard.metadata.generation,
         ..Default::default()
     };
-    let _ = write_status(
+    report(
         client,
         shards,
         &k,
-        &status(ShardPhase::Downloading, "checking the weights".into()),
-    )
-    .await;
+        status(ShardPhase::Downloading, "checking the weights".into()),
+    );
     let path = fetch(client, shards, shard, sources, metrics).await?;
 
-    let _ = write_status(
+    report(
         client,
         shards,
         &k,
-        &status(
+        status(
             ShardPhase::Loading,
             format!("loading layers {}", shard.spec.layers),
         ),
-    )
-    .await;
+    );
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
     let engine_kind = sources.engine;
@@ -610,7 +638,7 @@ async fn fetch(
                     observed_generation: generation,
                     ..Default::default()
                 };
-                let _ = write_status(&client, &shards, &k, &status).await;
+                report(&client, &shards, &k, status);
             }
         })
     };

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 
-use shardplane_engine::{SequenceId, Shard, StageInput, StageOutput};
+use shardplane_engine::{SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
 
 use crate::scheduler::{self, Budget, Job};
@@ -88,7 +88,7 @@ pub struct StageWorker {
 impl StageWorker {
     /// Moves `shard` onto a new thread named after the stage, whose steps
     /// are made up as `budget` says.
-    pub fn start(name: &str, shard: Box<dyn Shard>, observe: PassObserver, budget: Budget) -> Self {
+    pub fn start(name: &str, shard: Box<dyn Stage>, observe: PassObserver, budget: Budget) -> Self {
         let (jobs, queue) = mpsc::channel();
         let stats = Arc::new(StageStats::default());
         let worker = StageWorker {

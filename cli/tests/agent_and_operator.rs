@@ -399,12 +399,8 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         .create(&PostParams::default(), &model)
         .await
         .unwrap();
-    let mut pool = fixtures::node_pool(&format!("pool-{tag}"), Tier::Reasoning);
-    pool.spec.node_selector.match_labels = Some([("e2e".to_string(), tag.clone())].into());
-    Api::<NodePool>::all(client.clone())
-        .create(&PostParams::default(), &pool)
-        .await
-        .unwrap();
+    let pool =
+        fixtures::node_pool_selecting(&format!("pool-{tag}"), Tier::Reasoning, ("e2e", &tag));
     let mut strategy = fixtures::strategy(&format!("pipe-{tag}"), Parallelism::Pipeline);
     strategy.spec.placement = PlacementPolicy::EvenLayers;
     strategy.spec.min_nodes = Some(2);
@@ -413,18 +409,7 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         context_length: 512,
         concurrent_sequences: 2,
     };
-    Api::<ShardingStrategy>::all(client.clone())
-        .create(&PostParams::default(), &strategy)
-        .await
-        .unwrap();
-    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
-    deployments
-        .create(
-            &PostParams::default(),
-            &fixtures::deployment("reason", "smollm2", &pool.name_any(), &strategy.name_any()),
-        )
-        .await
-        .unwrap();
+    let deployments = fixtures::deploy(&client, &ns, "reason", "smollm2", &pool, &strategy).await;
 
     let ready = |d: &ModelDeployment| {
         d.status.as_ref().is_some_and(|s| {

@@ -9,8 +9,8 @@
 use std::time::Duration;
 
 use k8s_openapi::api::events::v1::Event;
+use kube::Api;
 use kube::api::{ListParams, PostParams};
-use kube::{Api, ResourceExt};
 use shardplane_crds::*;
 use shardplane_testkit::hub::{HUB_COMMIT, HUB_FILE, HUB_REPO, HUB_TOKEN, serve_hub};
 use shardplane_testkit::{
@@ -120,29 +120,13 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
     );
     assert!(unresolved.message.contains("v9"), "{}", unresolved.message);
 
-    let mut pool = fixtures::node_pool(&format!("pool-{tag}"), Tier::Daily);
-    pool.spec.node_selector.match_labels = Some([("hf".to_string(), tag.clone())].into());
-    Api::<NodePool>::all(client.clone())
-        .create(&PostParams::default(), &pool)
-        .await
-        .unwrap();
+    let pool = fixtures::node_pool_selecting(&format!("pool-{tag}"), Tier::Daily, ("hf", &tag));
     let mut strategy = fixtures::strategy(&format!("whole-{tag}"), Parallelism::None);
     strategy.spec.kv_cache = KvCacheBudget {
         context_length: 512,
         concurrent_sequences: 1,
     };
-    Api::<ShardingStrategy>::all(client.clone())
-        .create(&PostParams::default(), &strategy)
-        .await
-        .unwrap();
-    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
-    deployments
-        .create(
-            &PostParams::default(),
-            &fixtures::deployment("chat", "gated", &pool.name_any(), &strategy.name_any()),
-        )
-        .await
-        .unwrap();
+    let deployments = fixtures::deploy(&client, &ns, "chat", "gated", &pool, &strategy).await;
     eventually("the deployment is Ready on the agent", WAIT, || async {
         let d = deployments.get("chat").await.ok()?;
         (d.status?.ready_replicas == 1).then_some(())

@@ -1,7 +1,7 @@
 //! Watch-fed caches of cluster objects: a reflector on a task of its own,
 //! retrying with backoff.
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use kube::runtime::reflector::Store;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
@@ -20,17 +20,26 @@ where
 {
     let (reader, writer) = reflector::store();
     let api: kube::Api<K> = kube::Api::all(client);
-    let task = tokio::spawn(async move {
+    let task = tokio::spawn(run_watch::<K>(
         watcher(api, watcher::Config::default())
             .default_backoff()
-            .reflect(writer)
-            .for_each(|e| {
-                if let Err(e) = e {
-                    tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
-                }
-                std::future::ready(())
-            })
-            .await;
-    });
+            .reflect(writer),
+    ));
     (reader, task)
+}
+
+/// Runs a watch (one that retries with backoff) for as long as it goes on,
+/// logging each failure with the kind watched.
+pub async fn run_watch<K>(events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>>)
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    events
+        .for_each(|e| {
+            if let Err(e) = e {
+                tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
+            }
+            std::future::ready(())
+        })
+        .await;
 }

@@ -17,12 +17,54 @@ pub use prost;
 /// The gRPC library the protocol is built on, for callers' status codes and requests.
 pub use tonic;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tonic::metadata::MetadataValue;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
+
+/// What can go wrong before a call is made.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The token's text is not a usable token.
+    #[error("the data-plane token must be {0}")]
+    InvalidToken(&'static str),
+    /// The token file holds no usable token.
+    #[error("{}: the data-plane token must be {why}", path.display())]
+    InvalidTokenFile {
+        /// The file.
+        path: PathBuf,
+        /// What a token must be.
+        why: &'static str,
+    },
+    /// The token file cannot be read.
+    #[error("cannot read data-plane token {}: {source}", path.display())]
+    TokenUnreadable {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// An endpoint that is no URI.
+    #[error("bad data-plane endpoint {endpoint:?}: {source}")]
+    BadEndpoint {
+        /// What was given.
+        endpoint: String,
+        /// Why it is no URI.
+        source: tonic::transport::Error,
+    },
+    /// Hidden states whose bytes do not fill their shape.
+    #[error("hidden states of {bytes} bytes cannot be {tokens} rows of {width} f32 values")]
+    BadHidden {
+        /// Bytes sent.
+        bytes: usize,
+        /// Rows claimed.
+        tokens: u32,
+        /// Values per row claimed.
+        width: u32,
+    },
+}
 
 /// The largest HTTP/2 frame either side accepts: bulk copies and prefill
 /// chunks go in few frames instead of thousands of 16 KiB ones.
@@ -44,22 +86,30 @@ impl std::fmt::Debug for Token {
 
 impl Token {
     /// A token from its text (surrounding white space is dropped).
-    pub fn new(text: &str) -> Result<Self, String> {
+    pub fn new(text: &str) -> Result<Self, Error> {
         let t = text.trim();
         if t.len() < 16 {
-            return Err("the data-plane token must be at least 16 characters".into());
+            return Err(Error::InvalidToken("at least 16 characters"));
         }
         if !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err("the data-plane token must be printable ASCII without spaces".into());
+            return Err(Error::InvalidToken("printable ASCII without spaces"));
         }
         Ok(Token(t.into()))
     }
 
     /// Reads a token file.
-    pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read data-plane token {}: {e}", path.display()))?;
-        Token::new(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub fn from_file(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::TokenUnreadable {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Token::new(&text).map_err(|e| match e {
+            Error::InvalidToken(why) => Error::InvalidTokenFile {
+                path: path.to_path_buf(),
+                why,
+            },
+            e => e,
+        })
     }
 
     /// Whether `presented` (an `authorization` header value) carries this token.
@@ -116,14 +166,17 @@ pub fn client(channel: tonic::transport::Channel, token: Token) -> Client {
 
 /// A lazily connected channel to `endpoint` (`host:port`), tuned for the
 /// data plane: no Nagle delay, large HTTP/2 windows for bulk copies.
-pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, String> {
+pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, Error> {
     let uri = if endpoint.contains("://") {
         endpoint.to_string()
     } else {
         format!("http://{endpoint}")
     };
     Ok(tonic::transport::Endpoint::from_shared(uri)
-        .map_err(|e| format!("bad data-plane endpoint {endpoint:?}: {e}"))?
+        .map_err(|source| Error::BadEndpoint {
+            endpoint: endpoint.to_string(),
+            source,
+        })?
         .tcp_nodelay(true)
         .connect_timeout(std::time::Duration::from_secs(5))
         .http2_keep_alive_interval(std::time::Duration::from_secs(10))
@@ -152,7 +205,7 @@ impl Peers {
     }
 
     /// A client of the data plane at `endpoint` (connected on first use).
-    pub fn client(&self, endpoint: &str) -> Result<Client, String> {
+    pub fn client(&self, endpoint: &str) -> Result<Client, Error> {
         let mut channels = self.channels.lock().expect("peer lock");
         let channel = match channels.get(endpoint) {
             Some(c) => c.clone(),
@@ -176,17 +229,16 @@ pub fn encode_f32(values: &[f32]) -> prost::bytes::Bytes {
 }
 
 /// Decodes hidden states, checking their shape.
-pub fn decode_hidden(h: &Hidden) -> Result<Vec<f32>, String> {
+pub fn decode_hidden(h: &Hidden) -> Result<Vec<f32>, Error> {
     let want = (h.tokens as u64)
         .checked_mul(h.width as u64)
         .and_then(|n| n.checked_mul(4));
     if h.tokens == 0 || h.width == 0 || Some(h.data.len() as u64) != want {
-        return Err(format!(
-            "hidden states of {} bytes cannot be {} rows of {} f32 values",
-            h.data.len(),
-            h.tokens,
-            h.width
-        ));
+        return Err(Error::BadHidden {
+            bytes: h.data.len(),
+            tokens: h.tokens,
+            width: h.width,
+        });
     }
     Ok(h.data
         .chunks_exact(4)

@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::pipeline::{LocalPipeline, TextModel, ban, generate};
 use crate::sampler::{Sampler, SamplingParams};
-use crate::shard::SequenceId;
+use crate::stage::SequenceId;
 
 /// Text repeated to make prompts of any length.
 const FILLER: &str = "The history of astronomy is the story of people looking up at the night sky and \

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong loading or running a shard.
+/// Everything that can go wrong loading or running a stage.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The model file cannot be opened or read.

@@ -1,15 +1,16 @@
 //! Run any layer range of a model.
 //!
 //! Layout:
-//! - [`shard`]: the contract of a stage (the [`Shard`] trait) and what flows
+//! - [`stage`]: the contract of a stage (the [`Stage`] trait) and what flows
 //!   between stages;
 //! - [`gguf`] and [`config`]: reading model files and their hyper-parameters;
 //! - [`candle`]: the candle backend; `mlx` (feature `mlx`): the MLX backend,
 //!   through a C++ shim over libmlx;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
 //!   [`detokenizer`], [`sampler`], [`text_output`] (tokens to the text a client
-//!   sees), and [`pipeline`], which drives stages to
-//!   generate text in one process.
+//!   sees), [`generation`] (the one generation loop and the request it
+//!   trusts, used by the CLI and by head stages), and [`pipeline`], which
+//!   drives stages to generate text in one process.
 //!
 //! This crate knows nothing of Kubernetes or the network.
 
@@ -19,18 +20,19 @@ pub mod chat;
 pub mod config;
 pub mod detokenizer;
 pub mod error;
+pub mod generation;
 pub mod gguf;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod pipeline;
 pub mod sampler;
-pub mod shard;
+pub mod stage;
 pub mod stop;
 pub mod text_output;
 pub mod tokenizer;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
-pub use shard::{
-    Activations, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+pub use stage::{
+    Activations, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
 };

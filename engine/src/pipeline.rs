@@ -10,13 +10,14 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::candle::CandleShard;
+use crate::candle::CandleStage;
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::error::{Error, Result};
+pub use crate::generation::FinishReason;
+use crate::generation::{Decoder, ValidRequest};
 use crate::gguf::GgufFile;
 use crate::sampler::{Sampler, SamplingParams};
-use crate::shard::{LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput};
-use crate::text_output::TextOutput;
+use crate::stage::{LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput};
 use crate::tokenizer::Tokenizer;
 
 /// The engines a stage can run on.
@@ -116,22 +117,22 @@ pub fn load_stage(
     layout: StageLayout,
     engine: EngineKind,
     options: &LoadOptions,
-) -> Result<Box<dyn Shard>> {
+) -> Result<Box<dyn Stage>> {
     Ok(match engine {
-        EngineKind::Candle => Box::new(CandleShard::load_from(
+        EngineKind::Candle => Box::new(CandleStage::load_from(
             file,
             layout,
             options,
             candle_core::Device::Cpu,
         )?),
         #[cfg(feature = "mlx")]
-        EngineKind::Mlx => Box::new(crate::mlx::MlxShard::load_gguf(file, layout, options)?),
+        EngineKind::Mlx => Box::new(crate::mlx::MlxStage::load_gguf(file, layout, options)?),
     })
 }
 
 /// The stages of one model, run in order in this process.
 pub struct LocalPipeline {
-    stages: Vec<Box<dyn Shard>>,
+    stages: Vec<Box<dyn Stage>>,
 }
 
 impl LocalPipeline {
@@ -165,17 +166,17 @@ impl LocalPipeline {
     }
 
     /// Builds a pipeline from stages already loaded (in order).
-    pub fn from_stages(stages: Vec<Box<dyn Shard>>) -> Self {
+    pub fn from_stages(stages: Vec<Box<dyn Stage>>) -> Self {
         LocalPipeline { stages }
     }
 
     /// The stages.
-    pub fn stages(&self) -> &[Box<dyn Shard>] {
+    pub fn stages(&self) -> &[Box<dyn Stage>] {
         &self.stages
     }
 
     /// The stages, to drive one by one.
-    pub fn stages_mut(&mut self) -> &mut [Box<dyn Shard>] {
+    pub fn stages_mut(&mut self) -> &mut [Box<dyn Stage>] {
         &mut self.stages
     }
 
@@ -238,15 +239,6 @@ impl LocalPipeline {
             stage.release(seq);
         }
     }
-}
-
-/// Why a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens` or the context length was reached.
-    Length,
 }
 
 /// The result of one generation.
@@ -419,52 +411,36 @@ fn generate_inner(
     params: &SamplingParams,
     on_text: &mut impl FnMut(&str),
 ) -> Result<Generation> {
-    let context = pipeline.context_length();
-    if prompt.is_empty() {
-        return Err(Error::InvalidInput("the prompt is empty".into()));
-    }
-    if prompt.len() >= context {
-        return Err(Error::ContextOverflow {
-            needed: prompt.len() + 1,
-            context,
-        });
-    }
-    let max_new = params.max_tokens.min(context - prompt.len());
-    let mut sampler = Sampler::new(params.clone(), prompt)?;
-    let mut output = TextOutput::new(&text.tokenizer, params);
+    let request = ValidRequest::new(
+        prompt.to_vec(),
+        Vec::new(),
+        params.clone(),
+        text.tokenizer.vocab_size(),
+        pipeline.context_length(),
+    )?;
+    let mut sampler = Sampler::new(request.params().clone(), prompt)?;
+    let mut decoder = Decoder::new(&text.tokenizer, &request)?;
     let mut out = String::new();
     let mut tokens = Vec::new();
     let start = Instant::now();
     let mut first_token_at = None;
-    let mut logits = pipeline
-        .step(vec![(seq, prompt.to_vec())])?
-        .pop()
-        .expect("one sequence");
-    let mut finish = FinishReason::Length;
-    while tokens.len() < max_new {
+    while let Some(input) = decoder.next_input() {
+        let mut logits = pipeline
+            .step(vec![(seq, input)])?
+            .pop()
+            .expect("one sequence");
         if params.ignore_eos {
             ban(&mut logits, text.tokenizer.stop_tokens());
         }
         let token = sampler.sample(&mut logits);
         first_token_at.get_or_insert_with(Instant::now);
         tokens.push(token);
-        let piece = output.push(token)?;
+        let piece = decoder.accept(token)?;
         on_text(&piece.text);
         out.push_str(&piece.text);
-        if piece.stop {
-            finish = FinishReason::Stop;
-            break;
-        }
-        if tokens.len() == max_new {
-            break;
-        }
-        logits = pipeline
-            .step(vec![(seq, vec![token])])?
-            .pop()
-            .expect("one sequence");
     }
     // Text held back for an incomplete character or a possible stop string.
-    let tail = output.finish()?;
+    let (tail, finish) = decoder.finish()?;
     on_text(&tail);
     out.push_str(&tail);
     let end = Instant::now();

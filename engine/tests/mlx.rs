@@ -6,13 +6,13 @@
 
 use std::path::Path;
 
-use shardplane_engine::candle::CandleShard;
+use shardplane_engine::candle::CandleStage;
 use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::gguf::GgufFile;
-use shardplane_engine::mlx::{MlxShard, convert};
+use shardplane_engine::mlx::{MlxStage, convert};
 use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate, parse_stages};
 use shardplane_engine::sampler::SamplingParams;
-use shardplane_engine::{Error, LoadOptions, Shard, StageInput, StageLayout, StageOutput};
+use shardplane_engine::{Error, LoadOptions, Stage, StageInput, StageLayout, StageOutput};
 
 fn model() -> (GgufFile, TextModel) {
     let file = GgufFile::open(shardplane_testkit::test_model()).expect("the test model opens");
@@ -112,13 +112,13 @@ fn logit_gap(a: &[f32], b: &[f32]) -> f32 {
         / (max - min)
 }
 
-fn candle_f32(file: &GgufFile, layers: std::ops::Range<usize>) -> Box<dyn Shard> {
+fn candle_f32(file: &GgufFile, layers: std::ops::Range<usize>) -> Box<dyn Stage> {
     let options = LoadOptions {
         dequantize: true,
         ..Default::default()
     };
     let layout = StageLayout::new(layers, 30).unwrap();
-    Box::new(CandleShard::load_from(file, layout, &options, candle_core::Device::Cpu).unwrap())
+    Box::new(CandleStage::load_from(file, layout, &options, candle_core::Device::Cpu).unwrap())
 }
 
 #[test]
@@ -132,7 +132,7 @@ fn prefill_logits_of_mlx_and_candle_are_close() {
     let exact = gap(LocalPipeline::from_stages(vec![candle_f32(&file, 0..30)]));
     let q4_1 = gap(candle_same_weights(&file));
     let mlx_f32 = gap(LocalPipeline::from_stages(vec![Box::new(
-        MlxShard::load_gguf(
+        MlxStage::load_gguf(
             &file,
             StageLayout::whole(30),
             &LoadOptions {
@@ -162,8 +162,8 @@ fn a_mixed_pipeline_mlx_then_candle_gives_the_tokens_of_mlx_alone() {
     let (file, text) = model();
     let prompt = chat(&text, PROMPTS[1]);
     let alone = tokens(&mut mlx(&file, "0-29"), &text, &prompt, 12);
-    let first: Box<dyn Shard> = Box::new(
-        MlxShard::load_gguf(
+    let first: Box<dyn Stage> = Box::new(
+        MlxStage::load_gguf(
             &file,
             StageLayout::new(0..15, 30).unwrap(),
             &LoadOptions::default(),
@@ -207,9 +207,9 @@ fn the_converted_mlx_layout_gives_the_same_tokens_as_the_gguf() {
     );
 
     let gguf = tokens(&mut mlx(&file, "0-29"), &text, &prompt, 12);
-    let load = |range: std::ops::Range<usize>| -> Box<dyn Shard> {
+    let load = |range: std::ops::Range<usize>| -> Box<dyn Stage> {
         Box::new(
-            MlxShard::load(
+            MlxStage::load(
                 &out,
                 StageLayout::new(range, 30).unwrap(),
                 &LoadOptions::default(),
@@ -227,7 +227,7 @@ fn the_converted_mlx_layout_gives_the_same_tokens_as_the_gguf() {
 fn batched_decode_matches_each_sequence_alone() {
     let (file, text) = model();
     let layout = StageLayout::whole(30);
-    let mut shard = MlxShard::load_gguf(&file, layout, &LoadOptions::default()).unwrap();
+    let mut shard = MlxStage::load_gguf(&file, layout, &LoadOptions::default()).unwrap();
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|q| chat(&text, q)).collect();
     let argmax = |o: StageOutput| match o {
         StageOutput::Logits(l) => {
@@ -293,7 +293,7 @@ fn batched_decode_matches_each_sequence_alone() {
 fn bad_input_and_bad_files_are_errors_not_crashes() {
     let (file, _) = model();
     let mut whole =
-        MlxShard::load_gguf(&file, StageLayout::whole(30), &LoadOptions::default()).unwrap();
+        MlxStage::load_gguf(&file, StageLayout::whole(30), &LoadOptions::default()).unwrap();
     let e = whole
         .forward(1, StageInput::Tokens(vec![49_152]))
         .unwrap_err();
@@ -311,7 +311,7 @@ fn bad_input_and_bad_files_are_errors_not_crashes() {
         ..Default::default()
     };
     let mut tail =
-        MlxShard::load_gguf(&file, StageLayout::new(20..30, 30).unwrap(), &small).unwrap();
+        MlxStage::load_gguf(&file, StageLayout::new(20..30, 30).unwrap(), &small).unwrap();
     let e = tail.forward(1, StageInput::Tokens(vec![1, 2])).unwrap_err();
     assert!(e.to_string().contains("does not start the model"), "{e}");
     let e = whole
@@ -345,7 +345,7 @@ fn bad_input_and_bad_files_are_errors_not_crashes() {
     let bytes = std::fs::read(file.path()).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    match MlxShard::load(&cut, StageLayout::whole(30), &LoadOptions::default()) {
+    match MlxStage::load(&cut, StageLayout::whole(30), &LoadOptions::default()) {
         Err(e) => assert!(!e.to_string().is_empty()),
         Ok(_) => panic!("half a GGUF file loaded"),
     }
@@ -354,13 +354,13 @@ fn bad_input_and_bad_files_are_errors_not_crashes() {
     let weights = out.join("model.safetensors");
     let data = std::fs::read(&weights).unwrap();
     std::fs::write(&weights, &data[..data.len() / 3]).unwrap();
-    let e = MlxShard::load(&out, StageLayout::whole(30), &LoadOptions::default()).unwrap_err();
+    let e = MlxStage::load(&out, StageLayout::whole(30), &LoadOptions::default()).unwrap_err();
     assert!(
         matches!(e, Error::Mlx(_) | Error::CorruptModel { .. }),
         "{e}"
     );
     std::fs::write(out.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
-    let e = MlxShard::load(&out, StageLayout::whole(30), &LoadOptions::default()).unwrap_err();
+    let e = MlxStage::load(&out, StageLayout::whole(30), &LoadOptions::default()).unwrap_err();
     assert!(e.to_string().contains("config.json hidden_size"), "{e}");
     assert!(!Path::new(&out).join("missing").exists());
 }

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::mlx::distributed::{Group, is_available};
-use shardplane_engine::mlx::{Array, Dtype, MlxShard};
+use shardplane_engine::mlx::{Array, Dtype, MlxStage};
 use shardplane_engine::pipeline::TextModel;
-use shardplane_engine::{Activations, LoadOptions, Shard, StageInput, StageLayout, StageOutput};
+use shardplane_engine::{Activations, LoadOptions, Stage, StageInput, StageLayout, StageOutput};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -54,7 +54,7 @@ fn member(rank: usize) {
     let hidden = file.config().hidden_size;
     if rank == 0 {
         let mut stage =
-            MlxShard::load_gguf(&file, StageLayout::new(0..15, 30).unwrap(), &options).unwrap();
+            MlxStage::load_gguf(&file, StageLayout::new(0..15, 30).unwrap(), &options).unwrap();
         let StageOutput::Hidden(h) = stage
             .forward(1, StageInput::Tokens(prompt.clone()))
             .unwrap()
@@ -74,7 +74,7 @@ fn member(rank: usize) {
         );
     } else {
         let mut stage =
-            MlxShard::load_gguf(&file, StageLayout::new(15..30, 30).unwrap(), &options).unwrap();
+            MlxStage::load_gguf(&file, StageLayout::new(15..30, 30).unwrap(), &options).unwrap();
         let n = group.recv(&[1], Dtype::U32, 0).unwrap().to_f32().unwrap()[0] as usize;
         assert_eq!(n, prompt.len(), "rank 1: row count");
         let rows = group
@@ -86,7 +86,7 @@ fn member(rank: usize) {
         let StageOutput::Logits(logits) = stage.forward(1, input).unwrap() else {
             panic!("a last stage gives logits")
         };
-        let mut whole = MlxShard::load_gguf(&file, StageLayout::whole(30), &options).unwrap();
+        let mut whole = MlxStage::load_gguf(&file, StageLayout::whole(30), &options).unwrap();
         let StageOutput::Logits(expected) = whole.forward(1, StageInput::Tokens(prompt)).unwrap()
         else {
             panic!("the whole model gives logits")

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
-use shardplane_engine::candle::CandleShard;
+use shardplane_engine::candle::CandleStage;
 use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate};
@@ -256,8 +256,8 @@ fn find(bytes: &[u8], needle: &[u8]) -> usize {
         .expect("pattern is in the file")
 }
 
-fn load_whole(path: &Path) -> Result<CandleShard, Error> {
-    CandleShard::load(path, StageLayout::whole(30), &LoadOptions::default())
+fn load_whole(path: &Path) -> Result<CandleStage, Error> {
+    CandleStage::load(path, StageLayout::whole(30), &LoadOptions::default())
 }
 
 #[test]
@@ -333,7 +333,7 @@ fn a_layer_range_past_the_model_is_an_error() {
     }
     // A layout built for a bigger model is checked against the file too.
     let layout = StageLayout::new(20..40, 40).unwrap();
-    let e = CandleShard::load_from(&file, layout, &LoadOptions::default(), Device::Cpu)
+    let e = CandleStage::load_from(&file, layout, &LoadOptions::default(), Device::Cpu)
         .expect_err("past the end");
     assert!(matches!(e, Error::LayerRange { layers: 30, .. }), "{e}");
 }

@@ -71,18 +71,26 @@ impl Keys {
     }
 
     /// Loads the keys now.
-    pub async fn load(&self, client: &Client) -> Result<(), String> {
+    pub async fn load(&self, client: &Client) -> crate::Result<()> {
         let keys = match &self.source {
             KeySource::Anonymous => return Ok(()),
-            KeySource::File(path) => parse_keys(
-                &std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read API keys {}: {e}", path.display()))?,
-            ),
+            KeySource::File(path) => {
+                parse_keys(&std::fs::read_to_string(path).map_err(|source| {
+                    crate::Error::KeysUnreadable {
+                        path: path.clone(),
+                        source,
+                    }
+                })?)
+            }
             KeySource::Secret { namespace, name } => {
                 let secret = Api::<Secret>::namespaced(client.clone(), namespace)
                     .get(name)
                     .await
-                    .map_err(|e| format!("cannot read Secret {namespace}/{name}: {e}"))?;
+                    .map_err(|source| crate::Error::SecretUnreadable {
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                        source,
+                    })?;
                 secret
                     .data
                     .unwrap_or_default()

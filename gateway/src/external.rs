@@ -10,14 +10,14 @@ use crate::protocol::{Answer, ApiError, Event, Finish, Input, Kind, Prompt};
 
 /// The HTTP client for external endpoints (rustls with the ring provider, as
 /// kube uses). Streams have no overall deadline; connecting has one.
-pub fn http_client() -> Result<reqwest::Client, String> {
+pub fn http_client() -> crate::Result<reqwest::Client> {
     // Several crates bring rustls; name the provider once for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .user_agent(concat!("shardplane-gateway/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(std::time::Duration::from_secs(10))
         .build()
-        .map_err(|e| format!("cannot build an HTTP client: {e}"))
+        .map_err(crate::Error::HttpClient)
 }
 
 /// Why the endpoint did not answer.

@@ -11,6 +11,7 @@
 
 pub mod apis;
 pub mod auth;
+mod error;
 pub mod external;
 pub mod metrics;
 pub mod protocol;
@@ -26,6 +27,7 @@ use axum::routing::{get, post};
 use kube::Client;
 
 use crate::apis::{Anthropic, Dialect, Ollama, OpenAi};
+pub use crate::error::{Error, Result};
 
 /// How the gateway runs.
 #[derive(Debug, Clone)]
@@ -94,7 +96,7 @@ pub async fn run(
     client: Client,
     config: GatewayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), String> {
+) -> Result<()> {
     let metrics = metrics::Metrics::new();
     let admin =
         shardplane_admin::Admin::start(config.admin_address, metrics.registry.clone()).await?;
@@ -117,7 +119,10 @@ pub async fn run(
     .with_busy_wait(config.busy_wait);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+        .map_err(|source| Error::Serve {
+            address: config.listen,
+            source,
+        })?;
     let _ = tokio::join!(
         deployments.wait_until_ready(),
         models.wait_until_ready(),
@@ -134,5 +139,8 @@ pub async fn run(
         .with_graceful_shutdown(shutdown)
         .await;
     admin.stop(std::time::Duration::from_secs(5)).await;
-    served.map_err(|e| format!("gateway: {e}"))
+    served.map_err(|source| Error::Serve {
+        address: config.listen,
+        source,
+    })
 }

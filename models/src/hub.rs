@@ -70,11 +70,11 @@ impl Revision {
 pub fn client_for(
     builder: reqwest::ClientBuilder,
     token: Option<&str>,
-) -> Result<reqwest::Client, String> {
+) -> Result<reqwest::Client, crate::Error> {
     let mut headers = HeaderMap::new();
     if let Some(token) = token {
         let mut value = HeaderValue::from_str(&format!("Bearer {token}"))
-            .map_err(|_| "the Hugging Face token holds characters a header cannot".to_string())?;
+            .map_err(|_| crate::Error::TokenNotAHeader)?;
         value.set_sensitive(true);
         headers.insert(AUTHORIZATION, value);
     }
@@ -82,7 +82,7 @@ pub fn client_for(
 }
 
 /// A client for the hub's API and headers (2-minute deadline per request).
-pub fn api_client(token: Option<&str>) -> Result<reqwest::Client, String> {
+pub fn api_client(token: Option<&str>) -> Result<reqwest::Client, crate::Error> {
     client_for(
         reqwest::Client::builder().timeout(Duration::from_secs(120)),
         token,
@@ -91,18 +91,19 @@ pub fn api_client(token: Option<&str>) -> Result<reqwest::Client, String> {
 
 /// A client for downloading weights from the hub: as
 /// [`crate::download_client`], with the token.
-pub fn download_client(idle: Duration, token: Option<&str>) -> Result<reqwest::Client, String> {
+pub fn download_client(
+    idle: Duration,
+    token: Option<&str>,
+) -> Result<reqwest::Client, crate::Error> {
     client_for(reqwest::Client::builder().read_timeout(idle), token)
 }
 
 /// Reads a token from `file` (whitespace around it dropped); an empty file
 /// is no token.
-pub fn read_token(file: &std::path::Path) -> Result<Option<String>, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        format!(
-            "cannot read the Hugging Face token file {}: {e}",
-            file.display()
-        )
+pub fn read_token(file: &std::path::Path) -> Result<Option<String>, crate::Error> {
+    let text = std::fs::read_to_string(file).map_err(|source| crate::Error::TokenUnreadable {
+        path: file.to_path_buf(),
+        source,
     })?;
     let token = text.trim();
     Ok((!token.is_empty()).then(|| token.to_string()))

@@ -12,8 +12,46 @@ use std::time::Duration;
 use shardplane_crds::{ModelSpec, ModelStatus};
 use shardplane_formats::{GgufHeader, ModelConfig};
 
+/// What can go wrong below a model's resolution: clients, tokens, headers.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The HTTP client cannot be built (no TLS provider, bad settings).
+    #[error("cannot build an HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    /// A Hugging Face token that cannot go in a header.
+    #[error("the Hugging Face token holds characters a header cannot")]
+    TokenNotAHeader,
+    /// The Hugging Face token file cannot be read.
+    #[error("cannot read the Hugging Face token file {}: {source}", path.display())]
+    TokenUnreadable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A safetensors file too short to hold its header's length.
+    #[error("shorter than the 8-byte header length")]
+    NoHeaderLength,
+    /// A safetensors header longer than any real one.
+    #[error("header of {0} bytes is implausibly large")]
+    HeaderTooLarge(u64),
+    /// A safetensors header that ends before its stated length.
+    #[error("header of {0} bytes is cut short")]
+    HeaderCutShort(u64),
+    /// A safetensors header that is not JSON.
+    #[error("header is not JSON: {0}")]
+    HeaderNotJson(#[source] serde_json::Error),
+    /// A tensor without its place in the file.
+    #[error("tensor {0} has no data_offsets")]
+    NoDataOffsets(String),
+    /// A weights file that cannot be read.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
 /// Why a model could not be resolved: a condition reason and a message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}: {message}")]
 pub struct Unresolved {
     /// CamelCase reason.
     pub reason: &'static str,
@@ -196,23 +234,23 @@ fn status_from_gguf(
 pub const HUGGING_FACE_HUB: &str = "https://huggingface.co";
 
 /// An HTTP client for model sources (rustls with the ring provider, as kube uses).
-pub fn http_client() -> Result<reqwest::Client, String> {
+pub fn http_client() -> Result<reqwest::Client, Error> {
     client(reqwest::Client::builder().timeout(Duration::from_secs(120)))
 }
 
 /// An HTTP client for downloading weights: a connect timeout and an idle
 /// timeout (`idle` without a byte read), never a total deadline, so a 50 GB
 /// file at 30 MB/s finishes.
-pub fn download_client(idle: Duration) -> Result<reqwest::Client, String> {
+pub fn download_client(idle: Duration) -> Result<reqwest::Client, Error> {
     client(reqwest::Client::builder().read_timeout(idle))
 }
 
-fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, String> {
+fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, Error> {
     // Several crates bring rustls; name the provider once for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     builder
         .user_agent(concat!("shardplane/", env!("CARGO_PKG_VERSION")))
         .connect_timeout(Duration::from_secs(10))
         .build()
-        .map_err(|e| format!("cannot build an HTTP client: {e}"))
+        .map_err(Error::HttpClient)
 }

@@ -9,19 +9,19 @@ use std::path::Path;
 use serde_json::Value;
 use shardplane_crds::{ModelSpec, ModelStatus};
 
-use crate::{Unresolved, kv_bytes_per_token_per_layer};
+use crate::{Error, Unresolved, kv_bytes_per_token_per_layer};
 
 /// Bytes of each tensor named in a safetensors header.
-pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, String> {
+pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, Error> {
     let len = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .ok_or("shorter than the 8-byte header length")?;
+        .ok_or(Error::NoHeaderLength)?;
     let json = bytes
         .get(8..8 + len as usize)
-        .ok_or_else(|| format!("header of {len} bytes is cut short"))?;
+        .ok_or(Error::HeaderCutShort(len))?;
     let header: BTreeMap<String, Value> =
-        serde_json::from_slice(json).map_err(|e| format!("header is not JSON: {e}"))?;
+        serde_json::from_slice(json).map_err(Error::HeaderNotJson)?;
     header
         .into_iter()
         .filter(|(name, _)| name != "__metadata__")
@@ -29,7 +29,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, String> {
             let offsets = info["data_offsets"].as_array().filter(|o| o.len() == 2);
             let (start, end) = offsets
                 .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-                .ok_or_else(|| format!("tensor {name} has no data_offsets"))?;
+                .ok_or_else(|| Error::NoDataOffsets(name.clone()))?;
             Ok((name, end.saturating_sub(start)))
         })
         .collect()
@@ -162,19 +162,19 @@ pub fn resolve_dir(dir: &Path, spec: &ModelSpec) -> Result<ModelStatus, Unresolv
     status_from(&config, &tensors, spec)
 }
 
-fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, String> {
+fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut file = std::fs::File::open(path)?;
     let mut first = [0u8; 8];
-    file.read_exact(&mut first).map_err(|e| e.to_string())?;
-    let len = header_len(&first).ok_or("no header length")?;
+    file.read_exact(&mut first)?;
+    let len = header_len(&first).ok_or(Error::NoHeaderLength)?;
     if len > 100 << 20 {
-        return Err(format!("header of {len} bytes is implausibly large"));
+        return Err(Error::HeaderTooLarge(len));
     }
     let mut bytes = first.to_vec();
     bytes.resize(len as usize, 0);
     file.read_exact(&mut bytes[8..])
-        .map_err(|e| format!("header cut short: {e}"))?;
+        .map_err(|_| Error::HeaderCutShort(len))?;
     parse_header(&bytes)
 }
 

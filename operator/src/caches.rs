@@ -12,7 +12,6 @@
 //!  watch ModelDeployment ► store ─┘
 //! ```
 
-use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::reflector::{self, ReflectHandle, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -62,18 +61,11 @@ where
     /// Starts the watch that fills the store and feeds the subscribers.
     fn watch(&mut self, api: Api<K>) -> tokio::task::JoinHandle<()> {
         let writer = self.writer.take().expect("watched once");
-        tokio::spawn(async move {
+        tokio::spawn(shardplane_cluster::run_watch::<K>(
             watcher(api, watcher::Config::default())
                 .default_backoff()
-                .reflect_shared(writer)
-                .for_each(|event| {
-                    if let Err(e) = event {
-                        tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
-                    }
-                    std::future::ready(())
-                })
-                .await;
-        })
+                .reflect_shared(writer),
+        ))
     }
 }
 

@@ -25,5 +25,32 @@ impl Error {
     }
 }
 
+/// Why the operator stopped running.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The admin address cannot be bound.
+    #[error("cannot listen on {address}: {source}")]
+    Listen {
+        /// The admin address.
+        address: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The node-lease namespace cannot be created.
+    #[error("cannot create namespace {namespace}: {source}")]
+    Namespace {
+        /// The namespace.
+        namespace: &'static str,
+        /// The API's answer.
+        source: kube::Error,
+    },
+    /// An HTTP client for model sources cannot be built.
+    #[error(transparent)]
+    Http(#[from] shardplane_models::Error),
+    /// Another replica took the leader Lease.
+    #[error("lost the leader lease")]
+    LostLeadership,
+}
+
 /// The operator's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

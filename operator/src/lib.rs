@@ -33,7 +33,7 @@ use kube::Client;
 use kube::runtime::events::Reporter;
 use shardplane_crds::NODE_LEASE_NAMESPACE;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, RunError};
 
 /// How the operator runs.
 #[derive(Debug, Clone)]
@@ -61,12 +61,15 @@ pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
 
 /// Runs the operator until a signal arrives or leadership is lost; returns an
 /// error in the latter case so the process exits non-zero and is restarted.
-pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<(), String> {
+pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<(), RunError> {
     let metrics = metrics::Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
     let listener = shardplane_admin::bind(config.admin_address)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.admin_address))?;
+        .map_err(|source| RunError::Listen {
+            address: config.admin_address,
+            source,
+        })?;
     tracing::info!(address = %config.admin_address, "admin endpoints up");
     let admin = tokio::spawn(shardplane_admin::serve(
         listener,
@@ -81,7 +84,10 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     metrics.leader.set(1);
     leader::ensure_namespace(&client, NODE_LEASE_NAMESPACE)
         .await
-        .map_err(|e| format!("cannot create namespace {NODE_LEASE_NAMESPACE}: {e}"))?;
+        .map_err(|source| RunError::Namespace {
+            namespace: NODE_LEASE_NAMESPACE,
+            source,
+        })?;
     // Controllers subscribe to the shared watches before they start.
     let mut caches = caches::Caches::new();
     let (models, nodes, pools, deployments) = (
@@ -114,7 +120,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     );
     let outcome = tokio::select! {
         _ = controllers => Ok(()),
-        _ = config.election.hold(&client) => Err("lost the leader lease".to_string()),
+        _ = config.election.hold(&client) => Err(RunError::LostLeadership),
     };
     metrics.leader.set(0);
     admin.abort();

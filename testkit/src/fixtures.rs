@@ -68,6 +68,47 @@ pub fn strategy(name: &str, parallelism: Parallelism) -> ShardingStrategy {
     }
 }
 
+/// A NodePool of tier `tier` choosing the nodes labelled `label`
+/// (`(key, value)`).
+pub fn node_pool_selecting(name: &str, tier: Tier, label: (&str, &str)) -> NodePool {
+    let mut pool = node_pool(name, tier);
+    pool.spec.node_selector.match_labels =
+        Some([(label.0.to_string(), label.1.to_string())].into());
+    pool
+}
+
+/// Creates `pool` and `strategy`, then a deployment `name` of `model` in
+/// `ns` on them: the setup of a test that deploys on agents of its own.
+pub async fn deploy(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    model: &str,
+    pool: &NodePool,
+    strategy: &ShardingStrategy,
+) -> kube::Api<ModelDeployment> {
+    use kube::ResourceExt;
+    use kube::api::{Api, PostParams};
+    let create = PostParams::default();
+    Api::<NodePool>::all(client.clone())
+        .create(&create, pool)
+        .await
+        .expect("create the NodePool");
+    Api::<ShardingStrategy>::all(client.clone())
+        .create(&create, strategy)
+        .await
+        .expect("create the ShardingStrategy");
+    let deployments = Api::<ModelDeployment>::namespaced(client.clone(), ns);
+    deployments
+        .create(
+            &create,
+            &deployment(name, model, &pool.name_any(), &strategy.name_any()),
+        )
+        .await
+        .expect("create the ModelDeployment");
+    deployments
+}
+
 /// A ModelDeployment of one replica.
 pub fn deployment(name: &str, model: &str, pool: &str, strategy: &str) -> ModelDeployment {
     ModelDeployment {

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shardplane_dataplane as dp;
+use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
-use shardplane_engine::sampler::{Sampler, SamplingParams};
-use shardplane_engine::text_output::TextOutput;
+use shardplane_engine::sampler::Sampler;
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status};
 
 use super::next_stage::Downstream;
 use super::relay::Sequence;
-use super::wire::{engine_status, event, in_vocabulary, sampling_params};
+use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
 use crate::metrics::Metrics;
 
@@ -60,36 +60,19 @@ impl Service {
                 text.chat_prompt(&messages).map_err(engine_status)?
             }
             Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
-            Some(Input::Tokens(t)) => in_vocabulary(&text, t.ids.clone())?,
+            Some(Input::Tokens(t)) => t.ids.clone(),
             None => return Err(Status::invalid_argument("no chat, prompt or tokens")),
         };
-        let resume = in_vocabulary(&text, req.resume.map(|t| t.ids).unwrap_or_default())?;
-        let context = stage.worker.context_length;
-        if prompt.is_empty() {
-            return Err(Status::invalid_argument("the prompt is empty"));
-        }
-        if prompt.len() >= context {
-            return Err(Status::invalid_argument(format!(
-                "the prompt is {} tokens; the context holds {context}, so at most {} fit with room for a reply",
-                prompt.len(),
-                context - 1
-            )));
-        }
         let sampling = req.sampling.unwrap_or_default();
-        let params = sampling_params(&sampling, context - prompt.len())?;
-        if resume.len() > params.max_tokens {
-            return Err(Status::invalid_argument(format!(
-                "{} tokens to resume from; this answer may have at most {}",
-                resume.len(),
-                params.max_tokens
-            )));
-        }
-        // The prompt, then the answer so far (which repetition penalties see
-        // as well).
-        let prompt_len = prompt.len();
-        let mut context = prompt;
-        context.extend(&resume);
-        let banned: Vec<u32> = if params.ignore_eos {
+        let request = ValidRequest::new(
+            prompt,
+            req.resume.map(|t| t.ids).unwrap_or_default(),
+            wire::params(&sampling),
+            text.tokenizer.vocab_size(),
+            stage.worker.context_length,
+        )
+        .map_err(engine_status)?;
+        let banned: Vec<u32> = if request.params().ignore_eos {
             text.tokenizer.stop_tokens().to_vec()
         } else {
             Vec::new()
@@ -122,7 +105,7 @@ impl Service {
                         shard: None,
                         sequence: id,
                         sampling: Some(sampling),
-                        prompt: context.clone(),
+                        prompt: request.context(),
                         banned: banned.clone(),
                     },
                 )
@@ -130,7 +113,10 @@ impl Service {
             )
         };
         let local_sampler = if downstream.is_none() {
-            Some(Sampler::new(params.clone(), &context).map_err(engine_status)?)
+            Some(
+                Sampler::new(request.params().clone(), &request.context())
+                    .map_err(engine_status)?,
+            )
         } else {
             None
         };
@@ -141,9 +127,7 @@ impl Service {
                 id,
             },
             text,
-            params,
-            context,
-            prompt_len,
+            request,
             banned,
             downstream,
             sampler: local_sampler,
@@ -169,11 +153,9 @@ impl Service {
 struct Generation {
     seq: Sequence,
     text: Arc<shardplane_engine::pipeline::TextModel>,
-    params: SamplingParams,
-    /// The prompt, then the tokens of the answer given before (see
-    /// `GenerateRequest.resume`).
-    context: Vec<u32>,
-    prompt_len: usize,
+    /// The prompt, the tokens of the answer given before (see
+    /// `GenerateRequest.resume`) and the sampling parameters, checked.
+    request: ValidRequest,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
@@ -270,38 +252,26 @@ impl Generation {
     async fn run_inner(&mut self) -> Result<(), Status> {
         use dp::generate_response::Event;
         self.emit(Event::Started(dp::Started {
-            prompt_tokens: self.prompt_len as u32,
+            prompt_tokens: self.request.prompt().len() as u32,
             sequence: self.seq.id,
         }))
         .await?;
         let text = self.text.clone();
-        let mut output = TextOutput::new(&text.tokenizer, &self.params);
-        let max_new = self.params.max_tokens;
-        let context = std::mem::take(&mut self.context);
-        let resume = &context[self.prompt_len..];
-        let mut reason = dp::FinishReason::Length;
-        // The answer so far: the text it released was given then; what it
-        // holds back comes with the next token.
-        for (i, &token) in resume.iter().enumerate() {
-            if output.push(token).map_err(engine_status)?.stop {
-                if i + 1 < resume.len() {
-                    return Err(Status::invalid_argument(format!(
-                        "the tokens to resume from end the answer at token {i} of {}",
-                        resume.len()
-                    )));
-                }
-                reason = dp::FinishReason::Stop;
-            }
+        let mut decoder = Decoder::new(&text.tokenizer, &self.request).map_err(engine_status)?;
+        let mut first_token_at = None;
+        while let Some(input) = decoder.next_input() {
+            let token = self.step(&input).await?;
+            first_token_at.get_or_insert_with(Instant::now);
+            self.metrics.generated_tokens.inc();
+            let piece = decoder.accept(token).map_err(engine_status)?;
+            self.emit(Event::Delta(dp::Delta {
+                text: piece.text,
+                tokens: vec![token],
+            }))
+            .await?;
         }
-        let mut generated = resume.len();
-        let finished_already = reason == dp::FinishReason::Stop || generated >= max_new;
-        let mut first_token_at = Instant::now();
-        if !finished_already {
-            let token = self.step(&context).await?;
-            first_token_at = Instant::now();
-            reason = self.decode(&mut output, token, &mut generated).await?;
-        }
-        let tail = output.finish().map_err(engine_status)?;
+        let generated = decoder.generated();
+        let (tail, finish) = decoder.finish().map_err(engine_status)?;
         if !tail.is_empty() {
             self.emit(Event::Delta(dp::Delta {
                 text: tail,
@@ -310,43 +280,19 @@ impl Generation {
             .await?;
         }
         let done = Instant::now();
+        let first_token_at = first_token_at.unwrap_or(done);
+        let reason = match finish {
+            FinishReason::Stop => dp::FinishReason::Stop,
+            FinishReason::Length => dp::FinishReason::Length,
+        };
         self.emit(Event::Finished(dp::Finished {
             reason: reason as i32,
-            prompt_tokens: self.prompt_len as u32,
+            prompt_tokens: self.request.prompt().len() as u32,
             completion_tokens: generated as u32,
             time_to_first_token_us: (first_token_at - self.received).as_micros() as u64,
             decode_us: (done - first_token_at).as_micros() as u64,
         }))
         .await?;
         Ok(())
-    }
-
-    /// Gives `token` and decodes the ones after it until a stop or the
-    /// limit; `generated` counts the answer's tokens.
-    async fn decode(
-        &mut self,
-        output: &mut TextOutput<'_>,
-        mut token: u32,
-        generated: &mut usize,
-    ) -> Result<dp::FinishReason, Status> {
-        use dp::generate_response::Event;
-        let max_new = self.params.max_tokens;
-        loop {
-            *generated += 1;
-            self.metrics.generated_tokens.inc();
-            let piece = output.push(token).map_err(engine_status)?;
-            self.emit(Event::Delta(dp::Delta {
-                text: piece.text,
-                tokens: vec![token],
-            }))
-            .await?;
-            if piece.stop {
-                return Ok(dp::FinishReason::Stop);
-            }
-            if *generated >= max_new {
-                return Ok(dp::FinishReason::Length);
-            }
-            token = self.step(&[token]).await?;
-        }
     }
 }

@@ -39,7 +39,6 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::cache::Cache;
 use crate::metrics::Metrics;
 use crate::shards::{ServedStage, ShardSet};
-pub use wire::sampling_params;
 
 /// Bytes a `Ping` may ask for.
 const MAX_PING_BYTES: u32 = 64 << 20;

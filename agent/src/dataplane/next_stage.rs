@@ -59,7 +59,7 @@ impl Service {
         let mut client = self
             .peers
             .client(&endpoint)
-            .map_err(Status::invalid_argument)?;
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (requests, outbound) = mpsc::channel(64);
         requests
             .send(dp::ForwardRequest {

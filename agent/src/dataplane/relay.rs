@@ -185,7 +185,7 @@ fn hidden_input(step: &dp::Step, width: usize) -> Result<StageInput, Status> {
         .hidden
         .as_ref()
         .ok_or_else(|| Status::invalid_argument("a step carries no hidden states"))?;
-    let data = dp::decode_hidden(h).map_err(Status::invalid_argument)?;
+    let data = dp::decode_hidden(h).map_err(|e| Status::invalid_argument(e.to_string()))?;
     if h.width as usize != width {
         return Err(Status::invalid_argument(format!(
             "hidden states are {} wide; this stage takes {width}",

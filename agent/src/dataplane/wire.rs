@@ -17,9 +17,10 @@ pub(super) fn engine_status(e: shardplane_engine::Error) -> Status {
     }
 }
 
-/// The engine's sampling parameters from the wire's (0 means unset).
-pub fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingParams, Status> {
-    let params = SamplingParams {
+/// The engine's sampling parameters from the wire's (0 means unset; an
+/// unset token limit is as many as the context leaves), not yet checked.
+pub(super) fn params(s: &dp::Sampling) -> SamplingParams {
+    SamplingParams {
         temperature: s.temperature,
         top_k: (s.top_k > 0).then_some(s.top_k as usize),
         top_p: (s.top_p > 0.0).then_some(s.top_p),
@@ -33,29 +34,22 @@ pub fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingParams, 
         presence_penalty: s.presence_penalty,
         seed: s.seed,
         max_tokens: if s.max_tokens == 0 {
-            room
+            usize::MAX
         } else {
-            (s.max_tokens as usize).min(room)
+            s.max_tokens as usize
         },
         stop: s.stop.clone(),
         ignore_eos: s.ignore_eos,
-    };
-    params.validate().map_err(engine_status)?;
-    Ok(params)
+    }
 }
 
-/// `ids` when every one is in the model's vocabulary.
-pub(super) fn in_vocabulary(
-    text: &shardplane_engine::pipeline::TextModel,
-    ids: Vec<u32>,
-) -> Result<Vec<u32>, Status> {
-    let vocab = text.tokenizer.vocab_size() as u32;
-    match ids.iter().find(|&&id| id >= vocab) {
-        Some(bad) => Err(Status::invalid_argument(format!(
-            "token {bad} is past the vocabulary of {vocab}"
-        ))),
-        None => Ok(ids),
-    }
+/// The engine's sampling parameters from the wire's, checked, with at most
+/// `room` tokens to generate.
+pub(super) fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingParams, Status> {
+    let mut params = params(s);
+    params.max_tokens = params.max_tokens.min(room);
+    params.validate().map_err(engine_status)?;
+    Ok(params)
 }
 
 /// A `Generate` answer carrying `e`.

@@ -149,18 +149,8 @@ fn tolerated(cmd: &[String]) -> bool {
 /// A token file must exist, hold a token, and not be readable by every user
 /// of the machine (a service reads it as root).
 pub fn check_token_file(path: &Path) -> anyhow::Result<()> {
-    let meta = std::fs::metadata(path)
-        .with_context(|| format!("--token-file {}: cannot read it", path.display()))?;
-    if meta.permissions().mode() & 0o004 != 0 {
-        bail!(
-            "--token-file {} is readable by every user of this machine (mode {:o}); \
-             `chmod 600 {}` first",
-            path.display(),
-            meta.permissions().mode() & 0o777,
-            path.display()
-        );
-    }
-    shardplane_dataplane::Token::from_file(path).map_err(anyhow::Error::msg)?;
+    super::refuse_world_readable(path, "--token-file")?;
+    shardplane_dataplane::Token::from_file(path)?;
     Ok(())
 }
 

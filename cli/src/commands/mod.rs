@@ -21,22 +21,31 @@ pub mod up;
 pub(crate) fn hugging_face_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
     match file {
         Some(file) => {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(file)
-                .map(|m| m.permissions().mode())
-                .unwrap_or(0);
-            anyhow::ensure!(
-                mode & 0o004 == 0,
-                "--hugging-face-token-file {} is readable by every user of this machine (mode {:o}); `chmod 600 {}` first",
-                file.display(),
-                mode & 0o777,
-                file.display()
-            );
-            shardplane_models::hub::read_token(file).map_err(anyhow::Error::msg)
+            refuse_world_readable(file, "--hugging-face-token-file")?;
+            Ok(shardplane_models::hub::read_token(file)?)
         }
         None => Ok(std::env::var("HF_TOKEN")
             .ok()
             .map(|t| t.trim().to_string())
             .filter(|t| !t.is_empty())),
     }
+}
+
+/// Refuses a secret file every user of this machine may read (or one that
+/// cannot be read at all), naming `flag` and the `chmod` that fixes it.
+pub(crate) fn refuse_world_readable(file: &std::path::Path, flag: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(file)
+        .with_context(|| format!("{flag} {}: cannot read it", file.display()))?
+        .permissions()
+        .mode();
+    anyhow::ensure!(
+        mode & 0o004 == 0,
+        "{flag} {} is readable by every user of this machine (mode {:o}); `chmod 600 {}` first",
+        file.display(),
+        mode & 0o777,
+        file.display()
+    );
+    Ok(())
 }

@@ -74,8 +74,8 @@ impl ModelArgs {
         engine: EngineKind,
         options: &LoadOptions,
     ) -> anyhow::Result<(LocalPipeline, TextModel)> {
-        use shardplane_engine::mlx::{MlxShard, read_dir_config};
-        use shardplane_engine::{Shard, StageLayout};
+        use shardplane_engine::mlx::{MlxStage, read_dir_config};
+        use shardplane_engine::{Stage, StageLayout};
         if engine != EngineKind::Mlx {
             anyhow::bail!(
                 "{} is a model directory (MLX-community layout): run it with --engine mlx",
@@ -90,10 +90,10 @@ impl ModelArgs {
         };
         let stages = splits
             .into_iter()
-            .map(|r| -> anyhow::Result<Box<dyn Shard>> {
+            .map(|r| -> anyhow::Result<Box<dyn Stage>> {
                 let layout = StageLayout::new(r, layers)?;
                 Ok(Box::new(
-                    MlxShard::load(dir, layout, options)
+                    MlxStage::load(dir, layout, options)
                         .with_context(|| format!("cannot load {}", dir.display()))?,
                 ))
             })

@@ -1,4 +1,4 @@
-//! The candle backend: a shard computed with candle's CPU (or CUDA / Metal)
+//! The candle backend: a stage computed with candle's CPU (or CUDA / Metal)
 //! kernels on GGUF weights.
 //!
 //! One code path serves prefill and batched decode: the inputs of all
@@ -18,8 +18,8 @@ use candle_nn::kv_cache::KvCache;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::shard::{
-    Activations, Item, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+use crate::stage::{
+    Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
 };
 use weights::{LayerWeights, TensorLoader};
@@ -28,7 +28,7 @@ use weights::{LayerWeights, TensorLoader};
 const KV_CHUNK: usize = 256;
 
 /// A stage of a model computed with candle.
-pub struct CandleShard {
+pub struct CandleStage {
     config: ModelConfig,
     layout: StageLayout,
     context_length: usize,
@@ -42,9 +42,9 @@ pub struct CandleShard {
     sequences: HashMap<SequenceId, SequenceCache>,
 }
 
-impl std::fmt::Debug for CandleShard {
+impl std::fmt::Debug for CandleStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CandleShard")
+        f.debug_struct("CandleStage")
             .field("architecture", &self.config.architecture)
             .field("layers", &self.layout.layers)
             .field("total_layers", &self.layout.total_layers)
@@ -60,7 +60,7 @@ struct SequenceCache {
     layers: Vec<KvCache>,
 }
 
-impl CandleShard {
+impl CandleStage {
     /// Loads layers `layout.layers` of the GGUF model at `path` on the CPU.
     pub fn load(
         path: impl AsRef<Path>,
@@ -116,7 +116,7 @@ impl CandleShard {
             None
         };
         let (cos, sin) = rope_tables(&config, context_length, &device)?;
-        Ok(CandleShard {
+        Ok(CandleStage {
             weight_bytes: loader.bytes,
             config,
             layout,
@@ -348,7 +348,7 @@ fn rope_tables(cfg: &ModelConfig, context: usize, device: &Device) -> Result<(Te
     Ok((freqs.cos()?.contiguous()?, freqs.sin()?.contiguous()?))
 }
 
-impl Shard for CandleShard {
+impl Stage for CandleStage {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -359,11 +359,6 @@ impl Shard for CandleShard {
 
     fn context_length(&self) -> usize {
         self.context_length
-    }
-
-    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput> {
-        let mut out = self.run(vec![(seq, input)])?;
-        Ok(out.pop().expect("one output per input"))
     }
 
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {

@@ -1,4 +1,4 @@
-//! The MLX backend: a shard computed by libmlx (Metal on Apple Silicon, the
+//! The MLX backend: a stage computed by libmlx (Metal on Apple Silicon, the
 //! CPU elsewhere) through a small C++ shim of our own (`engine/mlx/shim.cpp`).
 //!
 //! It reads two layouts:
@@ -35,8 +35,8 @@ use names::{Layout, Part, Weight};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::shard::{
-    Activations, Item, LoadOptions, SequenceId, Shard, StageInput, StageLayout, StageOutput,
+use crate::stage::{
+    Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
 };
 
@@ -293,7 +293,7 @@ struct SequenceCache {
 }
 
 /// A stage of a model computed with MLX.
-pub struct MlxShard {
+pub struct MlxStage {
     config: ModelConfig,
     layout: StageLayout,
     context_length: usize,
@@ -305,9 +305,9 @@ pub struct MlxShard {
     sequences: HashMap<SequenceId, SequenceCache>,
 }
 
-impl std::fmt::Debug for MlxShard {
+impl std::fmt::Debug for MlxStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MlxShard")
+        f.debug_struct("MlxStage")
             .field("architecture", &self.config.architecture)
             .field("layers", &self.layout.layers)
             .field("total_layers", &self.layout.total_layers)
@@ -317,7 +317,7 @@ impl std::fmt::Debug for MlxShard {
     }
 }
 
-impl Drop for MlxShard {
+impl Drop for MlxStage {
     fn drop(&mut self) {
         let _guard = lock();
         drop(std::mem::take(&mut self.sequences));
@@ -341,7 +341,7 @@ pub fn read_dir_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
     Ok((ModelConfig::from_hf_json(&json)?, json))
 }
 
-impl MlxShard {
+impl MlxStage {
     /// Loads layers `layout.layers` of a model: a GGUF file, or a directory in
     /// the MLX-community layout.
     pub fn load(
@@ -441,7 +441,7 @@ impl MlxShard {
         } else {
             None
         };
-        Ok(MlxShard {
+        Ok(MlxStage {
             // GGUF Llama permutes Q/K for interleaved RoPE; the converter (and
             // Hugging Face) keep the halves layout.
             traditional_rope: file_layout == Layout::Gguf && config.architecture.interleaved_rope(),
@@ -661,7 +661,7 @@ impl MlxShard {
     }
 }
 
-impl Shard for MlxShard {
+impl Stage for MlxStage {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -672,11 +672,6 @@ impl Shard for MlxShard {
 
     fn context_length(&self) -> usize {
         self.context_length
-    }
-
-    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput> {
-        let mut out = self.run(vec![(seq, input)])?;
-        Ok(out.pop().expect("one output per input"))
     }
 
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {

@@ -403,7 +403,10 @@ impl Router {
                 key: inst.key.clone(),
             }
         };
-        let mut client = self.peers.client(&inst.endpoint).map_err(Attempt::Next)?;
+        let mut client = self
+            .peers
+            .client(&inst.endpoint)
+            .map_err(|e| Attempt::Next(e.to_string()))?;
         let input = match &prompt.input {
             Input::Chat(messages) => dp::generate_request::Input::Chat(dp::Conversation {
                 messages: messages
@@ -461,24 +464,28 @@ impl Router {
         }
     }
 
-    async fn api_key(&self, ns: &str, ext: &ExternalEndpoint) -> Result<Option<String>, String> {
+    async fn api_key(&self, ns: &str, ext: &ExternalEndpoint) -> crate::Result<Option<String>> {
         let Some(r) = &ext.api_key_secret_ref else {
             return Ok(None);
         };
         let secret = Api::<Secret>::namespaced(self.client.clone(), ns)
             .get(&r.name)
             .await
-            .map_err(|e| format!("cannot read Secret {ns}/{}: {e}", r.name))?;
+            .map_err(|source| crate::Error::SecretUnreadable {
+                namespace: ns.to_string(),
+                name: r.name.clone(),
+                source,
+            })?;
         let value = secret
             .data
             .and_then(|d| d.get(&r.key).cloned())
-            .ok_or_else(|| format!("Secret {ns}/{} has no key {}", r.name, r.key))?;
-        Ok(Some(
-            String::from_utf8(value.0)
-                .map_err(|_| format!("Secret {ns}/{} key {} is not text", r.name, r.key))?
-                .trim()
-                .to_string(),
-        ))
+            .and_then(|v| String::from_utf8(v.0).ok())
+            .ok_or_else(|| crate::Error::SecretKeyMissing {
+                namespace: ns.to_string(),
+                name: r.name.clone(),
+                key: r.key.clone(),
+            })?;
+        Ok(Some(value.trim().to_string()))
     }
 
     async fn try_external(
@@ -488,7 +495,10 @@ impl Router {
         ext: &ExternalEndpoint,
         prompt: &Prompt,
     ) -> Result<Answer, Attempt> {
-        let key = self.api_key(ns, ext).await.map_err(Attempt::Next)?;
+        let key = self
+            .api_key(ns, ext)
+            .await
+            .map_err(|e| Attempt::Next(e.to_string()))?;
         crate::external::start(&self.http, name, ext, key.as_deref(), prompt)
             .await
             .map_err(|e| match e {

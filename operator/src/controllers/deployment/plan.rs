@@ -83,9 +83,18 @@ pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
     };
     let failing = failing_nodes(&mine);
     let mut moved = Vec::new();
-    let mut plan = placement::plan(&mut cluster.clone(), &request);
-    if !failing.is_empty() {
-        let mut avoiding = cluster;
+    // `placement::plan` takes what it places out of the view it is given:
+    // keep a copy only when a second plan, avoiding failing nodes, needs one.
+    let (mut plan, avoiding) = if failing.is_empty() {
+        let mut cluster = cluster;
+        (placement::plan(&mut cluster, &request), None)
+    } else {
+        (
+            placement::plan(&mut cluster.clone(), &request),
+            Some(cluster),
+        )
+    };
+    if let Some(mut avoiding) = avoiding {
         for node in failing.keys() {
             if let Some(n) = avoiding.nodes.get_mut(node) {
                 n.schedulable = false;

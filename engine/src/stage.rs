@@ -1,4 +1,4 @@
-//! The contract of a shard: one stage of a model, layers `[start, end)`.
+//! The contract of a stage: one part of a model, layers `[start, end)`.
 //!
 //! ```text
 //!  tokens ──► [embed] ─► layers start..end ─► [final norm + head] ──► logits
@@ -6,7 +6,7 @@
 //!  hidden states flow between stages as `Activations` (f32 rows)
 //! ```
 //!
-//! A shard keeps a KV cache per sequence, so sequences at different positions
+//! A stage keeps a KV cache per sequence, so sequences at different positions
 //! run through it concurrently. Activations are plain f32 rows so stages of one
 //! pipeline may run on different backends.
 
@@ -123,7 +123,7 @@ impl StageLayout {
     }
 }
 
-/// Options for loading a shard.
+/// Options for loading a stage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadOptions {
     /// The most tokens one sequence may hold (prompt and generated); the model's
@@ -153,7 +153,7 @@ impl Default for LoadOptions {
 }
 
 /// One stage of a model, loaded and ready to run sequences.
-pub trait Shard: Send {
+pub trait Stage: Send {
     /// The model's configuration.
     fn config(&self) -> &ModelConfig;
 
@@ -164,13 +164,16 @@ pub trait Shard: Send {
     fn context_length(&self) -> usize;
 
     /// Runs `input` for sequence `seq`, appending to its KV cache (a new
-    /// sequence starts at position 0).
-    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput>;
+    /// sequence starts at position 0): a batch of one.
+    fn forward(&mut self, seq: SequenceId, input: StageInput) -> Result<StageOutput> {
+        let mut out = self.forward_batch(vec![(seq, input)])?;
+        Ok(out.pop().expect("one output per input"))
+    }
 
     /// Runs one step for several sequences at once: each brings one or more
     /// tokens (or rows of hidden state): a decode step, a slice of a prompt,
     /// or both mixed. The rows are stacked so the weights are read once.
-    /// Outputs are in input order, as [`Shard::forward`] gives them.
+    /// Outputs are in input order, as [`Stage::forward`] gives them.
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>>;
 
     /// Frees a sequence's KV cache; returns whether it existed.

@@ -1,0 +1,342 @@
+//! The router's choices, in process and in seconds: ready instances only,
+//! least outstanding first, a failed instance passed over before the first
+//! token, an answer resumed on another instance after it, busy instances
+//! waited for and then a 429, unknown models a 404. The head stages are fake
+//! data planes on loopback ports; the watch stores are filled by hand. The
+//! same paths run against real agents in `cli/tests/gateway.rs`.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use kube::runtime::reflector::{self, Store, store::Writer};
+use kube::runtime::watcher;
+use shardplane_crds::{LayerRange, Model, ModelDeployment, Shard, ShardPhase, ShardStatus};
+use shardplane_dataplane as dp;
+use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
+use shardplane_dataplane::tonic::{self, Request, Response, Status, Streaming};
+use shardplane_gateway::metrics::Metrics;
+use shardplane_gateway::protocol::{ApiError, Event, Events, Input, Kind, Prompt};
+use shardplane_gateway::routing::Router;
+use shardplane_testkit::fixtures;
+
+const NS: &str = "in-process";
+const TOKEN: &str = "in-process-data-plane-token";
+/// Tokens of a whole answer: "w0 w1 … w5 ".
+const WORDS: usize = 6;
+
+/// How a fake head stage answers `Generate`.
+#[derive(Debug, Clone, Copy)]
+enum Behaviour {
+    /// The whole answer, after the tokens resumed from.
+    Answer,
+    /// The answer up to token `n`, then the stage fails.
+    FailAt(usize),
+    /// Refused: too much work queued.
+    Busy,
+}
+
+/// A fake head stage; records the tokens each call resumed from.
+#[derive(Clone)]
+struct Fake {
+    behaviour: Behaviour,
+    calls: Arc<Mutex<Vec<Vec<u32>>>>,
+}
+
+type Events2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+fn event(e: dp::generate_response::Event) -> Result<dp::GenerateResponse, Status> {
+    Ok(dp::GenerateResponse { event: Some(e) })
+}
+
+#[tonic::async_trait]
+impl DataPlane for Fake {
+    type GenerateStream = Events2<dp::GenerateResponse>;
+    type ForwardStream = Events2<dp::ForwardResponse>;
+    type ReadBlobStream = Events2<dp::BlobChunk>;
+
+    async fn generate(
+        &self,
+        request: Request<dp::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        use dp::generate_response::Event as E;
+        let resume = request
+            .into_inner()
+            .resume
+            .map(|t| t.ids)
+            .unwrap_or_default();
+        self.calls.lock().unwrap().push(resume.clone());
+        if let Behaviour::Busy = self.behaviour {
+            return Err(Status::resource_exhausted("about 40 s of work is queued"));
+        }
+        let mut events = vec![event(E::Started(dp::Started {
+            prompt_tokens: 3,
+            sequence: 1,
+        }))];
+        for i in resume.len()..WORDS {
+            if let Behaviour::FailAt(n) = self.behaviour
+                && i == n
+            {
+                events.push(Err(Status::unavailable("the stage went away")));
+                return Ok(Response::new(Box::pin(futures::stream::iter(events))));
+            }
+            events.push(event(E::Delta(dp::Delta {
+                text: format!("w{i} "),
+                tokens: vec![i as u32],
+            })));
+        }
+        events.push(event(E::Finished(dp::Finished {
+            reason: dp::FinishReason::Stop as i32,
+            prompt_tokens: 3,
+            completion_tokens: WORDS as u32,
+            ..Default::default()
+        })));
+        Ok(Response::new(Box::pin(futures::stream::iter(events))))
+    }
+
+    async fn forward(
+        &self,
+        _: Request<Streaming<dp::ForwardRequest>>,
+    ) -> Result<Response<Self::ForwardStream>, Status> {
+        Err(Status::unimplemented("a head stage only"))
+    }
+
+    async fn status(
+        &self,
+        _: Request<dp::StatusRequest>,
+    ) -> Result<Response<dp::StatusResponse>, Status> {
+        Err(Status::unimplemented("a head stage only"))
+    }
+
+    async fn ping(
+        &self,
+        _: Request<dp::PingRequest>,
+    ) -> Result<Response<dp::PingResponse>, Status> {
+        Err(Status::unimplemented("a head stage only"))
+    }
+
+    async fn read_blob(
+        &self,
+        _: Request<dp::ReadBlobRequest>,
+    ) -> Result<Response<Self::ReadBlobStream>, Status> {
+        Err(Status::unimplemented("a head stage only"))
+    }
+}
+
+fn token() -> dp::Token {
+    dp::Token::new(TOKEN).unwrap()
+}
+
+/// Serves `behaviour` on a loopback port; its endpoint and its calls.
+async fn serve(behaviour: Behaviour) -> (String, Arc<Mutex<Vec<Vec<u32>>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let fake = Fake {
+        behaviour,
+        calls: Arc::default(),
+    };
+    let calls = fake.calls.clone();
+    let service = tonic::service::interceptor::InterceptedService::new(
+        DataPlaneServer::new(fake),
+        dp::RequireToken(token()),
+    );
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    (endpoint, calls)
+}
+
+/// The one-stage head Shard of instance `i` of deployment `chat`, Ready at
+/// `endpoint` (or loading, without one).
+fn head(i: u32, endpoint: Option<&str>) -> Shard {
+    let mut s = fixtures::shard(
+        "chat",
+        &format!("node-{i}"),
+        0,
+        1,
+        LayerRange { start: 0, end: 30 },
+    );
+    s.metadata.name = Some(format!("chat-{i}-0"));
+    s.metadata.namespace = Some(NS.into());
+    s.spec.instance = i;
+    s.status = Some(ShardStatus {
+        phase: Some(if endpoint.is_some() {
+            ShardPhase::Ready
+        } else {
+            ShardPhase::Loading
+        }),
+        endpoint: endpoint.map(str::to_string),
+        ..Default::default()
+    });
+    s
+}
+
+fn store<K>(objects: Vec<K>) -> (Store<K>, Writer<K>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    let (reader, mut writer) = reflector::store();
+    for o in objects {
+        writer.apply_watcher_event(&watcher::Event::Apply(o));
+    }
+    (reader, writer)
+}
+
+/// A router over deployment `chat` of model `m` with `shards`; the Shards'
+/// writer, to change them while an answer runs.
+fn router(shards: Vec<Shard>) -> (Router, Writer<Shard>) {
+    let mut model = fixtures::model("m");
+    model.metadata.namespace = Some(NS.into());
+    let mut deployment = fixtures::deployment("chat", "m", "pool", "strategy");
+    deployment.metadata.namespace = Some(NS.into());
+    let http = shardplane_gateway::external::http_client().unwrap();
+    // Nothing here reads the API server (no external endpoint has a Secret).
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
+    let (deployments, _) = store::<ModelDeployment>(vec![deployment]);
+    let (models, _) = store::<Model>(vec![model]);
+    let (shards, writer) = store(shards);
+    let router = Router::new(
+        client,
+        deployments,
+        models,
+        shards,
+        token(),
+        http,
+        Metrics::new(),
+    )
+    .with_busy_wait(Duration::from_millis(700));
+    (router, writer)
+}
+
+fn prompt() -> Prompt {
+    Prompt {
+        input: Input::Text("say six words".into()),
+        sampling: dp::Sampling::default(),
+    }
+}
+
+async fn text(mut events: Events) -> Result<String, ApiError> {
+    let mut text = String::new();
+    while let Some(e) = events.next().await {
+        match e? {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done { .. } => return Ok(text),
+        }
+    }
+    panic!("the answer ended without Done")
+}
+
+const WHOLE: &str = "w0 w1 w2 w3 w4 w5 ";
+
+#[tokio::test]
+async fn an_answer_comes_from_a_ready_instance_and_loading_ones_are_skipped() {
+    let (ready, calls) = serve(Behaviour::Answer).await;
+    let (router, _) = router(vec![head(0, None), head(1, Some(&ready))]);
+    let answer = router.complete("m", &prompt()).await.unwrap();
+    assert_eq!(answer.prompt_tokens, 3);
+    assert_eq!(text(answer.events).await.unwrap(), WHOLE);
+    assert_eq!(*calls.lock().unwrap(), vec![Vec::<u32>::new()]);
+}
+
+#[tokio::test]
+async fn an_instance_that_fails_before_its_first_token_is_passed_over() {
+    let (failing, failed) = serve(Behaviour::FailAt(0)).await;
+    // Nothing listens where the second says it is.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nowhere = gone.local_addr().unwrap().to_string();
+    drop(gone);
+    let (good, answered) = serve(Behaviour::Answer).await;
+    let (router, _) = router(vec![
+        head(0, Some(&failing)),
+        head(1, Some(&nowhere)),
+        head(2, Some(&good)),
+    ]);
+    for _ in 0..4 {
+        let answer = router.complete("m", &prompt()).await.unwrap();
+        assert_eq!(text(answer.events).await.unwrap(), WHOLE);
+    }
+    assert_eq!(answered.lock().unwrap().len(), 4);
+    assert!(
+        failed.lock().unwrap().iter().all(Vec::is_empty),
+        "nothing is resumed before a first token"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_broken_off_resumes_on_another_instance_after_the_tokens_given() {
+    let (breaking, _) = serve(Behaviour::FailAt(2)).await;
+    let (spare, resumed) = serve(Behaviour::Answer).await;
+    let (router, mut shards) = router(vec![head(0, Some(&breaking))]);
+    let answer = router.complete("m", &prompt()).await.unwrap();
+    // The spare becomes ready while the answer runs: the resume reads the
+    // stores again.
+    shards.apply_watcher_event(&watcher::Event::Apply(head(1, Some(&spare))));
+    assert_eq!(text(answer.events).await.unwrap(), WHOLE);
+    assert_eq!(*resumed.lock().unwrap(), vec![vec![0, 1]]);
+}
+
+#[tokio::test]
+async fn an_answer_broken_off_with_no_instance_left_is_a_502() {
+    let (breaking, _) = serve(Behaviour::FailAt(3)).await;
+    let (router, _) = router(vec![head(0, Some(&breaking))]);
+    let answer = router.complete("m", &prompt()).await.unwrap();
+    let e = text(answer.events).await.unwrap_err();
+    assert_eq!(e.status.as_u16(), 502, "{e:?}");
+    assert!(e.message.contains("no other instance"), "{e:?}");
+}
+
+#[tokio::test]
+async fn busy_instances_are_waited_for_and_then_the_client_hears_429() {
+    let (a, a_calls) = serve(Behaviour::Busy).await;
+    let (b, _) = serve(Behaviour::Busy).await;
+    let (router, _) = router(vec![head(0, Some(&a)), head(1, Some(&b))]);
+    let e = router.complete("m", &prompt()).await.err().unwrap();
+    assert_eq!(
+        (e.kind, e.status.as_u16()),
+        (Kind::RateLimited, 429),
+        "{e:?}"
+    );
+    assert!(e.retry_after.is_some());
+    assert!(
+        a_calls.lock().unwrap().len() >= 2,
+        "the walk is tried again while the wait lasts"
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_model_is_a_404_and_no_ready_instance_a_503() {
+    let (router, _) = router(vec![head(0, None)]);
+    let e = router.complete("nope", &prompt()).await.err().unwrap();
+    assert_eq!((e.kind, e.status.as_u16()), (Kind::NotFound, 404), "{e:?}");
+    let e = router.complete("m", &prompt()).await.err().unwrap();
+    assert_eq!(
+        (e.kind, e.status.as_u16()),
+        (Kind::Unavailable, 503),
+        "{e:?}"
+    );
+    assert!(e.message.contains("no ready instance"), "{e:?}");
+}
+
+#[tokio::test]
+async fn the_instance_with_fewer_answers_under_way_comes_first() {
+    let (a, a_calls) = serve(Behaviour::Answer).await;
+    let (b, _) = serve(Behaviour::Answer).await;
+    let (router, _) = router(vec![head(0, Some(&a)), head(1, Some(&b))]);
+    // An answer not yet read holds its instance.
+    let held = router.complete("m", &prompt()).await.unwrap();
+    let busy = if a_calls.lock().unwrap().is_empty() {
+        "chat-1-0"
+    } else {
+        "chat-0-0"
+    };
+    let deployment = router.deployment_for("m").unwrap();
+    for _ in 0..8 {
+        let first = &router.instances(&deployment)[0];
+        assert_ne!(first.shard, busy, "the idle instance comes first");
+    }
+    drop(held);
+}
