@@ -23,6 +23,8 @@ pub mod retry;
 pub mod scheduler;
 pub mod shards;
 pub mod stage;
+#[cfg(test)]
+mod test_stage;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

@@ -102,6 +102,16 @@ impl ShardSet {
             .collect()
     }
 
+    /// Serves `stage` as if it had been loaded.
+    #[cfg(test)]
+    pub(crate) fn insert(&self, stage: ServedStage) {
+        let key = (stage.namespace.clone(), stage.name.clone());
+        self.loaded
+            .lock()
+            .expect("shard set lock")
+            .insert(key, Arc::new(stage));
+    }
+
     /// Unloads everything (shutdown).
     pub fn unload_all(&self) {
         self.loaded.lock().expect("shard set lock").clear();

@@ -75,6 +75,7 @@ pub fn routes(app: App) -> Http {
         .route("/v1/chat/completions", post(generation(OpenAi::Chat)))
         .route("/v1/completions", post(generation(OpenAi::Text)))
         .route("/v1/models", get(apis::openai_models))
+        .route("/v1/models/{*id}", get(apis::openai_model))
         .route("/v1/messages", post(generation(Anthropic)))
         .route("/api/chat", post(generation(Ollama::Chat)))
         .route("/api/generate", post(generation(Ollama::Generate)))

@@ -23,6 +23,8 @@
 mod head;
 mod next_stage;
 mod relay;
+#[cfg(test)]
+mod tests;
 mod wire;
 
 use std::pin::Pin;

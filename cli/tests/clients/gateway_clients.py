@@ -106,6 +106,22 @@ e = expect(openai.BadRequestError, lambda: oa.chat.completions.create(model=DAIL
 check("context" in str(e), "the 400 says why")
 expect(openai.BadRequestError, lambda: chat(DAILY, temperature=5), "openai: temperature out of range is 400", 400)
 expect(anthropic.BadRequestError, lambda: an.messages.create(model=DAILY, max_tokens=5, messages=[]), "anthropic: no messages is 400", 400)
+# What the gateway does not implement is refused, naming the field, never ignored.
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+e = expect(openai.BadRequestError, lambda: chat(DAILY, tools=[TOOL]), "openai: tools are refused, not ignored", 400)
+check("`tools`" in str(e), "... the 400 names `tools`")
+e = expect(openai.BadRequestError, lambda: chat(DAILY, response_format={"type": "json_object"}), "openai: a JSON response format is refused", 400)
+check("response_format" in str(e), "... the 400 names `response_format`")
+check(chat(DAILY, response_format={"type": "text"}, user="u-1").choices[0].message.content == reference, "openai: fields asking for nothing more pass")
+e = expect(anthropic.BadRequestError, lambda: an.messages.create(model=DAILY, max_tokens=5, messages=[{"role": "user", "content": "x"}],
+                                                                   tools=[{"name": "get_weather", "input_schema": {"type": "object"}}]), "anthropic: tools are refused", 400)
+check("`tools`" in str(e), "... the 400 names `tools`")
+e = expect(ollama.ResponseError, lambda: ol.chat(model=DAILY, messages=[{"role": "user", "content": "x"}], format="json"), "ollama: a JSON format is refused")
+check(e.status_code == 400 and "`format`" in str(e), "... 400 naming `format`")
+e = expect(ollama.ResponseError, lambda: ol.generate(model=DAILY, prompt="x", options={"mirostat": 2}), "ollama: an option not implemented is refused")
+check(e.status_code == 400 and "options.mirostat" in str(e), "... 400 naming `options.mirostat`")
+check(oa.models.retrieve(DAILY).id == DAILY, "openai: GET /v1/models/{id}")
+expect(openai.NotFoundError, lambda: oa.models.retrieve("no-such-model"), "openai: GET /v1/models/{id} of an unknown model is 404", 404)
 for path, shape in [("/v1/chat/completions", lambda b: b["error"]["type"] == "invalid_request_error"),
                     ("/v1/messages", lambda b: b["type"] == "error" and b["error"]["type"] == "invalid_request_error"),
                     ("/api/chat", lambda b: isinstance(b["error"], str))]:

@@ -6,13 +6,34 @@ use futures::stream::BoxStream;
 use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
-use super::fields::{content_text, float, max_tokens, messages, model, stops, uint};
+use super::fields::{
+    content_text, float, known_only, max_tokens, message_fields, messages, model, only_value,
+    stops, uint,
+};
 use super::{Collected, Dialect, Request, chunked, id, sse};
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 
 /// The Anthropic Messages API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Anthropic;
+
+/// The Messages fields this gateway implements (`metadata.user_id` changes
+/// nothing here; `tool_choice` and `thinking` pass only when they ask for
+/// nothing more than text).
+const FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "tool_choice",
+    "thinking",
+];
 
 fn stop_reason(f: Finish) -> &'static str {
     match f {
@@ -26,6 +47,21 @@ impl Dialect for Anthropic {
 
     fn parse(self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
+        known_only(v, "", FIELDS)?;
+        known_only(&v["metadata"], "metadata.", &["user_id"])?;
+        message_fields(v, "messages", &["role", "content"])?;
+        only_value(
+            v,
+            "tool_choice",
+            |c| c["type"] == "auto" || c["type"] == "none",
+            r#"{"type": "auto"} or {"type": "none"} without tools"#,
+        )?;
+        only_value(
+            v,
+            "thinking",
+            |t| t["type"] == "disabled",
+            r#"{"type": "disabled"}"#,
+        )?;
         let limit =
             uint(v, "max_tokens")?.ok_or_else(|| ApiError::invalid("`max_tokens` is required"))?;
         let mut chat = Vec::new();

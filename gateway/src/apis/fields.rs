@@ -15,6 +15,68 @@ pub fn object(body: &[u8]) -> Result<Value, ApiError> {
     Ok(v)
 }
 
+/// A field counts as given unless it is null, an empty array or an empty
+/// object (clients send those for "none").
+fn given(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        _ => true,
+    }
+}
+
+/// Refuses the fields of the object `v` that are not in `known`: a 400
+/// naming each (as `{at}{field}`), so a client learns at once that a field
+/// it relies on is not implemented here instead of getting an answer that
+/// ignored it.
+pub fn known_only(v: &Value, at: &str, known: &[&str]) -> Result<(), ApiError> {
+    let Some(fields) = v.as_object() else {
+        return Ok(());
+    };
+    let unknown: Vec<String> = fields
+        .iter()
+        .filter(|(name, value)| given(value) && !known.contains(&name.as_str()))
+        .map(|(name, _)| format!("`{at}{name}`"))
+        .collect();
+    match unknown.len() {
+        0 => Ok(()),
+        1 => Err(ApiError::invalid(format!(
+            "{} is not supported by this gateway; remove it from the request",
+            unknown[0]
+        ))),
+        _ => Err(ApiError::invalid(format!(
+            "{} are not supported by this gateway; remove them from the request",
+            unknown.join(", ")
+        ))),
+    }
+}
+
+/// Refuses `field` when it is given with a value `supported` does not
+/// accept: a 400 saying what is supported.
+pub fn only_value(
+    v: &Value,
+    field: &str,
+    supported: impl Fn(&Value) -> bool,
+    what: &str,
+) -> Result<(), ApiError> {
+    let value = &v[field];
+    if !given(value) || supported(value) {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "`{field}` {value} is not supported by this gateway (supported: {what})"
+    )))
+}
+
+/// Checks each message of the list `field` has only the `known` fields.
+pub fn message_fields(v: &Value, field: &str, known: &[&str]) -> Result<(), ApiError> {
+    for (i, m) in v[field].as_array().into_iter().flatten().enumerate() {
+        known_only(m, &format!("{field}[{i}]."), known)?;
+    }
+    Ok(())
+}
+
 /// The `model` field.
 pub fn model(v: &Value) -> Result<String, ApiError> {
     match &v["model"] {
@@ -142,5 +204,41 @@ pub fn max_tokens(n: Option<u64>) -> Result<u32, ApiError> {
         Some(0) => Err(ApiError::invalid("the token limit must be at least 1")),
         Some(n) => Ok(n.min(u32::MAX as u64) as u32),
         None => Ok(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn fields_not_implemented_are_named_and_empty_ones_pass() {
+        let v = json!({"model": "m", "tools": [{"type": "function"}], "logit_bias": {"1": 2}, "user": null, "seed": 1});
+        let e = known_only(&v, "", &["model", "seed"]).unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+        assert!(
+            e.message.contains("`tools`") && e.message.contains("`logit_bias`"),
+            "{}",
+            e.message
+        );
+        let v = json!({"model": "m", "tools": [], "options": {}, "user": null});
+        known_only(&v, "", &["model"]).unwrap();
+        let e = known_only(&json!({"mirostat": 2}), "options.", &[]).unwrap_err();
+        assert!(e.message.contains("`options.mirostat`"), "{}", e.message);
+    }
+
+    #[test]
+    fn values_not_implemented_are_refused() {
+        let v = json!({"response_format": {"type": "json_object"}, "logprobs": false});
+        let text = |f: &Value| f["type"] == "text";
+        let e = only_value(&v, "response_format", text, "type text").unwrap_err();
+        assert!(e.message.contains("response_format"), "{}", e.message);
+        only_value(&v, "logprobs", |l| l == &json!(false), "false").unwrap();
+        only_value(&json!({}), "response_format", text, "type text").unwrap();
+        let m = json!({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]});
+        let e = message_fields(&m, "messages", &["role", "content"]).unwrap_err();
+        assert!(e.message.contains("`messages[0].images`"), "{}", e.message);
     }
 }

@@ -35,7 +35,7 @@ use serde_json::Value;
 
 pub use anthropic::Anthropic;
 pub use ollama::{Ollama, tags as ollama_tags};
-pub use openai::{OpenAi, models as openai_models};
+pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
 
 use crate::App;
 use crate::metrics::observed;
@@ -262,4 +262,138 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Byte
             chunk
         }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn refused<D: Dialect>(api: D, v: &Value, field: &str) {
+        let e = api.parse(v).err().expect("refused");
+        assert_eq!(e.status.as_u16(), 400);
+        assert!(e.message.contains(field), "{field}: {}", e.message);
+    }
+
+    fn with(v: &Value, field: &str, value: Value) -> Value {
+        let mut v = v.clone();
+        v[field] = value;
+        v
+    }
+
+    #[test]
+    fn openai_refuses_what_it_does_not_implement_and_takes_the_rest() {
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi", "name": "ann"}],
+            "max_tokens": 5, "temperature": 0, "user": "u-1", "response_format": {"type": "text"},
+            "stream_options": {"include_usage": true}, "tools": [], "logprobs": false, "tool_choice": "none"});
+        OpenAi::Chat.parse(&chat).unwrap();
+        for (field, value) in [
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("logit_bias", json!({"1": 1})),
+            ("logprobs", json!(true)),
+            ("response_format", json!({"type": "json_object"})),
+            ("tool_choice", json!("required")),
+            ("reasoning_effort", json!("high")),
+        ] {
+            refused(OpenAi::Chat, &with(&chat, field, value), field);
+        }
+        refused(
+            OpenAi::Chat,
+            &with(
+                &chat,
+                "stream_options",
+                json!({"include_obfuscation": true}),
+            ),
+            "stream_options.include_obfuscation",
+        );
+        refused(
+            OpenAi::Chat,
+            &with(
+                &chat,
+                "messages",
+                json!([{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
+            ),
+            "messages[0].tool_calls",
+        );
+        let text =
+            json!({"model": "m", "prompt": "x", "echo": false, "best_of": 1, "suffix": null});
+        OpenAi::Text.parse(&text).unwrap();
+        refused(OpenAi::Text, &with(&text, "echo", json!(true)), "echo");
+        refused(OpenAi::Text, &with(&text, "logprobs", json!(5)), "logprobs");
+    }
+
+    #[test]
+    fn anthropic_refuses_what_it_does_not_implement_and_takes_the_rest() {
+        let m = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "metadata": {"user_id": "u-1"}, "thinking": {"type": "disabled"}, "tool_choice": {"type": "auto"}});
+        Anthropic.parse(&m).unwrap();
+        refused(
+            Anthropic,
+            &with(&m, "tools", json!([{"name": "f", "input_schema": {}}])),
+            "tools",
+        );
+        refused(
+            Anthropic,
+            &with(
+                &m,
+                "thinking",
+                json!({"type": "enabled", "budget_tokens": 1024}),
+            ),
+            "thinking",
+        );
+        refused(
+            Anthropic,
+            &with(&m, "tool_choice", json!({"type": "any"})),
+            "tool_choice",
+        );
+        refused(
+            Anthropic,
+            &with(&m, "service_tier", json!("auto")),
+            "service_tier",
+        );
+    }
+
+    #[test]
+    fn ollama_refuses_what_it_does_not_implement_and_takes_the_rest() {
+        let c = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [],
+            "keep_alive": "5m", "think": false, "options": {"temperature": 0, "num_ctx": 4096, "num_thread": 8}});
+        Ollama::Chat.parse(&c).unwrap();
+        refused(Ollama::Chat, &with(&c, "format", json!("json")), "format");
+        refused(
+            Ollama::Chat,
+            &with(&c, "tools", json!([{"type": "function"}])),
+            "tools",
+        );
+        refused(Ollama::Chat, &with(&c, "think", json!(true)), "think");
+        refused(
+            Ollama::Chat,
+            &with(&c, "options", json!({"mirostat": 2})),
+            "options.mirostat",
+        );
+        refused(
+            Ollama::Chat,
+            &with(
+                &c,
+                "messages",
+                json!([{"role": "user", "content": "x", "images": ["aGk="]}]),
+            ),
+            "messages[0].images",
+        );
+        let g = json!({"model": "m", "prompt": "x", "system": "s", "raw": false});
+        Ollama::Generate.parse(&g).unwrap();
+        refused(
+            Ollama::Generate,
+            &with(&g, "template", json!("{{ .Prompt }}")),
+            "template",
+        );
+        refused(
+            Ollama::Generate,
+            &with(&g, "images", json!(["aGk="])),
+            "images",
+        );
+    }
 }

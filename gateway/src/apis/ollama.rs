@@ -9,7 +9,9 @@ use futures::stream::BoxStream;
 use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
-use super::fields::{float, max_tokens, messages, model, stops, uint};
+use super::fields::{
+    float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
+};
 use super::{Collected, Dialect, Request, chunked, error_response, json_body, json_response};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
@@ -23,7 +25,58 @@ pub enum Ollama {
     Generate,
 }
 
+/// The `options` this gateway implements, and the ones about how a model is
+/// run (context, threads, GPU layers, memory mapping), which the cluster
+/// decides and which change nothing in an answer.
+const OPTIONS: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "num_predict",
+    "stop",
+    "num_ctx",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "num_thread",
+    "use_mmap",
+    "use_mlock",
+    "numa",
+    "low_vram",
+];
+
 impl Ollama {
+    /// The request fields this gateway implements (`keep_alive` is the
+    /// cluster's to decide: models stay loaded while deployed; `think` passes
+    /// only as false).
+    fn fields(self) -> &'static [&'static str] {
+        match self {
+            Ollama::Chat => &[
+                "model",
+                "messages",
+                "stream",
+                "options",
+                "keep_alive",
+                "think",
+            ],
+            Ollama::Generate => &[
+                "model",
+                "prompt",
+                "system",
+                "raw",
+                "stream",
+                "options",
+                "keep_alive",
+                "think",
+            ],
+        }
+    }
+
     /// One line of an answer carrying `text`.
     fn line(self, model: &str, text: &str, done: bool) -> Value {
         let mut v = json!({
@@ -64,10 +117,14 @@ impl Dialect for Ollama {
 
     fn parse(self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
+        known_only(v, "", self.fields())?;
+        message_fields(v, "messages", &["role", "content"])?;
+        only_value(v, "think", |t| t == false, "false")?;
         let o = &v["options"];
         if !(o.is_null() || o.is_object()) {
             return Err(ApiError::invalid("`options` must be an object"));
         }
+        known_only(o, "options.", OPTIONS)?;
         let input = match self {
             Ollama::Chat => Input::Chat(messages(v, "messages")?),
             Ollama::Generate => {

@@ -1,19 +1,22 @@
 //! OpenAI: `/v1/chat/completions`, the legacy `/v1/completions` and
 //! `/v1/models`. Streams are server-sent events ending in `data: [DONE]`.
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::stream::BoxStream;
 use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
-use super::fields::{float, max_tokens, messages, model, stops, uint};
+use super::fields::{
+    float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
+};
 use super::{
     Collected, Dialect, Request, chunked, error_response, id, json_response, now_secs, sse,
 };
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
+use crate::routing::Served;
 
 /// The OpenAI API, chat or legacy text completions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +44,92 @@ impl OpenAi {
     }
 }
 
+/// The chat fields this gateway implements (or that change nothing here:
+/// `user` identifies the caller to the provider; the others pass only with
+/// values that ask for nothing more, checked in [`check_fields`]).
+const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "response_format",
+    "logprobs",
+    "tool_choice",
+    "parallel_tool_calls",
+    "store",
+    "modalities",
+];
+
+/// The legacy completions fields, likewise.
+const TEXT_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "temperature",
+    "top_p",
+    "seed",
+    "max_tokens",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "echo",
+    "best_of",
+    "logprobs",
+    "suffix",
+];
+
+/// Refuses what this gateway does not implement: unknown fields, and known
+/// ones whose value asks for more than plain text.
+fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
+    known_only(&v["stream_options"], "stream_options.", &["include_usage"])?;
+    match api {
+        OpenAi::Chat => {
+            known_only(v, "", CHAT_FIELDS)?;
+            message_fields(v, "messages", &["role", "content", "name"])?;
+            only_value(
+                v,
+                "response_format",
+                |f| f["type"] == "text",
+                r#"{"type": "text"}"#,
+            )?;
+            only_value(v, "logprobs", |l| l == false, "false")?;
+            only_value(
+                v,
+                "tool_choice",
+                |c| *c == "none" || *c == "auto",
+                r#""none" or "auto" without tools"#,
+            )?;
+            only_value(v, "store", |s| s == false, "false")?;
+            only_value(
+                v,
+                "modalities",
+                |m| m == &serde_json::json!(["text"]),
+                r#"["text"]"#,
+            )
+        }
+        OpenAi::Text => {
+            known_only(v, "", TEXT_FIELDS)?;
+            only_value(v, "echo", |e| e == false, "false")?;
+            only_value(v, "best_of", |b| b == 1, "1")?;
+            only_value(v, "logprobs", |l| l == 0, "0 or null")?;
+            only_value(v, "suffix", |s| *s == "", "none")
+        }
+    }
+}
+
 fn finish_reason(f: Finish) -> &'static str {
     match f {
         Finish::Stop => "stop",
@@ -53,6 +142,7 @@ impl Dialect for OpenAi {
 
     fn parse(self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
+        check_fields(self, v)?;
         if uint(v, "n")?.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("only `n` = 1 is supported"));
         }
@@ -220,19 +310,32 @@ impl Dialect for OpenAi {
     }
 }
 
+/// A served name as OpenAI describes a model.
+fn model_object(s: &Served) -> Value {
+    let created = s.created().map_or(0, |t| t.as_second());
+    json!({"id": s.name, "object": "model", "created": created, "owned_by": "shardplane"})
+}
+
 /// `GET /v1/models`.
 pub async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
     if let Err(e) = app.keys.check(&headers) {
         return error_response(OpenAi::Chat, &e);
     }
-    let data: Vec<Value> = app
-        .router
-        .served()
-        .into_iter()
-        .map(|s| {
-            let created = s.created().map_or(0, |t| t.as_second());
-            json!({"id": s.name, "object": "model", "created": created, "owned_by": "shardplane"})
-        })
-        .collect();
+    let data: Vec<Value> = app.router.served().iter().map(model_object).collect();
     json_response(&json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{id}` (a served name may hold `/`).
+pub async fn model_info(
+    State(app): State<App>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = app.keys.check(&headers) {
+        return error_response(OpenAi::Chat, &e);
+    }
+    match app.router.served().iter().find(|s| s.name == id) {
+        Some(s) => json_response(&model_object(s)),
+        None => error_response(OpenAi::Chat, &ApiError::unknown_model(&id)),
+    }
 }

@@ -1,0 +1,335 @@
+//! The relay of a middle stage, in process and in seconds: hidden states go
+//! on to the next stage found in the watch store, answers come back, the
+//! sequence's cache lives exactly as long as its stream, and a next stage
+//! that is not ready or fails is an error the stage before hears. The next
+//! stage is a fake data plane on a loopback port; the middle stage runs the
+//! echoing test stage. Real agents run the same paths in
+//! `cli/tests/data_plane.rs`.
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::Stream;
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use shardplane_crds::{LayerRange, Shard, ShardPhase, ShardStatus};
+use shardplane_dataplane as dp;
+use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::Service;
+use crate::cache::Cache;
+use crate::metrics::Metrics;
+use crate::scheduler::Budget;
+use crate::shards::{ServedStage, ShardSet};
+use crate::stage::StageWorker;
+use crate::test_stage::Echo;
+
+const NS: &str = "relay";
+const TOKEN: &str = "in-process-data-plane-token";
+
+fn token() -> dp::Token {
+    dp::Token::new(TOKEN).unwrap()
+}
+
+/// A fake last stage: answers each step with `100 +` the last row it got,
+/// or fails at the step numbered `fail_at`. Records the rows it got.
+#[derive(Clone, Default)]
+struct Last {
+    fail_at: Option<usize>,
+    rows: Arc<Mutex<Vec<Vec<f32>>>>,
+}
+
+type Answers<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DataPlane for Last {
+    type GenerateStream = Answers<dp::GenerateResponse>;
+    type ForwardStream = Answers<dp::ForwardResponse>;
+    type ReadBlobStream = Answers<dp::BlobChunk>;
+
+    async fn generate(
+        &self,
+        _: Request<dp::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        Err(Status::unimplemented("a last stage"))
+    }
+
+    async fn forward(
+        &self,
+        request: Request<Streaming<dp::ForwardRequest>>,
+    ) -> Result<Response<Self::ForwardStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (answers, stream) = mpsc::channel(8);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut step = 0;
+            while let Ok(Some(m)) = inbound.message().await {
+                let Some(dp::forward_request::Message::Step(s)) = m.message else {
+                    continue;
+                };
+                if me.fail_at == Some(step) {
+                    let _ = answers
+                        .send(Err(Status::internal("the last stage broke")))
+                        .await;
+                    return;
+                }
+                let rows = dp::decode_hidden(s.hidden.as_ref().unwrap()).unwrap();
+                let token = 100 + *rows.last().unwrap() as u32;
+                me.rows.lock().unwrap().push(rows);
+                let answer = dp::ForwardResponse {
+                    token,
+                    sampled: s.sample,
+                };
+                if answers.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+                step += 1;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+    }
+
+    async fn status(
+        &self,
+        _: Request<dp::StatusRequest>,
+    ) -> Result<Response<dp::StatusResponse>, Status> {
+        Err(Status::unimplemented("a last stage"))
+    }
+
+    async fn ping(
+        &self,
+        _: Request<dp::PingRequest>,
+    ) -> Result<Response<dp::PingResponse>, Status> {
+        Err(Status::unimplemented("a last stage"))
+    }
+
+    async fn read_blob(
+        &self,
+        _: Request<dp::ReadBlobRequest>,
+    ) -> Result<Response<Self::ReadBlobStream>, Status> {
+        Err(Status::unimplemented("a last stage"))
+    }
+}
+
+async fn listen() -> (tokio::net::TcpListener, String) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    (listener, endpoint)
+}
+
+async fn serve_last(last: Last) -> String {
+    let (listener, endpoint) = listen().await;
+    let service = tonic::service::interceptor::InterceptedService::new(
+        DataPlaneServer::new(last),
+        dp::RequireToken(token()),
+    );
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    endpoint
+}
+
+/// Stage `stage` of 3 of deployment `d`, Ready at `endpoint` when given.
+fn shard(stage: u32, endpoint: Option<&str>) -> Shard {
+    let mut s = shardplane_testkit::fixtures::shard(
+        "d",
+        &format!("node-{stage}"),
+        stage,
+        3,
+        LayerRange {
+            start: stage * 10,
+            end: (stage + 1) * 10,
+        },
+    );
+    s.metadata.namespace = Some(NS.into());
+    s.status = endpoint.map(|e| ShardStatus {
+        phase: Some(ShardPhase::Ready),
+        endpoint: Some(e.into()),
+        ..Default::default()
+    });
+    s
+}
+
+/// The middle stage `d-0-1` served in process, its next stage `d-0-2` as
+/// `next` says; the stage's worker, to watch its sequences.
+async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::TempDir) {
+    let worker = StageWorker::start(
+        "d-0-1",
+        Box::new(Echo::middle()),
+        Arc::new(|_, _| {}),
+        Budget::default(),
+    );
+    let me = shard(1, None);
+    let shards = ShardSet::new("in-process");
+    shards.insert(ServedStage {
+        namespace: NS.into(),
+        name: "d-0-1".into(),
+        spec: me.spec.clone(),
+        worker: worker.clone(),
+        text: None,
+    });
+    let (directory, mut writer) = reflector::store();
+    for s in next.into_iter().chain([me]) {
+        writer.apply_watcher_event(&watcher::Event::Apply(s));
+    }
+    let (nodes, _) = reflector::store();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Cache::new(dir.path().into(), shardplane_models::http_client().unwrap()).unwrap();
+    let service = Service::new(
+        "node-1".into(),
+        shards,
+        directory,
+        nodes,
+        dp::Peers::new(token()),
+        Metrics::new(),
+        cache,
+    );
+    let (listener, endpoint) = listen().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server(token()))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let client = dp::client(dp::channel(&endpoint).unwrap(), token());
+    (client, worker, dir)
+}
+
+fn open() -> dp::ForwardRequest {
+    dp::ForwardRequest {
+        message: Some(dp::forward_request::Message::Open(dp::Open {
+            shard: Some(dp::ShardRef {
+                namespace: NS.into(),
+                name: "d-0-1".into(),
+            }),
+            sequence: 7,
+            sampling: Some(dp::Sampling::default()),
+            prompt: vec![1, 2, 3],
+            banned: Vec::new(),
+        })),
+    }
+}
+
+fn step(rows: usize) -> dp::ForwardRequest {
+    dp::ForwardRequest {
+        message: Some(dp::forward_request::Message::Step(dp::Step {
+            hidden: Some(dp::Hidden {
+                tokens: rows as u32,
+                width: 1,
+                data: dp::encode_f32(&vec![0.5; rows]),
+            }),
+            sample: true,
+        })),
+    }
+}
+
+/// Opens the sequence on the middle stage; the sender of further messages
+/// and the answers.
+async fn start(
+    client: &mut dp::Client,
+) -> Result<
+    (
+        mpsc::Sender<dp::ForwardRequest>,
+        Streaming<dp::ForwardResponse>,
+    ),
+    Status,
+> {
+    let (requests, outbound) = mpsc::channel(8);
+    requests.send(open()).await.unwrap();
+    let answers = client
+        .forward(ReceiverStream::new(outbound))
+        .await?
+        .into_inner();
+    Ok((requests, answers))
+}
+
+async fn sequences_become(worker: &StageWorker, n: u64) {
+    for _ in 0..100 {
+        if worker.stats.sequences.load(Ordering::Relaxed) == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the stage still holds a sequence");
+}
+
+#[tokio::test]
+async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
+    let last = Last::default();
+    let endpoint = serve_last(last.clone()).await;
+    let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
+    let (requests, mut answers) = start(&mut client).await.unwrap();
+    // A prompt of 3 rows, then one decode row: the middle stage's rows are
+    // their positions in the sequence, so the cache carried over.
+    requests.send(step(3)).await.unwrap();
+    let first = answers.message().await.unwrap().unwrap();
+    requests.send(step(1)).await.unwrap();
+    let second = answers.message().await.unwrap().unwrap();
+    assert_eq!((first.token, first.sampled), (102, true));
+    assert_eq!((second.token, second.sampled), (103, true));
+    assert_eq!(
+        *last.rows.lock().unwrap(),
+        vec![vec![0.0, 1.0, 2.0], vec![3.0]]
+    );
+    assert_eq!(worker.stats.sequences.load(Ordering::Relaxed), 1);
+    // The stage before goes away: the sequence is freed.
+    drop(requests);
+    drop(answers);
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn a_failure_of_the_next_stage_reaches_the_stage_before_and_frees_the_sequence() {
+    let endpoint = serve_last(Last {
+        fail_at: Some(1),
+        ..Default::default()
+    })
+    .await;
+    let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
+    let (requests, mut answers) = start(&mut client).await.unwrap();
+    requests.send(step(2)).await.unwrap();
+    assert_eq!(answers.message().await.unwrap().unwrap().token, 101);
+    requests.send(step(1)).await.unwrap();
+    let e = answers.message().await.unwrap_err();
+    assert!(e.message().contains("the last stage broke"), "{e:?}");
+    drop(requests);
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn a_next_stage_unknown_or_not_ready_is_unavailable() {
+    for next in [None, Some(shard(2, None))] {
+        let (mut client, _worker, _dir) = middle(next.clone()).await;
+        let e = start(&mut client).await.err().unwrap();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        let says = if next.is_none() {
+            "not known yet"
+        } else {
+            "not ready"
+        };
+        assert!(e.message().contains(says), "{e:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_shard_this_node_does_not_serve_is_not_found() {
+    let (mut client, _worker, _dir) = middle(None).await;
+    let (requests, outbound) = mpsc::channel(8);
+    let mut wrong = open();
+    if let Some(dp::forward_request::Message::Open(o)) = &mut wrong.message {
+        o.shard.as_mut().unwrap().name = "d-0-9".into();
+    }
+    requests.send(wrong).await.unwrap();
+    let e = client
+        .forward(ReceiverStream::new(outbound))
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+}

@@ -1,0 +1,118 @@
+//! A stage for tests of the scheduler and the data plane: it echoes each
+//! row's position in its sequence and records the make-up of every step.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use shardplane_engine::{
+    Activations, ModelConfig, SequenceId, Stage, StageInput, StageLayout, StageOutput,
+};
+
+/// Each step's make-up: (sequence, rows) per part.
+pub(crate) type Steps = Arc<Mutex<Vec<Vec<(SequenceId, usize)>>>>;
+
+/// A stage that echoes: its output row for a token is the token's
+/// position in its sequence, and it records every step's make-up.
+pub(crate) struct Echo {
+    config: ModelConfig,
+    layout: StageLayout,
+    held: HashMap<SequenceId, usize>,
+    steps: Steps,
+    last: bool,
+}
+
+impl Echo {
+    /// A stage of a 2-layer model: the first (tokens in) or the last (one
+    /// logit out: the last row's position).
+    pub(crate) fn new(last: bool) -> (Self, Steps) {
+        let steps = Arc::new(Mutex::new(Vec::new()));
+        let config = ModelConfig {
+            architecture: shardplane_engine::Architecture::Llama,
+            layers: 2,
+            hidden_size: 1,
+            intermediate_size: 1,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            vocab_size: 1000,
+            context_length: 4096,
+            rope_theta: 1.0,
+            rms_eps: 1e-5,
+        };
+        let layout = if last {
+            StageLayout::new(1..2, 2).unwrap()
+        } else {
+            StageLayout::new(0..1, 2).unwrap()
+        };
+        (
+            Echo {
+                config,
+                layout,
+                held: HashMap::new(),
+                steps: steps.clone(),
+                last,
+            },
+            steps,
+        )
+    }
+}
+
+impl Echo {
+    /// The middle stage of a 3-layer model: hidden states in and out.
+    pub(crate) fn middle() -> Self {
+        let (mut echo, _) = Echo::new(false);
+        echo.config.layers = 3;
+        echo.layout = StageLayout::new(1..2, 3).unwrap();
+        echo
+    }
+}
+
+impl Stage for Echo {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn layout(&self) -> &StageLayout {
+        &self.layout
+    }
+    fn context_length(&self) -> usize {
+        4096
+    }
+    fn forward_batch(
+        &mut self,
+        batch: Vec<(SequenceId, StageInput)>,
+    ) -> shardplane_engine::Result<Vec<StageOutput>> {
+        self.steps
+            .lock()
+            .unwrap()
+            .push(batch.iter().map(|(s, i)| (*s, i.len())).collect());
+        Ok(batch
+            .into_iter()
+            .map(|(seq, input)| {
+                let start = *self.held.get(&seq).unwrap_or(&0);
+                let n = input.len();
+                self.held.insert(seq, start + n);
+                let rows: Vec<f32> = (start..start + n).map(|p| p as f32).collect();
+                if self.last {
+                    StageOutput::Logits(vec![*rows.last().unwrap()])
+                } else {
+                    StageOutput::Hidden(Activations::new(n, 1, rows).unwrap())
+                }
+            })
+            .collect())
+    }
+    fn release(&mut self, seq: SequenceId) -> bool {
+        self.held.remove(&seq).is_some()
+    }
+    fn sequence_len(&self, seq: SequenceId) -> usize {
+        *self.held.get(&seq).unwrap_or(&0)
+    }
+    fn sequences(&self) -> usize {
+        self.held.len()
+    }
+    fn weight_bytes(&self) -> usize {
+        0
+    }
+    fn kv_cache_bytes(&self) -> usize {
+        0
+    }
+}

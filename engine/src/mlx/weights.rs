@@ -1,0 +1,242 @@
+//! Loading a stage's weights into MLX arrays by role, from GGUF (through
+//! MLX's own reader) or from an MLX-community safetensors directory: quantized
+//! matrices stay quantized unless asked otherwise.
+
+use std::path::PathBuf;
+
+use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
+use super::names::{Layout, Part, Weight};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+/// A weight matrix: MLX-quantized or dense.
+pub(super) struct Linear {
+    pub(super) w: Array,
+    pub(super) quant: Option<Quant>,
+    /// A bias added after the product (Qwen2's Q/K/V).
+    pub(super) bias: Option<Array>,
+}
+
+/// MLX's affine quantization of a matrix: per-group scales and biases.
+pub(super) struct Quant {
+    pub(super) scales: Array,
+    pub(super) biases: Option<Array>,
+    pub(super) group_size: usize,
+    pub(super) bits: usize,
+}
+
+impl Linear {
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.quant {
+            Some(q) => quantized_matmul(
+                x,
+                &self.w,
+                &q.scales,
+                q.biases.as_ref(),
+                q.group_size,
+                q.bits,
+            )?,
+            // Dense weights are kept transposed, `[in, out]`.
+            None => x.matmul(&self.w)?,
+        };
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Rows `ids` of the matrix as f32 (an embedding lookup).
+    pub(super) fn rows(&self, ids: &Array) -> Result<Array> {
+        match &self.quant {
+            Some(q) => dequantize(
+                &self.w.take(ids, 0)?,
+                &q.scales.take(ids, 0)?,
+                q.biases
+                    .as_ref()
+                    .map(|b| b.take(ids, 0))
+                    .transpose()?
+                    .as_ref(),
+                q.group_size,
+                q.bits,
+            )?
+            .astype(Dtype::F32),
+            None => self.w.transpose(&[1, 0])?.take(ids, 0),
+        }
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.w.nbytes()
+            + self.bias.as_ref().map_or(0, Array::nbytes)
+            + self.quant.as_ref().map_or(0, |q| {
+                q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
+            })
+    }
+}
+
+/// One transformer layer's weights.
+pub(super) struct LayerWeights {
+    pub(super) attn_norm: Array,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) q_norm: Option<Array>,
+    pub(super) k_norm: Option<Array>,
+    pub(super) ffn_norm: Array,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+/// Reads weights by role from one or more tensor maps.
+pub(super) struct Loader {
+    pub(super) maps: Vec<TensorMap>,
+    pub(super) layout: Layout,
+    pub(super) origin: PathBuf,
+    pub(super) bytes: usize,
+    /// Expand quantized matrices to f32 (dense products through BLAS).
+    pub(super) dequantize: bool,
+}
+
+impl Loader {
+    pub(super) fn find(&self, name: &str) -> Option<&TensorMap> {
+        self.maps.iter().find(|m| m.contains(name))
+    }
+
+    pub(super) fn missing(&self, name: &str) -> Error {
+        Error::MissingMetadata {
+            what: format!("tensor {name} in {}", self.origin.display()),
+            detail: "the tensor is absent".into(),
+        }
+    }
+
+    pub(super) fn get(&self, name: &str) -> Result<Array> {
+        self.find(name).ok_or_else(|| self.missing(name))?.get(name)
+    }
+
+    pub(super) fn has(&self, w: Weight) -> bool {
+        self.find(&format!("{}.weight", w.prefix(self.layout)))
+            .is_some()
+    }
+
+    /// A norm (or other vector) weight as f32, checked against `len`.
+    pub(super) fn vector(&mut self, w: Weight, len: usize) -> Result<Array> {
+        let name = format!("{}.weight", w.prefix(self.layout));
+        let a = self.get(&name)?;
+        if a.shape() != [len] {
+            return Err(self.bad_shape(&name, &a, &format!("[{len}]")));
+        }
+        let a = a.astype(Dtype::F32)?;
+        self.bytes += a.nbytes();
+        Ok(a)
+    }
+
+    pub(super) fn bad_shape(&self, name: &str, a: &Array, expected: &str) -> Error {
+        Error::CorruptModel {
+            path: self.origin.clone(),
+            reason: format!(
+                "tensor {name} has shape {:?} ({:?}), expected {expected}",
+                a.shape(),
+                a.dtype()
+            ),
+        }
+    }
+
+    /// A `[out, in]` matrix, quantized when the file has `scales` for it.
+    pub(super) fn linear(&mut self, w: Weight, out: usize, inp: usize) -> Result<Linear> {
+        let prefix = w.prefix(self.layout);
+        let name = format!("{prefix}.weight");
+        let weight = self.get(&name)?;
+        let shape = weight.shape();
+        let scales_name = format!("{prefix}.scales");
+        let quant = if self.find(&scales_name).is_some() {
+            let scales = self.get(&scales_name)?;
+            let s = scales.shape();
+            let packed = shape.get(1).copied().unwrap_or(0);
+            let groups = s.get(1).copied().unwrap_or(0);
+            let bits = packed * 32 / inp.max(1);
+            let ok = weight.dtype() == Some(Dtype::U32)
+                && shape.len() == 2
+                && shape[0] == out
+                && packed * 32 == bits * inp
+                && [2, 3, 4, 5, 6, 8].contains(&bits)
+                && s.len() == 2
+                && s[0] == out
+                && groups > 0
+                && inp.is_multiple_of(groups);
+            if !ok {
+                return Err(self.bad_shape(
+                    &name,
+                    &weight,
+                    &format!(
+                        "u32 [{out}, {inp} × bits / 32] with scales [{out}, groups] (scales {s:?})"
+                    ),
+                ));
+            }
+            let biases_name = format!("{prefix}.biases");
+            let biases = match self.find(&biases_name) {
+                Some(_) => Some(self.get(&biases_name)?.astype(Dtype::F32)?),
+                None => None,
+            };
+            Some(Quant {
+                scales: scales.astype(Dtype::F32)?,
+                biases,
+                group_size: inp / groups,
+                bits,
+            })
+        } else {
+            if shape != [out, inp] {
+                return Err(self.bad_shape(&name, &weight, &format!("[{out}, {inp}]")));
+            }
+            None
+        };
+        let (w, quant) = match quant {
+            Some(q) if self.dequantize => {
+                let dense =
+                    dequantize(&weight, &q.scales, q.biases.as_ref(), q.group_size, q.bits)?;
+                (dense.astype(Dtype::F32)?.transpose(&[1, 0])?, None)
+            }
+            Some(q) => (weight, Some(q)),
+            None => (weight.astype(Dtype::F32)?.transpose(&[1, 0])?, None),
+        };
+        let bias_name = format!("{prefix}.bias");
+        let bias = match self.find(&bias_name) {
+            Some(_) => Some(self.get(&bias_name)?.astype(Dtype::F32)?),
+            None => None,
+        };
+        let linear = Linear { w, quant, bias };
+        // Materialize now: a lazy file read or conversion fails here, at load.
+        let mut arrays = vec![&linear.w];
+        if let Some(q) = &linear.quant {
+            arrays.push(&q.scales);
+            arrays.extend(q.biases.as_ref());
+        }
+        arrays.extend(linear.bias.as_ref());
+        Array::eval(&arrays)?;
+        self.bytes += linear.bytes();
+        Ok(linear)
+    }
+
+    pub(super) fn layer(&mut self, n: usize, c: &ModelConfig) -> Result<LayerWeights> {
+        let l = |p| Weight::Layer(n, p);
+        let (h, q, kv) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let norms = self.has(l(Part::QNorm));
+        Ok(LayerWeights {
+            attn_norm: self.vector(l(Part::AttnNorm), h)?,
+            q: self.linear(l(Part::Q), q, h)?,
+            k: self.linear(l(Part::K), kv, h)?,
+            v: self.linear(l(Part::V), kv, h)?,
+            o: self.linear(l(Part::O), h, q)?,
+            q_norm: norms
+                .then(|| self.vector(l(Part::QNorm), c.head_dim))
+                .transpose()?,
+            k_norm: norms
+                .then(|| self.vector(l(Part::KNorm), c.head_dim))
+                .transpose()?,
+            ffn_norm: self.vector(l(Part::FfnNorm), h)?,
+            gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,
+            up: self.linear(l(Part::Up), c.intermediate_size, h)?,
+            down: self.linear(l(Part::Down), h, c.intermediate_size)?,
+        })
+    }
+}
