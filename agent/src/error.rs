@@ -22,18 +22,11 @@ pub enum Error {
     /// The Kubernetes API refused a step of registration.
     #[error("cannot {step} node {node}: {source}")]
     Registration {
-        /// What was refused ("register", "report", "take the Lease of").
+        /// What was refused ("register", "report", "take the Lease of",
+        /// "create the Lease namespace for").
         step: &'static str,
         /// This node.
         node: String,
-        /// The API's answer.
-        source: kube::Error,
-    },
-    /// The node-lease namespace cannot be created.
-    #[error("cannot create namespace {namespace}: {source}")]
-    Namespace {
-        /// The namespace.
-        namespace: &'static str,
         /// The API's answer.
         source: kube::Error,
     },

@@ -125,7 +125,7 @@ async fn register(
     let mut reg = config.registration.clone();
     reg.data_plane_endpoint = Some(endpoint.to_string());
     reg.engines = shards::engines(config.engine);
-    ensure_lease_namespace(client).await?;
+    ensure_lease_namespace(client, &reg.node).await?;
     let refused = |step| {
         let node = reg.node.clone();
         move |source| Error::Registration { step, node, source }
@@ -385,7 +385,7 @@ pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
 }
 
 /// Creates the node-lease namespace if the operator has not yet.
-async fn ensure_lease_namespace(client: &Client) -> Result<()> {
+async fn ensure_lease_namespace(client: &Client, node: &str) -> Result<()> {
     use k8s_openapi::api::core::v1::Namespace;
     use kube::Api;
     use kube::api::{ObjectMeta, PostParams};
@@ -400,8 +400,9 @@ async fn ensure_lease_namespace(client: &Client) -> Result<()> {
     match api.create(&PostParams::default(), &ns).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 || e.code == 403 => Ok(()),
-        Err(source) => Err(Error::Namespace {
-            namespace: shardplane_crds::NODE_LEASE_NAMESPACE,
+        Err(source) => Err(Error::Registration {
+            step: "create the Lease namespace for",
+            node: node.to_string(),
             source,
         }),
     }

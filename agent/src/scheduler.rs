@@ -107,20 +107,17 @@ pub fn run(
     let mut prefills: VecDeque<Prefill> = VecDeque::new();
     let mut releases: Vec<SequenceId> = Vec::new();
     loop {
-        if decodes.is_empty() && prefills.is_empty() {
+        // Idle, the stage waits for a job; then it takes whatever is queued.
+        let first = if decodes.is_empty() && prefills.is_empty() {
             match queue.recv() {
-                Ok(job) => take(
-                    job,
-                    &*shard,
-                    &mut decodes,
-                    &mut prefills,
-                    &mut releases,
-                    &stats,
-                ),
+                Ok(job) => Some(job),
                 Err(_) => return,
             }
-        }
-        while let Ok(job) = queue.try_recv() {
+        } else {
+            None
+        };
+        let queued = std::iter::from_fn(|| queue.try_recv().ok());
+        for job in first.into_iter().chain(queued) {
             take(
                 job,
                 &*shard,

@@ -13,4 +13,4 @@ pub mod status;
 pub mod stores;
 
 pub use status::apply_status;
-pub use stores::{run_watch, watch_all};
+pub use stores::{Watched, run_watch, watch_all};

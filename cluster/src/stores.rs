@@ -5,19 +5,33 @@ use futures::{Stream, StreamExt};
 use kube::runtime::reflector::Store;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 
-/// Every object of kind `K` in the cluster, kept current by a watch on a task
-/// of its own (retrying with backoff): the cache agents and the gateway look
-/// Shards, nodes and deployments up in.
-pub fn watch_all<K>(client: kube::Client) -> (Store<K>, tokio::task::JoinHandle<()>)
-where
+/// A kind a watch can cache: what kube's reflectors need of it.
+pub trait Watched:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Watched for K where
     K: kube::Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// Every object of kind `K` in the cluster, kept current by a watch on a task
+/// of its own (retrying with backoff): the cache agents and the gateway look
+/// Shards, nodes and deployments up in.
+pub fn watch_all<K: Watched>(client: kube::Client) -> (Store<K>, tokio::task::JoinHandle<()>) {
     let (reader, writer) = reflector::store();
     let api: kube::Api<K> = kube::Api::all(client);
     let task = tokio::spawn(run_watch::<K>(

@@ -76,6 +76,25 @@ pub struct BenchReport {
     pub concurrent_decode_tokens_per_second: Option<Spread>,
 }
 
+impl BenchReport {
+    /// The figures of the measured runs: prompt and decode rates, times to
+    /// first token (ms) and concurrent decode rates (none when not measured).
+    pub fn from_runs(
+        prefill: Vec<f64>,
+        decode: Vec<f64>,
+        ttft_ms: Vec<f64>,
+        concurrent: Vec<f64>,
+    ) -> Self {
+        BenchReport {
+            prefill_tokens_per_second: Spread::of(prefill),
+            decode_tokens_per_second: Spread::of(decode),
+            time_to_first_token_ms: Spread::of(ttft_ms),
+            concurrent_decode_tokens_per_second: (!concurrent.is_empty())
+                .then(|| Spread::of(concurrent)),
+        }
+    }
+}
+
 /// A prompt of exactly `n` tokens cut from repeated filler text.
 pub fn synthetic_prompt(text: &TextModel, n: usize) -> Result<Vec<u32>> {
     if n == 0 {
@@ -129,13 +148,7 @@ pub fn run(
         ttft.push(g.time_to_first_token.as_secs_f64() * 1e3);
         concurrent.extend(concurrent_rate);
     }
-    Ok(BenchReport {
-        prefill_tokens_per_second: Spread::of(prefill),
-        decode_tokens_per_second: Spread::of(decode),
-        time_to_first_token_ms: Spread::of(ttft),
-        concurrent_decode_tokens_per_second: (!concurrent.is_empty())
-            .then(|| Spread::of(concurrent)),
-    })
+    Ok(BenchReport::from_runs(prefill, decode, ttft, concurrent))
 }
 
 /// Prefills `concurrency` sequences, then decodes them together in batched

@@ -5,20 +5,19 @@
 //! data planes on loopback ports; the watch stores are filled by hand. The
 //! same paths run against real agents in `cli/tests/gateway.rs`.
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use kube::runtime::reflector::{self, Store, store::Writer};
 use kube::runtime::watcher;
 use shardplane_crds::{LayerRange, Model, ModelDeployment, Shard, ShardPhase, ShardStatus};
 use shardplane_dataplane as dp;
-use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
-use shardplane_dataplane::tonic::{self, Request, Response, Status, Streaming};
+use shardplane_dataplane::tonic::Status;
 use shardplane_gateway::metrics::Metrics;
 use shardplane_gateway::protocol::{ApiError, Event, Events, Input, Kind, Prompt};
 use shardplane_gateway::routing::Router;
+use shardplane_testkit::data_plane::FakeDataPlane;
 use shardplane_testkit::fixtures;
 
 const NS: &str = "in-process";
@@ -37,115 +36,62 @@ enum Behaviour {
     Busy,
 }
 
-/// A fake head stage; records the tokens each call resumed from.
-#[derive(Clone)]
-struct Fake {
-    behaviour: Behaviour,
-    calls: Arc<Mutex<Vec<Vec<u32>>>>,
-}
-
-type Events2<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+/// The tokens each call resumed from.
+type Calls = Arc<Mutex<Vec<Vec<u32>>>>;
 
 fn event(e: dp::generate_response::Event) -> Result<dp::GenerateResponse, Status> {
     Ok(dp::GenerateResponse { event: Some(e) })
 }
 
-#[tonic::async_trait]
-impl DataPlane for Fake {
-    type GenerateStream = Events2<dp::GenerateResponse>;
-    type ForwardStream = Events2<dp::ForwardResponse>;
-    type ReadBlobStream = Events2<dp::BlobChunk>;
-
-    async fn generate(
-        &self,
-        request: Request<dp::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        use dp::generate_response::Event as E;
-        let resume = request
-            .into_inner()
-            .resume
-            .map(|t| t.ids)
-            .unwrap_or_default();
-        self.calls.lock().unwrap().push(resume.clone());
-        if let Behaviour::Busy = self.behaviour {
-            return Err(Status::resource_exhausted("about 40 s of work is queued"));
+/// What a fake head stage behaving as `behaviour` streams for `request`.
+fn answer(
+    behaviour: Behaviour,
+    calls: &Calls,
+    request: dp::GenerateRequest,
+) -> Result<Vec<Result<dp::GenerateResponse, Status>>, Status> {
+    use dp::generate_response::Event as E;
+    let resume = request.resume.map(|t| t.ids).unwrap_or_default();
+    calls.lock().unwrap().push(resume.clone());
+    if let Behaviour::Busy = behaviour {
+        return Err(Status::resource_exhausted("about 40 s of work is queued"));
+    }
+    let mut events = vec![event(E::Started(dp::Started {
+        prompt_tokens: 3,
+        sequence: 1,
+    }))];
+    for i in resume.len()..WORDS {
+        if let Behaviour::FailAt(n) = behaviour
+            && i == n
+        {
+            events.push(Err(Status::unavailable("the stage went away")));
+            return Ok(events);
         }
-        let mut events = vec![event(E::Started(dp::Started {
-            prompt_tokens: 3,
-            sequence: 1,
-        }))];
-        for i in resume.len()..WORDS {
-            if let Behaviour::FailAt(n) = self.behaviour
-                && i == n
-            {
-                events.push(Err(Status::unavailable("the stage went away")));
-                return Ok(Response::new(Box::pin(futures::stream::iter(events))));
-            }
-            events.push(event(E::Delta(dp::Delta {
-                text: format!("w{i} "),
-                tokens: vec![i as u32],
-            })));
-        }
-        events.push(event(E::Finished(dp::Finished {
-            reason: dp::FinishReason::Stop as i32,
-            prompt_tokens: 3,
-            completion_tokens: WORDS as u32,
-            ..Default::default()
+        events.push(event(E::Delta(dp::Delta {
+            text: format!("w{i} "),
+            tokens: vec![i as u32],
         })));
-        Ok(Response::new(Box::pin(futures::stream::iter(events))))
     }
-
-    async fn forward(
-        &self,
-        _: Request<Streaming<dp::ForwardRequest>>,
-    ) -> Result<Response<Self::ForwardStream>, Status> {
-        Err(Status::unimplemented("a head stage only"))
-    }
-
-    async fn status(
-        &self,
-        _: Request<dp::StatusRequest>,
-    ) -> Result<Response<dp::StatusResponse>, Status> {
-        Err(Status::unimplemented("a head stage only"))
-    }
-
-    async fn ping(
-        &self,
-        _: Request<dp::PingRequest>,
-    ) -> Result<Response<dp::PingResponse>, Status> {
-        Err(Status::unimplemented("a head stage only"))
-    }
-
-    async fn read_blob(
-        &self,
-        _: Request<dp::ReadBlobRequest>,
-    ) -> Result<Response<Self::ReadBlobStream>, Status> {
-        Err(Status::unimplemented("a head stage only"))
-    }
+    events.push(event(E::Finished(dp::Finished {
+        reason: dp::FinishReason::Stop as i32,
+        prompt_tokens: 3,
+        completion_tokens: WORDS as u32,
+        ..Default::default()
+    })));
+    Ok(events)
 }
 
 fn token() -> dp::Token {
     dp::Token::new(TOKEN).unwrap()
 }
 
-/// Serves `behaviour` on a loopback port; its endpoint and its calls.
-async fn serve(behaviour: Behaviour) -> (String, Arc<Mutex<Vec<Vec<u32>>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = listener.local_addr().unwrap().to_string();
-    let fake = Fake {
-        behaviour,
-        calls: Arc::default(),
-    };
-    let calls = fake.calls.clone();
-    let service = tonic::service::interceptor::InterceptedService::new(
-        DataPlaneServer::new(fake),
-        dp::RequireToken(token()),
-    );
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
+/// A fake head stage behaving as `behaviour` on a loopback port: its
+/// endpoint and its calls.
+async fn serve(behaviour: Behaviour) -> (String, Calls) {
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let endpoint = FakeDataPlane::generating(move |r| answer(behaviour, &seen, r))
+        .serve(token())
+        .await;
     (endpoint, calls)
 }
 

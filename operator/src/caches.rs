@@ -32,13 +32,7 @@ pub struct Cached<K: Resource<DynamicType = ()> + Clone + 'static> {
 
 impl<K> Cached<K>
 where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
+    K: shardplane_cluster::Watched,
 {
     fn new() -> Self {
         let (store, writer) = reflector::store_shared(SUBSCRIBER_BUFFER);

@@ -32,6 +32,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
 pub mod as_agent;
+pub mod data_plane;
 pub mod fixtures;
 pub mod hub;
 pub mod metrics;

@@ -6,20 +6,18 @@
 //! echoing test stage. Real agents run the same paths in
 //! `cli/tests/data_plane.rs`.
 
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::Stream;
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use shardplane_crds::{LayerRange, Shard, ShardPhase, ShardStatus};
 use shardplane_dataplane as dp;
-use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
+use shardplane_testkit::data_plane::FakeDataPlane;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 use super::Service;
 use crate::cache::Cache;
@@ -36,104 +34,30 @@ fn token() -> dp::Token {
     dp::Token::new(TOKEN).unwrap()
 }
 
-/// A fake last stage: answers each step with `100 +` the last row it got,
-/// or fails at the step numbered `fail_at`. Records the rows it got.
-#[derive(Clone, Default)]
-struct Last {
-    fail_at: Option<usize>,
-    rows: Arc<Mutex<Vec<Vec<f32>>>>,
-}
+/// The rows each step brought.
+type Rows = Arc<Mutex<Vec<Vec<f32>>>>;
 
-type Answers<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DataPlane for Last {
-    type GenerateStream = Answers<dp::GenerateResponse>;
-    type ForwardStream = Answers<dp::ForwardResponse>;
-    type ReadBlobStream = Answers<dp::BlobChunk>;
-
-    async fn generate(
-        &self,
-        _: Request<dp::GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented("a last stage"))
-    }
-
-    async fn forward(
-        &self,
-        request: Request<Streaming<dp::ForwardRequest>>,
-    ) -> Result<Response<Self::ForwardStream>, Status> {
-        let mut inbound = request.into_inner();
-        let (answers, stream) = mpsc::channel(8);
-        let me = self.clone();
-        tokio::spawn(async move {
-            let mut step = 0;
-            while let Ok(Some(m)) = inbound.message().await {
-                let Some(dp::forward_request::Message::Step(s)) = m.message else {
-                    continue;
-                };
-                if me.fail_at == Some(step) {
-                    let _ = answers
-                        .send(Err(Status::internal("the last stage broke")))
-                        .await;
-                    return;
-                }
-                let rows = dp::decode_hidden(s.hidden.as_ref().unwrap()).unwrap();
-                let token = 100 + *rows.last().unwrap() as u32;
-                me.rows.lock().unwrap().push(rows);
-                let answer = dp::ForwardResponse {
-                    token,
-                    sampled: s.sample,
-                };
-                if answers.send(Ok(answer)).await.is_err() {
-                    return;
-                }
-                step += 1;
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
-    }
-
-    async fn status(
-        &self,
-        _: Request<dp::StatusRequest>,
-    ) -> Result<Response<dp::StatusResponse>, Status> {
-        Err(Status::unimplemented("a last stage"))
-    }
-
-    async fn ping(
-        &self,
-        _: Request<dp::PingRequest>,
-    ) -> Result<Response<dp::PingResponse>, Status> {
-        Err(Status::unimplemented("a last stage"))
-    }
-
-    async fn read_blob(
-        &self,
-        _: Request<dp::ReadBlobRequest>,
-    ) -> Result<Response<Self::ReadBlobStream>, Status> {
-        Err(Status::unimplemented("a last stage"))
-    }
-}
-
-async fn listen() -> (tokio::net::TcpListener, String) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = listener.local_addr().unwrap().to_string();
-    (listener, endpoint)
-}
-
-async fn serve_last(last: Last) -> String {
-    let (listener, endpoint) = listen().await;
-    let service = tonic::service::interceptor::InterceptedService::new(
-        DataPlaneServer::new(last),
-        dp::RequireToken(token()),
-    );
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
-    endpoint
+/// A fake last stage on a loopback port: answers each step with `100 +`
+/// the last row it got, or fails at the step numbered `fail_at`. Its
+/// endpoint and the rows it got.
+async fn serve_last(fail_at: Option<usize>) -> (String, Rows) {
+    let rows = Rows::default();
+    let got = rows.clone();
+    let endpoint = FakeDataPlane::stepping(move |n, step| {
+        if fail_at == Some(n) {
+            return Err(Status::internal("the last stage broke"));
+        }
+        let hidden = dp::decode_hidden(step.hidden.as_ref().unwrap()).unwrap();
+        let token = 100 + *hidden.last().unwrap() as u32;
+        got.lock().unwrap().push(hidden);
+        Ok(dp::ForwardResponse {
+            token,
+            sampled: step.sample,
+        })
+    })
+    .serve(token())
+    .await;
+    (endpoint, rows)
 }
 
 /// Stage `stage` of 3 of deployment `d`, Ready at `endpoint` when given.
@@ -191,7 +115,8 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
         Metrics::new(),
         cache,
     );
-    let (listener, endpoint) = listen().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(service.into_server(token()))
@@ -261,8 +186,7 @@ async fn sequences_become(worker: &StageWorker, n: u64) {
 
 #[tokio::test]
 async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
-    let last = Last::default();
-    let endpoint = serve_last(last.clone()).await;
+    let (endpoint, rows) = serve_last(None).await;
     let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
     let (requests, mut answers) = start(&mut client).await.unwrap();
     // A prompt of 3 rows, then one decode row: the middle stage's rows are
@@ -273,10 +197,7 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
     let second = answers.message().await.unwrap().unwrap();
     assert_eq!((first.token, first.sampled), (102, true));
     assert_eq!((second.token, second.sampled), (103, true));
-    assert_eq!(
-        *last.rows.lock().unwrap(),
-        vec![vec![0.0, 1.0, 2.0], vec![3.0]]
-    );
+    assert_eq!(*rows.lock().unwrap(), vec![vec![0.0, 1.0, 2.0], vec![3.0]]);
     assert_eq!(worker.stats.sequences.load(Ordering::Relaxed), 1);
     // The stage before goes away: the sequence is freed.
     drop(requests);
@@ -286,11 +207,7 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
 
 #[tokio::test]
 async fn a_failure_of_the_next_stage_reaches_the_stage_before_and_frees_the_sequence() {
-    let endpoint = serve_last(Last {
-        fail_at: Some(1),
-        ..Default::default()
-    })
-    .await;
+    let (endpoint, _) = serve_last(Some(1)).await;
     let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
     let (requests, mut answers) = start(&mut client).await.unwrap();
     requests.send(step(2)).await.unwrap();

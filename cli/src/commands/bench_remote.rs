@@ -111,13 +111,7 @@ impl Remote {
                 ttft.push(t.ttft.as_secs_f64() * 1e3);
                 concurrent.extend(rate);
             }
-            Ok(BenchReport {
-                prefill_tokens_per_second: Spread::of(prefill),
-                decode_tokens_per_second: Spread::of(decode),
-                time_to_first_token_ms: Spread::of(ttft),
-                concurrent_decode_tokens_per_second: (!concurrent.is_empty())
-                    .then(|| Spread::of(concurrent)),
-            })
+            Ok(BenchReport::from_runs(prefill, decode, ttft, concurrent))
         })
     }
 }

@@ -10,7 +10,7 @@ use super::fields::{
     content_text, float, known_only, max_tokens, message_fields, messages, model, only_value,
     stops, uint,
 };
-use super::{Collected, Dialect, Request, chunked, id, sse};
+use super::{Collected, Dialect, Request, chunked, error_type, id, sse};
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 
 /// The Anthropic Messages API.
@@ -98,12 +98,8 @@ impl Dialect for Anthropic {
     fn error_body(self, e: &ApiError) -> Value {
         json!({"type": "error", "error": {
             "type": match e.kind {
-                Kind::InvalidRequest => "invalid_request_error",
-                Kind::Authentication => "authentication_error",
-                Kind::NotFound => "not_found_error",
-                Kind::RateLimited => "rate_limit_error",
                 Kind::Unavailable => "overloaded_error",
-                Kind::Internal => "api_error",
+                kind => error_type(kind),
             },
             "message": e.message,
         }})

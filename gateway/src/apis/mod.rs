@@ -40,6 +40,7 @@ pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
 use crate::App;
 use crate::metrics::observed;
 use crate::protocol::{ApiError, Event, Events, Finish, Kind, Prompt};
+use crate::routing::Served;
 
 /// What one API does in its own shape; [`handle`] does the rest.
 pub trait Dialect: Copy + Send + Sync + 'static {
@@ -139,6 +140,37 @@ fn chunked(
         })
     });
     futures::stream::iter(opening).chain(body).boxed()
+}
+
+/// The error type OpenAI names a kind of error with (Anthropic uses the
+/// same names, but `overloaded_error` for [`Kind::Unavailable`]).
+fn error_type(kind: Kind) -> &'static str {
+    match kind {
+        Kind::InvalidRequest => "invalid_request_error",
+        Kind::Authentication => "authentication_error",
+        Kind::NotFound => "not_found_error",
+        Kind::RateLimited => "rate_limit_error",
+        Kind::Unavailable => "service_unavailable",
+        Kind::Internal => "api_error",
+    }
+}
+
+/// A listing of served models in `api`'s shape, for a caller with a valid
+/// key: what `render` makes of the served names, or its error.
+fn listing<D: Dialect>(
+    app: &App,
+    headers: &HeaderMap,
+    api: D,
+    render: impl FnOnce(&[Served]) -> Result<Value, ApiError>,
+) -> Response {
+    match app
+        .keys
+        .check(headers)
+        .and_then(|_| render(&app.router.served()))
+    {
+        Ok(v) => json_response(&v),
+        Err(e) => error_response(api, &e),
+    }
 }
 
 /// Renders an error in `api`'s shape, with its status and `Retry-After`.

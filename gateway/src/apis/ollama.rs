@@ -12,9 +12,10 @@ use shardplane_dataplane as dp;
 use super::fields::{
     float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
 };
-use super::{Collected, Dialect, Request, chunked, error_response, json_body, json_response};
+use super::{Collected, Dialect, Request, chunked, json_body, listing};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
+use crate::routing::Served;
 
 /// The Ollama API, chat or generate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,31 +213,32 @@ impl Dialect for Ollama {
 
 /// `GET /api/tags`.
 pub async fn tags(State(app): State<App>, headers: HeaderMap) -> Response {
-    if let Err(e) = app.keys.check(&headers) {
-        return error_response(Ollama::Chat, &e);
-    }
-    let models: Vec<Value> = app
-        .router
-        .served()
-        .into_iter()
-        .map(|s| {
-            let st = s.model.as_ref().and_then(|m| m.status.clone()).unwrap_or_default();
-            let modified = s.created().map(|t| t.to_string()).unwrap_or_default();
-            json!({
-                "name": s.name,
-                "model": s.name,
-                "modified_at": modified,
-                "size": st.total_bytes.unwrap_or(0),
-                "digest": st.sha256.clone().unwrap_or_default(),
-                "details": {
-                    "format": s.model.as_ref().map(|m| format!("{:?}", m.spec.format).to_lowercase()).unwrap_or_default(),
-                    "family": st.architecture.clone().unwrap_or_default(),
-                    "families": st.architecture.iter().collect::<Vec<_>>(),
-                    "parameter_size": "",
-                    "quantization_level": st.quantization.clone().unwrap_or_default(),
-                },
-            })
-        })
-        .collect();
-    json_response(&json!({"models": models}))
+    listing(&app, &headers, Ollama::Chat, |served| {
+        let models: Vec<Value> = served.iter().map(tag).collect();
+        Ok(json!({"models": models}))
+    })
+}
+
+/// A served name as Ollama lists a model.
+fn tag(s: &Served) -> Value {
+    let st = s
+        .model
+        .as_ref()
+        .and_then(|m| m.status.clone())
+        .unwrap_or_default();
+    let modified = s.created().map(|t| t.to_string()).unwrap_or_default();
+    json!({
+        "name": s.name,
+        "model": s.name,
+        "modified_at": modified,
+        "size": st.total_bytes.unwrap_or(0),
+        "digest": st.sha256.clone().unwrap_or_default(),
+        "details": {
+            "format": s.model.as_ref().map(|m| format!("{:?}", m.spec.format).to_lowercase()).unwrap_or_default(),
+            "family": st.architecture.clone().unwrap_or_default(),
+            "families": st.architecture.iter().collect::<Vec<_>>(),
+            "parameter_size": "",
+            "quantization_level": st.quantization.clone().unwrap_or_default(),
+        },
+    })
 }

@@ -11,9 +11,7 @@ use shardplane_dataplane as dp;
 use super::fields::{
     float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
 };
-use super::{
-    Collected, Dialect, Request, chunked, error_response, id, json_response, now_secs, sse,
-};
+use super::{Collected, Dialect, Request, chunked, error_type, id, listing, now_secs, sse};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 use crate::routing::Served;
@@ -44,17 +42,14 @@ impl OpenAi {
     }
 }
 
-/// The chat fields this gateway implements (or that change nothing here:
-/// `user` identifies the caller to the provider; the others pass only with
-/// values that ask for nothing more, checked in [`check_fields`]).
-const CHAT_FIELDS: &[&str] = &[
+/// The fields both OpenAI APIs share that this gateway implements (or that
+/// change nothing here: `user` identifies the caller to the provider).
+const COMMON_FIELDS: &[&str] = &[
     "model",
-    "messages",
     "temperature",
     "top_p",
     "seed",
     "max_tokens",
-    "max_completion_tokens",
     "stop",
     "frequency_penalty",
     "presence_penalty",
@@ -62,6 +57,13 @@ const CHAT_FIELDS: &[&str] = &[
     "stream",
     "stream_options",
     "user",
+];
+
+/// Chat's own; all but `messages` and `max_completion_tokens` pass only
+/// with values that ask for nothing more than text ([`check_fields`]).
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
     "response_format",
     "logprobs",
     "tool_choice",
@@ -70,26 +72,8 @@ const CHAT_FIELDS: &[&str] = &[
     "modalities",
 ];
 
-/// The legacy completions fields, likewise.
-const TEXT_FIELDS: &[&str] = &[
-    "model",
-    "prompt",
-    "temperature",
-    "top_p",
-    "seed",
-    "max_tokens",
-    "stop",
-    "frequency_penalty",
-    "presence_penalty",
-    "n",
-    "stream",
-    "stream_options",
-    "user",
-    "echo",
-    "best_of",
-    "logprobs",
-    "suffix",
-];
+/// The legacy completions API's own, likewise.
+const TEXT_FIELDS: &[&str] = &["prompt", "echo", "best_of", "logprobs", "suffix"];
 
 /// Refuses what this gateway does not implement: unknown fields, and known
 /// ones whose value asks for more than plain text.
@@ -97,7 +81,7 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
     known_only(&v["stream_options"], "stream_options.", &["include_usage"])?;
     match api {
         OpenAi::Chat => {
-            known_only(v, "", CHAT_FIELDS)?;
+            known_only(v, "", &[COMMON_FIELDS, CHAT_FIELDS].concat())?;
             message_fields(v, "messages", &["role", "content", "name"])?;
             only_value(
                 v,
@@ -121,7 +105,7 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
             )
         }
         OpenAi::Text => {
-            known_only(v, "", TEXT_FIELDS)?;
+            known_only(v, "", &[COMMON_FIELDS, TEXT_FIELDS].concat())?;
             only_value(v, "echo", |e| e == false, "false")?;
             only_value(v, "best_of", |b| b == 1, "1")?;
             only_value(v, "logprobs", |l| l == 0, "0 or null")?;
@@ -192,14 +176,7 @@ impl Dialect for OpenAi {
     fn error_body(self, e: &ApiError) -> Value {
         json!({"error": {
             "message": e.message,
-            "type": match e.kind {
-                Kind::InvalidRequest => "invalid_request_error",
-                Kind::Authentication => "authentication_error",
-                Kind::NotFound => "not_found_error",
-                Kind::RateLimited => "rate_limit_error",
-                Kind::Unavailable => "service_unavailable",
-                Kind::Internal => "api_error",
-            },
+            "type": error_type(e.kind),
             "param": null,
             "code": match e.kind {
                 Kind::NotFound => json!("model_not_found"),
@@ -318,11 +295,10 @@ fn model_object(s: &Served) -> Value {
 
 /// `GET /v1/models`.
 pub async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
-    if let Err(e) = app.keys.check(&headers) {
-        return error_response(OpenAi::Chat, &e);
-    }
-    let data: Vec<Value> = app.router.served().iter().map(model_object).collect();
-    json_response(&json!({"object": "list", "data": data}))
+    listing(&app, &headers, OpenAi::Chat, |served| {
+        let data: Vec<Value> = served.iter().map(model_object).collect();
+        Ok(json!({"object": "list", "data": data}))
+    })
 }
 
 /// `GET /v1/models/{id}` (a served name may hold `/`).
@@ -331,11 +307,11 @@ pub async fn model_info(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = app.keys.check(&headers) {
-        return error_response(OpenAi::Chat, &e);
-    }
-    match app.router.served().iter().find(|s| s.name == id) {
-        Some(s) => json_response(&model_object(s)),
-        None => error_response(OpenAi::Chat, &ApiError::unknown_model(&id)),
-    }
+    listing(&app, &headers, OpenAi::Chat, |served| {
+        served
+            .iter()
+            .find(|s| s.name == id)
+            .map(model_object)
+            .ok_or_else(|| ApiError::unknown_model(&id))
+    })
 }

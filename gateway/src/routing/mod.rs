@@ -359,19 +359,8 @@ impl Router {
         prompt: &Prompt,
     ) -> Result<Answer, Attempt> {
         let opened = self.open(inst, prompt, &[]).await?;
-        let answering = Answering {
-            router: self.clone(),
-            model: name.to_string(),
-            namespace: inst.namespace.clone(),
-            deployment: deployment.to_string(),
-            prompt: prompt.clone(),
-            tokens: Vec::new(),
-            tail_seen: false,
-            tried: vec![inst.key.clone()],
-            pending: opened.first.into(),
-            stream: opened.stream,
-            _guard: opened.guard,
-        };
+        let prompt_tokens = opened.prompt_tokens;
+        let answering = Answering::new(self.clone(), name, deployment, inst, prompt, opened);
         let events = futures::stream::unfold(Some(answering), |state| async move {
             let mut answering = state?;
             match answering.next().await {
@@ -381,7 +370,7 @@ impl Router {
         });
         Ok(Answer {
             model: name.to_string(),
-            prompt_tokens: opened.prompt_tokens,
+            prompt_tokens,
             events: Box::pin(events),
         })
     }

@@ -13,29 +13,54 @@ use std::collections::VecDeque;
 use kube::runtime::reflector::ObjectRef;
 use shardplane_dataplane as dp;
 
-use super::{Attempt, BusyWait, Instance, Outstanding, Router};
+use super::{Attempt, BusyWait, Instance, Opened, Outstanding, Router};
 use crate::protocol::{ApiError, Event, Finish, Prompt};
 
 /// An answer being streamed, and what it takes to resume it elsewhere.
 pub(super) struct Answering {
-    pub(super) router: Router,
-    pub(super) model: String,
-    pub(super) namespace: String,
-    pub(super) deployment: String,
-    pub(super) prompt: Prompt,
+    router: Router,
+    model: String,
+    namespace: String,
+    deployment: String,
+    prompt: Prompt,
     /// Tokens given so far.
-    pub(super) tokens: Vec<u32>,
+    tokens: Vec<u32>,
     /// The text held back at the end has been given (only `Finished` is
     /// left, so there is nothing to resume).
-    pub(super) tail_seen: bool,
+    tail_seen: bool,
     /// Instances this answer ran on.
-    pub(super) tried: Vec<String>,
-    pub(super) pending: VecDeque<dp::generate_response::Event>,
-    pub(super) stream: dp::tonic::Streaming<dp::GenerateResponse>,
-    pub(super) _guard: Outstanding,
+    tried: Vec<String>,
+    pending: VecDeque<dp::generate_response::Event>,
+    stream: dp::tonic::Streaming<dp::GenerateResponse>,
+    _guard: Outstanding,
 }
 
 impl Answering {
+    /// The answer `opened` on `inst`, an instance of `deployment`, to
+    /// `prompt` for the model called `model`.
+    pub(super) fn new(
+        router: Router,
+        model: &str,
+        deployment: &str,
+        inst: &Instance,
+        prompt: &Prompt,
+        opened: Opened,
+    ) -> Self {
+        Answering {
+            router,
+            model: model.to_string(),
+            namespace: inst.namespace.clone(),
+            deployment: deployment.to_string(),
+            prompt: prompt.clone(),
+            tokens: Vec::new(),
+            tail_seen: false,
+            tried: vec![inst.key.clone()],
+            pending: opened.first.into(),
+            stream: opened.stream,
+            _guard: opened.guard,
+        }
+    }
+
     /// The next event: text, or the end.
     pub(super) async fn next(&mut self) -> Result<Event, ApiError> {
         use dp::generate_response::Event as E;
