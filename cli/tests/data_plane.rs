@@ -236,6 +236,7 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
                 ..Default::default()
             }),
             resume: None,
+            grammar: None,
         };
         let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
         assert_eq!(got, tokens, "{shard}");
@@ -291,6 +292,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             ..Default::default()
         }),
         resume: None,
+        grammar: None,
     };
 
     // One at a time, through the 2-stage pipeline and the whole-model stage.
@@ -576,6 +578,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
                 data: dp::encode_f32(&[1.0, 2.0, 3.0]),
             }),
             sample: true,
+            allowed: Vec::new(),
         })),
     })
     .await

@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::constraint::Grammar;
 use crate::error::{Error, Result};
-use crate::pipeline::{LocalPipeline, TextModel, ban, generate};
+use crate::generation::ValidRequest;
+use crate::pipeline::{LocalPipeline, TextModel, ban, generate, generate_request};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::stage::SequenceId;
 
@@ -31,6 +33,10 @@ pub struct BenchConfig {
     pub runs: usize,
     /// Sequences decoded together in the concurrency measurement (1: skip it).
     pub concurrency: usize,
+    /// Also generate under this output grammar in every run (up to
+    /// `gen_tokens`, ending where the grammar completes) and report its
+    /// decode rate and compile time beside the unconstrained ones.
+    pub grammar: Option<Grammar>,
 }
 
 /// Minimum, median and maximum of one figure over the runs.
@@ -74,6 +80,20 @@ pub struct BenchReport {
     /// Tokens per second over all sequences decoded together (when measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub concurrent_decode_tokens_per_second: Option<Spread>,
+    /// The same decode under an output grammar (when measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub constrained: Option<ConstrainedFigures>,
+}
+
+/// Decode under an output grammar, measured in the same runs as the rest.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConstrainedFigures {
+    /// Tokens per second after the first, one sequence.
+    pub decode_tokens_per_second: Spread,
+    /// Tokens generated before the grammar completed (or the limit).
+    pub generated_tokens: Spread,
+    /// Time to compile the grammar for the model, milliseconds.
+    pub compile_ms: Spread,
 }
 
 impl BenchReport {
@@ -91,6 +111,7 @@ impl BenchReport {
             time_to_first_token_ms: Spread::of(ttft_ms),
             concurrent_decode_tokens_per_second: (!concurrent.is_empty())
                 .then(|| Spread::of(concurrent)),
+            constrained: None,
         }
     }
 }
@@ -133,8 +154,32 @@ pub fn run(
     let mut decode = Vec::new();
     let mut ttft = Vec::new();
     let mut concurrent = Vec::new();
+    let mut constrained = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..=config.runs {
         let g = generate(pipeline, text, 1, &prompt, &params, |_| {})?;
+        if let Some(grammar) = &config.grammar {
+            let compiling = Instant::now();
+            let constraint = text.constraint(grammar)?;
+            let compile_ms = compiling.elapsed().as_secs_f64() * 1e3;
+            let params = SamplingParams {
+                ignore_eos: false,
+                ..params.clone()
+            };
+            let request = ValidRequest::new(
+                prompt.clone(),
+                Vec::new(),
+                params,
+                text.tokenizer.vocab_size(),
+                pipeline.context_length(),
+            )?
+            .with_constraint(constraint)?;
+            let c = generate_request(pipeline, text, 1, &request, |_| {})?;
+            if run > 0 {
+                constrained.0.push(c.decode_tokens_per_second());
+                constrained.1.push(c.tokens.len() as f64);
+                constrained.2.push(compile_ms);
+            }
+        }
         let concurrent_rate = if config.concurrency > 1 {
             Some(concurrent_decode(pipeline, text, &prompt, config)?)
         } else {
@@ -148,7 +193,15 @@ pub fn run(
         ttft.push(g.time_to_first_token.as_secs_f64() * 1e3);
         concurrent.extend(concurrent_rate);
     }
-    Ok(BenchReport::from_runs(prefill, decode, ttft, concurrent))
+    let mut report = BenchReport::from_runs(prefill, decode, ttft, concurrent);
+    if config.grammar.is_some() {
+        report.constrained = Some(ConstrainedFigures {
+            decode_tokens_per_second: Spread::of(constrained.0),
+            generated_tokens: Spread::of(constrained.1),
+            compile_ms: Spread::of(constrained.2),
+        });
+    }
+    Ok(report)
 }
 
 /// Prefills `concurrency` sequences, then decodes them together in batched

@@ -77,6 +77,9 @@ pub enum Error {
     /// Sampling parameters are out of range.
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
+    /// An output grammar could not be built or followed.
+    #[error("output grammar: {0}")]
+    Grammar(String),
     /// MLX refused an operation or failed to run it (the C++ exception's message).
     #[error("MLX: {0}")]
     Mlx(String),

@@ -13,8 +13,11 @@
 //! ```
 //!
 //! Sampling stays with the caller: on one machine it samples the logits, on
-//! a pipeline the last stage does.
+//! a pipeline the last stage does. An output grammar stays here: the
+//! decoder says which tokens the next sample may choose ([`Decoder::allowed`])
+//! and ends the answer once the grammar is complete.
 
+use crate::constraint::{Constraint, TokenMask};
 use crate::error::{Error, Result};
 use crate::sampler::SamplingParams;
 use crate::text_output::{Piece, TextOutput};
@@ -36,6 +39,7 @@ pub struct ValidRequest {
     prompt: Vec<u32>,
     resume: Vec<u32>,
     params: SamplingParams,
+    constraint: Option<Constraint>,
 }
 
 impl ValidRequest {
@@ -83,7 +87,26 @@ impl ValidRequest {
             prompt,
             resume,
             params,
+            constraint: None,
         })
+    }
+
+    /// Adds an output grammar the answer must follow (compiled with
+    /// [`crate::constraint::Grammars`]). It cannot go with `ignore_eos`: a
+    /// complete output must be able to end.
+    pub fn with_constraint(mut self, constraint: Constraint) -> Result<Self> {
+        if self.params.ignore_eos {
+            return Err(Error::InvalidInput(
+                "an output grammar cannot go with ignore_eos: a complete output must end".into(),
+            ));
+        }
+        self.constraint = Some(constraint);
+        Ok(self)
+    }
+
+    /// Whether the answer must follow a grammar.
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     /// The prompt's tokens.
@@ -110,6 +133,7 @@ pub struct Decoder<'a> {
     generated: usize,
     next: Option<Vec<u32>>,
     finish: FinishReason,
+    constraint: Option<Constraint>,
 }
 
 impl<'a> Decoder<'a> {
@@ -120,9 +144,19 @@ impl<'a> Decoder<'a> {
     pub fn new(tokenizer: &'a Tokenizer, request: &ValidRequest) -> Result<Self> {
         let mut output = TextOutput::new(tokenizer, &request.params);
         let mut finish = FinishReason::Length;
+        let mut constraint = request.constraint.clone();
         let resume = &request.resume;
         for (i, &token) in resume.iter().enumerate() {
-            if output.push(token)?.stop {
+            let mut stop = output.push(token)?.stop;
+            if !stop && let Some(c) = &mut constraint {
+                c.accept(token).map_err(|e| {
+                    Error::InvalidInput(format!(
+                        "token {i} to resume from does not follow the output grammar: {e}"
+                    ))
+                })?;
+                stop = c.finished();
+            }
+            if stop {
                 if i + 1 < resume.len() {
                     return Err(Error::InvalidInput(format!(
                         "the tokens to resume from end the answer at token {i} of {}",
@@ -140,7 +174,18 @@ impl<'a> Decoder<'a> {
             generated: resume.len(),
             next: (!done).then(|| request.context()),
             finish,
+            constraint,
         })
+    }
+
+    /// The tokens the next sample may choose from, when the answer follows
+    /// a grammar: computed after [`Decoder::next_input`] and before the
+    /// token comes back.
+    pub fn allowed(&mut self) -> Result<Option<TokenMask>> {
+        self.constraint
+            .as_mut()
+            .map(Constraint::allowed)
+            .transpose()
     }
 
     /// The tokens to run through the model next (the prompt and resumed
@@ -154,7 +199,12 @@ impl<'a> Decoder<'a> {
     pub fn accept(&mut self, token: u32) -> Result<Piece> {
         self.generated += 1;
         let piece = self.output.push(token)?;
-        if piece.stop {
+        let mut stop = piece.stop;
+        if !stop && let Some(c) = &mut self.constraint {
+            c.accept(token)?;
+            stop = c.finished();
+        }
+        if stop {
             self.finish = FinishReason::Stop;
         } else if self.generated < self.max_tokens {
             self.next = Some(vec![token]);

@@ -7,7 +7,8 @@
 //! - [`candle`]: the candle backend; `mlx` (feature `mlx`): the MLX backend,
 //!   through a C++ shim over libmlx;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
-//!   [`detokenizer`], [`sampler`], [`text_output`] (tokens to the text a client
+//!   [`detokenizer`], [`sampler`], [`constraint`] (output that must follow a
+//!   grammar), [`text_output`] (tokens to the text a client
 //!   sees), [`generation`] (the one generation loop and the request it
 //!   trusts, used by the CLI and by head stages), and [`pipeline`], which
 //!   drives stages to generate text in one process.
@@ -18,6 +19,7 @@ pub mod bench;
 pub mod candle;
 pub mod chat;
 pub mod config;
+pub mod constraint;
 pub mod detokenizer;
 pub mod error;
 pub mod generation;

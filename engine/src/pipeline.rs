@@ -8,10 +8,12 @@
 //! ```
 
 use std::ops::Range;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::candle::CandleStage;
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::constraint::{Constraint, Grammar, Grammars};
 use crate::error::{Error, Result};
 pub use crate::generation::FinishReason;
 use crate::generation::{Decoder, ValidRequest};
@@ -277,9 +279,24 @@ pub struct TextModel {
     pub tokenizer: Tokenizer,
     /// The chat template.
     pub template: ChatTemplate,
+    /// The grammar compiler for this tokenizer, built on first use.
+    grammars: OnceLock<Grammars>,
 }
 
 impl TextModel {
+    /// Compiles `grammar` for this model's tokenizer (the first call reads
+    /// the vocabulary).
+    pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint> {
+        let grammars = match self.grammars.get() {
+            Some(g) => g,
+            None => {
+                let built = Grammars::new(&self.tokenizer)?;
+                self.grammars.get_or_init(|| built)
+            }
+        };
+        grammars.compile(grammar)
+    }
+
     /// Builds both from a GGUF file.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let tokenizer = Tokenizer::from_gguf(file.header())?;
@@ -290,6 +307,7 @@ impl TextModel {
         Ok(TextModel {
             tokenizer,
             template,
+            grammars: OnceLock::new(),
         })
     }
 
@@ -362,6 +380,7 @@ impl TextModel {
         Ok(TextModel {
             tokenizer,
             template,
+            grammars: OnceLock::new(),
         })
     }
 
@@ -396,20 +415,7 @@ pub fn generate(
     seq: SequenceId,
     prompt: &[u32],
     params: &SamplingParams,
-    mut on_text: impl FnMut(&str),
-) -> Result<Generation> {
-    let result = generate_inner(pipeline, text, seq, prompt, params, &mut on_text);
-    pipeline.release(seq);
-    result
-}
-
-fn generate_inner(
-    pipeline: &mut LocalPipeline,
-    text: &TextModel,
-    seq: SequenceId,
-    prompt: &[u32],
-    params: &SamplingParams,
-    on_text: &mut impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     let request = ValidRequest::new(
         prompt.to_vec(),
@@ -418,13 +424,39 @@ fn generate_inner(
         text.tokenizer.vocab_size(),
         pipeline.context_length(),
     )?;
-    let mut sampler = Sampler::new(request.params().clone(), prompt)?;
-    let mut decoder = Decoder::new(&text.tokenizer, &request)?;
+    generate_request(pipeline, text, seq, &request, on_text)
+}
+
+/// Like [`generate`], for a request already checked (and perhaps bound to
+/// an output grammar).
+pub fn generate_request(
+    pipeline: &mut LocalPipeline,
+    text: &TextModel,
+    seq: SequenceId,
+    request: &ValidRequest,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let result = generate_inner(pipeline, text, seq, request, &mut on_text);
+    pipeline.release(seq);
+    result
+}
+
+fn generate_inner(
+    pipeline: &mut LocalPipeline,
+    text: &TextModel,
+    seq: SequenceId,
+    request: &ValidRequest,
+    on_text: &mut impl FnMut(&str),
+) -> Result<Generation> {
+    let params = request.params();
+    let mut sampler = Sampler::new(params.clone(), &request.context())?;
+    let mut decoder = Decoder::new(&text.tokenizer, request)?;
     let mut out = String::new();
     let mut tokens = Vec::new();
     let start = Instant::now();
     let mut first_token_at = None;
     while let Some(input) = decoder.next_input() {
+        let allowed = decoder.allowed()?;
         let mut logits = pipeline
             .step(vec![(seq, input)])?
             .pop()
@@ -432,7 +464,7 @@ fn generate_inner(
         if params.ignore_eos {
             ban(&mut logits, text.tokenizer.stop_tokens());
         }
-        let token = sampler.sample(&mut logits);
+        let token = sampler.sample_within(&mut logits, allowed.as_ref());
         first_token_at.get_or_insert_with(Instant::now);
         tokens.push(token);
         let piece = decoder.accept(token)?;
@@ -449,7 +481,7 @@ fn generate_inner(
         tokens,
         text: out,
         finish,
-        prompt_tokens: prompt.len(),
+        prompt_tokens: request.prompt().len(),
         time_to_first_token: first - start,
         decode_time: end - first,
     })

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::constraint::TokenMask;
 use crate::error::{Error, Result};
 
 /// How to pick tokens and when to stop.
@@ -130,6 +131,15 @@ impl Sampler {
 
     /// Picks the next token from `logits` (changed in place) and records it.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.sample_within(logits, None)
+    }
+
+    /// Like [`Sampler::sample`], choosing only among the tokens `allowed`
+    /// (an output grammar's next tokens), when given.
+    pub fn sample_within(&mut self, logits: &mut [f32], allowed: Option<&TokenMask>) -> u32 {
+        if let Some(mask) = allowed {
+            mask.apply(logits);
+        }
         self.apply_penalties(logits);
         let token = if self.params.temperature == 0.0 {
             argmax(logits)

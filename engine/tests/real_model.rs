@@ -623,3 +623,181 @@ fn a_tokenizer_json_gives_the_same_ids() {
     .unwrap_err();
     assert!(e.to_string().starts_with("tokenizer:"), "{e}");
 }
+
+/// Three schemas whose every valid instance fits in 120 tokens (bounded
+/// strings, arrays and numbers): nested objects, an array, enums.
+fn schemas() -> [serde_json::Value; 3] {
+    use serde_json::json;
+    [
+        json!({"type": "object", "additionalProperties": false,
+               "required": ["name", "address"],
+               "properties": {
+                   "name": {"type": "string", "minLength": 1, "maxLength": 16},
+                   "address": {"type": "object", "additionalProperties": false,
+                               "required": ["city", "zip"],
+                               "properties": {
+                                   "city": {"type": "string", "maxLength": 16},
+                                   "zip": {"type": "integer", "minimum": 0, "maximum": 99999}}}}}),
+        json!({"type": "object", "additionalProperties": false, "required": ["colours"],
+               "properties": {"colours": {"type": "array", "minItems": 1, "maxItems": 3,
+                                          "items": {"type": "string", "maxLength": 12}}}}),
+        json!({"type": "object", "additionalProperties": false,
+               "required": ["answer", "confidence", "sure"],
+               "properties": {
+                   "answer": {"enum": ["yes", "no", "maybe"]},
+                   "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+                   "sure": {"type": "boolean"}}}),
+    ]
+}
+
+/// Whether `v` is an instance of schema `i` of [`schemas`] (checked by hand:
+/// the properties, their types and bounds, nothing else).
+fn fits(i: usize, v: &serde_json::Value) -> bool {
+    let o = v.as_object().unwrap();
+    let short =
+        |v: &serde_json::Value, n: usize| v.as_str().is_some_and(|s| s.chars().count() <= n);
+    match i {
+        0 => {
+            let a = o["address"].as_object().unwrap();
+            o.len() == 2
+                && short(&o["name"], 16)
+                && !o["name"].as_str().unwrap().is_empty()
+                && a.len() == 2
+                && short(&a["city"], 16)
+                && a["zip"].as_u64().is_some_and(|z| z <= 99999)
+        }
+        1 => {
+            let c = o["colours"].as_array().unwrap();
+            o.len() == 1 && (1..=3).contains(&c.len()) && c.iter().all(|s| short(s, 12))
+        }
+        _ => {
+            o.len() == 3
+                && ["yes", "no", "maybe"].contains(&o["answer"].as_str().unwrap())
+                && o["confidence"].as_u64().is_some_and(|c| c <= 100)
+                && o["sure"].is_boolean()
+        }
+    }
+}
+
+#[test]
+fn constrained_output_always_follows_its_schema() {
+    use shardplane_engine::constraint::Grammar;
+    use shardplane_engine::generation::ValidRequest;
+    use shardplane_engine::pipeline::generate_request;
+    let m = load();
+    let mut p = pipeline(&m, "0-29");
+    let prompt = m
+        .text
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "Describe a person as JSON: name and address.",
+        )])
+        .unwrap();
+    let request = |params: SamplingParams, grammar: &Grammar| {
+        ValidRequest::new(prompt.clone(), Vec::new(), params, 49152, 8192)
+            .unwrap()
+            .with_constraint(m.text.constraint(grammar).unwrap())
+            .unwrap()
+    };
+    let sampled = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: 120,
+        ..Default::default()
+    };
+    // Sampled at temperature 1 (the end-to-end client test runs 20 seeds
+    // through the gateway).
+    for (i, schema) in schemas().into_iter().enumerate() {
+        let grammar = Grammar::JsonSchema(schema);
+        for seed in 0..2 {
+            let g = generate_request(
+                &mut p,
+                &m.text,
+                1,
+                &request(sampled(seed), &grammar),
+                |_| {},
+            )
+            .unwrap();
+            let v: serde_json::Value = serde_json::from_str(&g.text)
+                .unwrap_or_else(|e| panic!("schema {i}, seed {seed}: {e}: {:?}", g.text));
+            assert!(fits(i, &v), "schema {i}, seed {seed}: {v}");
+            assert_eq!(g.finish, FinishReason::Stop, "schema {i}, seed {seed}");
+        }
+    }
+    // Any JSON object; greedy, whole and split alike.
+    let greedy_json = SamplingParams {
+        max_tokens: 60,
+        ..Default::default()
+    };
+    let whole = generate_request(
+        &mut p,
+        &m.text,
+        1,
+        &request(greedy_json.clone(), &Grammar::JsonObject),
+        |_| {},
+    )
+    .unwrap();
+    let mut split = pipeline(&m, "0-14,15-29");
+    let halves = generate_request(
+        &mut split,
+        &m.text,
+        1,
+        &request(greedy_json, &Grammar::JsonObject),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(halves.tokens, whole.tokens);
+    if whole.finish == FinishReason::Stop {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&whole.text)
+                .unwrap()
+                .is_object()
+        );
+    } else {
+        assert!(whole.text.starts_with('{'), "{:?}", whole.text);
+    }
+    // A regular expression, whole.
+    let phone = generate_request(
+        &mut p,
+        &m.text,
+        1,
+        &request(sampled(7), &Grammar::Regex(r"\(\d{3}\) \d{3}-\d{4}".into())),
+        |_| {},
+    )
+    .unwrap();
+    let digits: Vec<bool> = phone.text.chars().map(|c| c.is_ascii_digit()).collect();
+    assert_eq!(phone.text.len(), 14, "{:?}", phone.text);
+    assert_eq!(
+        digits.iter().filter(|d| **d).count(),
+        10,
+        "{:?}",
+        phone.text
+    );
+}
+
+#[test]
+fn a_bad_grammar_is_refused_with_the_reason() {
+    use shardplane_engine::constraint::Grammar;
+    use shardplane_engine::generation::ValidRequest;
+    let m = load();
+    let e = m
+        .text
+        .constraint(&Grammar::JsonSchema(
+            serde_json::json!({"type": "no-such-type"}),
+        ))
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+    assert!(e.to_string().contains("no-such-type"), "{e}");
+    assert!(
+        m.text
+            .constraint(&Grammar::Regex("(unclosed".into()))
+            .is_err()
+    );
+    // A grammar's output must be able to end: not with ignore_eos.
+    let c = m.text.constraint(&Grammar::JsonObject).unwrap();
+    let e = ValidRequest::new(vec![1, 2], Vec::new(), greedy(4), 49152, 8192)
+        .unwrap()
+        .with_constraint(c)
+        .unwrap_err();
+    assert!(e.to_string().contains("ignore_eos"), "{e}");
+}

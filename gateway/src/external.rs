@@ -55,6 +55,19 @@ fn body(ext: &ExternalEndpoint, prompt: &Prompt) -> (String, Value) {
     if s.presence_penalty != 0.0 {
         body["presence_penalty"] = json!(s.presence_penalty);
     }
+    // The output grammar goes on as OpenAI's `response_format`: the only
+    // grammars the gateway takes are JSON and JSON Schemas.
+    use shardplane_dataplane::output_grammar::Kind as Grammar;
+    match prompt.grammar.as_ref().and_then(|g| g.kind.as_ref()) {
+        Some(Grammar::JsonObject(true)) => body["response_format"] = json!({"type": "json_object"}),
+        Some(Grammar::JsonSchema(schema)) => {
+            let schema: Value = serde_json::from_str(schema).unwrap_or(Value::Null);
+            body["response_format"] = json!({"type": "json_schema", "json_schema": {
+                "name": "output", "schema": schema, "strict": true,
+            }});
+        }
+        _ => {}
+    }
     match &prompt.input {
         Input::Chat(messages) => {
             body["messages"] = messages

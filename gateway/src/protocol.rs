@@ -20,6 +20,8 @@ pub struct Prompt {
     pub input: Input,
     /// Sampling and limits.
     pub sampling: dp::Sampling,
+    /// What the output must follow (JSON, a JSON Schema), if anything.
+    pub grammar: Option<dp::OutputGrammar>,
 }
 
 /// The input of a request.

@@ -162,6 +162,7 @@ fn prompt() -> Prompt {
     Prompt {
         input: Input::Text("say six words".into()),
         sampling: dp::Sampling::default(),
+        grammar: None,
     }
 }
 

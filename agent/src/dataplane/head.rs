@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shardplane_dataplane as dp;
+use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::sampler::Sampler;
@@ -64,7 +65,7 @@ impl Service {
             None => return Err(Status::invalid_argument("no chat, prompt or tokens")),
         };
         let sampling = req.sampling.unwrap_or_default();
-        let request = ValidRequest::new(
+        let mut request = ValidRequest::new(
             prompt,
             req.resume.map(|t| t.ids).unwrap_or_default(),
             wire::params(&sampling),
@@ -72,6 +73,16 @@ impl Service {
             stage.worker.context_length,
         )
         .map_err(engine_status)?;
+        if let Some(grammar) = wire::grammar(req.grammar.as_ref())? {
+            // Compiling (and, the first time, reading the vocabulary) is
+            // CPU work: off the async threads.
+            let model = text.clone();
+            let constraint = tokio::task::spawn_blocking(move || model.constraint(&grammar))
+                .await
+                .map_err(|e| Status::internal(format!("compiling the output grammar: {e}")))?
+                .map_err(engine_status)?;
+            request = request.with_constraint(constraint).map_err(engine_status)?;
+        }
         let banned: Vec<u32> = if request.params().ignore_eos {
             text.tokenizer.stop_tokens().to_vec()
         } else {
@@ -95,30 +106,20 @@ impl Service {
             )));
         }
         let id: SequenceId = rand::random();
-        let downstream = if stage.is_last() {
-            None
+        let context = request.context();
+        let (downstream, local_sampler) = if stage.is_last() {
+            let sampler =
+                Sampler::new(request.params().clone(), &context).map_err(engine_status)?;
+            (None, Some(sampler))
         } else {
-            Some(
-                self.open_next(
-                    &stage,
-                    dp::Open {
-                        shard: None,
-                        sequence: id,
-                        sampling: Some(sampling),
-                        prompt: request.context(),
-                        banned: banned.clone(),
-                    },
-                )
-                .await?,
-            )
-        };
-        let local_sampler = if downstream.is_none() {
-            Some(
-                Sampler::new(request.params().clone(), &request.context())
-                    .map_err(engine_status)?,
-            )
-        } else {
-            None
+            let open = dp::Open {
+                shard: None,
+                sequence: id,
+                sampling: Some(sampling),
+                prompt: context,
+                banned: banned.clone(),
+            };
+            (Some(self.open_next(&stage, open).await?), None)
         };
         let (events, stream) = mpsc::channel(64);
         let generation = Generation {
@@ -173,24 +174,29 @@ impl Generation {
     }
 
     /// Runs `tokens` through the head stage and the rest of the pipeline;
-    /// returns the sampled token. Gives up as soon as the client goes away,
-    /// so a stage never computes for a request nobody waits for.
-    async fn step(&mut self, tokens: &[u32]) -> Result<u32, Status> {
+    /// returns the token sampled (from among `allowed`, when given). Gives
+    /// up as soon as the client goes away, so a stage never computes for a
+    /// request nobody waits for.
+    async fn step(&mut self, tokens: Vec<u32>, allowed: Option<TokenMask>) -> Result<u32, Status> {
         let events = self.events.clone();
         tokio::select! {
             biased;
             _ = events.closed() => Err(Status::cancelled("the client went away")),
-            token = self.step_inner(tokens) => token,
+            token = self.step_inner(tokens, allowed) => token,
         }
     }
 
-    async fn step_inner(&mut self, tokens: &[u32]) -> Result<u32, Status> {
+    async fn step_inner(
+        &mut self,
+        tokens: Vec<u32>,
+        allowed: Option<TokenMask>,
+    ) -> Result<u32, Status> {
         let stage = self.seq.stage.clone();
         match &mut self.downstream {
             None => {
                 let out = stage
                     .worker
-                    .forward(self.seq.id, StageInput::Tokens(tokens.to_vec()))
+                    .forward(self.seq.id, StageInput::Tokens(tokens))
                     .await
                     .map_err(engine_status)?;
                 let StageOutput::Logits(mut logits) = out else {
@@ -201,7 +207,7 @@ impl Generation {
                     .sampler
                     .as_mut()
                     .expect("a local sampler without a next stage")
-                    .sample(&mut logits))
+                    .sample_within(&mut logits, allowed.as_ref()))
             }
             Some(down) => {
                 let chunks = tokens.len().div_ceil(PREFILL_CHUNK);
@@ -214,7 +220,12 @@ impl Generation {
                     let StageOutput::Hidden(a) = out else {
                         return Err(Status::internal("a first stage gave logits"));
                     };
-                    down.send(&a, i + 1 == chunks).await?;
+                    let last = i + 1 == chunks;
+                    let mask = match (&allowed, last) {
+                        (Some(m), true) => m.to_bytes(),
+                        _ => Vec::new(),
+                    };
+                    down.send(&a, last, mask).await?;
                     self.metrics
                         .hidden_bytes_sent
                         .inc_by((a.data.len() * 4) as u64);
@@ -260,7 +271,8 @@ impl Generation {
         let mut decoder = Decoder::new(&text.tokenizer, &self.request).map_err(engine_status)?;
         let mut first_token_at = None;
         while let Some(input) = decoder.next_input() {
-            let token = self.step(&input).await?;
+            let allowed = decoder.allowed().map_err(engine_status)?;
+            let token = self.step(input, allowed).await?;
             first_token_at.get_or_insert_with(Instant::now);
             self.metrics.generated_tokens.inc();
             let piece = decoder.accept(token).map_err(engine_status)?;

@@ -89,11 +89,15 @@ pub(super) struct Downstream {
 }
 
 /// Sends one step of hidden states down the pipeline; `sample` asks the
-/// last stage for a token.
+/// last stage for a token, from among the `allowed` ones when the answer
+/// follows a grammar (a [`TokenMask`]'s wire form; empty: any token).
+///
+/// [`TokenMask`]: shardplane_engine::constraint::TokenMask
 pub(super) async fn send_step(
     requests: &mpsc::Sender<dp::ForwardRequest>,
     a: &Activations,
     sample: bool,
+    allowed: Vec<u8>,
 ) -> Result<(), Status> {
     let step = dp::Step {
         hidden: Some(dp::Hidden {
@@ -102,6 +106,7 @@ pub(super) async fn send_step(
             data: dp::encode_f32(&a.data),
         }),
         sample,
+        allowed,
     };
     requests
         .send(dp::ForwardRequest {
@@ -112,8 +117,13 @@ pub(super) async fn send_step(
 }
 
 impl Downstream {
-    pub(super) async fn send(&self, a: &Activations, sample: bool) -> Result<(), Status> {
-        send_step(&self.requests, a, sample).await
+    pub(super) async fn send(
+        &self,
+        a: &Activations,
+        sample: bool,
+        allowed: Vec<u8>,
+    ) -> Result<(), Status> {
+        send_step(&self.requests, a, sample, allowed).await
     }
 
     pub(super) async fn answer(&mut self) -> Result<dp::ForwardResponse, Status> {

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 
 use shardplane_dataplane as dp;
+use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::sampler::Sampler;
 use shardplane_engine::{Activations, SequenceId, StageInput, StageOutput};
@@ -72,8 +73,13 @@ impl Service {
                             return Ok(dp::ForwardResponse::default());
                         }
                         ban(&mut logits, &banned);
+                        let allowed = if step.allowed.is_empty() {
+                            None
+                        } else {
+                            Some(TokenMask::from_bytes(&step.allowed).map_err(engine_status)?)
+                        };
                         Ok(dp::ForwardResponse {
-                            token: sampler.sample(&mut logits),
+                            token: sampler.sample_within(&mut logits, allowed.as_ref()),
                             sampled: true,
                         })
                     }
@@ -119,7 +125,7 @@ impl Service {
                         let StageOutput::Hidden(a) = out else {
                             return Err(Status::internal("a middle stage gave logits"));
                         };
-                        send_step(&requests, &a, step.sample).await?;
+                        send_step(&requests, &a, step.sample, step.allowed).await?;
                         metrics.hidden_bytes_sent.inc_by((a.data.len() * 4) as u64);
                         Ok(())
                     }

@@ -14,6 +14,7 @@ use kube::runtime::reflector;
 use kube::runtime::watcher;
 use shardplane_crds::{LayerRange, Shard, ShardPhase, ShardStatus};
 use shardplane_dataplane as dp;
+use shardplane_engine::constraint::TokenMask;
 use shardplane_testkit::data_plane::FakeDataPlane;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -38,8 +39,9 @@ fn token() -> dp::Token {
 type Rows = Arc<Mutex<Vec<Vec<f32>>>>;
 
 /// A fake last stage on a loopback port: answers each step with `100 +`
-/// the last row it got, or fails at the step numbered `fail_at`. Its
-/// endpoint and the rows it got.
+/// the last row it got (or, when the step allows only some tokens, the
+/// lowest of them), or fails at the step numbered `fail_at`. Its endpoint
+/// and the rows it got.
 async fn serve_last(fail_at: Option<usize>) -> (String, Rows) {
     let rows = Rows::default();
     let got = rows.clone();
@@ -48,7 +50,11 @@ async fn serve_last(fail_at: Option<usize>) -> (String, Rows) {
             return Err(Status::internal("the last stage broke"));
         }
         let hidden = dp::decode_hidden(step.hidden.as_ref().unwrap()).unwrap();
-        let token = 100 + *hidden.last().unwrap() as u32;
+        let mut token = 100 + *hidden.last().unwrap() as u32;
+        if !step.allowed.is_empty() {
+            let mask = TokenMask::from_bytes(&step.allowed).unwrap();
+            token = (0..).find(|&t| mask.allows(t)).unwrap();
+        }
         got.lock().unwrap().push(hidden);
         Ok(dp::ForwardResponse {
             token,
@@ -150,6 +156,7 @@ fn step(rows: usize) -> dp::ForwardRequest {
                 data: dp::encode_f32(&vec![0.5; rows]),
             }),
             sample: true,
+            allowed: Vec::new(),
         })),
     }
 }
@@ -197,7 +204,19 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
     let second = answers.message().await.unwrap().unwrap();
     assert_eq!((first.token, first.sampled), (102, true));
     assert_eq!((second.token, second.sampled), (103, true));
-    assert_eq!(*rows.lock().unwrap(), vec![vec![0.0, 1.0, 2.0], vec![3.0]]);
+    // A step whose token must come from a grammar's set: the set goes on
+    // to the last stage unchanged.
+    let mut constrained = step(1);
+    if let Some(dp::forward_request::Message::Step(s)) = &mut constrained.message {
+        s.allowed = TokenMask::of(&[7, 4000]).to_bytes();
+    }
+    requests.send(constrained).await.unwrap();
+    let third = answers.message().await.unwrap().unwrap();
+    assert_eq!((third.token, third.sampled), (7, true));
+    assert_eq!(
+        *rows.lock().unwrap(),
+        vec![vec![0.0, 1.0, 2.0], vec![3.0], vec![4.0]]
+    );
     assert_eq!(worker.stats.sequences.load(Ordering::Relaxed), 1);
     // The stage before goes away: the sequence is freed.
     drop(requests);

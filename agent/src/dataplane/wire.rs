@@ -1,6 +1,7 @@
 //! Conversions between the data plane's messages and the engine's types.
 
 use shardplane_dataplane as dp;
+use shardplane_engine::constraint::Grammar;
 use shardplane_engine::sampler::SamplingParams;
 use tonic::Status;
 
@@ -50,6 +51,22 @@ pub(super) fn sampling_params(s: &dp::Sampling, room: usize) -> Result<SamplingP
     params.max_tokens = params.max_tokens.min(room);
     params.validate().map_err(engine_status)?;
     Ok(params)
+}
+
+/// The engine's output grammar from the wire's (none when unset).
+pub(super) fn grammar(g: Option<&dp::OutputGrammar>) -> Result<Option<Grammar>, Status> {
+    use dp::output_grammar::Kind;
+    Ok(match g.and_then(|g| g.kind.as_ref()) {
+        None | Some(Kind::JsonObject(false)) => None,
+        Some(Kind::JsonObject(true)) => Some(Grammar::JsonObject),
+        Some(Kind::JsonSchema(text)) => {
+            Some(Grammar::JsonSchema(serde_json::from_str(text).map_err(
+                |e| Status::invalid_argument(format!("the output JSON Schema is not JSON: {e}")),
+            )?))
+        }
+        Some(Kind::Regex(rx)) => Some(Grammar::Regex(rx.clone())),
+        Some(Kind::Lark(lark)) => Some(Grammar::Lark(lark.clone())),
+    })
 }
 
 /// A `Generate` answer carrying `e`.

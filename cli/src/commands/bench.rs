@@ -24,6 +24,10 @@ pub struct BenchArgs {
     /// Also decode this many sequences together and report the aggregate rate.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
+    /// Also decode under the JSON Schema in this file, in the same runs, and
+    /// report its rate and compile time beside the unconstrained ones.
+    #[arg(long, conflicts_with_all = ["endpoint", "copy_from"])]
+    json_schema: Option<std::path::PathBuf>,
     /// Compute threads (sets RAYON_NUM_THREADS for the measurement).
     #[arg(long)]
     threads: Option<usize>,
@@ -115,12 +119,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         )?;
         (figures, vec![format!("remote {endpoint} {}", remote.shard)])
     } else {
+        let grammar = match &args.json_schema {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                Some(shardplane_engine::constraint::Grammar::JsonSchema(
+                    serde_json::from_str(&text)
+                        .with_context(|| format!("{} is not JSON", path.display()))?,
+                ))
+            }
+            None => None,
+        };
         let (mut pipeline, text) = args.model.load()?;
         let config = BenchConfig {
             prompt_tokens: args.prompt_tokens,
             gen_tokens: args.gen_tokens,
             runs: args.runs,
             concurrency: args.concurrency,
+            grammar,
         };
         let figures = bench::run(&mut pipeline, &text, &config)?;
         let stages = pipeline
@@ -177,6 +193,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             println!(
                 "{} sequences together: decode tok/s median {:.1}",
                 report.concurrency, c.median
+            );
+        }
+        if let Some(c) = &f.constrained {
+            println!(
+                "under the JSON Schema: decode tok/s median {:.1} ({:.2}x unconstrained), {:.0} tokens, compile ms median {:.1}",
+                c.decode_tokens_per_second.median,
+                c.decode_tokens_per_second.median / f.decode_tokens_per_second.median,
+                c.generated_tokens.median,
+                c.compile_ms.median
             );
         }
         println!(

@@ -79,6 +79,7 @@ impl Remote {
                 ..Default::default()
             }),
             resume: None,
+            grammar: None,
         };
         tokio::runtime::Runtime::new()?.block_on(async {
             let client = dp::client(
@@ -160,6 +161,7 @@ impl GatewayOverhead {
                 ..Default::default()
             }),
             resume: None,
+            grammar: None,
         };
         let body = serde_json::json!({
             "model": self.model,

@@ -4,7 +4,9 @@ use std::io::Write;
 
 use clap::Args;
 use shardplane_engine::chat::ChatMessage;
-use shardplane_engine::pipeline::generate;
+use shardplane_engine::constraint::Grammar;
+use shardplane_engine::generation::ValidRequest;
+use shardplane_engine::pipeline::generate_request;
 use shardplane_engine::sampler::SamplingParams;
 
 use super::model_args::ModelArgs;
@@ -47,6 +49,15 @@ pub struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// The output must be JSON valid against the JSON Schema in this file.
+    #[arg(long, group = "grammar")]
+    json_schema: Option<std::path::PathBuf>,
+    /// The output must be a JSON object.
+    #[arg(long, group = "grammar")]
+    json: bool,
+    /// The output must match this regular expression.
+    #[arg(long, group = "grammar")]
+    regex: Option<String>,
     /// Print the generated token ids to stderr.
     #[arg(long)]
     print_tokens: bool,
@@ -60,6 +71,24 @@ pub struct GenerateArgs {
     /// The data-plane token file (with `--endpoint`).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+}
+
+impl GenerateArgs {
+    /// The output grammar the options ask for, if any.
+    fn grammar(&self) -> anyhow::Result<Option<Grammar>> {
+        use anyhow::Context;
+        Ok(if let Some(path) = &self.json_schema {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let schema = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
+            Some(Grammar::JsonSchema(schema))
+        } else if self.json {
+            Some(Grammar::JsonObject)
+        } else {
+            self.regex.clone().map(Grammar::Regex)
+        })
+    }
 }
 
 /// Generates and streams the text to stdout.
@@ -89,8 +118,18 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop: args.stop.clone(),
         ..Default::default()
     };
+    let mut request = ValidRequest::new(
+        prompt.clone(),
+        Vec::new(),
+        params,
+        text.tokenizer.vocab_size(),
+        pipeline.context_length(),
+    )?;
+    if let Some(grammar) = args.grammar()? {
+        request = request.with_constraint(text.constraint(&grammar)?)?;
+    }
     let mut stdout = std::io::stdout().lock();
-    let generation = generate(&mut pipeline, &text, 1, &prompt, &params, |piece| {
+    let generation = generate_request(&mut pipeline, &text, 1, &request, |piece| {
         // A closed stdout (e.g. `| head`) ends the output, not the program with a panic.
         let _ = stdout
             .write_all(piece.as_bytes())
@@ -148,6 +187,7 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
             ..Default::default()
         }),
         resume: None,
+        grammar: args.grammar()?.map(wire_grammar),
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let mut client = dp::client(dp::channel(endpoint).map_err(anyhow::Error::msg)?, token);
@@ -176,4 +216,17 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+/// The data plane's form of an output grammar.
+fn wire_grammar(g: Grammar) -> shardplane_dataplane::OutputGrammar {
+    use shardplane_dataplane::output_grammar::Kind;
+    shardplane_dataplane::OutputGrammar {
+        kind: Some(match g {
+            Grammar::JsonObject => Kind::JsonObject(true),
+            Grammar::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
+            Grammar::Regex(rx) => Kind::Regex(rx),
+            Grammar::Lark(lark) => Kind::Lark(lark),
+        }),
+    }
 }

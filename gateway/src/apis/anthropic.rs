@@ -89,6 +89,7 @@ impl Dialect for Anthropic {
                     stop: stops(v, "stop_sequences")?,
                     ..Default::default()
                 },
+                grammar: None,
             },
             stream: v["stream"].as_bool().unwrap_or(false),
             include_usage: true,

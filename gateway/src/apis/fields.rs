@@ -3,6 +3,8 @@
 
 use serde_json::Value;
 
+use shardplane_dataplane as dp;
+
 use crate::protocol::ApiError;
 
 /// The body as a JSON object.
@@ -205,6 +207,27 @@ pub fn max_tokens(n: Option<u64>) -> Result<u32, ApiError> {
         Some(n) => Ok(n.min(u32::MAX as u64) as u32),
         None => Ok(0),
     }
+}
+
+/// An output grammar for any JSON object.
+pub fn json_object() -> dp::OutputGrammar {
+    dp::OutputGrammar {
+        kind: Some(dp::output_grammar::Kind::JsonObject(true)),
+    }
+}
+
+/// An output grammar for JSON valid against `schema` (`field` names it in
+/// errors). The schema must be an object (or `true`); whether it compiles is
+/// the model's to say, since that needs its vocabulary.
+pub fn json_schema(schema: &Value, field: &str) -> Result<dp::OutputGrammar, ApiError> {
+    if !(schema.is_object() || *schema == Value::Bool(true)) {
+        return Err(ApiError::invalid(format!(
+            "`{field}` must be a JSON Schema object"
+        )));
+    }
+    Ok(dp::OutputGrammar {
+        kind: Some(dp::output_grammar::Kind::JsonSchema(schema.to_string())),
+    })
 }
 
 #[cfg(test)]

@@ -327,7 +327,7 @@ mod tests {
             ),
             ("logit_bias", json!({"1": 1})),
             ("logprobs", json!(true)),
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "grammar"})),
             ("tool_choice", json!("required")),
             ("reasoning_effort", json!("high")),
         ] {
@@ -356,6 +356,66 @@ mod tests {
         OpenAi::Text.parse(&text).unwrap();
         refused(OpenAi::Text, &with(&text, "echo", json!(true)), "echo");
         refused(OpenAi::Text, &with(&text, "logprobs", json!(5)), "logprobs");
+    }
+
+    #[test]
+    fn json_output_becomes_the_output_grammar() {
+        use shardplane_dataplane::output_grammar::Kind;
+        let grammar = |api: &dyn Fn(&Value) -> Result<Request, ApiError>, v: Value| {
+            api(&v).unwrap().prompt.grammar.and_then(|g| g.kind)
+        };
+        let chat = |v: &Value| OpenAi::Chat.parse(v);
+        let base = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(grammar(&chat, base.clone()), None);
+        assert_eq!(
+            grammar(
+                &chat,
+                with(&base, "response_format", json!({"type": "json_object"}))
+            ),
+            Some(Kind::JsonObject(true))
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let Some(Kind::JsonSchema(text)) = grammar(
+            &chat,
+            with(
+                &base,
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "a", "strict": true, "schema": schema}}),
+            ),
+        ) else {
+            panic!("a JSON Schema grammar");
+        };
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
+        for (format, field) in [
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                "response_format.json_schema.name",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"type": "json_object", "schema": {"type": "object"}}),
+                "response_format.schema",
+            ),
+        ] {
+            refused(OpenAi::Chat, &with(&base, "response_format", format), field);
+        }
+        let ollama = |v: &Value| Ollama::Chat.parse(v);
+        assert_eq!(
+            grammar(&ollama, with(&base, "format", json!("json"))),
+            Some(Kind::JsonObject(true))
+        );
+        assert!(matches!(
+            grammar(&ollama, with(&base, "format", schema)),
+            Some(Kind::JsonSchema(_))
+        ));
+        assert_eq!(grammar(&ollama, with(&base, "format", json!(""))), None);
     }
 
     #[test]
@@ -394,7 +454,7 @@ mod tests {
         let c = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [],
             "keep_alive": "5m", "think": false, "options": {"temperature": 0, "num_ctx": 4096, "num_thread": 8}});
         Ollama::Chat.parse(&c).unwrap();
-        refused(Ollama::Chat, &with(&c, "format", json!("json")), "format");
+        refused(Ollama::Chat, &with(&c, "format", json!("yaml")), "format");
         refused(
             Ollama::Chat,
             &with(&c, "tools", json!([{"type": "function"}])),

@@ -10,7 +10,8 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
+    float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
+    only_value, stops, uint,
 };
 use super::{Collected, Dialect, Request, chunked, json_body, listing};
 use crate::App;
@@ -64,6 +65,7 @@ impl Ollama {
                 "options",
                 "keep_alive",
                 "think",
+                "format",
             ],
             Ollama::Generate => &[
                 "model",
@@ -74,6 +76,7 @@ impl Ollama {
                 "options",
                 "keep_alive",
                 "think",
+                "format",
             ],
         }
     }
@@ -145,6 +148,19 @@ impl Dialect for Ollama {
                 }
             }
         };
+        // `format`: "json" for any JSON value Ollama's way (an object here,
+        // as models are asked for), or a JSON Schema.
+        let grammar = match &v["format"] {
+            Value::Null => None,
+            Value::String(s) if s.is_empty() => None,
+            Value::String(s) if s == "json" => Some(json_object()),
+            Value::String(s) => {
+                return Err(ApiError::invalid(format!(
+                    "`format` {s:?} is not supported (supported: \"json\" or a JSON Schema)"
+                )));
+            }
+            schema => Some(json_schema(schema, "format")?),
+        };
         let limit = match &o["num_predict"] {
             Value::Number(n) if n.as_i64().is_some_and(|n| n < 0) => None,
             _ => uint(o, "num_predict")?,
@@ -169,6 +185,7 @@ impl Dialect for Ollama {
                     stop: stops(o, "stop")?,
                     ..Default::default()
                 },
+                grammar,
             },
             stream: v["stream"].as_bool().unwrap_or(true),
             include_usage: true,

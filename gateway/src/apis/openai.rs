@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    float, known_only, max_tokens, message_fields, messages, model, only_value, stops, uint,
+    float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
+    only_value, stops, uint,
 };
 use super::{Collected, Dialect, Request, chunked, error_type, id, listing, now_secs, sse};
 use crate::App;
@@ -83,11 +84,15 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
         OpenAi::Chat => {
             known_only(v, "", &[COMMON_FIELDS, CHAT_FIELDS].concat())?;
             message_fields(v, "messages", &["role", "content", "name"])?;
-            only_value(
-                v,
-                "response_format",
-                |f| f["type"] == "text",
-                r#"{"type": "text"}"#,
+            known_only(
+                &v["response_format"],
+                "response_format.",
+                &["type", "json_schema"],
+            )?;
+            known_only(
+                &v["response_format"]["json_schema"],
+                "response_format.json_schema.",
+                &["name", "description", "schema", "strict"],
             )?;
             only_value(v, "logprobs", |l| l == false, "false")?;
             only_value(
@@ -111,6 +116,42 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
             only_value(v, "logprobs", |l| l == 0, "0 or null")?;
             only_value(v, "suffix", |s| *s == "", "none")
         }
+    }
+}
+
+/// The output grammar of a chat request's `response_format`: `text` (or
+/// none), `json_object`, or `json_schema` with its `schema`. The output is
+/// always held to the schema (as with `strict: true`).
+fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
+    if f.is_null() {
+        return Ok(None);
+    }
+    match f["type"].as_str() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json_object())),
+        Some("json_schema") => {
+            let spec = &f["json_schema"];
+            if !spec.is_object() {
+                return Err(ApiError::invalid(
+                    "`response_format.json_schema` is required with type json_schema",
+                ));
+            }
+            if !spec["name"].is_string() {
+                return Err(ApiError::invalid(
+                    "`response_format.json_schema.name` is required",
+                ));
+            }
+            let schema = match &spec["schema"] {
+                // No schema: any JSON object (as OpenAI reads it).
+                Value::Null => json!({"type": "object"}),
+                s => s.clone(),
+            };
+            json_schema(&schema, "response_format.json_schema.schema").map(Some)
+        }
+        _ => Err(ApiError::invalid(format!(
+            "`response_format.type` {} is not supported (supported: text, json_object, json_schema)",
+            f["type"]
+        ))),
     }
 }
 
@@ -141,6 +182,10 @@ impl Dialect for OpenAi {
                 _ => return Err(ApiError::invalid("`prompt` must be one string")),
             }),
         };
+        let grammar = match self {
+            OpenAi::Chat => response_format(&v["response_format"])?,
+            OpenAi::Text => None,
+        };
         let limit = uint(v, "max_completion_tokens")?.or(uint(v, "max_tokens")?);
         // The legacy completions API stops at 16 tokens unless told otherwise.
         let limit = match self {
@@ -165,6 +210,7 @@ impl Dialect for OpenAi {
                     presence_penalty: float(v, "presence_penalty", 0.0, (-2.0, 2.0))?,
                     ..Default::default()
                 },
+                grammar,
             },
             stream: v["stream"].as_bool().unwrap_or(false),
             include_usage: v["stream_options"]["include_usage"]

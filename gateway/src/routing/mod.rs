@@ -418,6 +418,7 @@ impl Router {
             resume: (!resume.is_empty()).then(|| dp::TokenIds {
                 ids: resume.to_vec(),
             }),
+            grammar: prompt.grammar.clone(),
         };
         let refused = |s: dp::tonic::Status| match s.code() {
             Code::InvalidArgument => Attempt::Fail(ApiError::invalid(s.message())),
