@@ -83,14 +83,13 @@ impl Cache {
                 async move {
                     loop {
                         let Some(piece) = queue.lock().expect("queue lock").next() else {
-                            return Ok::<(), String>(());
+                            return Ok::<(), PieceError>(());
                         };
                         let offset = piece * PIECE;
                         let length = PIECE.min(size - offset);
                         copy_piece(&peer, &key, offset, length, &file, &*copied).await?;
-                        file.sync_data().map_err(|e| e.to_string())?;
-                        writeln!(record.lock().expect("record lock"), "{piece}")
-                            .map_err(|e| e.to_string())?;
+                        file.sync_data()?;
+                        writeln!(record.lock().expect("record lock"), "{piece}")?;
                         let _ = finished.send(piece);
                     }
                 }
@@ -228,6 +227,35 @@ pub(crate) fn contiguous_prefix(partial: &Path) -> std::io::Result<()> {
     std::fs::remove_file(record)
 }
 
+/// Why a piece could not be copied from the peer.
+#[derive(Debug, thiserror::Error)]
+enum PieceError {
+    /// The peer refused the read or broke off the stream.
+    #[error("{}", .0.message())]
+    Peer(#[from] tonic::Status),
+    /// The peer sent bytes out of place.
+    #[error("the peer sent bytes at {got} when {expected} was expected")]
+    OutOfPlace {
+        /// Where the bytes it sent start.
+        got: u64,
+        /// Where the next bytes belong.
+        expected: u64,
+    },
+    /// The peer ended the stream early.
+    #[error("the peer stopped at byte {at} of the piece {start}..{end}")]
+    Short {
+        /// Where it stopped.
+        at: u64,
+        /// The piece's first byte.
+        start: u64,
+        /// One past the piece's last byte.
+        end: u64,
+    },
+    /// The piece cannot be written or recorded here.
+    #[error("{0}")]
+    Write(#[from] std::io::Error),
+}
+
 async fn copy_piece(
     peer: &shardplane_dataplane::Client,
     key: &str,
@@ -235,7 +263,7 @@ async fn copy_piece(
     length: u64,
     file: &std::fs::File,
     copied: &(dyn Fn(u64) + Send + Sync),
-) -> Result<(), String> {
+) -> Result<(), PieceError> {
     use std::os::unix::fs::FileExt;
     let mut stream = peer
         .clone()
@@ -244,31 +272,26 @@ async fn copy_piece(
             offset,
             length,
         })
-        .await
-        .map_err(|e| e.message().to_string())?
+        .await?
         .into_inner();
     let mut at = offset;
-    while let Some(chunk) = stream
-        .message()
-        .await
-        .map_err(|e| e.message().to_string())?
-    {
+    while let Some(chunk) = stream.message().await? {
         if chunk.offset != at || at + chunk.data.len() as u64 > offset + length {
-            return Err(format!(
-                "the peer sent bytes at {} when {at} was expected",
-                chunk.offset
-            ));
+            return Err(PieceError::OutOfPlace {
+                got: chunk.offset,
+                expected: at,
+            });
         }
-        file.write_all_at(&chunk.data, at)
-            .map_err(|e| e.to_string())?;
+        file.write_all_at(&chunk.data, at)?;
         at += chunk.data.len() as u64;
         copied(chunk.data.len() as u64);
     }
     if at != offset + length {
-        return Err(format!(
-            "the peer stopped at byte {at} of the piece {offset}..{}",
-            offset + length
-        ));
+        return Err(PieceError::Short {
+            at,
+            start: offset,
+            end: offset + length,
+        });
     }
     Ok(())
 }

@@ -74,6 +74,7 @@ fn conversation(text: &str) -> Option<dp::generate_request::Input> {
         messages: vec![dp::ChatMessage {
             role: "user".into(),
             content: text.into(),
+            ..Default::default()
         }],
     }))
 }
@@ -86,10 +87,7 @@ fn reference(
     n: usize,
 ) -> (Vec<u32>, String) {
     let ids = text
-        .chat_prompt(&[ChatMessage {
-            role: "user".into(),
-            content: prompt.into(),
-        }])
+        .chat_prompt(&[ChatMessage::new("user", prompt)])
         .unwrap();
     let params = SamplingParams {
         max_tokens: n,
@@ -237,6 +235,7 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
             }),
             resume: None,
             grammar: None,
+            tools: None,
         };
         let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
         assert_eq!(got, tokens, "{shard}");
@@ -293,6 +292,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         }),
         resume: None,
         grammar: None,
+        tools: None,
     };
 
     // One at a time, through the 2-stage pipeline and the whole-model stage.
@@ -317,10 +317,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     let mut differed = 0;
     for (p, (tokens, _)) in prompts.iter().zip(&expected) {
         let prompt_ids = text
-            .chat_prompt(&[ChatMessage {
-                role: "user".into(),
-                content: p.to_string(),
-            }])
+            .chat_prompt(&[ChatMessage::new("user", p.to_string())])
             .unwrap();
         for k in [1, tokens.len() / 2, tokens.len() - 1, tokens.len()] {
             let prefix = &tokens[..k];

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use shardplane_formats::GgufHeader;
 
 use crate::error::{Error, Result};
+use crate::tools::ToolCall;
 
 /// ChatML, for models that ship no template.
 const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -17,6 +18,13 @@ pub struct ChatMessage {
     pub role: String,
     /// The text of the message.
     pub content: String,
+    /// The tools an assistant's message called (rendered by
+    /// [`crate::tools::render`]).
+    #[serde(skip)]
+    pub tool_calls: Vec<ToolCall>,
+    /// On a `tool` message: the call whose result it holds.
+    #[serde(skip)]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -25,7 +33,14 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
+    }
+
+    /// Whether the message belongs to a tool exchange (a call or a result).
+    pub fn is_tool_exchange(&self) -> bool {
+        !self.tool_calls.is_empty() || self.role == "tool"
     }
 }
 
@@ -90,19 +105,40 @@ impl ChatTemplate {
     /// Renders a conversation; with `add_generation_prompt` the text ends where
     /// the assistant's reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        if messages.is_empty() {
+        let messages =
+            serde_json::to_value(messages).map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        self.render_json(&messages, None, add_generation_prompt)
+    }
+
+    /// Renders messages given as JSON (OpenAI's shapes, `tool_calls`
+    /// included), with `tools` (OpenAI function objects) when given.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        if messages.as_array().is_none_or(|m| m.is_empty()) {
             return Err(Error::ChatTemplate(
                 "a conversation needs at least one message".into(),
             ));
         }
         let template = self.env.get_template("chat").expect("added in new");
+        let base = context! {
+            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        };
+        // `tools` is left undefined when there are none, as templates expect.
+        let ctx = match tools {
+            Some(t) => {
+                context! { tools => minijinja::Value::from(minijinja::value::Serde(t)), ..base }
+            }
+            None => base,
+        };
         template
-            .render(context! {
-                messages => minijinja::Value::from(minijinja::value::Serde(messages)),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token.as_str(),
-                eos_token => self.eos_token.as_str(),
-            })
+            .render(ctx)
             .map_err(|e| Error::ChatTemplate(e.to_string()))
     }
 }

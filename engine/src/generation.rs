@@ -134,6 +134,7 @@ pub struct Decoder<'a> {
     next: Option<Vec<u32>>,
     finish: FinishReason,
     constraint: Option<Constraint>,
+    replayed: String,
 }
 
 impl<'a> Decoder<'a> {
@@ -145,9 +146,12 @@ impl<'a> Decoder<'a> {
         let mut output = TextOutput::new(tokenizer, &request.params);
         let mut finish = FinishReason::Length;
         let mut constraint = request.constraint.clone();
+        let mut replayed = String::new();
         let resume = &request.resume;
         for (i, &token) in resume.iter().enumerate() {
-            let mut stop = output.push(token)?.stop;
+            let piece = output.push(token)?;
+            replayed.push_str(&piece.text);
+            let mut stop = piece.stop;
             if !stop && let Some(c) = &mut constraint {
                 c.accept(token).map_err(|e| {
                     Error::InvalidInput(format!(
@@ -175,7 +179,13 @@ impl<'a> Decoder<'a> {
             next: (!done).then(|| request.context()),
             finish,
             constraint,
+            replayed,
         })
+    }
+
+    /// The text the resumed tokens released (given before the interruption).
+    pub fn replayed(&self) -> &str {
+        &self.replayed
     }
 
     /// The tokens the next sample may choose from, when the answer follows

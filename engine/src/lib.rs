@@ -8,7 +8,8 @@
 //!   through a C++ shim over libmlx;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
 //!   [`detokenizer`], [`sampler`], [`constraint`] (output that must follow a
-//!   grammar), [`text_output`] (tokens to the text a client
+//!   grammar), [`tools`] (tool calling: prompts, call grammars, parsing),
+//!   [`text_output`] (tokens to the text a client
 //!   sees), [`generation`] (the one generation loop and the request it
 //!   trusts, used by the CLI and by head stages), and [`pipeline`], which
 //!   drives stages to generate text in one process.
@@ -32,6 +33,7 @@ pub mod stage;
 pub mod stop;
 pub mod text_output;
 pub mod tokenizer;
+pub mod tools;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};

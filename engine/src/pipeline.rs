@@ -391,6 +391,17 @@ impl TextModel {
         self.tokenizer.encode(&text, false)
     }
 
+    /// Token ids of a chat prompt that offers `tools`, or holds earlier tool
+    /// calls and results (see [`crate::tools::render`]).
+    pub fn tool_prompt(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&crate::tools::ToolSet>,
+    ) -> Result<Vec<u32>> {
+        let text = crate::tools::render(&self.template, messages, tools)?;
+        self.tokenizer.encode(&text, false)
+    }
+
     /// Token ids of a raw prompt (BOS added where the model wants it).
     pub fn raw_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
         self.tokenizer.encode(prompt, true)

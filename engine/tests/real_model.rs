@@ -801,3 +801,69 @@ fn a_bad_grammar_is_refused_with_the_reason() {
         .unwrap_err();
     assert!(e.to_string().contains("ignore_eos"), "{e}");
 }
+
+#[test]
+fn a_required_tool_call_always_parses_and_fits_its_schema() {
+    use shardplane_engine::generation::ValidRequest;
+    use shardplane_engine::pipeline::generate_request;
+    use shardplane_engine::tools::{CallDetector, Tool, ToolChoice, ToolSet};
+    let m = load();
+    let mut p = pipeline(&m, "0-29");
+    let weather = Tool {
+        name: "get_weather".into(),
+        description: "The current weather in a city.".into(),
+        parameters: serde_json::json!({"type": "object", "additionalProperties": false,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}}}),
+    };
+    let messages = [ChatMessage::new("user", "What is the weather in Paris?")];
+    for (choice, seed) in [
+        (ToolChoice::Required, 1),
+        (ToolChoice::Function("get_weather".into()), 2),
+        (ToolChoice::Auto, 3),
+    ] {
+        let tools = ToolSet {
+            tools: vec![weather.clone()],
+            choice: choice.clone(),
+            parallel: false,
+        };
+        let prompt = m.text.tool_prompt(&messages, Some(&tools)).unwrap();
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 80,
+            ..Default::default()
+        };
+        let request = ValidRequest::new(prompt, Vec::new(), params, 49152, 8192)
+            .unwrap()
+            .with_constraint(m.text.constraint(&tools.grammar()).unwrap())
+            .unwrap();
+        let g = generate_request(&mut p, &m.text, 1, &request, |_| {}).unwrap();
+        let mut detector = CallDetector::new();
+        let (text, calls) = detector.push(&g.text).unwrap();
+        if choice == ToolChoice::Auto && !text.is_empty() {
+            assert!(!text.starts_with('<'), "{text:?}");
+            continue;
+        }
+        assert_eq!(
+            (text.as_str(), calls.len()),
+            ("", 1),
+            "{choice:?}: {:?}",
+            g.text
+        );
+        let args: serde_json::Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert_eq!(calls[0].name, "get_weather");
+        assert!(
+            args["city"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty() && c.chars().count() <= 20),
+            "{args}"
+        );
+        assert!(
+            ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()),
+            "{args}"
+        );
+        assert_eq!(args.as_object().unwrap().len(), 2, "{args}");
+    }
+}

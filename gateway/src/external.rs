@@ -72,7 +72,7 @@ fn body(ext: &ExternalEndpoint, prompt: &Prompt) -> (String, Value) {
         Input::Chat(messages) => {
             body["messages"] = messages
                 .iter()
-                .map(|(role, content)| json!({"role": role, "content": content}))
+                .map(|m| json!({"role": m.role, "content": m.content}))
                 .collect();
             ("chat/completions".into(), body)
         }
@@ -91,6 +91,18 @@ pub async fn start(
     key: Option<&str>,
     prompt: &Prompt,
 ) -> Result<Answer, Failure> {
+    let tool_exchange = match &prompt.input {
+        Input::Chat(messages) => messages
+            .iter()
+            .any(|m| !m.tool_calls.is_empty() || m.role == "tool"),
+        Input::Text(_) => false,
+    };
+    if prompt.tools.is_some() || tool_exchange {
+        // Passed on without them, the answer would ignore the tools.
+        return Err(Failure::Retry(format!(
+            "{name}'s external endpoint is not given tools or tool results (not implemented)"
+        )));
+    }
     let (path, body) = body(ext, prompt);
     let url = format!("{}/{path}", ext.base_url.trim_end_matches('/'));
     let mut request = http

@@ -80,6 +80,8 @@ pub fn routes(app: App) -> Http {
         .route("/api/chat", post(generation(Ollama::Chat)))
         .route("/api/generate", post(generation(Ollama::Generate)))
         .route("/api/tags", get(apis::ollama_tags))
+        .route("/api/show", post(apis::ollama_show))
+        .route("/api/ps", get(apis::ollama_ps))
         .route(
             "/api/version",
             get(|| async {

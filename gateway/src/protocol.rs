@@ -22,13 +22,16 @@ pub struct Prompt {
     pub sampling: dp::Sampling,
     /// What the output must follow (JSON, a JSON Schema), if anything.
     pub grammar: Option<dp::OutputGrammar>,
+    /// Tools the model may call (chat only).
+    pub tools: Option<dp::ToolSet>,
 }
 
 /// The input of a request.
 #[derive(Debug, Clone)]
 pub enum Input {
-    /// `(role, content)` messages, rendered with the model's chat template.
-    Chat(Vec<(String, String)>),
+    /// Messages (with earlier tool calls and results), rendered with the
+    /// model's chat template.
+    Chat(Vec<dp::ChatMessage>),
     /// Text used as is.
     Text(String),
 }
@@ -40,6 +43,8 @@ pub enum Finish {
     Stop,
     /// The token limit.
     Length,
+    /// The answer called tools.
+    ToolCalls,
 }
 
 /// What a generation produces, in order: text pieces, then one `Done`.
@@ -47,6 +52,8 @@ pub enum Finish {
 pub enum Event {
     /// A piece of text (possibly empty: a token whose text is held back).
     Text(String),
+    /// A tool call, whole.
+    ToolCall(dp::ToolCall),
     /// The end.
     Done {
         /// Why it ended.

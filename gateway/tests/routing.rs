@@ -69,6 +69,7 @@ fn answer(
         events.push(event(E::Delta(dp::Delta {
             text: format!("w{i} "),
             tokens: vec![i as u32],
+            ..Default::default()
         })));
     }
     events.push(event(E::Finished(dp::Finished {
@@ -163,6 +164,7 @@ fn prompt() -> Prompt {
         input: Input::Text("say six words".into()),
         sampling: dp::Sampling::default(),
         grammar: None,
+        tools: None,
     }
 }
 
@@ -171,6 +173,7 @@ async fn text(mut events: Events) -> Result<String, ApiError> {
     while let Some(e) = events.next().await {
         match e? {
             Event::Text(t) => text.push_str(&t),
+            Event::ToolCall(c) => panic!("a call nobody offered tools for: {c:?}"),
             Event::Done { .. } => return Ok(text),
         }
     }

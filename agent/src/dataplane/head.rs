@@ -16,6 +16,7 @@ use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::sampler::Sampler;
+use shardplane_engine::tools::CallDetector;
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -48,17 +49,19 @@ impl Service {
             ))
         })?;
         use dp::generate_request::Input;
+        let tools = wire::tools(req.tools.as_ref())?;
+        if tools.is_some() && !matches!(req.input, Some(Input::Chat(_))) {
+            return Err(Status::invalid_argument("tools go with a chat"));
+        }
         let prompt = match &req.input {
             Some(Input::Chat(c)) => {
-                let messages: Vec<_> = c
-                    .messages
-                    .iter()
-                    .map(|m| shardplane_engine::chat::ChatMessage {
-                        role: m.role.clone(),
-                        content: m.content.clone(),
-                    })
-                    .collect();
-                text.chat_prompt(&messages).map_err(engine_status)?
+                let messages: Vec<_> = c.messages.iter().map(wire::chat_message).collect();
+                if tools.is_some() || messages.iter().any(|m| m.is_tool_exchange()) {
+                    text.tool_prompt(&messages, tools.as_ref())
+                } else {
+                    text.chat_prompt(&messages)
+                }
+                .map_err(engine_status)?
             }
             Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
             Some(Input::Tokens(t)) => t.ids.clone(),
@@ -73,7 +76,16 @@ impl Service {
             stage.worker.context_length,
         )
         .map_err(engine_status)?;
-        if let Some(grammar) = wire::grammar(req.grammar.as_ref())? {
+        let grammar = match (wire::grammar(req.grammar.as_ref())?, &tools) {
+            (Some(_), Some(_)) => {
+                return Err(Status::invalid_argument(
+                    "an output grammar cannot go with tools: the answer's grammar is the tools'",
+                ));
+            }
+            (grammar, None) => grammar,
+            (None, Some(tools)) => Some(tools.grammar()),
+        };
+        if let Some(grammar) = grammar {
             // Compiling (and, the first time, reading the vocabulary) is
             // CPU work: off the async threads.
             let model = text.clone();
@@ -129,6 +141,7 @@ impl Service {
             },
             text,
             request,
+            tools: tools.is_some(),
             banned,
             downstream,
             sampler: local_sampler,
@@ -157,6 +170,8 @@ struct Generation {
     /// The prompt, the tokens of the answer given before (see
     /// `GenerateRequest.resume`) and the sampling parameters, checked.
     request: ValidRequest,
+    /// Whether the answer may call tools (calls are told from text).
+    tools: bool,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
@@ -270,30 +285,56 @@ impl Generation {
         let text = self.text.clone();
         let mut decoder = Decoder::new(&text.tokenizer, &self.request).map_err(engine_status)?;
         let mut first_token_at = None;
+        // With tools, calls are told from text as the answer streams; the
+        // text resumed tokens released (given, or held, before) goes first.
+        let mut calls = self.tools.then(CallDetector::new);
+        if let Some(d) = &mut calls {
+            d.push(decoder.replayed()).map_err(engine_status)?;
+        }
+        let mut split = |text: String| match &mut calls {
+            Some(d) => d
+                .push(&text)
+                .map(|(text, calls)| (text, calls.into_iter().map(wire::tool_call).collect()))
+                .map_err(engine_status),
+            None => Ok((text, Vec::new())),
+        };
         while let Some(input) = decoder.next_input() {
             let allowed = decoder.allowed().map_err(engine_status)?;
             let token = self.step(input, allowed).await?;
             first_token_at.get_or_insert_with(Instant::now);
             self.metrics.generated_tokens.inc();
             let piece = decoder.accept(token).map_err(engine_status)?;
+            let (text, tool_calls) = split(piece.text)?;
             self.emit(Event::Delta(dp::Delta {
-                text: piece.text,
+                text,
                 tokens: vec![token],
+                tool_calls,
             }))
             .await?;
         }
         let generated = decoder.generated();
         let (tail, finish) = decoder.finish().map_err(engine_status)?;
-        if !tail.is_empty() {
+        let (mut tail, tool_calls) = split(tail)?;
+        let called = match calls {
+            Some(d) => {
+                let called = d.called();
+                tail.push_str(&d.finish());
+                called
+            }
+            None => false,
+        };
+        if !tail.is_empty() || !tool_calls.is_empty() {
             self.emit(Event::Delta(dp::Delta {
                 text: tail,
                 tokens: Vec::new(),
+                tool_calls,
             }))
             .await?;
         }
         let done = Instant::now();
         let first_token_at = first_token_at.unwrap_or(done);
         let reason = match finish {
+            _ if called => dp::FinishReason::ToolCalls,
             FinishReason::Stop => dp::FinishReason::Stop,
             FinishReason::Length => dp::FinishReason::Length,
         };

@@ -25,6 +25,8 @@ mod next_stage;
 mod relay;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_head;
 mod wire;
 
 use std::pin::Pin;

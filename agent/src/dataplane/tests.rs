@@ -28,10 +28,10 @@ use crate::shards::{ServedStage, ShardSet};
 use crate::stage::StageWorker;
 use crate::test_stage::Echo;
 
-const NS: &str = "relay";
+pub(super) const NS: &str = "relay";
 const TOKEN: &str = "in-process-data-plane-token";
 
-fn token() -> dp::Token {
+pub(super) fn token() -> dp::Token {
     dp::Token::new(TOKEN).unwrap()
 }
 
@@ -67,7 +67,7 @@ async fn serve_last(fail_at: Option<usize>) -> (String, Rows) {
 }
 
 /// Stage `stage` of 3 of deployment `d`, Ready at `endpoint` when given.
-fn shard(stage: u32, endpoint: Option<&str>) -> Shard {
+pub(super) fn shard(stage: u32, endpoint: Option<&str>) -> Shard {
     let mut s = shardplane_testkit::fixtures::shard(
         "d",
         &format!("node-{stage}"),
@@ -97,16 +97,27 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
         Budget::default(),
     );
     let me = shard(1, None);
-    let shards = ShardSet::new("in-process");
-    shards.insert(ServedStage {
+    let stage = ServedStage {
         namespace: NS.into(),
         name: "d-0-1".into(),
         spec: me.spec.clone(),
         worker: worker.clone(),
         text: None,
-    });
-    let (directory, mut writer) = reflector::store();
-    for s in next.into_iter().chain([me]) {
+    };
+    let (client, dir) = serve(stage, next.into_iter().chain([me]).collect()).await;
+    (client, worker, dir)
+}
+
+/// Serves `stage` in process on a loopback port, with `directory` the
+/// Shards its watch store holds; a client, and the cache's directory.
+pub(super) async fn serve(
+    stage: ServedStage,
+    directory: Vec<Shard>,
+) -> (dp::Client, tempfile::TempDir) {
+    let shards = ShardSet::new("in-process");
+    shards.insert(stage);
+    let (store, mut writer) = reflector::store();
+    for s in directory {
         writer.apply_watcher_event(&watcher::Event::Apply(s));
     }
     let (nodes, _) = reflector::store();
@@ -115,7 +126,7 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
     let service = Service::new(
         "node-1".into(),
         shards,
-        directory,
+        store,
         nodes,
         dp::Peers::new(token()),
         Metrics::new(),
@@ -128,8 +139,7 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
             .add_service(service.into_server(token()))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
-    let client = dp::client(dp::channel(&endpoint).unwrap(), token());
-    (client, worker, dir)
+    (dp::client(dp::channel(&endpoint).unwrap(), token()), dir)
 }
 
 fn open() -> dp::ForwardRequest {
@@ -181,7 +191,7 @@ async fn start(
     Ok((requests, answers))
 }
 
-async fn sequences_become(worker: &StageWorker, n: u64) {
+pub(super) async fn sequences_become(worker: &StageWorker, n: u64) {
     for _ in 0..100 {
         if worker.stats.sequences.load(Ordering::Relaxed) == n {
             return;

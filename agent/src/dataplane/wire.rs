@@ -1,8 +1,10 @@
 //! Conversions between the data plane's messages and the engine's types.
 
 use shardplane_dataplane as dp;
+use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::constraint::Grammar;
 use shardplane_engine::sampler::SamplingParams;
+use shardplane_engine::tools::{Tool, ToolCall, ToolChoice, ToolSet};
 use tonic::Status;
 
 /// The gRPC status of an engine error: the caller's fault or ours.
@@ -67,6 +69,79 @@ pub(super) fn grammar(g: Option<&dp::OutputGrammar>) -> Result<Option<Grammar>, 
         Some(Kind::Regex(rx)) => Some(Grammar::Regex(rx.clone())),
         Some(Kind::Lark(lark)) => Some(Grammar::Lark(lark.clone())),
     })
+}
+
+/// The engine's tool set from the wire's, checked (none when it holds no
+/// tools).
+pub(super) fn tools(t: Option<&dp::ToolSet>) -> Result<Option<ToolSet>, Status> {
+    let Some(t) = t.filter(|t| !t.tools.is_empty()) else {
+        return Ok(None);
+    };
+    let tools = t
+        .tools
+        .iter()
+        .map(|x| {
+            let parameters = if x.parameters.is_empty() {
+                serde_json::json!({"type": "object"})
+            } else {
+                serde_json::from_str(&x.parameters).map_err(|e| {
+                    Status::invalid_argument(format!(
+                        "the parameters of tool {:?} are not JSON: {e}",
+                        x.name
+                    ))
+                })?
+            };
+            Ok(Tool {
+                name: x.name.clone(),
+                description: x.description.clone(),
+                parameters,
+            })
+        })
+        .collect::<Result<Vec<_>, Status>>()?;
+    let choice = match dp::ToolChoice::try_from(t.choice) {
+        Ok(dp::ToolChoice::Auto) => ToolChoice::Auto,
+        Ok(dp::ToolChoice::Required) => ToolChoice::Required,
+        Ok(dp::ToolChoice::Function) => ToolChoice::Function(t.function.clone()),
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "tool choice {} is unknown",
+                t.choice
+            )));
+        }
+    };
+    let set = ToolSet {
+        tools,
+        choice,
+        parallel: t.parallel,
+    };
+    set.validate().map_err(engine_status)?;
+    Ok(Some(set))
+}
+
+/// The engine's chat message from the wire's.
+pub(super) fn chat_message(m: &dp::ChatMessage) -> ChatMessage {
+    ChatMessage {
+        tool_calls: m
+            .tool_calls
+            .iter()
+            .map(|c| ToolCall {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            })
+            .collect(),
+        tool_call_id: (!m.tool_call_id.is_empty()).then(|| m.tool_call_id.clone()),
+        ..ChatMessage::new(m.role.clone(), m.content.clone())
+    }
+}
+
+/// The wire's tool call from the engine's.
+pub(super) fn tool_call(c: ToolCall) -> dp::ToolCall {
+    dp::ToolCall {
+        id: c.id,
+        name: c.name,
+        arguments: c.arguments,
+    }
 }
 
 /// A `Generate` answer carrying `e`.

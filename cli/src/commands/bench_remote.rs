@@ -80,6 +80,7 @@ impl Remote {
             }),
             resume: None,
             grammar: None,
+            tools: None,
         };
         tokio::runtime::Runtime::new()?.block_on(async {
             let client = dp::client(
@@ -162,6 +163,7 @@ impl GatewayOverhead {
             }),
             resume: None,
             grammar: None,
+            tools: None,
         };
         let body = serde_json::json!({
             "model": self.model,

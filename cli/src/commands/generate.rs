@@ -159,11 +159,13 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
             messages.push(dp::ChatMessage {
                 role: "system".into(),
                 content: system.clone(),
+                ..Default::default()
             });
         }
         messages.push(dp::ChatMessage {
             role: "user".into(),
             content: args.prompt.clone(),
+            ..Default::default()
         });
         dp::generate_request::Input::Chat(dp::Conversation { messages })
     } else {
@@ -188,6 +190,7 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
         }),
         resume: None,
         grammar: args.grammar()?.map(wire_grammar),
+        tools: None,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let mut client = dp::client(dp::channel(endpoint).map_err(anyhow::Error::msg)?, token);

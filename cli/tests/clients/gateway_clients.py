@@ -98,6 +98,13 @@ check(g.response == reference, "ollama generate (chat template applied)")
 gs = "".join(p.response for p in ol.generate(model=DAILY, prompt=PROMPT, options={"temperature": 0, "num_predict": 20}, stream=True))
 check(gs == reference, "ollama generate stream")
 check(DAILY in {x.model for x in ol.list().models}, "ollama tags")
+sh = ol.show(DAILY)
+check(any(k.endswith(".context_length") and v > 0 for k, v in (sh.modelinfo or {}).items()), f"ollama show: {sh.modelinfo}")
+check(DAILY in {x.model for x in ol.ps().models}, "ollama ps lists the ready model")
+o = ol.chat(model=DAILY + ":latest", messages=[{"role": "user", "content": PROMPT}], options={"temperature": 0, "num_predict": 20})
+check(o.message.content == reference, "ollama: name:latest is name")
+e = expect(ollama.ResponseError, lambda: ol.show("no-such-model"), "ollama show: an unknown model")
+check(e.status_code == 404, "... is 404")
 
 # Structured output: three JSON Schemas (nested objects, an array, enums;
 # every valid instance fits the token limit) over 20 seeds, spread over both
@@ -151,6 +158,69 @@ for fmt in ("json", SCHEMAS[1]):
         jsonschema.validate(v, fmt)
     check(o.done_reason == "length" or isinstance(v, dict), f"ollama format={fmt if fmt == 'json' else 'schema'}: {o.message.content!r}")
 
+# Tool calling (the test model's template has no tools: the generic prompt,
+# calls under a grammar). A forced call (required, or a named function)
+# always comes, once, with arguments that parse and validate, for 20 seeds
+# over both replicas and the pipeline.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                   "properties": {"zone": {"type": "string", "minLength": 1, "maxLength": 20}}}}}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def forced(seed):
+    choice = "required" if seed % 2 else {"type": "function", "function": {"name": "get_time"}}
+    r = oa.chat.completions.create(model=PIPE if seed % 4 == 3 else DAILY, messages=ASK, tools=[WEATHER, TIME],
+                                   tool_choice=choice, parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
+    return seed, choice, r.choices[0]
+
+
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(forced, range(20)))
+bad = []
+for seed, choice, c in results:
+    calls = c.message.tool_calls or []
+    if c.finish_reason != "tool_calls" or len(calls) != 1:
+        bad.append(f"seed {seed}: {c.finish_reason}, {len(calls)} calls, {c.message.content!r}")
+        continue
+    f = calls[0].function
+    if choice != "required" and f.name != "get_time":
+        bad.append(f"seed {seed}: called {f.name}, not the named get_time")
+    try:
+        jsonschema.validate(json.loads(f.arguments), PARAMETERS[f.name])
+    except (ValueError, KeyError, jsonschema.ValidationError) as e:
+        bad.append(f"seed {seed}: {f.name}({f.arguments}): {e!r}")
+check(not bad, f"openai forced tool calls: 20 seeds each call once with valid arguments: {bad[:3]}")
+forced_call = dict(model=DAILY, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0)
+plain = oa.chat.completions.create(**forced_call)
+call = plain.choices[0].message.tool_calls[0]
+parts = {}
+for chunk in oa.chat.completions.create(stream=True, **forced_call):
+    for c in chunk.choices:
+        for d in c.delta.tool_calls or []:
+            p = parts.setdefault(d.index, {"name": "", "arguments": ""})
+            p["name"] += (d.function.name or "") if d.function else ""
+            p["arguments"] += (d.function.arguments or "") if d.function else ""
+whole = [{"name": t.function.name, "arguments": t.function.arguments} for t in plain.choices[0].message.tool_calls]
+check(list(parts.values()) == whole, f"openai: streamed tool-call deltas assemble to the non-streamed calls: {whole}")
+history = ASK + [plain.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "22 degrees and sunny"}]
+final = oa.chat.completions.create(model=DAILY, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0)
+check(final.choices[0].message.content and not final.choices[0].message.tool_calls,
+      f"openai: after the tool's result, the answer: {final.choices[0].message.content!r}")
+again = oa.chat.completions.create(model=DAILY, messages=history, tools=[WEATHER], max_tokens=60, temperature=0)
+m = again.choices[0].message
+check((m.content and again.choices[0].finish_reason in ("stop", "length")) or
+      (again.choices[0].finish_reason == "tool_calls" and all(json.loads(t.function.arguments) for t in m.tool_calls)),
+      f"openai: tool_choice auto answers in text or in valid calls: {m.content!r} {m.tool_calls}")
+
 # Errors, each in its API's shape.
 expect(openai.NotFoundError, lambda: chat("no-such-model"), "openai: unknown model is 404", 404)
 expect(anthropic.NotFoundError, lambda: an.messages.create(model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "x"}]), "anthropic: unknown model is 404", 404)
@@ -161,9 +231,8 @@ check("context" in str(e), "the 400 says why")
 expect(openai.BadRequestError, lambda: chat(DAILY, temperature=5), "openai: temperature out of range is 400", 400)
 expect(anthropic.BadRequestError, lambda: an.messages.create(model=DAILY, max_tokens=5, messages=[]), "anthropic: no messages is 400", 400)
 # What the gateway does not implement is refused, naming the field, never ignored.
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-e = expect(openai.BadRequestError, lambda: chat(DAILY, tools=[TOOL]), "openai: tools are refused, not ignored", 400)
-check("`tools`" in str(e), "... the 400 names `tools`")
+e = expect(openai.BadRequestError, lambda: chat(DAILY, tools=[{"type": "retrieval"}]), "openai: a tool type not implemented is refused, not ignored", 400)
+check("tools[0].type" in str(e), "... the 400 names `tools[0].type`")
 e = expect(openai.BadRequestError, lambda: chat(DAILY, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "pattern_hint": 1}}),
            "openai: an unknown field inside response_format is refused", 400)
 check("response_format.json_schema.pattern_hint" in str(e), "... the 400 names it")

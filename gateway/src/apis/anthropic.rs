@@ -7,8 +7,8 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    content_text, float, known_only, max_tokens, message_fields, messages, model, only_value,
-    stops, uint,
+    chat_message, content_text, float, known_only, max_tokens, message_fields, messages, model,
+    only_value, stops, uint,
 };
 use super::{Collected, Dialect, Request, chunked, error_type, id, sse};
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
@@ -39,6 +39,7 @@ fn stop_reason(f: Finish) -> &'static str {
     match f {
         Finish::Stop => "end_turn",
         Finish::Length => "max_tokens",
+        Finish::ToolCalls => "tool_use",
     }
 }
 
@@ -67,15 +68,16 @@ impl Dialect for Anthropic {
         let mut chat = Vec::new();
         let system = content_text(&v["system"], "system")?;
         if !system.is_empty() {
-            chat.push(("system".to_string(), system));
+            chat.push(chat_message("system", system));
         }
-        for (role, content) in messages(v, "messages")? {
-            if role != "user" && role != "assistant" {
+        for m in messages(v, "messages")? {
+            if m.role != "user" && m.role != "assistant" {
                 return Err(ApiError::invalid(format!(
-                    "messages: role {role:?} is not user or assistant (put system prompts in `system`)"
+                    "messages: role {:?} is not user or assistant (put system prompts in `system`)",
+                    m.role
                 )));
             }
-            chat.push((role, content));
+            chat.push(m);
         }
         Ok(Request {
             model,
@@ -90,6 +92,7 @@ impl Dialect for Anthropic {
                     ..Default::default()
                 },
                 grammar: None,
+                tools: None,
             },
             stream: v["stream"].as_bool().unwrap_or(false),
             include_usage: true,
@@ -142,6 +145,8 @@ impl Dialect for Anthropic {
             sse(Some("ping"), &json!({"type": "ping"})),
         ];
         chunked(opening, events, |e| match e {
+            // Tools are refused by this dialect's parse: no call comes.
+            Ok(Event::ToolCall(_)) => Vec::new(),
             Ok(Event::Text(t)) => vec![sse(
                 Some("content_block_delta"),
                 &json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": t}}),

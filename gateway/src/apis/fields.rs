@@ -118,8 +118,19 @@ pub fn content_text(v: &Value, field: &str) -> Result<String, ApiError> {
     }
 }
 
-/// `(role, content)` pairs of the message list `field`.
-pub fn messages(v: &Value, field: &str) -> Result<Vec<(String, String)>, ApiError> {
+/// A message with `role` and `content` only.
+pub fn chat_message(role: impl Into<String>, content: impl Into<String>) -> dp::ChatMessage {
+    dp::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+        ..Default::default()
+    }
+}
+
+/// The message list `field`: roles, text, and (OpenAI's shape) the tool
+/// calls of assistant messages and the call a `tool` message answers. A
+/// dialect refuses the fields it does not take before this reads them.
+pub fn messages(v: &Value, field: &str) -> Result<Vec<dp::ChatMessage>, ApiError> {
     let Some(list) = v[field].as_array() else {
         return Err(ApiError::invalid(format!(
             "`{field}` must be an array of messages"
@@ -140,10 +151,36 @@ pub fn messages(v: &Value, field: &str) -> Result<Vec<(String, String)>, ApiErro
                 )));
             }
             let role = if role == "developer" { "system" } else { role };
-            Ok((
-                role.to_string(),
+            let mut message = chat_message(
+                role,
                 content_text(&m["content"], &format!("{field}[{i}].content"))?,
-            ))
+            );
+            for (j, c) in m["tool_calls"].as_array().into_iter().flatten().enumerate() {
+                let at = format!("{field}[{i}].tool_calls[{j}]");
+                known_only(c, &format!("{at}."), &["id", "type", "function"])?;
+                known_only(
+                    &c["function"],
+                    &format!("{at}.function."),
+                    &["name", "arguments"],
+                )?;
+                let name = c["function"]["name"]
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid(format!("{at}.function.name is required")))?;
+                let arguments = match &c["function"]["arguments"] {
+                    Value::String(s) => s.clone(),
+                    Value::Null => "{}".to_string(),
+                    a => a.to_string(),
+                };
+                message.tool_calls.push(dp::ToolCall {
+                    id: c["id"].as_str().unwrap_or_default().to_string(),
+                    name: name.to_string(),
+                    arguments,
+                });
+            }
+            if role == "tool" {
+                message.tool_call_id = m["tool_call_id"].as_str().unwrap_or_default().to_string();
+            }
+            Ok(message)
         })
         .collect()
 }

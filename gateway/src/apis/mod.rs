@@ -34,7 +34,7 @@ use futures::stream::BoxStream;
 use serde_json::Value;
 
 pub use anthropic::Anthropic;
-pub use ollama::{Ollama, tags as ollama_tags};
+pub use ollama::{Ollama, running as ollama_ps, show as ollama_show, tags as ollama_tags};
 pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
 
 use crate::App;
@@ -84,6 +84,8 @@ pub struct Request {
 pub struct Collected {
     /// The text.
     pub text: String,
+    /// The tools it called.
+    pub tool_calls: Vec<shardplane_dataplane::ToolCall>,
     /// Why it ended.
     pub finish: Finish,
     /// Tokens of the prompt.
@@ -190,9 +192,11 @@ pub fn error_response<D: Dialect>(api: D, e: &ApiError) -> Response {
 
 async fn collect(mut events: Events) -> Result<Collected, ApiError> {
     let mut text = String::new();
+    let mut tool_calls = Vec::new();
     while let Some(e) = events.next().await {
         match e? {
             Event::Text(t) => text.push_str(&t),
+            Event::ToolCall(c) => tool_calls.push(c),
             Event::Done {
                 finish,
                 prompt_tokens,
@@ -200,6 +204,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
             } => {
                 return Ok(Collected {
                     text,
+                    tool_calls,
                     finish,
                     prompt_tokens,
                     completion_tokens,
@@ -321,9 +326,10 @@ mod tests {
             "stream_options": {"include_usage": true}, "tools": [], "logprobs": false, "tool_choice": "none"});
         OpenAi::Chat.parse(&chat).unwrap();
         for (field, value) in [
+            ("tools", json!([{"type": "retrieval"}])),
             (
                 "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
+                json!([{"type": "function", "function": {"name": "f", "cache": true}}]),
             ),
             ("logit_bias", json!({"1": 1})),
             ("logprobs", json!(true)),
@@ -416,6 +422,56 @@ mod tests {
             Some(Kind::JsonSchema(_))
         ));
         assert_eq!(grammar(&ollama, with(&base, "format", json!(""))), None);
+    }
+
+    #[test]
+    fn openai_tools_become_the_tool_set() {
+        use shardplane_dataplane as dp;
+        let weather = json!({"type": "function", "function": {"name": "get_weather", "strict": true,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+        let base = json!({"model": "m", "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+            "tools": [weather]});
+        let parsed = OpenAi::Chat.parse(&base).unwrap().prompt;
+        let set = parsed.tools.unwrap();
+        assert_eq!(
+            (set.tools.len(), set.choice, set.parallel),
+            (1, dp::ToolChoice::Auto as i32, true)
+        );
+        assert_eq!(
+            serde_json::from_str::<Value>(&set.tools[0].parameters).unwrap()["properties"]["city"]
+                ["type"],
+            "string"
+        );
+        let crate::protocol::Input::Chat(messages) = parsed.input else {
+            panic!("a chat");
+        };
+        assert_eq!(messages[1].tool_calls[0].name, "get_weather");
+        assert_eq!(messages[1].tool_calls[0].arguments, r#"{"city": "Paris"}"#);
+        assert_eq!(messages[2].tool_call_id, "call_1");
+        let choice = |c: Value| {
+            OpenAi::Chat
+                .parse(&with(&base, "tool_choice", c))
+                .map(|r| r.prompt.tools.map(|t| (t.choice, t.function)))
+        };
+        assert_eq!(
+            choice(json!("required")).unwrap(),
+            Some((dp::ToolChoice::Required as i32, String::new()))
+        );
+        assert_eq!(
+            choice(json!({"type": "function", "function": {"name": "get_weather"}})).unwrap(),
+            Some((dp::ToolChoice::Function as i32, "get_weather".into()))
+        );
+        assert_eq!(choice(json!("none")).unwrap(), None);
+        assert!(choice(json!({"type": "function", "function": {"name": "nope"}})).is_err());
+        refused(
+            OpenAi::Chat,
+            &with(&base, "response_format", json!({"type": "json_object"})),
+            "response_format",
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! `options`; streams (the default) are newline-delimited JSON lines, the
 //! last one `done` with the token counts.
 
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -10,8 +11,8 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
-    only_value, stops, uint,
+    chat_message, float, json_object, json_schema, known_only, max_tokens, message_fields,
+    messages, model, object, only_value, stops, uint,
 };
 use super::{Collected, Dialect, Request, chunked, json_body, listing};
 use crate::App;
@@ -106,7 +107,7 @@ impl Ollama {
     ) -> Value {
         let mut v = self.line(model, text, true);
         v["done_reason"] = json!(match finish {
-            Finish::Stop => "stop",
+            Finish::Stop | Finish::ToolCalls => "stop",
             Finish::Length => "length",
         });
         v["prompt_eval_count"] = json!(prompt);
@@ -141,9 +142,9 @@ impl Dialect for Ollama {
                 } else {
                     let mut chat = Vec::new();
                     if let Some(s) = v["system"].as_str() {
-                        chat.push(("system".to_string(), s.to_string()));
+                        chat.push(chat_message("system", s));
                     }
-                    chat.push(("user".to_string(), prompt));
+                    chat.push(chat_message("user", prompt));
                     Input::Chat(chat)
                 }
             }
@@ -186,6 +187,7 @@ impl Dialect for Ollama {
                     ..Default::default()
                 },
                 grammar,
+                tools: None,
             },
             stream: v["stream"].as_bool().unwrap_or(true),
             include_usage: true,
@@ -215,6 +217,8 @@ impl Dialect for Ollama {
     ) -> BoxStream<'static, String> {
         chunked(Vec::new(), events, move |e| {
             let line = match e {
+                // Tools are refused by this dialect's parse: no call comes.
+                Ok(Event::ToolCall(_)) => return Vec::new(),
                 Ok(Event::Text(t)) => self.line(&model, &t, false),
                 Ok(Event::Done {
                     finish,
@@ -232,6 +236,77 @@ impl Dialect for Ollama {
 pub async fn tags(State(app): State<App>, headers: HeaderMap) -> Response {
     listing(&app, &headers, Ollama::Chat, |served| {
         let models: Vec<Value> = served.iter().map(tag).collect();
+        Ok(json!({"models": models}))
+    })
+}
+
+/// The served name `name` asks for: as given, or without Ollama's default
+/// tag (`name:latest` is `name`).
+fn find<'a>(served: &'a [Served], name: &str) -> Option<&'a Served> {
+    let bare = name.strip_suffix(":latest");
+    served
+        .iter()
+        .find(|s| s.name == name)
+        .or_else(|| served.iter().find(|s| Some(s.name.as_str()) == bare))
+}
+
+/// `POST /api/show`: one served model, as Ollama describes a model (the
+/// hyper-parameters its clients read, such as the context length).
+pub async fn show(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    listing(&app, &headers, Ollama::Chat, |served| {
+        let v = object(&body)?;
+        known_only(&v, "", &["model", "name", "verbose"])?;
+        let name = v["model"]
+            .as_str()
+            .or(v["name"].as_str())
+            .ok_or_else(|| ApiError::invalid("`model` is required"))?;
+        let s = find(served, name).ok_or_else(|| ApiError::unknown_model(name))?;
+        let st = s
+            .model
+            .as_ref()
+            .and_then(|m| m.status.clone())
+            .unwrap_or_default();
+        let arch = st.architecture.clone().unwrap_or_default();
+        let mut info = serde_json::Map::new();
+        info.insert("general.architecture".into(), json!(arch));
+        for (key, value) in [
+            ("context_length", st.context_length),
+            ("embedding_length", st.hidden_size),
+            ("block_count", st.layers),
+            ("attention.head_count", st.attention_heads),
+            ("attention.head_count_kv", st.kv_heads),
+            ("vocab_size", st.vocab_size),
+        ] {
+            if let Some(v) = value {
+                info.insert(format!("{arch}.{key}"), json!(v));
+            }
+        }
+        let listed = tag(s);
+        Ok(json!({
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": listed["details"],
+            "model_info": info,
+            "capabilities": ["completion"],
+            "modified_at": listed["modified_at"],
+        }))
+    })
+}
+
+/// `GET /api/ps`: the served models that have a ready instance now.
+pub async fn running(State(app): State<App>, headers: HeaderMap) -> Response {
+    listing(&app, &headers, Ollama::Chat, |served| {
+        let models: Vec<Value> = served
+            .iter()
+            .filter(|s| s.ready > 0)
+            .map(|s| {
+                let mut m = tag(s);
+                m["expires_at"] = Value::Null;
+                m["size_vram"] = json!(0);
+                m
+            })
+            .collect();
         Ok(json!({"models": models}))
     })
 }

@@ -60,15 +60,16 @@ const COMMON_FIELDS: &[&str] = &[
     "user",
 ];
 
-/// Chat's own; all but `messages` and `max_completion_tokens` pass only
-/// with values that ask for nothing more than text ([`check_fields`]).
+/// Chat's own; `logprobs`, `store` and `modalities` pass only with values
+/// that ask for nothing more than text ([`check_fields`]).
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
     "response_format",
-    "logprobs",
+    "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "logprobs",
     "store",
     "modalities",
 ];
@@ -83,7 +84,11 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
     match api {
         OpenAi::Chat => {
             known_only(v, "", &[COMMON_FIELDS, CHAT_FIELDS].concat())?;
-            message_fields(v, "messages", &["role", "content", "name"])?;
+            message_fields(
+                v,
+                "messages",
+                &["role", "content", "name", "tool_calls", "tool_call_id"],
+            )?;
             known_only(
                 &v["response_format"],
                 "response_format.",
@@ -95,12 +100,6 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
                 &["name", "description", "schema", "strict"],
             )?;
             only_value(v, "logprobs", |l| l == false, "false")?;
-            only_value(
-                v,
-                "tool_choice",
-                |c| *c == "none" || *c == "auto",
-                r#""none" or "auto" without tools"#,
-            )?;
             only_value(v, "store", |s| s == false, "false")?;
             only_value(
                 v,
@@ -155,10 +154,101 @@ fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
     }
 }
 
+/// The tool set of a chat request: `tools` (functions), `tool_choice` and
+/// `parallel_tool_calls`. None when there are no tools or the choice is
+/// `none` (the model then answers in text).
+fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
+    let list = match &v["tools"] {
+        Value::Null => return Ok(None),
+        Value::Array(a) => a,
+        _ => return Err(ApiError::invalid("`tools` must be an array")),
+    };
+    let mut tools = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        known_only(t, &format!("tools[{i}]."), &["type", "function"])?;
+        if t["type"] != "function" {
+            return Err(ApiError::invalid(format!(
+                "`tools[{i}].type` {} is not supported (supported: function)",
+                t["type"]
+            )));
+        }
+        let f = &t["function"];
+        known_only(
+            f,
+            &format!("tools[{i}].function."),
+            &["name", "description", "parameters", "strict"],
+        )?;
+        let name = f["name"]
+            .as_str()
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| ApiError::invalid(format!("`tools[{i}].function.name` is required")))?;
+        let parameters = match &f["parameters"] {
+            Value::Null => String::new(),
+            p if p.is_object() => p.to_string(),
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "`tools[{i}].function.parameters` must be a JSON Schema object"
+                )));
+            }
+        };
+        tools.push(dp::Tool {
+            name: name.to_string(),
+            description: f["description"].as_str().unwrap_or_default().to_string(),
+            parameters,
+        });
+    }
+    let (choice, function) = match &v["tool_choice"] {
+        Value::Null => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "auto" => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "required" => (dp::ToolChoice::Required, String::new()),
+        Value::String(s) if s == "none" => return Ok(None),
+        c if c["type"] == "function" && c["function"]["name"].is_string() => {
+            known_only(c, "tool_choice.", &["type", "function"])?;
+            let name = c["function"]["name"].as_str().unwrap_or_default();
+            if !tools.iter().any(|t| t.name == name) {
+                return Err(ApiError::invalid(format!(
+                    "`tool_choice` names {name:?}, which is not among `tools`"
+                )));
+            }
+            (dp::ToolChoice::Function, name.to_string())
+        }
+        c => {
+            return Err(ApiError::invalid(format!(
+                "`tool_choice` {c} is not supported (supported: \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"
+            )));
+        }
+    };
+    if tools.is_empty() {
+        return match choice {
+            dp::ToolChoice::Auto => Ok(None),
+            _ => Err(ApiError::invalid(
+                "`tool_choice` asks for a call but `tools` is empty",
+            )),
+        };
+    }
+    Ok(Some(dp::ToolSet {
+        tools,
+        choice: choice as i32,
+        function,
+        parallel: v["parallel_tool_calls"].as_bool().unwrap_or(true),
+    }))
+}
+
+/// A call as OpenAI gives it in a message (`index` in a stream's delta).
+fn tool_call(c: &dp::ToolCall, index: Option<usize>) -> Value {
+    let mut v = json!({"id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}});
+    if let Some(i) = index {
+        v["index"] = json!(i);
+    }
+    v
+}
+
 fn finish_reason(f: Finish) -> &'static str {
     match f {
         Finish::Stop => "stop",
         Finish::Length => "length",
+        Finish::ToolCalls => "tool_calls",
     }
 }
 
@@ -182,10 +272,15 @@ impl Dialect for OpenAi {
                 _ => return Err(ApiError::invalid("`prompt` must be one string")),
             }),
         };
-        let grammar = match self {
-            OpenAi::Chat => response_format(&v["response_format"])?,
-            OpenAi::Text => None,
+        let (grammar, tools) = match self {
+            OpenAi::Chat => (response_format(&v["response_format"])?, tools(v)?),
+            OpenAi::Text => (None, None),
         };
+        if grammar.is_some() && tools.is_some() {
+            return Err(ApiError::invalid(
+                "`response_format` cannot go with `tools` here: give one or the other",
+            ));
+        }
         let limit = uint(v, "max_completion_tokens")?.or(uint(v, "max_tokens")?);
         // The legacy completions API stops at 16 tokens unless told otherwise.
         let limit = match self {
@@ -211,6 +306,7 @@ impl Dialect for OpenAi {
                     ..Default::default()
                 },
                 grammar,
+                tools,
             },
             stream: v["stream"].as_bool().unwrap_or(false),
             include_usage: v["stream_options"]["include_usage"]
@@ -239,15 +335,22 @@ impl Dialect for OpenAi {
             "total_tokens": c.prompt_tokens + c.completion_tokens,
         });
         let (object, choice) = match self {
-            OpenAi::Chat => (
-                "chat.completion",
+            OpenAi::Chat => ("chat.completion", {
+                let mut message = json!({"role": "assistant", "content": c.text});
+                if !c.tool_calls.is_empty() {
+                    if c.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] =
+                        c.tool_calls.iter().map(|t| tool_call(t, None)).collect();
+                }
                 json!({
                     "index": 0,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": null,
                     "finish_reason": finish_reason(c.finish),
-                }),
-            ),
+                })
+            }),
             OpenAi::Text => (
                 "text_completion",
                 json!({
@@ -304,8 +407,16 @@ impl Dialect for OpenAi {
             OpenAi::Chat => vec![chunk(json!({"role": "assistant", "content": ""}), None)],
             OpenAi::Text => Vec::new(),
         };
+        let mut calls = 0;
         chunked(opening, events, move |e| match e {
             Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), None)],
+            Ok(Event::ToolCall(c)) => {
+                calls += 1;
+                vec![chunk(
+                    json!({"tool_calls": [tool_call(&c, Some(calls - 1))]}),
+                    None,
+                )]
+            }
             Ok(Event::Done {
                 finish,
                 prompt_tokens,

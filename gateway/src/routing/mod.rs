@@ -180,14 +180,25 @@ impl Router {
         out.into_values().collect()
     }
 
-    /// The deployment serving `name` (served name or alias).
+    /// The deployment serving `name` (served name or alias; `name:latest`
+    /// is `name` when nothing is served under the tagged name, as in Ollama).
     pub fn deployment_for(&self, name: &str) -> Option<Arc<ModelDeployment>> {
         let mut deployments = self.deployments.state();
         deployments.sort_by_key(|d| (d.metadata.namespace.clone(), d.metadata.name.clone()));
-        deployments.into_iter().find(|d| {
+        let serves = |d: &ModelDeployment, name: &str| {
             d.spec.aliases.iter().any(|a| a == name)
                 || self.model_of(d).is_some_and(|m| m.served_name() == name)
-        })
+        };
+        let bare = name.strip_suffix(":latest");
+        deployments
+            .iter()
+            .find(|d| serves(d, name))
+            .or_else(|| {
+                deployments
+                    .iter()
+                    .find(|d| bare.is_some_and(|b| serves(d, b)))
+            })
+            .cloned()
     }
 
     /// The ready instances of `d`, least outstanding requests first (ties
@@ -364,7 +375,7 @@ impl Router {
         let events = futures::stream::unfold(Some(answering), |state| async move {
             let mut answering = state?;
             match answering.next().await {
-                Ok(e @ Event::Text(_)) => Some((Ok(e), Some(answering))),
+                Ok(e @ (Event::Text(_) | Event::ToolCall(_))) => Some((Ok(e), Some(answering))),
                 last => Some((last, None)),
             }
         });
@@ -398,13 +409,7 @@ impl Router {
             .map_err(|e| Attempt::Next(e.to_string()))?;
         let input = match &prompt.input {
             Input::Chat(messages) => dp::generate_request::Input::Chat(dp::Conversation {
-                messages: messages
-                    .iter()
-                    .map(|(role, content)| dp::ChatMessage {
-                        role: role.clone(),
-                        content: content.clone(),
-                    })
-                    .collect(),
+                messages: messages.clone(),
             }),
             Input::Text(t) => dp::generate_request::Input::Prompt(t.clone()),
         };
@@ -419,6 +424,7 @@ impl Router {
                 ids: resume.to_vec(),
             }),
             grammar: prompt.grammar.clone(),
+            tools: prompt.tools.clone(),
         };
         let refused = |s: dp::tonic::Status| match s.code() {
             Code::InvalidArgument => Attempt::Fail(ApiError::invalid(s.message())),

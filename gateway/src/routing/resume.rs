@@ -31,6 +31,8 @@ pub(super) struct Answering {
     /// Instances this answer ran on.
     tried: Vec<String>,
     pending: VecDeque<dp::generate_response::Event>,
+    /// Tool calls received and not yet given.
+    calls: VecDeque<dp::ToolCall>,
     stream: dp::tonic::Streaming<dp::GenerateResponse>,
     _guard: Outstanding,
 }
@@ -56,6 +58,7 @@ impl Answering {
             tail_seen: false,
             tried: vec![inst.key.clone()],
             pending: opened.first.into(),
+            calls: VecDeque::new(),
             stream: opened.stream,
             _guard: opened.guard,
         }
@@ -64,6 +67,9 @@ impl Answering {
     /// The next event: text, or the end.
     pub(super) async fn next(&mut self) -> Result<Event, ApiError> {
         use dp::generate_response::Event as E;
+        if let Some(call) = self.calls.pop_front() {
+            return Ok(Event::ToolCall(call));
+        }
         loop {
             let event = match self.pending.pop_front() {
                 Some(e) => e,
@@ -87,6 +93,13 @@ impl Answering {
                 E::Delta(d) => {
                     self.tail_seen |= d.tokens.is_empty();
                     self.tokens.extend(&d.tokens);
+                    // Calls come after the delta's text, one event each.
+                    self.calls.extend(d.tool_calls);
+                    if d.text.is_empty()
+                        && let Some(call) = self.calls.pop_front()
+                    {
+                        return Ok(Event::ToolCall(call));
+                    }
                     return Ok(Event::Text(d.text));
                 }
                 E::Finished(f) => return Ok(done(&f)),
@@ -189,10 +202,10 @@ impl Answering {
 
 fn done(f: &dp::Finished) -> Event {
     Event::Done {
-        finish: if f.reason == dp::FinishReason::Length as i32 {
-            Finish::Length
-        } else {
-            Finish::Stop
+        finish: match dp::FinishReason::try_from(f.reason) {
+            Ok(dp::FinishReason::Length) => Finish::Length,
+            Ok(dp::FinishReason::ToolCalls) => Finish::ToolCalls,
+            _ => Finish::Stop,
         },
         prompt_tokens: f.prompt_tokens,
         completion_tokens: f.completion_tokens,

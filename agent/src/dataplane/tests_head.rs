@@ -1,0 +1,282 @@
+//! `Generate` on a head stage, in process and in seconds: the prompt goes
+//! down in chunks and only the last asks for a token, the tokens that come
+//! back become text and `Finished`, an output grammar's token sets travel
+//! with each sampling step and end the answer once complete, and the
+//! sequence is freed afterwards. The head runs the echoing test stage with
+//! the test model's tokenizer; the next stage is a scripted fake that
+//! answers each sampling step with the next token of its script. Real agents
+//! run the same path in `cli/tests/data_plane.rs`.
+
+use std::sync::{Arc, Mutex};
+
+use shardplane_dataplane as dp;
+use shardplane_engine::constraint::TokenMask;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::TextModel;
+use shardplane_testkit::data_plane::FakeDataPlane;
+use tonic::Status;
+
+use super::tests::{NS, sequences_become, serve, shard, token};
+use crate::scheduler::Budget;
+use crate::shards::ServedStage;
+use crate::stage::StageWorker;
+use crate::test_stage::Echo;
+
+/// `<|im_end|>`, a stop token of the test model.
+const IM_END: u32 = 2;
+
+/// What the fake last stage saw of one step: rows, whether it sampled, and
+/// the allowed set's wire form.
+type Seen = Arc<Mutex<Vec<(u32, bool, Vec<u8>)>>>;
+
+/// A fake last stage answering its sampling steps with `script`, then with
+/// `<|im_end|>`; a step whose allowed set refuses the scripted token fails.
+async fn scripted_last(script: Vec<u32>) -> (String, Seen) {
+    let seen = Seen::default();
+    let log = seen.clone();
+    let next = Arc::new(Mutex::new(script.into_iter()));
+    let endpoint = FakeDataPlane::stepping(move |_, step| {
+        let rows = step.hidden.as_ref().map_or(0, |h| h.tokens);
+        log.lock()
+            .unwrap()
+            .push((rows, step.sample, step.allowed.clone()));
+        if !step.sample {
+            return Ok(dp::ForwardResponse::default());
+        }
+        let token = next.lock().unwrap().next().unwrap_or(IM_END);
+        if !step.allowed.is_empty() && !TokenMask::from_bytes(&step.allowed).unwrap().allows(token)
+        {
+            return Err(Status::internal(format!("token {token} is not allowed")));
+        }
+        Ok(dp::ForwardResponse {
+            token,
+            sampled: true,
+        })
+    })
+    .serve(token())
+    .await;
+    (endpoint, seen)
+}
+
+fn text_model() -> Arc<TextModel> {
+    let file = GgufFile::open(shardplane_testkit::test_model()).expect("the test model");
+    Arc::new(TextModel::from_gguf(&file).expect("its tokenizer"))
+}
+
+/// The head stage `d-0-0` served in process, its next stage at `next`.
+async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tempfile::TempDir) {
+    let (echo, _) = Echo::new(false);
+    let worker = StageWorker::start(
+        "d-0-0",
+        Box::new(echo),
+        Arc::new(|_, _| {}),
+        Budget::default(),
+    );
+    let me = shard(0, None);
+    let stage = ServedStage {
+        namespace: NS.into(),
+        name: "d-0-0".into(),
+        spec: me.spec.clone(),
+        worker: worker.clone(),
+        text: Some(text),
+    };
+    let (client, dir) = serve(stage, vec![me, shard(1, Some(next))]).await;
+    (client, worker, dir)
+}
+
+fn request(tokens: Vec<u32>, max_tokens: u32) -> dp::GenerateRequest {
+    dp::GenerateRequest {
+        shard: Some(dp::ShardRef {
+            namespace: NS.into(),
+            name: "d-0-0".into(),
+        }),
+        input: Some(dp::generate_request::Input::Tokens(dp::TokenIds {
+            ids: tokens,
+        })),
+        sampling: Some(dp::Sampling {
+            max_tokens,
+            ..Default::default()
+        }),
+        resume: None,
+        grammar: None,
+        tools: None,
+    }
+}
+
+/// The text of a `Generate` stream, its tokens and its `Finished`.
+async fn collect(
+    client: &mut dp::Client,
+    request: dp::GenerateRequest,
+) -> Result<(String, Vec<u32>, dp::Finished), Status> {
+    use dp::generate_response::Event;
+    let mut stream = client.generate(request).await?.into_inner();
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    while let Some(event) = stream.message().await? {
+        match event.event {
+            Some(Event::Delta(d)) => {
+                text.push_str(&d.text);
+                tokens.extend(d.tokens);
+            }
+            Some(Event::Finished(f)) => return Ok((text, tokens, f)),
+            _ => {}
+        }
+    }
+    Err(Status::internal("the stream ended without Finished"))
+}
+
+#[tokio::test]
+async fn a_long_prompt_goes_down_in_chunks_and_the_tokens_come_back_as_text() {
+    let text = text_model();
+    let script = text.tokenizer.encode(" blue sky", false).unwrap();
+    let (next, seen) = scripted_last(script.clone()).await;
+    let (mut client, worker, _dir) = head(&next, text).await;
+    let (answer, tokens, finished) = collect(&mut client, request(vec![100; 1100], 2))
+        .await
+        .unwrap();
+    assert_eq!(answer, " blue sky");
+    assert_eq!(tokens, script);
+    assert_eq!(
+        (
+            finished.reason,
+            finished.prompt_tokens,
+            finished.completion_tokens
+        ),
+        (dp::FinishReason::Length as i32, 1100, 2)
+    );
+    // 512 + 512 + 76 rows, only the last chunk sampling; then one row.
+    let steps: Vec<(u32, bool)> = seen.lock().unwrap().iter().map(|s| (s.0, s.1)).collect();
+    assert_eq!(
+        steps,
+        vec![(512, false), (512, false), (76, true), (1, true)]
+    );
+    assert!(seen.lock().unwrap().iter().all(|s| s.2.is_empty()));
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn an_output_grammar_sends_the_allowed_tokens_with_each_step_and_ends_when_complete() {
+    let text = text_model();
+    let script = text.tokenizer.encode(r#"{"a": 1}"#, false).unwrap();
+    let (next, seen) = scripted_last(script.clone()).await;
+    let (mut client, worker, _dir) = head(&next, text.clone()).await;
+    let json = dp::OutputGrammar {
+        kind: Some(dp::output_grammar::Kind::JsonObject(true)),
+    };
+    let (answer, _, finished) = collect(
+        &mut client,
+        dp::GenerateRequest {
+            grammar: Some(json.clone()),
+            ..request(text.tokenizer.encode("Hi", false).unwrap(), 50)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer, r#"{"a": 1}"#);
+    assert_eq!(finished.reason, dp::FinishReason::Stop as i32);
+    let sets: Vec<TokenMask> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| TokenMask::from_bytes(&s.2).unwrap())
+        .collect();
+    assert!(sets.len() >= script.len(), "a set with every sampling step");
+    // The first token must open an object: `{` may come, a letter not.
+    let letter = text.tokenizer.encode("x", false).unwrap()[0];
+    assert!(sets[0].allows(script[0]) && !sets[0].allows(letter));
+    assert!(sets[0].count() < text.tokenizer.vocab_size() / 2);
+    sequences_become(&worker, 0).await;
+
+    // A script that breaks the grammar is caught by the set it was given.
+    let bad = text.tokenizer.encode("hello", false).unwrap();
+    let (next, _) = scripted_last(bad).await;
+    let (mut client, _worker, _dir) = head(&next, text.clone()).await;
+    let e = collect(
+        &mut client,
+        dp::GenerateRequest {
+            grammar: Some(json),
+            ..request(vec![100], 5)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(e.message().contains("not allowed"), "{e:?}");
+
+    // A grammar that does not compile is the caller's error.
+    let (next, _) = scripted_last(Vec::new()).await;
+    let (mut client, _worker, _dir) = head(&next, text).await;
+    let e = collect(
+        &mut client,
+        dp::GenerateRequest {
+            grammar: Some(dp::OutputGrammar {
+                kind: Some(dp::output_grammar::Kind::JsonSchema("{\"type\": 7}".into())),
+            }),
+            ..request(vec![100], 5)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+}
+
+#[tokio::test]
+async fn tools_are_offered_and_a_call_comes_back_as_a_call_not_text() {
+    let text = text_model();
+    let written = "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
+    let (next, seen) = scripted_last(text.tokenizer.encode(written, false).unwrap()).await;
+    let (mut client, worker, _dir) = head(&next, text).await;
+    let chat = dp::generate_request::Input::Chat(dp::Conversation {
+        messages: vec![dp::ChatMessage {
+            role: "user".into(),
+            content: "What time is it?".into(),
+            ..Default::default()
+        }],
+    });
+    let tools = dp::ToolSet {
+        tools: vec![dp::Tool {
+            name: "now".into(),
+            description: "The time.".into(),
+            parameters: String::new(),
+        }],
+        choice: dp::ToolChoice::Required as i32,
+        function: String::new(),
+        parallel: false,
+    };
+    use dp::generate_response::Event;
+    let mut stream = client
+        .generate(dp::GenerateRequest {
+            input: Some(chat),
+            tools: Some(tools),
+            ..request(Vec::new(), 60)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut answer, mut calls, mut finished) = (String::new(), Vec::new(), None);
+    while let Some(event) = stream.message().await.unwrap() {
+        match event.event {
+            Some(Event::Delta(d)) => {
+                answer.push_str(&d.text);
+                calls.extend(d.tool_calls);
+            }
+            Some(Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    assert_eq!(answer, "", "a call's text is not given as text");
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].arguments.as_str()),
+        ("now", "{}")
+    );
+    assert!(calls[0].id.starts_with("call_"));
+    assert_eq!(finished.unwrap().reason, dp::FinishReason::ToolCalls as i32);
+    // Every sampling step carried the grammar's set.
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.1)
+            .all(|s| !s.2.is_empty())
+    );
+    sequences_become(&worker, 0).await;
+}
