@@ -215,6 +215,21 @@ history = ASK + [plain.choices[0].message.model_dump(exclude_none=True),
 final = oa.chat.completions.create(model=DAILY, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0)
 check(final.choices[0].message.content and not final.choices[0].message.tool_calls,
       f"openai: after the tool's result, the answer: {final.choices[0].message.content!r}")
+# Ollama: tools (always auto there): the answer is text or calls whose
+# arguments validate; streamed calls equal the whole answer's; a tool result
+# in the history is taken.
+oc = dict(model=DAILY, messages=ASK, tools=[WEATHER], options={"temperature": 0, "num_predict": 80})
+whole = ol.chat(**oc)
+calls = [(c.function.name, dict(c.function.arguments)) for c in whole.message.tool_calls or []]
+for name, arguments in calls:
+    jsonschema.validate(arguments, PARAMETERS[name])
+check(bool(calls) or bool(whole.message.content), f"ollama tools: text or valid calls: {whole.message.content!r} {calls}")
+streamed = [(c.function.name, dict(c.function.arguments)) for p in ol.chat(stream=True, **oc) for c in p.message.tool_calls or []]
+check(streamed == calls, f"ollama: streamed tool calls equal the whole answer's: {streamed}")
+o = ol.chat(model=DAILY, tools=[WEATHER], options={"temperature": 0, "num_predict": 20}, messages=ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+    {"role": "tool", "tool_name": "get_weather", "content": "22 degrees and sunny"}])
+check(o.done and (o.message.content or o.message.tool_calls), f"ollama: a tool result in the history: {o.message.content!r}")
 again = oa.chat.completions.create(model=DAILY, messages=history, tools=[WEATHER], max_tokens=60, temperature=0)
 m = again.choices[0].message
 check((m.content and again.choices[0].finish_reason in ("stop", "length")) or

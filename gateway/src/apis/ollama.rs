@@ -12,7 +12,7 @@ use shardplane_dataplane as dp;
 
 use super::fields::{
     chat_message, float, json_object, json_schema, known_only, max_tokens, message_fields,
-    messages, model, object, only_value, stops, uint,
+    messages, model, object, only_value, stops, tools, uint,
 };
 use super::{Collected, Dialect, Request, chunked, json_body, listing};
 use crate::App;
@@ -67,6 +67,7 @@ impl Ollama {
                 "keep_alive",
                 "think",
                 "format",
+                "tools",
             ],
             Ollama::Generate => &[
                 "model",
@@ -93,6 +94,21 @@ impl Ollama {
             Ollama::Chat => v["message"] = json!({"role": "assistant", "content": text}),
             Ollama::Generate => v["response"] = json!(text),
         }
+        v
+    }
+
+    /// A line carrying the tool calls `calls` (Ollama gives the arguments
+    /// as an object).
+    fn calls_line(self, model: &str, calls: &[dp::ToolCall]) -> Value {
+        let mut v = self.line(model, "", false);
+        v["message"]["tool_calls"] = calls
+            .iter()
+            .map(|c| {
+                let arguments: Value =
+                    serde_json::from_str(&c.arguments).unwrap_or_else(|_| json!({}));
+                json!({"function": {"name": c.name, "arguments": arguments}})
+            })
+            .collect();
         v
     }
 
@@ -123,7 +139,11 @@ impl Dialect for Ollama {
     fn parse(self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
         known_only(v, "", self.fields())?;
-        message_fields(v, "messages", &["role", "content"])?;
+        message_fields(
+            v,
+            "messages",
+            &["role", "content", "tool_calls", "tool_name"],
+        )?;
         only_value(v, "think", |t| t == false, "false")?;
         let o = &v["options"];
         if !(o.is_null() || o.is_object()) {
@@ -187,7 +207,10 @@ impl Dialect for Ollama {
                     ..Default::default()
                 },
                 grammar,
-                tools: None,
+                tools: match self {
+                    Ollama::Chat => tools(v)?,
+                    Ollama::Generate => None,
+                },
             },
             stream: v["stream"].as_bool().unwrap_or(true),
             include_usage: true,
@@ -199,13 +222,18 @@ impl Dialect for Ollama {
     }
 
     fn answer(self, model: &str, c: &Collected) -> Value {
-        self.last_line(
+        let mut v = self.last_line(
             model,
             &c.text,
             c.finish,
             c.prompt_tokens,
             c.completion_tokens,
-        )
+        );
+        if !c.tool_calls.is_empty() {
+            v["message"]["tool_calls"] =
+                self.calls_line(model, &c.tool_calls)["message"]["tool_calls"].take();
+        }
+        v
     }
 
     fn stream(
@@ -217,8 +245,7 @@ impl Dialect for Ollama {
     ) -> BoxStream<'static, String> {
         chunked(Vec::new(), events, move |e| {
             let line = match e {
-                // Tools are refused by this dialect's parse: no call comes.
-                Ok(Event::ToolCall(_)) => return Vec::new(),
+                Ok(Event::ToolCall(c)) => self.calls_line(&model, &[c]),
                 Ok(Event::Text(t)) => self.line(&model, &t, false),
                 Ok(Event::Done {
                     finish,

@@ -10,7 +10,7 @@ use shardplane_dataplane as dp;
 
 use super::fields::{
     float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
-    only_value, stops, uint,
+    only_value, stops, tools, uint,
 };
 use super::{Collected, Dialect, Request, chunked, error_type, id, listing, now_secs, sse};
 use crate::App;
@@ -152,86 +152,6 @@ fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
             f["type"]
         ))),
     }
-}
-
-/// The tool set of a chat request: `tools` (functions), `tool_choice` and
-/// `parallel_tool_calls`. None when there are no tools or the choice is
-/// `none` (the model then answers in text).
-fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
-    let list = match &v["tools"] {
-        Value::Null => return Ok(None),
-        Value::Array(a) => a,
-        _ => return Err(ApiError::invalid("`tools` must be an array")),
-    };
-    let mut tools = Vec::new();
-    for (i, t) in list.iter().enumerate() {
-        known_only(t, &format!("tools[{i}]."), &["type", "function"])?;
-        if t["type"] != "function" {
-            return Err(ApiError::invalid(format!(
-                "`tools[{i}].type` {} is not supported (supported: function)",
-                t["type"]
-            )));
-        }
-        let f = &t["function"];
-        known_only(
-            f,
-            &format!("tools[{i}].function."),
-            &["name", "description", "parameters", "strict"],
-        )?;
-        let name = f["name"]
-            .as_str()
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| ApiError::invalid(format!("`tools[{i}].function.name` is required")))?;
-        let parameters = match &f["parameters"] {
-            Value::Null => String::new(),
-            p if p.is_object() => p.to_string(),
-            _ => {
-                return Err(ApiError::invalid(format!(
-                    "`tools[{i}].function.parameters` must be a JSON Schema object"
-                )));
-            }
-        };
-        tools.push(dp::Tool {
-            name: name.to_string(),
-            description: f["description"].as_str().unwrap_or_default().to_string(),
-            parameters,
-        });
-    }
-    let (choice, function) = match &v["tool_choice"] {
-        Value::Null => (dp::ToolChoice::Auto, String::new()),
-        Value::String(s) if s == "auto" => (dp::ToolChoice::Auto, String::new()),
-        Value::String(s) if s == "required" => (dp::ToolChoice::Required, String::new()),
-        Value::String(s) if s == "none" => return Ok(None),
-        c if c["type"] == "function" && c["function"]["name"].is_string() => {
-            known_only(c, "tool_choice.", &["type", "function"])?;
-            let name = c["function"]["name"].as_str().unwrap_or_default();
-            if !tools.iter().any(|t| t.name == name) {
-                return Err(ApiError::invalid(format!(
-                    "`tool_choice` names {name:?}, which is not among `tools`"
-                )));
-            }
-            (dp::ToolChoice::Function, name.to_string())
-        }
-        c => {
-            return Err(ApiError::invalid(format!(
-                "`tool_choice` {c} is not supported (supported: \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"
-            )));
-        }
-    };
-    if tools.is_empty() {
-        return match choice {
-            dp::ToolChoice::Auto => Ok(None),
-            _ => Err(ApiError::invalid(
-                "`tool_choice` asks for a call but `tools` is empty",
-            )),
-        };
-    }
-    Ok(Some(dp::ToolSet {
-        tools,
-        choice: choice as i32,
-        function,
-        parallel: v["parallel_tool_calls"].as_bool().unwrap_or(true),
-    }))
 }
 
 /// A call as OpenAI gives it in a message (`index` in a stream's delta).
