@@ -44,7 +44,7 @@ pub enum Grammar {
 /// How JSON output is laid out: one space after `,` and `:`, no other
 /// whitespace (as Python's `json.dumps` writes it). Free whitespace would let
 /// a model spend its whole token budget on newlines.
-fn json_layout(mut schema: Value) -> Value {
+pub(crate) fn json_layout(mut schema: Value) -> Value {
     if let Some(o) = schema.as_object_mut() {
         o.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({

@@ -22,7 +22,7 @@
 use serde_json::{Value, json};
 
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::constraint::Grammar;
+use crate::constraint::{Grammar, json_layout};
 use crate::error::{Error, Result};
 
 /// Opens a call in the answer.
@@ -121,16 +121,10 @@ impl ToolSet {
                 "additionalProperties": false,
             })
         };
-        let mut schema = match callable.as_slice() {
+        json_layout(match callable.as_slice() {
             [t] => one(t),
             many => json!({"anyOf": many.iter().map(|t| one(t)).collect::<Vec<_>>()}),
-        };
-        schema["x-guidance"] = json!({
-            "whitespace_flexible": false,
-            "item_separator": ", ",
-            "key_separator": ": ",
-        });
-        schema
+        })
     }
 
     /// The grammar of an answer: calls only when one is required; with
@@ -346,13 +340,15 @@ impl CallDetector {
         Ok((String::new(), calls))
     }
 
-    /// Ends the answer: text still held (an answer that only looked like
-    /// the start of a call, or a call the token limit cut short).
-    pub fn finish(self) -> String {
-        if self.mode == Mode::Calls && self.pending.trim().is_empty() {
-            return String::new();
+    /// Ends the answer: the text still held (an answer that only looked
+    /// like the start of a call), and whether a call was left unfinished
+    /// (cut by the token limit). An unfinished call is dropped, never given
+    /// as text: the answer then ended by its length, not by calling.
+    pub fn finish(self) -> (String, bool) {
+        match self.mode {
+            Mode::Calls => (String::new(), !self.pending.trim().is_empty()),
+            _ => (self.pending, false),
         }
-        self.pending
     }
 }
 
@@ -416,7 +412,14 @@ mod tests {
         );
         assert!(calls[0].id.starts_with("call_") && calls[0].id != calls[1].id);
         assert!(d.called());
-        assert_eq!(d.finish(), "");
+        assert_eq!(d.finish(), (String::new(), false));
+        // A call the limit cut short is dropped, and says so.
+        let mut d = CallDetector::new();
+        let (_, whole) = d
+            .push("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na")
+            .unwrap();
+        assert_eq!(whole.len(), 1);
+        assert_eq!(d.finish(), (String::new(), true));
 
         let mut d = CallDetector::new();
         assert_eq!(d.push("<to").unwrap().0, "");
@@ -425,7 +428,7 @@ mod tests {
         assert!(!d.called());
         let mut d = CallDetector::new();
         assert_eq!(d.push("<tool_ca").unwrap().0, "");
-        assert_eq!(d.finish(), "<tool_ca");
+        assert_eq!(d.finish(), ("<tool_ca".to_string(), false));
         assert!(
             CallDetector::new()
                 .push("<tool_call>nope</tool_call>")

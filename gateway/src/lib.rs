@@ -11,6 +11,7 @@
 
 pub mod apis;
 pub mod auth;
+pub mod conversations;
 mod error;
 pub mod external;
 pub mod metrics;
@@ -26,7 +27,7 @@ use axum::http::HeaderMap;
 use axum::routing::{get, post};
 use kube::Client;
 
-use crate::apis::{Anthropic, Dialect, Ollama, OpenAi};
+use crate::apis::{Anthropic, Dialect, Ollama, OpenAi, Responses};
 pub use crate::error::{Error, Result};
 
 /// How the gateway runs.
@@ -52,6 +53,7 @@ pub struct App {
     router: routing::Router,
     keys: auth::Keys,
     metrics: metrics::Metrics,
+    responses: Responses,
 }
 
 /// The HTTP routes.
@@ -68,12 +70,13 @@ pub fn routes(app: App) -> Http {
     + Sync
     + 'static {
         move |State(app): State<App>, headers: HeaderMap, body: Bytes| {
-            Box::pin(apis::handle(app, api, headers, body))
+            Box::pin(apis::handle(app, api.clone(), headers, body))
         }
     }
     Http::new()
         .route("/v1/chat/completions", post(generation(OpenAi::Chat)))
         .route("/v1/completions", post(generation(OpenAi::Text)))
+        .route("/v1/responses", post(generation(app.responses.clone())))
         .route("/v1/models", get(apis::openai_models))
         .route("/v1/models/{*id}", get(apis::openai_model))
         .route("/v1/messages", post(generation(Anthropic)))
@@ -137,6 +140,7 @@ pub async fn run(
         router,
         keys,
         metrics,
+        responses: Responses::default(),
     };
     let served = axum::serve(listener, routes(app))
         .with_graceful_shutdown(shutdown)

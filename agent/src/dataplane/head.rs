@@ -315,13 +315,14 @@ impl Generation {
         let generated = decoder.generated();
         let (tail, finish) = decoder.finish().map_err(engine_status)?;
         let (mut tail, tool_calls) = split(tail)?;
-        let called = match calls {
+        let (called, cut) = match calls {
             Some(d) => {
                 let called = d.called();
-                tail.push_str(&d.finish());
-                called
+                let (held, cut) = d.finish();
+                tail.push_str(&held);
+                (called, cut)
             }
-            None => false,
+            None => (false, false),
         };
         if !tail.is_empty() || !tool_calls.is_empty() {
             self.emit(Event::Delta(dp::Delta {
@@ -334,6 +335,8 @@ impl Generation {
         let done = Instant::now();
         let first_token_at = first_token_at.unwrap_or(done);
         let reason = match finish {
+            // A call cut short by the limit was dropped: the answer is cut.
+            FinishReason::Length if cut => dp::FinishReason::Length,
             _ if called => dp::FinishReason::ToolCalls,
             FinishReason::Stop => dp::FinishReason::Stop,
             FinishReason::Length => dp::FinishReason::Length,

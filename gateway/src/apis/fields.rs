@@ -272,71 +272,53 @@ pub fn json_schema(schema: &Value, field: &str) -> Result<dp::OutputGrammar, Api
     })
 }
 
-/// The tool set of a chat request: `tools` (functions, OpenAI's shape, which
-/// Ollama shares), `tool_choice` and `parallel_tool_calls` (OpenAI's; absent
-/// in Ollama: auto, parallel). None when there are no tools or the choice
-/// is `none` (the model then answers in text).
-pub fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
-    let list = match &v["tools"] {
-        Value::Null => return Ok(None),
-        Value::Array(a) => a,
-        _ => return Err(ApiError::invalid("`tools` must be an array")),
-    };
-    let mut tools = Vec::new();
-    for (i, t) in list.iter().enumerate() {
-        known_only(t, &format!("tools[{i}]."), &["type", "function"])?;
-        if t["type"] != "function" {
-            return Err(ApiError::invalid(format!(
-                "`tools[{i}].type` {} is not supported (supported: function)",
-                t["type"]
-            )));
-        }
-        let f = &t["function"];
-        known_only(
-            f,
-            &format!("tools[{i}].function."),
-            &["name", "description", "parameters", "strict"],
-        )?;
-        let name = f["name"]
-            .as_str()
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| ApiError::invalid(format!("`tools[{i}].function.name` is required")))?;
-        let parameters = match &f["parameters"] {
-            Value::Null => String::new(),
-            p if p.is_object() => p.to_string(),
-            _ => {
-                return Err(ApiError::invalid(format!(
-                    "`tools[{i}].function.parameters` must be a JSON Schema object"
-                )));
-            }
-        };
-        tools.push(dp::Tool {
-            name: name.to_string(),
-            description: f["description"].as_str().unwrap_or_default().to_string(),
-            parameters,
-        });
+/// The array `field` (absent or null: empty).
+pub fn array<'a>(v: &'a Value, field: &str) -> Result<&'a [Value], ApiError> {
+    match &v[field] {
+        Value::Null => Ok(&[]),
+        Value::Array(a) => Ok(a),
+        _ => Err(ApiError::invalid(format!("`{field}` must be an array"))),
     }
-    let (choice, function) = match &v["tool_choice"] {
-        Value::Null => (dp::ToolChoice::Auto, String::new()),
-        Value::String(s) if s == "auto" => (dp::ToolChoice::Auto, String::new()),
-        Value::String(s) if s == "required" => (dp::ToolChoice::Required, String::new()),
-        Value::String(s) if s == "none" => return Ok(None),
-        c if c["type"] == "function" && c["function"]["name"].is_string() => {
-            known_only(c, "tool_choice.", &["type", "function"])?;
-            let name = c["function"]["name"].as_str().unwrap_or_default();
-            if !tools.iter().any(|t| t.name == name) {
-                return Err(ApiError::invalid(format!(
-                    "`tool_choice` names {name:?}, which is not among `tools`"
-                )));
-            }
-            (dp::ToolChoice::Function, name.to_string())
-        }
-        c => {
+}
+
+/// One function tool: `name`, `description` and the JSON Schema of its
+/// arguments in `schema_field` (OpenAI's `parameters`, Anthropic's
+/// `input_schema`); `at` names the tool's object in errors.
+pub fn function_tool(f: &Value, at: &str, schema_field: &str) -> Result<dp::Tool, ApiError> {
+    let name = f["name"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| ApiError::invalid(format!("`{at}.name` is required")))?;
+    let parameters = match &f[schema_field] {
+        Value::Null => String::new(),
+        p if p.is_object() => p.to_string(),
+        _ => {
             return Err(ApiError::invalid(format!(
-                "`tool_choice` {c} is not supported (supported: \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"
+                "`{at}.{schema_field}` must be a JSON Schema object"
             )));
         }
     };
+    Ok(dp::Tool {
+        name: name.to_string(),
+        description: f["description"].as_str().unwrap_or_default().to_string(),
+        parameters,
+    })
+}
+
+/// The tool set from its parts, whatever the dialect: a named function must
+/// be among the tools, and a call cannot be required of no tools. None when
+/// there are no tools and the choice is auto.
+pub fn tool_set(
+    tools: Vec<dp::Tool>,
+    choice: dp::ToolChoice,
+    function: String,
+    parallel: bool,
+) -> Result<Option<dp::ToolSet>, ApiError> {
+    if choice == dp::ToolChoice::Function && !tools.iter().any(|t| t.name == function) {
+        return Err(ApiError::invalid(format!(
+            "`tool_choice` names {function:?}, which is not among `tools`"
+        )));
+    }
     if tools.is_empty() {
         return match choice {
             dp::ToolChoice::Auto => Ok(None),
@@ -349,8 +331,57 @@ pub fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
         tools,
         choice: choice as i32,
         function,
-        parallel: v["parallel_tool_calls"].as_bool().unwrap_or(true),
+        parallel,
     }))
+}
+
+/// The tool set of a chat request: `tools` (functions, OpenAI's shape, which
+/// Ollama shares), `tool_choice` and `parallel_tool_calls` (OpenAI's; absent
+/// in Ollama: auto, parallel). None when there are no tools or the choice
+/// is `none` (the model then answers in text).
+pub fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
+    if v["tools"].is_null() {
+        return Ok(None);
+    }
+    let mut tools = Vec::new();
+    for (i, t) in array(v, "tools")?.iter().enumerate() {
+        known_only(t, &format!("tools[{i}]."), &["type", "function"])?;
+        if t["type"] != "function" {
+            return Err(ApiError::invalid(format!(
+                "`tools[{i}].type` {} is not supported (supported: function)",
+                t["type"]
+            )));
+        }
+        let at = format!("tools[{i}].function");
+        known_only(
+            &t["function"],
+            &format!("{at}."),
+            &["name", "description", "parameters", "strict"],
+        )?;
+        tools.push(function_tool(&t["function"], &at, "parameters")?);
+    }
+    let (choice, function) = match &v["tool_choice"] {
+        Value::Null => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "auto" => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "required" => (dp::ToolChoice::Required, String::new()),
+        Value::String(s) if s == "none" => return Ok(None),
+        c if c["type"] == "function" && c["function"]["name"].is_string() => {
+            known_only(c, "tool_choice.", &["type", "function"])?;
+            let name = c["function"]["name"].as_str().unwrap_or_default();
+            (dp::ToolChoice::Function, name.to_string())
+        }
+        c => {
+            return Err(ApiError::invalid(format!(
+                "`tool_choice` {c} is not supported (supported: \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"
+            )));
+        }
+    };
+    tool_set(
+        tools,
+        choice,
+        function,
+        v["parallel_tool_calls"].as_bool().unwrap_or(true),
+    )
 }
 
 #[cfg(test)]

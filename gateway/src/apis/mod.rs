@@ -1,5 +1,5 @@
 //! The three APIs: OpenAI (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
+//! `/v1/responses`, `/v1/models`), Anthropic (`/v1/messages`) and Ollama (`/api/chat`,
 //! `/api/generate`, `/api/tags`). Each parses its own request shape into a
 //! [`Prompt`], and renders answers, streams and errors in its own shape.
 //!
@@ -15,13 +15,14 @@
 //! - this module: the [`Dialect`] each API implements, and [`handle`], the
 //!   one path every generation request takes whatever its dialect;
 //! - [`fields`]: reading the body's fields with the same checks everywhere;
-//! - [`openai`], [`anthropic`], [`ollama`]: one file per dialect, each with
-//!   its parse, answer, stream chunks and error body.
+//! - [`openai`], [`responses`], [`anthropic`], [`ollama`]: one file per
+//!   dialect, each with its parse, answer, stream chunks and error body.
 
 mod anthropic;
 mod fields;
 mod ollama;
 mod openai;
+mod responses;
 
 use std::convert::Infallible;
 use std::time::Instant;
@@ -36,6 +37,7 @@ use serde_json::Value;
 pub use anthropic::Anthropic;
 pub use ollama::{Ollama, running as ollama_ps, show as ollama_show, tags as ollama_tags};
 pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
+pub use responses::Responses;
 
 use crate::App;
 use crate::metrics::observed;
@@ -43,32 +45,32 @@ use crate::protocol::{ApiError, Event, Events, Finish, Kind, Prompt};
 use crate::routing::Served;
 
 /// What one API does in its own shape; [`handle`] does the rest.
-pub trait Dialect: Copy + Send + Sync + 'static {
+pub trait Dialect: Clone + Send + Sync + 'static {
     /// The API's name in metric labels.
     const LABEL: &'static str;
     /// The content type of a streamed answer.
     const STREAM_CONTENT_TYPE: &'static str = "text/event-stream";
 
     /// The request in a body that is a JSON object.
-    fn parse(self, v: &Value) -> Result<Request, ApiError>;
+    fn parse(&self, v: &Value) -> Result<Request, ApiError>;
 
     /// An error's body.
-    fn error_body(self, e: &ApiError) -> Value;
+    fn error_body(&self, e: &ApiError) -> Value;
 
     /// A whole answer's body.
-    fn answer(self, model: &str, c: &Collected) -> Value;
+    fn answer(&self, req: &Request, c: &Collected) -> Value;
 
     /// The answer's stream of chunks, as they go on the wire.
     fn stream(
-        self,
-        model: String,
+        &self,
+        req: &Request,
         prompt_tokens: u32,
-        include_usage: bool,
         events: Events,
     ) -> BoxStream<'static, String>;
 }
 
 /// A request, parsed.
+#[derive(Debug)]
 pub struct Request {
     /// The name the client asked for.
     pub model: String,
@@ -78,6 +80,9 @@ pub struct Request {
     pub stream: bool,
     /// Give token counts at the end of a stream.
     pub include_usage: bool,
+    /// What the dialect carries from the request to its answer (the
+    /// Responses API echoes request fields and keeps the conversation).
+    pub context: Value,
 }
 
 /// A whole answer, collected.
@@ -171,12 +176,12 @@ fn listing<D: Dialect>(
         .and_then(|_| render(&app.router.served()))
     {
         Ok(v) => json_response(&v),
-        Err(e) => error_response(api, &e),
+        Err(e) => error_response(&api, &e),
     }
 }
 
 /// Renders an error in `api`'s shape, with its status and `Retry-After`.
-pub fn error_response<D: Dialect>(api: D, e: &ApiError) -> Response {
+pub fn error_response<D: Dialect>(api: &D, e: &ApiError) -> Response {
     let mut r = (e.status, json_body(&api.error_body(e))).into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -255,7 +260,7 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Byte
                 .requests
                 .with_label_values(&["", D::LABEL, e.status.as_str()])
                 .inc();
-            return error_response(api, &e);
+            return error_response(&api, &e);
         }
     };
     let model = req.model.clone();
@@ -274,7 +279,7 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Byte
                 .requests
                 .with_label_values(&[label, D::LABEL, e.status.as_str()])
                 .inc();
-            return error_response(api, &e);
+            return error_response(&api, &e);
         }
     };
     app.metrics
@@ -287,11 +292,11 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Byte
         let result = collect(events).await;
         drop(in_flight);
         return match result {
-            Ok(c) => json_response(&api.answer(&model, &c)),
-            Err(e) => error_response(api, &e),
+            Ok(c) => json_response(&api.answer(&req, &c)),
+            Err(e) => error_response(&api, &e),
         };
     }
-    let stream = api.stream(model, prompt_tokens, req.include_usage, events);
+    let stream = api.stream(&req, prompt_tokens, events);
     stream_response(
         D::STREAM_CONTENT_TYPE,
         stream.map(move |chunk| {
@@ -307,8 +312,27 @@ mod tests {
 
     use super::*;
 
+    /// A call of `get_weather` for Paris.
+    pub(super) fn call() -> shardplane_dataplane::ToolCall {
+        shardplane_dataplane::ToolCall {
+            id: "call_1".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city": "Paris"}"#.into(),
+        }
+    }
+
+    /// The data of each chunk `api` streams for `events`.
+    pub(super) fn streamed<D: Dialect>(api: &D, req: &Request, events: Vec<Event>) -> Vec<Value> {
+        let events: Events = Box::pin(futures::stream::iter(events.into_iter().map(Ok)));
+        let chunks: Vec<String> = futures::executor::block_on(api.stream(req, 0, events).collect());
+        chunks
+            .iter()
+            .map(|c| serde_json::from_str(c.split("data: ").nth(1).unwrap().trim()).unwrap())
+            .collect()
+    }
+
     fn refused<D: Dialect>(api: D, v: &Value, field: &str) {
-        let e = api.parse(v).err().expect("refused");
+        let e = api.parse(v).expect_err("refused");
         assert_eq!(e.status.as_u16(), 400);
         assert!(e.message.contains(field), "{field}: {}", e.message);
     }
@@ -481,8 +505,12 @@ mod tests {
         Anthropic.parse(&m).unwrap();
         refused(
             Anthropic,
-            &with(&m, "tools", json!([{"name": "f", "input_schema": {}}])),
-            "tools",
+            &with(
+                &m,
+                "tools",
+                json!([{"type": "bash_20250124", "name": "bash"}]),
+            ),
+            "tools[0].type",
         );
         refused(
             Anthropic,

@@ -136,7 +136,7 @@ impl Dialect for Ollama {
     const LABEL: &'static str = "ollama";
     const STREAM_CONTENT_TYPE: &'static str = "application/x-ndjson";
 
-    fn parse(self, v: &Value) -> Result<Request, ApiError> {
+    fn parse(&self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
         known_only(v, "", self.fields())?;
         message_fields(
@@ -214,14 +214,16 @@ impl Dialect for Ollama {
             },
             stream: v["stream"].as_bool().unwrap_or(true),
             include_usage: true,
+            context: Value::Null,
         })
     }
 
-    fn error_body(self, e: &ApiError) -> Value {
+    fn error_body(&self, e: &ApiError) -> Value {
         json!({"error": e.message})
     }
 
-    fn answer(self, model: &str, c: &Collected) -> Value {
+    fn answer(&self, req: &Request, c: &Collected) -> Value {
+        let model = req.model.as_str();
         let mut v = self.last_line(
             model,
             &c.text,
@@ -237,21 +239,21 @@ impl Dialect for Ollama {
     }
 
     fn stream(
-        self,
-        model: String,
+        &self,
+        req: &Request,
         _prompt_tokens: u32,
-        _include_usage: bool,
         events: Events,
     ) -> BoxStream<'static, String> {
+        let (api, model) = (*self, req.model.clone());
         chunked(Vec::new(), events, move |e| {
             let line = match e {
-                Ok(Event::ToolCall(c)) => self.calls_line(&model, &[c]),
-                Ok(Event::Text(t)) => self.line(&model, &t, false),
+                Ok(Event::ToolCall(c)) => api.calls_line(&model, &[c]),
+                Ok(Event::Text(t)) => api.line(&model, &t, false),
                 Ok(Event::Done {
                     finish,
                     prompt_tokens,
                     completion_tokens,
-                }) => self.last_line(&model, "", finish, prompt_tokens, completion_tokens),
+                }) => api.last_line(&model, "", finish, prompt_tokens, completion_tokens),
                 Err(e) => json!({"error": e.message}),
             };
             vec![json_body(&line) + "\n"]

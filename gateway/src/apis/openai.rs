@@ -121,7 +121,7 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
 /// The output grammar of a chat request's `response_format`: `text` (or
 /// none), `json_object`, or `json_schema` with its `schema`. The output is
 /// always held to the schema (as with `strict: true`).
-fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
+pub(super) fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
     if f.is_null() {
         return Ok(None);
     }
@@ -175,9 +175,9 @@ fn finish_reason(f: Finish) -> &'static str {
 impl Dialect for OpenAi {
     const LABEL: &'static str = "openai";
 
-    fn parse(self, v: &Value) -> Result<Request, ApiError> {
+    fn parse(&self, v: &Value) -> Result<Request, ApiError> {
         let model = model(v)?;
-        check_fields(self, v)?;
+        check_fields(*self, v)?;
         if uint(v, "n")?.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("only `n` = 1 is supported"));
         }
@@ -232,10 +232,11 @@ impl Dialect for OpenAi {
             include_usage: v["stream_options"]["include_usage"]
                 .as_bool()
                 .unwrap_or(false),
+            context: Value::Null,
         })
     }
 
-    fn error_body(self, e: &ApiError) -> Value {
+    fn error_body(&self, e: &ApiError) -> Value {
         json!({"error": {
             "message": e.message,
             "type": error_type(e.kind),
@@ -248,7 +249,8 @@ impl Dialect for OpenAi {
         }})
     }
 
-    fn answer(self, model: &str, c: &Collected) -> Value {
+    fn answer(&self, req: &Request, c: &Collected) -> Value {
+        let model = req.model.as_str();
         let usage = json!({
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.completion_tokens,
@@ -292,18 +294,18 @@ impl Dialect for OpenAi {
     }
 
     fn stream(
-        self,
-        model: String,
+        &self,
+        req: &Request,
         _prompt_tokens: u32,
-        include_usage: bool,
         events: Events,
     ) -> BoxStream<'static, String> {
-        let cid = id(self.id_prefix());
+        let (api, model, include_usage) = (*self, req.model.clone(), req.include_usage);
+        let cid = id(api.id_prefix());
         let created = now_secs();
         let chunk = {
             let (cid, model) = (cid.clone(), model.clone());
             move |delta: Value, finish: Option<&str>| -> String {
-                let choice = match self {
+                let choice = match api {
                     OpenAi::Chat => {
                         json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
                     }
@@ -315,7 +317,7 @@ impl Dialect for OpenAi {
                     None,
                     &json!({
                         "id": cid,
-                        "object": self.chunk_object(),
+                        "object": api.chunk_object(),
                         "created": created,
                         "model": model,
                         "choices": [choice],
@@ -323,7 +325,7 @@ impl Dialect for OpenAi {
                 )
             }
         };
-        let opening = match self {
+        let opening = match api {
             OpenAi::Chat => vec![chunk(json!({"role": "assistant", "content": ""}), None)],
             OpenAi::Text => Vec::new(),
         };
@@ -347,7 +349,7 @@ impl Dialect for OpenAi {
                     out.push(sse(
                         None,
                         &json!({
-                            "id": cid, "object": self.chunk_object(),
+                            "id": cid, "object": api.chunk_object(),
                             "created": created, "model": model, "choices": [],
                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
                         }),

@@ -1,0 +1,823 @@
+//! OpenAI's Responses API: `/v1/responses`. Input is text or a list of
+//! items (messages, function calls, function-call outputs); `instructions`
+//! are the system prompt of this response only; `previous_response_id`
+//! continues a conversation kept in a bounded [`Store`]. Streams are named
+//! server-sent events, each with a `sequence_number`.
+//!
+//! ```text
+//!  previous_response_id ─► Store ─► earlier conversation ─┐
+//!  instructions ─► system message ────────────────────────┼─► Prompt ─► router
+//!  input items ─► user/assistant/tool messages ───────────┘
+//!  answer: Text… ToolCall… ─► output [message?, function_call…] ─► Store (unless store: false)
+//!  stream: response.created, response.in_progress,
+//!          (output_item.added, content_part.added, output_text.delta…, …done) per message,
+//!          (output_item.added, function_call_arguments.delta, …done) per call,
+//!          response.completed | response.incomplete
+//! ```
+//!
+//! The [`Store`] keeps the last [`STORED_RESPONSES`] responses and at most
+//! [`STORED_BYTES`](crate::conversations::STORED_BYTES) of text in the gateway's memory; a response older than
+//! that, or kept by another gateway replica, is not found (400).
+
+use std::sync::Arc;
+
+use futures::stream::BoxStream;
+use serde_json::{Value, json};
+use shardplane_dataplane as dp;
+
+use super::fields::{
+    array, chat_message, float, function_tool, known_only, max_tokens, model, only_value, tool_set,
+    uint,
+};
+use super::openai::{OpenAi, response_format};
+use super::{Collected, Dialect, Request, chunked, id, now_secs, sse};
+use crate::conversations::{STORED_RESPONSES, Store};
+use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
+
+/// The Responses API, with the store its conversations continue from.
+#[derive(Clone, Default)]
+pub struct Responses {
+    store: Arc<Store>,
+}
+
+/// The request fields this gateway implements (`metadata` is echoed back;
+/// `user`, `safety_identifier` and `prompt_cache_key` change nothing here);
+/// `truncation`, `reasoning` and `include` pass only when they ask for
+/// nothing more.
+const FIELDS: &[&str] = &[
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "previous_response_id",
+    "store",
+    "text",
+    "metadata",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "truncation",
+    "reasoning",
+    "include",
+];
+
+/// A message's content: a string, or parts of type `input_text` or
+/// `output_text`.
+fn content(v: &Value, at: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let at = format!("{at}[{j}]");
+                match (p["type"].as_str(), p["text"].as_str()) {
+                    (Some("input_text" | "output_text"), Some(t)) => {
+                        known_only(
+                            p,
+                            &format!("{at}."),
+                            &["type", "text", "annotations", "logprobs"],
+                        )?;
+                        out.push_str(t);
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(format!(
+                            "`{at}.type` {} is not supported (supported: input_text, output_text)",
+                            p["type"]
+                        )));
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(ApiError::invalid(format!(
+            "`{at}` must be a string or an array of text parts"
+        ))),
+    }
+}
+
+/// The input items as messages: messages by role, a function call joins
+/// the assistant message before it (or starts one), a function call's
+/// output becomes a tool message.
+fn items(input: &Value) -> Result<Vec<dp::ChatMessage>, ApiError> {
+    let list = match input {
+        Value::String(s) => return Ok(vec![chat_message("user", s.clone())]),
+        Value::Array(a) if !a.is_empty() => a,
+        Value::Null => return Err(ApiError::invalid("`input` is required")),
+        _ => {
+            return Err(ApiError::invalid(
+                "`input` must be a string or a non-empty array of items",
+            ));
+        }
+    };
+    let mut chat: Vec<dp::ChatMessage> = Vec::new();
+    for (i, item) in list.iter().enumerate() {
+        let at = format!("input[{i}]");
+        let kind = match item["type"].as_str() {
+            None if item["role"].is_string() => "message",
+            Some(k) => k,
+            None => return Err(ApiError::invalid(format!("`{at}.type` is required"))),
+        };
+        match kind {
+            "message" => {
+                known_only(
+                    item,
+                    &format!("{at}."),
+                    &["type", "role", "content", "id", "status"],
+                )?;
+                let role = match item["role"].as_str() {
+                    Some("developer" | "system") => "system",
+                    Some(r @ ("user" | "assistant")) => r,
+                    _ => {
+                        return Err(ApiError::invalid(format!(
+                            "`{at}.role` {} is not user, assistant, system or developer",
+                            item["role"]
+                        )));
+                    }
+                };
+                chat.push(chat_message(
+                    role,
+                    content(&item["content"], &format!("{at}.content"))?,
+                ));
+            }
+            "function_call" => {
+                known_only(
+                    item,
+                    &format!("{at}."),
+                    &["type", "id", "call_id", "name", "arguments", "status"],
+                )?;
+                let (Some(call_id), Some(name), Some(arguments)) = (
+                    item["call_id"].as_str(),
+                    item["name"].as_str(),
+                    item["arguments"].as_str(),
+                ) else {
+                    return Err(ApiError::invalid(format!(
+                        "`{at}` needs `call_id`, `name` and `arguments` (a string)"
+                    )));
+                };
+                if chat.last().is_none_or(|m| m.role != "assistant") {
+                    chat.push(chat_message("assistant", ""));
+                }
+                if let Some(m) = chat.last_mut() {
+                    m.tool_calls.push(dp::ToolCall {
+                        id: call_id.to_string(),
+                        name: name.to_string(),
+                        arguments: arguments.to_string(),
+                    });
+                }
+            }
+            "function_call_output" => {
+                known_only(
+                    item,
+                    &format!("{at}."),
+                    &["type", "id", "call_id", "output", "status"],
+                )?;
+                let call_id = item["call_id"]
+                    .as_str()
+                    .ok_or_else(|| ApiError::invalid(format!("`{at}.call_id` is required")))?;
+                chat.push(dp::ChatMessage {
+                    role: "tool".into(),
+                    content: content(&item["output"], &format!("{at}.output"))?,
+                    tool_call_id: call_id.to_string(),
+                    ..Default::default()
+                });
+            }
+            other => {
+                return Err(ApiError::invalid(format!(
+                    "`{at}.type` {other:?} is not supported (supported: message, function_call, function_call_output)"
+                )));
+            }
+        }
+    }
+    Ok(chat)
+}
+
+/// Function tools (`{type: "function", name, description, parameters,
+/// strict}`), `tool_choice` and `parallel_tool_calls`.
+fn tools(v: &Value) -> Result<Option<dp::ToolSet>, ApiError> {
+    let mut tools = Vec::new();
+    for (i, t) in array(v, "tools")?.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if t["type"] != "function" {
+            return Err(ApiError::invalid(format!(
+                "`{at}.type` {} is not supported (supported: function)",
+                t["type"]
+            )));
+        }
+        known_only(
+            t,
+            &format!("{at}."),
+            &["type", "name", "description", "parameters", "strict"],
+        )?;
+        tools.push(function_tool(t, &at, "parameters")?);
+    }
+    let c = &v["tool_choice"];
+    let (choice, function) = match c {
+        Value::Null => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "auto" => (dp::ToolChoice::Auto, String::new()),
+        Value::String(s) if s == "required" => (dp::ToolChoice::Required, String::new()),
+        Value::String(s) if s == "none" => return Ok(None),
+        c if c["type"] == "function" && c["name"].is_string() => {
+            known_only(c, "tool_choice.", &["type", "name"])?;
+            (
+                dp::ToolChoice::Function,
+                c["name"].as_str().unwrap_or_default().to_string(),
+            )
+        }
+        c => {
+            return Err(ApiError::invalid(format!(
+                "`tool_choice` {c} is not supported (supported: \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"name\": …}})"
+            )));
+        }
+    };
+    tool_set(
+        tools,
+        choice,
+        function,
+        v["parallel_tool_calls"].as_bool().unwrap_or(true),
+    )
+}
+
+/// The output grammar of `text.format` (`text`, `json_object`, or
+/// `json_schema` with `name`, `schema` and `strict` beside the type).
+fn text_format(text: &Value) -> Result<Option<dp::OutputGrammar>, ApiError> {
+    known_only(text, "text.", &["format"])?;
+    let f = &text["format"];
+    known_only(
+        f,
+        "text.format.",
+        &["type", "name", "description", "schema", "strict"],
+    )?;
+    if f["type"] == "json_schema" {
+        let spec = json!({"name": f["name"], "schema": f["schema"], "strict": f["strict"]});
+        return response_format(&json!({"type": "json_schema", "json_schema": spec})).map_err(
+            |e| {
+                ApiError::invalid(
+                    e.message
+                        .replace("response_format.json_schema", "text.format"),
+                )
+            },
+        );
+    }
+    response_format(f)
+        .map_err(|e| ApiError::invalid(e.message.replace("response_format", "text.format")))
+}
+
+fn status(f: Finish) -> (&'static str, Value) {
+    match f {
+        Finish::Length => ("incomplete", json!({"reason": "max_output_tokens"})),
+        Finish::Stop | Finish::ToolCalls => ("completed", Value::Null),
+    }
+}
+
+fn message_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "message", "id": id, "status": status, "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+}
+
+fn call_item(id: &str, c: &dp::ToolCall, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name,
+           "arguments": arguments, "status": status})
+}
+
+impl Responses {
+    /// The Responses API over `store`.
+    pub fn new(store: Arc<Store>) -> Self {
+        Responses { store }
+    }
+
+    /// Keeps the conversation of `req` and its answer as the response `id`'s
+    /// (unless the request said `store: false`).
+    fn keep(&self, req: &Request, id: &str, text: &str, calls: &[dp::ToolCall]) {
+        if req.context["store"] == false {
+            return;
+        }
+        let Input::Chat(chat) = &req.prompt.input else {
+            return;
+        };
+        let skip = req.context["skip"].as_u64().unwrap_or(0) as usize;
+        let mut conversation = chat[skip.min(chat.len())..].to_vec();
+        let mut answer = chat_message("assistant", text);
+        answer.tool_calls = calls.to_vec();
+        conversation.push(answer);
+        self.store.put(id.to_string(), conversation);
+    }
+}
+
+/// The response object: what the request asked (echoed), then `output`,
+/// its status and usage.
+fn response(
+    req: &Request,
+    id: &str,
+    created: i64,
+    state: (&str, Value),
+    output: Vec<Value>,
+    usage: Value,
+) -> Value {
+    let mut r = req.context["echo"].clone();
+    for (k, v) in [
+        ("id", json!(id)),
+        ("object", json!("response")),
+        ("created_at", json!(created)),
+        ("status", json!(state.0)),
+        ("incomplete_details", state.1),
+        ("error", Value::Null),
+        ("model", json!(req.model)),
+        ("output", Value::Array(output)),
+        ("usage", usage),
+    ] {
+        r[k] = v;
+    }
+    r
+}
+
+fn usage(prompt: u32, completion: u32) -> Value {
+    json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+           "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+           "total_tokens": prompt + completion})
+}
+
+impl Dialect for Responses {
+    const LABEL: &'static str = "openai";
+
+    fn parse(&self, v: &Value) -> Result<Request, ApiError> {
+        let model = model(v)?;
+        known_only(v, "", FIELDS)?;
+        only_value(v, "truncation", |t| t == "disabled", "\"disabled\"")?;
+        only_value(v, "reasoning", |_| false, "none")?;
+        only_value(v, "include", |_| false, "none")?;
+        let grammar = text_format(&v["text"])?;
+        let tools = tools(v)?;
+        if grammar.is_some() && tools.is_some() {
+            return Err(ApiError::invalid(
+                "`text.format` cannot go with `tools` here: give one or the other",
+            ));
+        }
+        let mut chat = Vec::new();
+        let instructions = match &v["instructions"] {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            _ => return Err(ApiError::invalid("`instructions` must be a string")),
+        };
+        if let Some(s) = instructions.as_ref().filter(|s| !s.is_empty()) {
+            chat.push(chat_message("system", s.clone()));
+        }
+        let skip = chat.len();
+        match &v["previous_response_id"] {
+            Value::Null => {}
+            Value::String(id) => chat.extend(self.store.get(id).ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "`previous_response_id` {id:?} is not found: this gateway keeps the last {STORED_RESPONSES} responses in memory, and not those made with `store: false`"
+                ))
+            })?.iter().cloned()),
+            _ => return Err(ApiError::invalid("`previous_response_id` must be a string")),
+        }
+        chat.extend(items(&v["input"])?);
+        let limit = uint(v, "max_output_tokens")?;
+        let echo = json!({
+            "instructions": instructions,
+            "metadata": if v["metadata"].is_object() { v["metadata"].clone() } else { json!({}) },
+            "parallel_tool_calls": v["parallel_tool_calls"].as_bool().unwrap_or(true),
+            "temperature": v["temperature"].as_f64().unwrap_or(1.0),
+            "top_p": v["top_p"].as_f64().unwrap_or(1.0),
+            "tool_choice": if v["tool_choice"].is_null() { json!("auto") } else { v["tool_choice"].clone() },
+            "tools": if v["tools"].is_array() { v["tools"].clone() } else { json!([]) },
+            "max_output_tokens": limit,
+            "previous_response_id": v["previous_response_id"],
+            "store": v["store"] != false,
+            "text": if v["text"]["format"].is_object() { v["text"].clone() } else { json!({"format": {"type": "text"}}) },
+            "truncation": "disabled",
+            "reasoning": {"effort": null, "summary": null},
+        });
+        Ok(Request {
+            model,
+            prompt: Prompt {
+                input: Input::Chat(chat),
+                sampling: dp::Sampling {
+                    temperature: float(v, "temperature", 1.0, (0.0, 2.0))?,
+                    top_p: float(v, "top_p", 0.0, (0.0, 1.0))?,
+                    max_tokens: max_tokens(limit)?,
+                    ..Default::default()
+                },
+                grammar,
+                tools,
+            },
+            stream: v["stream"].as_bool().unwrap_or(false),
+            include_usage: true,
+            context: json!({"echo": echo, "skip": skip, "store": v["store"] != false}),
+        })
+    }
+
+    fn error_body(&self, e: &ApiError) -> Value {
+        OpenAi::Chat.error_body(e)
+    }
+
+    fn answer(&self, req: &Request, c: &Collected) -> Value {
+        let rid = id("resp_");
+        let mut output = Vec::new();
+        if !c.text.is_empty() || c.tool_calls.is_empty() {
+            output.push(message_item(&id("msg_"), &c.text, "completed"));
+        }
+        output.extend(
+            c.tool_calls
+                .iter()
+                .map(|t| call_item(&id("fc_"), t, &t.arguments, "completed")),
+        );
+        self.keep(req, &rid, &c.text, &c.tool_calls);
+        response(
+            req,
+            &rid,
+            now_secs(),
+            status(c.finish),
+            output,
+            usage(c.prompt_tokens, c.completion_tokens),
+        )
+    }
+
+    fn stream(
+        &self,
+        req: &Request,
+        _prompt_tokens: u32,
+        events: Events,
+    ) -> BoxStream<'static, String> {
+        let mut s = Streamed {
+            api: self.clone(),
+            req: Request {
+                model: req.model.clone(),
+                prompt: req.prompt.clone(),
+                stream: true,
+                include_usage: true,
+                context: req.context.clone(),
+            },
+            id: id("resp_"),
+            created: now_secs(),
+            sequence: 0,
+            output: Vec::new(),
+            open: None,
+            calls: Vec::new(),
+            text: String::new(),
+        };
+        let opening = vec![
+            s.event(
+                "response.created",
+                json!({"response": s.snapshot("in_progress")}),
+            ),
+            s.event(
+                "response.in_progress",
+                json!({"response": s.snapshot("in_progress")}),
+            ),
+        ];
+        chunked(opening, events, move |e| match e {
+            Ok(Event::Text(t)) => s.text(&t),
+            Ok(Event::ToolCall(c)) => s.call(c),
+            Ok(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => s.done(finish, prompt_tokens, completion_tokens),
+            Err(e) => vec![s.event(
+                "error",
+                json!({"code": null, "message": e.message, "param": null}),
+            )],
+        })
+    }
+}
+
+/// A message item being streamed: its id and text so far.
+struct OpenMessage {
+    id: String,
+    text: String,
+}
+
+/// A response as it streams: the items done, the message under way, and
+/// what the store will keep.
+struct Streamed {
+    api: Responses,
+    req: Request,
+    id: String,
+    created: i64,
+    sequence: u64,
+    output: Vec<Value>,
+    open: Option<OpenMessage>,
+    calls: Vec<dp::ToolCall>,
+    text: String,
+}
+
+impl Streamed {
+    fn event(&mut self, kind: &str, mut body: Value) -> String {
+        body["type"] = json!(kind);
+        body["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        sse(Some(kind), &body)
+    }
+
+    fn snapshot(&self, state: &str) -> Value {
+        response(
+            &self.req,
+            &self.id,
+            self.created,
+            (state, Value::Null),
+            self.output.clone(),
+            Value::Null,
+        )
+    }
+
+    fn text(&mut self, t: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let index = self.output.len();
+        if self.open.is_none() {
+            let item = id("msg_");
+            out.push(self.event(
+                "response.output_item.added",
+                json!({"output_index": index, "item": {"type": "message", "id": item,
+                       "status": "in_progress", "role": "assistant", "content": []}}),
+            ));
+            out.push(self.event(
+                "response.content_part.added",
+                json!({"item_id": item, "output_index": index, "content_index": 0,
+                       "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+            ));
+            self.open = Some(OpenMessage {
+                id: item,
+                text: String::new(),
+            });
+        }
+        let item = self.open.as_ref().map(|m| m.id.clone()).unwrap_or_default();
+        out.push(self.event(
+            "response.output_text.delta",
+            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}),
+        ));
+        if let Some(m) = self.open.as_mut() {
+            m.text.push_str(t);
+        }
+        self.text.push_str(t);
+        out
+    }
+
+    /// Ends the message under way, if any.
+    fn close(&mut self) -> Vec<String> {
+        let Some(m) = self.open.take() else {
+            return Vec::new();
+        };
+        let index = self.output.len();
+        let item = message_item(&m.id, &m.text, "completed");
+        let out = vec![
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text, "logprobs": []}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": m.id, "output_index": index, "content_index": 0, "part": item["content"][0]}),
+            ),
+            self.event("response.output_item.done", json!({"output_index": index, "item": item})),
+        ];
+        self.output.push(item);
+        out
+    }
+
+    fn call(&mut self, c: dp::ToolCall) -> Vec<String> {
+        let mut out = self.close();
+        let index = self.output.len();
+        let item = id("fc_");
+        out.push(self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": call_item(&item, &c, "", "in_progress")}),
+        ));
+        out.push(self.event(
+            "response.function_call_arguments.delta",
+            json!({"item_id": item, "output_index": index, "delta": c.arguments}),
+        ));
+        out.push(self.event(
+            "response.function_call_arguments.done",
+            json!({"item_id": item, "output_index": index, "name": c.name, "arguments": c.arguments}),
+        ));
+        let done = call_item(&item, &c, &c.arguments, "completed");
+        out.push(self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": done}),
+        ));
+        self.output.push(done);
+        self.calls.push(c);
+        out
+    }
+
+    fn done(&mut self, finish: Finish, prompt: u32, completion: u32) -> Vec<String> {
+        // An answer always has an item, if only an empty message.
+        let mut out = if self.output.is_empty() && self.open.is_none() {
+            self.text("")
+        } else {
+            Vec::new()
+        };
+        out.extend(self.close());
+        self.api.keep(&self.req, &self.id, &self.text, &self.calls);
+        let state = status(finish);
+        let kind = if state.0 == "completed" {
+            "response.completed"
+        } else {
+            "response.incomplete"
+        };
+        let whole = response(
+            &self.req,
+            &self.id,
+            self.created,
+            state,
+            self.output.clone(),
+            usage(prompt, completion),
+        );
+        out.push(self.event(kind, json!({"response": whole})));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{call, streamed};
+    use super::*;
+
+    fn weather() -> Value {
+        json!({"type": "function", "name": "get_weather", "strict": true,
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}})
+    }
+
+    fn chat_of(r: &Request) -> &[dp::ChatMessage] {
+        match &r.prompt.input {
+            Input::Chat(c) => c,
+            Input::Text(_) => panic!("a chat"),
+        }
+    }
+
+    fn collected(text: &str, calls: Vec<dp::ToolCall>) -> Collected {
+        Collected {
+            finish: if calls.is_empty() {
+                Finish::Stop
+            } else {
+                Finish::ToolCalls
+            },
+            text: text.into(),
+            tool_calls: calls,
+            prompt_tokens: 7,
+            completion_tokens: 5,
+        }
+    }
+
+    #[test]
+    fn items_become_messages_and_conversations_continue_from_the_store() {
+        let api = Responses::default();
+        let first = api
+            .parse(&json!({"model": "m", "instructions": "Be brief.", "input": "Weather in Paris?",
+                           "tools": [weather()], "tool_choice": "required", "metadata": {"k": "v"}}))
+            .unwrap();
+        assert_eq!(chat_of(&first).len(), 2);
+        let set = first.prompt.tools.clone().unwrap();
+        assert_eq!(
+            (set.choice, set.tools[0].name.as_str()),
+            (dp::ToolChoice::Required as i32, "get_weather")
+        );
+        let answer = api.answer(&first, &collected("", vec![call()]));
+        assert_eq!(answer["status"], "completed");
+        assert_eq!(answer["metadata"], json!({"k": "v"}));
+        assert_eq!(answer["output"].as_array().unwrap().len(), 1);
+        let fc = &answer["output"][0];
+        assert_eq!(
+            (fc["type"].as_str(), fc["call_id"].as_str()),
+            (Some("function_call"), Some("call_1"))
+        );
+        // The next turn: the store's conversation (without the old
+        // instructions), then the call's output.
+        let next = api
+            .parse(
+                &json!({"model": "m", "previous_response_id": answer["id"], "input": [
+                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                {"role": "user", "content": [{"type": "input_text", "text": "Thanks."}]}]}),
+            )
+            .unwrap();
+        let roles: Vec<(&str, usize)> = chat_of(&next)
+            .iter()
+            .map(|m| (m.role.as_str(), m.tool_calls.len()))
+            .collect();
+        assert_eq!(
+            roles,
+            [("user", 0), ("assistant", 1), ("tool", 0), ("user", 0)]
+        );
+        assert_eq!(chat_of(&next)[2].tool_call_id, "call_1");
+        // Calls given as items join the assistant message before them.
+        let given = api
+            .parse(&json!({"model": "m", "input": [
+                {"role": "user", "content": "Weather?"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+                {"type": "function_call", "call_id": "a", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "b", "name": "get_weather", "arguments": "{}"}]}))
+            .unwrap();
+        assert_eq!(chat_of(&given).len(), 2);
+        assert_eq!(chat_of(&given)[1].tool_calls.len(), 2);
+        // Not stored: not found later.
+        let unstored = api
+            .parse(&json!({"model": "m", "input": "x", "store": false}))
+            .unwrap();
+        let a = api.answer(&unstored, &collected("hi", vec![]));
+        let e = api
+            .parse(&json!({"model": "m", "input": "x", "previous_response_id": a["id"]}))
+            .unwrap_err();
+        assert!(e.message.contains("previous_response_id"), "{}", e.message);
+    }
+
+    #[test]
+    fn what_is_not_implemented_is_named() {
+        let api = Responses::default();
+        for (extra, named) in [
+            (json!({"reasoning": {"effort": "high"}}), "reasoning"),
+            (json!({"include": ["file_search_call.results"]}), "include"),
+            (json!({"tools": [{"type": "web_search"}]}), "tools[0].type"),
+            (json!({"truncation": "auto"}), "truncation"),
+            (json!({"background": true}), "background"),
+            (
+                json!({"text": {"format": {"type": "json_schema", "schema": {}}}}),
+                "text.format.name",
+            ),
+            (
+                json!({"input": [{"type": "reasoning", "summary": []}]}),
+                "input[0].type",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
+                "input[0].content[0].type",
+            ),
+        ] {
+            let mut v = json!({"model": "m", "input": "hi"});
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            let e = api.parse(&v).unwrap_err();
+            assert!(e.message.contains(named), "{named}: {}", e.message);
+        }
+        let r = api
+            .parse(&json!({"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "a",
+                          "schema": {"type": "object"}, "strict": true}}, "truncation": "disabled", "include": []}))
+            .unwrap();
+        assert!(r.prompt.grammar.is_some());
+    }
+
+    #[test]
+    fn streams_name_every_event_in_order_and_end_with_the_whole_response() {
+        let api = Responses::default();
+        let req = api
+            .parse(&json!({"model": "m", "input": "hi", "tools": [weather()]}))
+            .unwrap();
+        let data = streamed(
+            &api,
+            &req,
+            vec![
+                Event::Text("Sure".into()),
+                Event::Text(".".into()),
+                Event::ToolCall(call()),
+                Event::Done {
+                    finish: Finish::ToolCalls,
+                    prompt_tokens: 7,
+                    completion_tokens: 5,
+                },
+            ],
+        );
+        let kinds: Vec<&str> = data.iter().map(|d| d["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        let numbers: Vec<u64> = data
+            .iter()
+            .map(|d| d["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(numbers, (0..14).collect::<Vec<_>>());
+        let whole = &data[13]["response"];
+        assert_eq!(whole["output"][0]["content"][0]["text"], "Sure.");
+        assert_eq!(whole["output"][1]["arguments"], r#"{"city": "Paris"}"#);
+        assert_eq!(whole["usage"]["total_tokens"], 12);
+        // The streamed response is kept like a whole one.
+        let id = whole["id"].as_str().unwrap();
+        let stored = api.store.get(id).unwrap();
+        assert_eq!(
+            (stored[1].content.as_str(), stored[1].tool_calls.len()),
+            ("Sure.", 1)
+        );
+    }
+}
