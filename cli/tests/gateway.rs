@@ -186,28 +186,31 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     wait_http(&base).await;
     wait_http(&format!("http://{provider_listen}")).await;
 
-    let out = tokio::process::Command::new(&python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/clients/gateway_clients.py"
-        ))
-        .env("GATEWAY", &base)
-        .env("API_KEY", "sk-test")
-        .env("DAILY", names("daily"))
-        .env("PIPE", names("pipe"))
-        .env("EMPTY", names("empty"))
-        .env("BURST", names("burst"))
-        .env("NONE", names("none"))
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the client checks failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The official clients, then a real agent framework, unchanged.
+    for script in ["gateway_clients.py", "agent_framework.py"] {
+        let out = tokio::process::Command::new(&python)
+            .arg(format!(
+                "{}/tests/clients/{script}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .env("GATEWAY", &base)
+            .env("API_KEY", "sk-test")
+            .env("DAILY", names("daily"))
+            .env("PIPE", names("pipe"))
+            .env("EMPTY", names("empty"))
+            .env("BURST", names("burst"))
+            .env("NONE", names("none"))
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        eprintln!("{stdout}");
+        assert!(
+            out.status.success(),
+            "the checks of {script} failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 
     // The client that went away: every stage frees its sequence.
     shardplane_testkit::eventually(
