@@ -36,6 +36,72 @@ pub struct SamplingParams {
     /// Never pick end-of-sequence tokens, so every run generates `max_tokens`
     /// (for benchmarks).
     pub ignore_eos: bool,
+    /// Give each picked token's log-probability and this many of the most
+    /// likely tokens with theirs (at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a token's log-probabilities can list.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A picked token's log-probability and the most likely tokens' (most
+/// likely first), under the model's own distribution: the softmax of the
+/// logits before penalties, temperature, truncation or a grammar.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    /// The token picked.
+    pub token: u32,
+    /// Its log-probability (natural log, ≤ 0).
+    pub logprob: f32,
+    /// The most likely tokens and theirs.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Logprobs {
+    /// The log-probabilities of `token` and of the `n` most likely tokens
+    /// in `logits` (ties by lower id).
+    pub fn of(logits: &[f32], token: u32, n: usize) -> Self {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|l| l.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .filter(|l| l.is_finite())
+            .map(|&l| ((l - max) as f64).exp())
+            .sum();
+        let log_total = max + sum.ln() as f32;
+        let logprob = |l: f32| {
+            if l.is_finite() {
+                l - log_total
+            } else {
+                f32::NEG_INFINITY
+            }
+        };
+        let mut top: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if n > 0 && n < top.len() {
+            top.select_nth_unstable_by(n - 1, by_logit);
+        }
+        top.truncate(n);
+        top.sort_unstable_by(by_logit);
+        Logprobs {
+            token,
+            logprob: logprob(
+                logits
+                    .get(token as usize)
+                    .copied()
+                    .unwrap_or(f32::NEG_INFINITY),
+            ),
+            top: top.into_iter().map(|(t, l)| (t, logprob(l))).collect(),
+        }
+    }
 }
 
 impl Default for SamplingParams {
@@ -52,6 +118,7 @@ impl Default for SamplingParams {
             max_tokens: 256,
             stop: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -93,6 +160,13 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into());
         }
+        if let Some(n) = self.logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return bad(format!(
+                "top log-probabilities {n} must be at most {MAX_TOP_LOGPROBS}"
+            ));
+        }
         Ok(())
     }
 }
@@ -104,6 +178,8 @@ pub struct Sampler {
     rng: StdRng,
     /// Tokens of the prompt and output, for the repetition penalty.
     seen: HashMap<u32, ()>,
+    /// The last picked token's log-probabilities, when asked for.
+    logprobs: Option<Logprobs>,
     /// How often each token was generated, for frequency and presence penalties.
     generated: HashMap<u32, u32>,
 }
@@ -119,6 +195,7 @@ impl Sampler {
         Ok(Sampler {
             seen: prompt.iter().map(|&t| (t, ())).collect(),
             generated: HashMap::new(),
+            logprobs: None,
             params,
             rng,
         })
@@ -137,6 +214,8 @@ impl Sampler {
     /// Like [`Sampler::sample`], choosing only among the tokens `allowed`
     /// (an output grammar's next tokens), when given.
     pub fn sample_within(&mut self, logits: &mut [f32], allowed: Option<&TokenMask>) -> u32 {
+        // The model's own distribution, before anything below changes it.
+        let raw = self.params.logprobs.map(|_| logits.to_vec());
         if let Some(mask) = allowed {
             mask.apply(logits);
         }
@@ -148,7 +227,14 @@ impl Sampler {
         };
         self.seen.insert(token, ());
         *self.generated.entry(token).or_default() += 1;
+        self.logprobs = raw.map(|raw| Logprobs::of(&raw, token, self.params.logprobs.unwrap_or(0)));
         token
+    }
+
+    /// The log-probabilities of the token picked last, when the parameters
+    /// ask for them (taken: the next call gives the next token's).
+    pub fn take_logprobs(&mut self) -> Option<Logprobs> {
+        self.logprobs.take()
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -387,5 +473,37 @@ mod tests {
         let logits = [f32::NEG_INFINITY, 0.5, f32::NAN, 0.4];
         let picks = draw(params(|_| {}), &logits, 200);
         assert!(picks.iter().all(|&t| t == 1 || t == 3), "{picks:?}");
+    }
+
+    #[test]
+    fn logprobs_are_the_model_s_own_before_any_change() {
+        let logits = [1.0f32, 3.0, 2.0, f32::NEG_INFINITY];
+        let total: f32 = [1.0f32, 3.0, 2.0].iter().map(|l| l.exp()).sum();
+        let mut s = Sampler::new(
+            params(|p| {
+                p.logprobs = Some(2);
+                p.presence_penalty = 2.0;
+            }),
+            &[],
+        )
+        .unwrap();
+        // A mask allowing only token 2: picked, with its unmasked log-probability.
+        let mask = TokenMask::of(&[2]);
+        assert_eq!(s.sample_within(&mut logits.clone(), Some(&mask)), 2);
+        let lp = s.take_logprobs().unwrap();
+        assert_eq!(lp.token, 2);
+        assert!((lp.logprob - (2.0 - total.ln())).abs() < 1e-5, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]);
+        assert!((lp.top[0].1 - (3.0 - total.ln())).abs() < 1e-5);
+        assert!(s.take_logprobs().is_none(), "taken");
+        // Token 2 is now penalized: the log-probabilities stay the model's.
+        let token = s.sample(&mut logits.clone());
+        let again = s.take_logprobs().unwrap();
+        assert_eq!((again.token, &again.top), (token, &lp.top));
+        let e = Sampler::new(params(|p| p.logprobs = Some(21)), &[]).unwrap_err();
+        assert!(e.to_string().contains("at most 20"), "{e}");
+        let mut off = Sampler::new(params(|_| {}), &[]).unwrap();
+        off.sample(&mut logits.clone());
+        assert!(off.take_logprobs().is_none());
     }
 }

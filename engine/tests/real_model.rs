@@ -456,6 +456,13 @@ fn logits_agree_with_llama_cpp_where_greedy_paths_part() {
         );
     }
     assert!(logits[1420] > logits[11367]);
+    // Log-probabilities keep llama.cpp's gap between the two.
+    let lp = shardplane_engine::sampler::Logprobs::of(&logits, 1420, 2);
+    assert_eq!((lp.top[0].0, lp.top[1].0), (1420, 11367));
+    assert_eq!(lp.logprob, lp.top[0].1);
+    let gap = lp.top[0].1 - lp.top[1].1;
+    assert!((gap - (22.724277 - 22.588215)).abs() < 0.1, "gap {gap}");
+    assert!(lp.logprob < 0.0 && lp.top[0].1.exp() + lp.top[1].1.exp() <= 1.0);
 }
 
 #[test]

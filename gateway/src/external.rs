@@ -103,6 +103,11 @@ pub async fn start(
             "{name}'s external endpoint is not given tools or tool results (not implemented)"
         )));
     }
+    if prompt.sampling.logprobs.is_some() {
+        return Err(Failure::Retry(format!(
+            "{name}'s external endpoint is not asked for log-probabilities (not implemented)"
+        )));
+    }
     let (path, body) = body(ext, prompt);
     let url = format!("{}/{path}", ext.base_url.trim_end_matches('/'));
     let mut request = http

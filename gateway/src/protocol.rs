@@ -47,13 +47,17 @@ pub enum Finish {
     ToolCalls,
 }
 
-/// What a generation produces, in order: text pieces, then one `Done`.
+/// What a generation produces, in order: text pieces (each after its
+/// tokens' log-probabilities, when asked for) and calls, then one `Done`.
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A piece of text (possibly empty: a token whose text is held back).
     Text(String),
     /// A tool call, whole.
     ToolCall(dp::ToolCall),
+    /// The log-probabilities of the tokens whose text comes next (when the
+    /// request asked for them).
+    Logprobs(Vec<dp::TokenLogprobs>),
     /// The end.
     Done {
         /// Why it ended.

@@ -174,6 +174,7 @@ async fn text(mut events: Events) -> Result<String, ApiError> {
         match e? {
             Event::Text(t) => text.push_str(&t),
             Event::ToolCall(c) => panic!("a call nobody offered tools for: {c:?}"),
+            Event::Logprobs(l) => panic!("log-probabilities nobody asked for: {l:?}"),
             Event::Done { .. } => return Ok(text),
         }
     }

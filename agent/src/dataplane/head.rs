@@ -15,7 +15,7 @@ use shardplane_dataplane as dp;
 use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
-use shardplane_engine::sampler::Sampler;
+use shardplane_engine::sampler::{Logprobs, Sampler};
 use shardplane_engine::tools::CallDetector;
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
@@ -192,7 +192,11 @@ impl Generation {
     /// returns the token sampled (from among `allowed`, when given). Gives
     /// up as soon as the client goes away, so a stage never computes for a
     /// request nobody waits for.
-    async fn step(&mut self, tokens: Vec<u32>, allowed: Option<TokenMask>) -> Result<u32, Status> {
+    async fn step(
+        &mut self,
+        tokens: Vec<u32>,
+        allowed: Option<TokenMask>,
+    ) -> Result<(u32, Option<Logprobs>), Status> {
         let events = self.events.clone();
         tokio::select! {
             biased;
@@ -205,7 +209,7 @@ impl Generation {
         &mut self,
         tokens: Vec<u32>,
         allowed: Option<TokenMask>,
-    ) -> Result<u32, Status> {
+    ) -> Result<(u32, Option<Logprobs>), Status> {
         let stage = self.seq.stage.clone();
         match &mut self.downstream {
             None => {
@@ -218,11 +222,12 @@ impl Generation {
                     return Err(Status::internal("a whole-model stage gave hidden states"));
                 };
                 ban(&mut logits, &self.banned);
-                Ok(self
+                let sampler = self
                     .sampler
                     .as_mut()
-                    .expect("a local sampler without a next stage")
-                    .sample_within(&mut logits, allowed.as_ref()))
+                    .expect("a local sampler without a next stage");
+                let token = sampler.sample_within(&mut logits, allowed.as_ref());
+                Ok((token, sampler.take_logprobs()))
             }
             Some(down) => {
                 let chunks = tokens.len().div_ceil(PREFILL_CHUNK);
@@ -259,7 +264,10 @@ impl Generation {
                 if !last.sampled {
                     return Err(Status::internal("the last stage sampled no token"));
                 }
-                Ok(last.token)
+                Ok((
+                    last.token,
+                    last.logprobs.map(|l| wire::logprobs(last.token, l)),
+                ))
             }
         }
     }
@@ -300,15 +308,20 @@ impl Generation {
         };
         while let Some(input) = decoder.next_input() {
             let allowed = decoder.allowed().map_err(engine_status)?;
-            let token = self.step(input, allowed).await?;
+            let (token, logprobs) = self.step(input, allowed).await?;
             first_token_at.get_or_insert_with(Instant::now);
             self.metrics.generated_tokens.inc();
+            let logprobs: Vec<dp::TokenLogprobs> = logprobs
+                .map(|l| wire::token_logprobs(&text.tokenizer, &l))
+                .into_iter()
+                .collect();
             let piece = decoder.accept(token).map_err(engine_status)?;
             let (text, tool_calls) = split(piece.text)?;
             self.emit(Event::Delta(dp::Delta {
                 text,
                 tokens: vec![token],
                 tool_calls,
+                logprobs,
             }))
             .await?;
         }
@@ -329,6 +342,7 @@ impl Generation {
                 text: tail,
                 tokens: Vec::new(),
                 tool_calls,
+                logprobs: Vec::new(),
             }))
             .await?;
         }

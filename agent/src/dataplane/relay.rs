@@ -20,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::next_stage::{Downstream, send_step};
-use super::wire::{engine_status, sampling_params};
+use super::wire::{self, engine_status, sampling_params};
 use super::{EventStream, Service};
 use crate::shards::ServedStage;
 
@@ -78,9 +78,11 @@ impl Service {
                         } else {
                             Some(TokenMask::from_bytes(&step.allowed).map_err(engine_status)?)
                         };
+                        let token = sampler.sample_within(&mut logits, allowed.as_ref());
                         Ok(dp::ForwardResponse {
-                            token: sampler.sample_within(&mut logits, allowed.as_ref()),
+                            token,
                             sampled: true,
+                            logprobs: sampler.take_logprobs().map(wire::sampled_logprobs),
                         })
                     }
                     .await;

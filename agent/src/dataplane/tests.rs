@@ -59,6 +59,7 @@ async fn serve_last(fail_at: Option<usize>) -> (String, Rows) {
         Ok(dp::ForwardResponse {
             token,
             sampled: step.sample,
+            ..Default::default()
         })
     })
     .serve(token())

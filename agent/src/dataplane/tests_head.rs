@@ -51,6 +51,12 @@ async fn scripted_last(script: Vec<u32>) -> (String, Seen) {
         Ok(dp::ForwardResponse {
             token,
             sampled: true,
+            // A made-up distribution: the token, then the one after it.
+            logprobs: Some(dp::SampledLogprobs {
+                logprob: -0.5,
+                top_tokens: vec![token, token + 1],
+                top_logprobs: vec![-0.5, -1.5],
+            }),
         })
     })
     .serve(token())
@@ -277,6 +283,41 @@ async fn tools_are_offered_and_a_call_comes_back_as_a_call_not_text() {
             .iter()
             .filter(|s| s.1)
             .all(|s| !s.2.is_empty())
+    );
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn the_last_stage_s_log_probabilities_come_back_with_each_token_s_text() {
+    use dp::generate_response::Event;
+    let text = text_model();
+    let script = text.tokenizer.encode(" blue sky", false).unwrap();
+    let (next, _) = scripted_last(script.clone()).await;
+    let (mut client, worker, _dir) = head(&next, text.clone()).await;
+    let mut req = request(vec![100; 3], 2);
+    req.sampling.as_mut().unwrap().logprobs = Some(1);
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(event) = stream.message().await.unwrap() {
+        if let Some(Event::Delta(d)) = event.event {
+            assert_eq!(d.logprobs.len(), d.tokens.len(), "one per token");
+            got.extend(d.logprobs);
+        }
+    }
+    let words: Vec<(String, f32, String)> = got
+        .iter()
+        .map(|l| {
+            let chosen = l.chosen.clone().unwrap();
+            (chosen.token, chosen.logprob, l.top[1].token.clone())
+        })
+        .collect();
+    let after = |t: u32| text.tokenizer.decode(&[t + 1], false).unwrap();
+    assert_eq!(
+        words,
+        [
+            (" blue".to_string(), -0.5, after(script[0])),
+            (" sky".to_string(), -0.5, after(script[1])),
+        ]
     );
     sequences_become(&worker, 0).await;
 }

@@ -3,7 +3,8 @@
 use shardplane_dataplane as dp;
 use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::constraint::Grammar;
-use shardplane_engine::sampler::SamplingParams;
+use shardplane_engine::sampler::{Logprobs, SamplingParams};
+use shardplane_engine::tokenizer::Tokenizer;
 use shardplane_engine::tools::{Tool, ToolCall, ToolChoice, ToolSet};
 use tonic::Status;
 
@@ -43,6 +44,37 @@ pub(super) fn params(s: &dp::Sampling) -> SamplingParams {
         },
         stop: s.stop.clone(),
         ignore_eos: s.ignore_eos,
+        logprobs: s.logprobs.map(|n| n as usize),
+    }
+}
+
+/// A sampled token's log-probabilities as the last stage sends them.
+pub(super) fn sampled_logprobs(l: Logprobs) -> dp::SampledLogprobs {
+    dp::SampledLogprobs {
+        logprob: l.logprob,
+        top_tokens: l.top.iter().map(|t| t.0).collect(),
+        top_logprobs: l.top.iter().map(|t| t.1).collect(),
+    }
+}
+
+/// The last stage's log-probabilities of `token`.
+pub(super) fn logprobs(token: u32, l: dp::SampledLogprobs) -> Logprobs {
+    Logprobs {
+        token,
+        logprob: l.logprob,
+        top: l.top_tokens.into_iter().zip(l.top_logprobs).collect(),
+    }
+}
+
+/// Log-probabilities with each token's text, for the client.
+pub(super) fn token_logprobs(tokenizer: &Tokenizer, l: &Logprobs) -> dp::TokenLogprobs {
+    let entry = |token: u32, logprob: f32| dp::TokenLogprob {
+        token: tokenizer.decode(&[token], false).unwrap_or_default(),
+        logprob,
+    };
+    dp::TokenLogprobs {
+        chosen: Some(entry(l.token, l.logprob)),
+        top: l.top.iter().map(|&(t, lp)| entry(t, lp)).collect(),
     }
 }
 

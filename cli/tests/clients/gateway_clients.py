@@ -5,6 +5,7 @@ gateway, the key and the model names. Exits non-zero on the first failure.
 """
 import concurrent.futures
 import json
+import math
 import os
 import sys
 
@@ -74,6 +75,27 @@ stopped = chat(DAILY, stop=[reference.split()[2]]).choices[0].message.content
 check(reference.split()[2] not in stopped and len(stopped) < len(reference), f"a stop string ends the answer: {stopped!r}")
 ids = {m.id for m in oa.models.list()}
 check({DAILY, PIPE, EMPTY, BURST, NONE} <= ids, f"/v1/models lists the deployments ({len(ids)} names)")
+
+# Log-probabilities (the model's own distribution): the greedy answer's
+# tokens spell the text, each is the most likely of its alternatives, the
+# stream gives the same, the pipeline nearly the same; legacy completions too.
+lp = chat(DAILY, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+check("".join(t.token for t in lp) == reference and len(lp) == r.usage.completion_tokens, "openai logprobs: the tokens spell the answer")
+check(all(t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+          and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+          and sum(math.exp(a.logprob) for a in t.top_logprobs) <= 1.0001 and bytes(t.bytes).decode() == t.token for t in lp),
+      f"openai logprobs: greedy picks the top token, alternatives sorted, probabilities within 1: {lp[0]}")
+streamed_lp = [t for chunk in oa.chat.completions.create(model=DAILY, messages=[{"role": "user", "content": PROMPT}], max_tokens=20, temperature=0,
+                                                         logprobs=True, top_logprobs=3, stream=True)
+               for c in chunk.choices if c.logprobs for t in c.logprobs.content or []]
+check([(t.token, t.logprob) for t in streamed_lp] == [(t.token, t.logprob) for t in lp], "openai logprobs: streamed equal whole")
+piped = chat(PIPE, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+check([t.token for t in piped] == [t.token for t in lp] and all(abs(a.logprob - b.logprob) < 0.05 for a, b in zip(piped, lp)),
+      f"openai logprobs: the pipeline's agree: {max(abs(a.logprob - b.logprob) for a, b in zip(piped, lp)):.4f} nats apart at most")
+c = oa.completions.create(model=DAILY, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2)
+l = c.choices[0].logprobs
+check("".join(l.tokens) == c.choices[0].text and all(len(t) <= 2 for t in l.top_logprobs) and l.text_offset[0] == 0,
+      f"openai completions logprobs: {l.tokens} {l.token_logprobs}")
 
 # Anthropic: messages, streamed and not (this SDK no longer takes sampling
 # parameters as arguments; they go in the body as the API defines them).

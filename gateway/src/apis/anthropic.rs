@@ -325,6 +325,8 @@ impl Dialect for Anthropic {
                 out.push(blocks.delta(json!({"type": "text_delta", "text": t})));
                 out
             }
+            // Not asked for: this API has none.
+            Ok(Event::Logprobs(_)) => Vec::new(),
             Ok(Event::ToolCall(c)) => {
                 let mut out = blocks.close();
                 out.push(
@@ -536,6 +538,7 @@ mod tests {
             &Collected {
                 text: String::new(),
                 tool_calls: vec![call()],
+                logprobs: Vec::new(),
                 finish: Finish::ToolCalls,
                 prompt_tokens: 3,
                 completion_tokens: 9,

@@ -91,6 +91,8 @@ pub struct Collected {
     pub text: String,
     /// The tools it called.
     pub tool_calls: Vec<shardplane_dataplane::ToolCall>,
+    /// Each token's log-probabilities, when asked for.
+    pub logprobs: Vec<shardplane_dataplane::TokenLogprobs>,
     /// Why it ended.
     pub finish: Finish,
     /// Tokens of the prompt.
@@ -198,10 +200,12 @@ pub fn error_response<D: Dialect>(api: &D, e: &ApiError) -> Response {
 async fn collect(mut events: Events) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut tool_calls = Vec::new();
+    let mut logprobs = Vec::new();
     while let Some(e) = events.next().await {
         match e? {
             Event::Text(t) => text.push_str(&t),
             Event::ToolCall(c) => tool_calls.push(c),
+            Event::Logprobs(l) => logprobs.extend(l),
             Event::Done {
                 finish,
                 prompt_tokens,
@@ -210,6 +214,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
                 return Ok(Collected {
                     text,
                     tool_calls,
+                    logprobs,
                     finish,
                     prompt_tokens,
                     completion_tokens,
@@ -325,8 +330,10 @@ mod tests {
     pub(super) fn streamed<D: Dialect>(api: &D, req: &Request, events: Vec<Event>) -> Vec<Value> {
         let events: Events = Box::pin(futures::stream::iter(events.into_iter().map(Ok)));
         let chunks: Vec<String> = futures::executor::block_on(api.stream(req, 0, events).collect());
+        // (OpenAI's last line, `data: [DONE]`, is not JSON)
         chunks
             .iter()
+            .filter(|c| !c.contains("[DONE]"))
             .map(|c| serde_json::from_str(c.split("data: ").nth(1).unwrap().trim()).unwrap())
             .collect()
     }
@@ -356,7 +363,7 @@ mod tests {
                 json!([{"type": "function", "function": {"name": "f", "cache": true}}]),
             ),
             ("logit_bias", json!({"1": 1})),
-            ("logprobs", json!(true)),
+            ("top_logprobs", json!(3)),
             ("response_format", json!({"type": "grammar"})),
             ("tool_choice", json!("required")),
             ("reasoning_effort", json!("high")),
@@ -385,7 +392,16 @@ mod tests {
             json!({"model": "m", "prompt": "x", "echo": false, "best_of": 1, "suffix": null});
         OpenAi::Text.parse(&text).unwrap();
         refused(OpenAi::Text, &with(&text, "echo", json!(true)), "echo");
-        refused(OpenAi::Text, &with(&text, "logprobs", json!(5)), "logprobs");
+        refused(OpenAi::Text, &with(&text, "logprobs", json!(6)), "logprobs");
+        refused(
+            OpenAi::Chat,
+            &with(
+                &with(&chat, "logprobs", json!(true)),
+                "top_logprobs",
+                json!(21),
+            ),
+            "top_logprobs",
+        );
     }
 
     #[test]
@@ -496,6 +512,85 @@ mod tests {
             &with(&base, "response_format", json!({"type": "json_object"})),
             "response_format",
         );
+    }
+
+    #[test]
+    fn openai_gives_log_probabilities_with_the_text_they_belong_to() {
+        use shardplane_dataplane as dp;
+        let entry = |token: &str, logprob: f32| dp::TokenLogprob {
+            token: token.into(),
+            logprob,
+        };
+        let lp = |token: &str, logprob: f32| dp::TokenLogprobs {
+            chosen: Some(entry(token, logprob)),
+            top: vec![entry(token, logprob), entry(" x", -3.0)],
+        };
+        let base = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "logprobs": true, "top_logprobs": 2});
+        let req = OpenAi::Chat.parse(&base).unwrap();
+        assert_eq!(req.prompt.sampling.logprobs, Some(2));
+        // The first token's text is held back until the second's comes.
+        let data = tests::streamed(
+            &OpenAi::Chat,
+            &req,
+            vec![
+                Event::Logprobs(vec![lp("\u{fffd}", -0.5)]),
+                Event::Text(String::new()),
+                Event::Logprobs(vec![lp("\u{fffd}", -0.25)]),
+                Event::Text("é".into()),
+                Event::Logprobs(vec![lp(" ok", -0.1)]),
+                Event::Text(" ok".into()),
+                Event::Done {
+                    finish: Finish::Stop,
+                    prompt_tokens: 1,
+                    completion_tokens: 3,
+                },
+            ],
+        );
+        let with_text: Vec<(String, usize)> = data
+            .iter()
+            .filter_map(|d| {
+                let c = &d["choices"][0];
+                let n = c["logprobs"]["content"].as_array().map_or(0, Vec::len);
+                c["delta"]["content"].as_str().map(|t| (t.to_string(), n))
+            })
+            .collect();
+        assert_eq!(
+            with_text,
+            [("".into(), 0), ("é".into(), 2), (" ok".into(), 1)]
+        );
+        let whole = OpenAi::Chat.answer(
+            &req,
+            &Collected {
+                text: "é ok".into(),
+                tool_calls: Vec::new(),
+                logprobs: vec![lp(" ok", -0.1)],
+                finish: Finish::Stop,
+                prompt_tokens: 1,
+                completion_tokens: 1,
+            },
+        );
+        let l = &whole["choices"][0]["logprobs"]["content"][0];
+        assert_eq!(l["token"], " ok");
+        assert_eq!(l["bytes"], json!([32, 111, 107]));
+        assert_eq!(l["top_logprobs"][1]["logprob"], json!(-3.0));
+        let text = json!({"model": "m", "prompt": "x", "logprobs": 1});
+        let req = OpenAi::Text.parse(&text).unwrap();
+        let whole = OpenAi::Text.answer(
+            &req,
+            &Collected {
+                text: " ok ok".into(),
+                tool_calls: Vec::new(),
+                logprobs: vec![lp(" ok", -0.1), lp(" ok", -0.2)],
+                finish: Finish::Stop,
+                prompt_tokens: 1,
+                completion_tokens: 2,
+            },
+        );
+        let l = &whole["choices"][0]["logprobs"];
+        assert_eq!(l["text_offset"], json!([0, 3]));
+        assert_eq!(l["tokens"], json!([" ok", " ok"]));
+        assert_eq!(l["top_logprobs"][0][" x"], json!(-3.0));
     }
 
     #[test]

@@ -247,6 +247,8 @@ impl Dialect for Ollama {
         let (api, model) = (*self, req.model.clone());
         chunked(Vec::new(), events, move |e| {
             let line = match e {
+                // Not asked for: refused by this dialect's parse.
+                Ok(Event::Logprobs(_)) => return Vec::new(),
                 Ok(Event::ToolCall(c)) => api.calls_line(&model, &[c]),
                 Ok(Event::Text(t)) => api.line(&model, &t, false),
                 Ok(Event::Done {

@@ -60,8 +60,8 @@ const COMMON_FIELDS: &[&str] = &[
     "user",
 ];
 
-/// Chat's own; `logprobs`, `store` and `modalities` pass only with values
-/// that ask for nothing more than text ([`check_fields`]).
+/// Chat's own; `store` and `modalities` pass only with values that ask for
+/// nothing more than text ([`check_fields`]).
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
@@ -70,6 +70,7 @@ const CHAT_FIELDS: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "logprobs",
+    "top_logprobs",
     "store",
     "modalities",
 ];
@@ -99,7 +100,6 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
                 "response_format.json_schema.",
                 &["name", "description", "schema", "strict"],
             )?;
-            only_value(v, "logprobs", |l| l == false, "false")?;
             only_value(v, "store", |s| s == false, "false")?;
             only_value(
                 v,
@@ -112,7 +112,6 @@ fn check_fields(api: OpenAi, v: &Value) -> Result<(), ApiError> {
             known_only(v, "", &[COMMON_FIELDS, TEXT_FIELDS].concat())?;
             only_value(v, "echo", |e| e == false, "false")?;
             only_value(v, "best_of", |b| b == 1, "1")?;
-            only_value(v, "logprobs", |l| l == 0, "0 or null")?;
             only_value(v, "suffix", |s| *s == "", "none")
         }
     }
@@ -152,6 +151,71 @@ pub(super) fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, Ap
             f["type"]
         ))),
     }
+}
+
+/// How many alternatives each token's log-probabilities list, when asked
+/// for: chat's `logprobs: true` with `top_logprobs` (0 to 20), the legacy
+/// API's `logprobs` (0 to 5).
+fn logprobs(api: OpenAi, v: &Value) -> Result<Option<u32>, ApiError> {
+    match api {
+        OpenAi::Chat => {
+            let top = uint(v, "top_logprobs")?;
+            match &v["logprobs"] {
+                Value::Bool(true) => match top.unwrap_or(0) {
+                    n @ 0..=20 => Ok(Some(n as u32)),
+                    n => Err(ApiError::invalid(format!(
+                        "`top_logprobs` {n} must be between 0 and 20"
+                    ))),
+                },
+                Value::Null | Value::Bool(false) if top.unwrap_or(0) > 0 => Err(ApiError::invalid(
+                    "`top_logprobs` needs `logprobs` set to true",
+                )),
+                Value::Null | Value::Bool(false) => Ok(None),
+                _ => Err(ApiError::invalid("`logprobs` must be true or false")),
+            }
+        }
+        OpenAi::Text => match uint(v, "logprobs")? {
+            None => Ok(None),
+            Some(n @ 0..=5) => Ok(Some(n as u32)),
+            Some(n) => Err(ApiError::invalid(format!(
+                "`logprobs` {n} must be between 0 and 5"
+            ))),
+        },
+    }
+}
+
+/// Tokens' log-probabilities as chat gives them (`choice.logprobs`).
+fn chat_logprobs(l: &[dp::TokenLogprobs]) -> Value {
+    let entry = |t: &dp::TokenLogprob| json!({"token": t.token, "logprob": t.logprob, "bytes": t.token.as_bytes()});
+    let content: Vec<Value> = l
+        .iter()
+        .map(|t| {
+            let mut e = entry(&t.chosen.clone().unwrap_or_default());
+            e["top_logprobs"] = t.top.iter().map(entry).collect();
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// Tokens' log-probabilities as the legacy API gives them, the first token
+/// at `offset` in the answer's text (which then moves past them).
+fn text_logprobs(l: &[dp::TokenLogprobs], offset: &mut usize) -> Value {
+    let (mut tokens, mut logprobs, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for t in l {
+        let chosen = t.chosen.clone().unwrap_or_default();
+        offsets.push(*offset);
+        *offset += chosen.token.len();
+        tokens.push(chosen.token);
+        logprobs.push(chosen.logprob);
+        let top: serde_json::Map<String, Value> = t
+            .top
+            .iter()
+            .map(|a| (a.token.clone(), json!(a.logprob)))
+            .collect();
+        tops.push(top);
+    }
+    json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }
 
 /// A call as OpenAI gives it in a message (`index` in a stream's delta).
@@ -223,6 +287,7 @@ impl Dialect for OpenAi {
                     stop: stops(v, "stop")?,
                     frequency_penalty: float(v, "frequency_penalty", 0.0, (-2.0, 2.0))?,
                     presence_penalty: float(v, "presence_penalty", 0.0, (-2.0, 2.0))?,
+                    logprobs: logprobs(*self, v)?,
                     ..Default::default()
                 },
                 grammar,
@@ -251,6 +316,7 @@ impl Dialect for OpenAi {
 
     fn answer(&self, req: &Request, c: &Collected) -> Value {
         let model = req.model.as_str();
+        let asked = req.prompt.sampling.logprobs.is_some();
         let usage = json!({
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.completion_tokens,
@@ -269,7 +335,7 @@ impl Dialect for OpenAi {
                 json!({
                     "index": 0,
                     "message": message,
-                    "logprobs": null,
+                    "logprobs": if asked { chat_logprobs(&c.logprobs) } else { Value::Null },
                     "finish_reason": finish_reason(c.finish),
                 })
             }),
@@ -278,7 +344,7 @@ impl Dialect for OpenAi {
                 json!({
                     "index": 0,
                     "text": c.text,
-                    "logprobs": null,
+                    "logprobs": if asked { text_logprobs(&c.logprobs, &mut 0) } else { Value::Null },
                     "finish_reason": finish_reason(c.finish),
                 }),
             ),
@@ -304,13 +370,13 @@ impl Dialect for OpenAi {
         let created = now_secs();
         let chunk = {
             let (cid, model) = (cid.clone(), model.clone());
-            move |delta: Value, finish: Option<&str>| -> String {
+            move |delta: Value, logprobs: Value, finish: Option<&str>| -> String {
                 let choice = match api {
                     OpenAi::Chat => {
-                        json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                        json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
                     }
                     OpenAi::Text => {
-                        json!({"index": 0, "text": delta["content"].as_str().unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                        json!({"index": 0, "text": delta["content"].as_str().unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
                     }
                 };
                 sse(
@@ -326,16 +392,42 @@ impl Dialect for OpenAi {
             }
         };
         let opening = match api {
-            OpenAi::Chat => vec![chunk(json!({"role": "assistant", "content": ""}), None)],
+            OpenAi::Chat => vec![chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                None,
+            )],
             OpenAi::Text => Vec::new(),
         };
         let mut calls = 0;
+        // Log-probabilities go with the next chunk (a token's text may be
+        // held back for a while).
+        let (asked, mut pending, mut offset) = (req.prompt.sampling.logprobs.is_some(), vec![], 0);
+        let mut logprobs = move |more: Option<Vec<dp::TokenLogprobs>>| -> Value {
+            if let Some(more) = more {
+                pending.extend(more);
+                return Value::Null;
+            }
+            if !asked || pending.is_empty() {
+                return Value::Null;
+            }
+            let l: Vec<dp::TokenLogprobs> = std::mem::take(&mut pending);
+            match api {
+                OpenAi::Chat => chat_logprobs(&l),
+                OpenAi::Text => text_logprobs(&l, &mut offset),
+            }
+        };
         chunked(opening, events, move |e| match e {
-            Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), None)],
+            Ok(Event::Logprobs(l)) => {
+                logprobs(Some(l));
+                Vec::new()
+            }
+            Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), logprobs(None), None)],
             Ok(Event::ToolCall(c)) => {
                 calls += 1;
                 vec![chunk(
                     json!({"tool_calls": [tool_call(&c, Some(calls - 1))]}),
+                    logprobs(None),
                     None,
                 )]
             }
@@ -344,7 +436,11 @@ impl Dialect for OpenAi {
                 prompt_tokens,
                 completion_tokens,
             }) => {
-                let mut out = vec![chunk(json!({}), Some(finish_reason(finish)))];
+                let mut out = vec![chunk(
+                    json!({}),
+                    logprobs(None),
+                    Some(finish_reason(finish)),
+                )];
                 if include_usage {
                     out.push(sse(
                         None,

@@ -474,6 +474,8 @@ impl Dialect for Responses {
         ];
         chunked(opening, events, move |e| match e {
             Ok(Event::Text(t)) => s.text(&t),
+            // Not asked for: `include` is refused.
+            Ok(Event::Logprobs(_)) => Vec::new(),
             Ok(Event::ToolCall(c)) => s.call(c),
             Ok(Event::Done {
                 finish,
@@ -661,6 +663,7 @@ mod tests {
             },
             text: text.into(),
             tool_calls: calls,
+            logprobs: Vec::new(),
             prompt_tokens: 7,
             completion_tokens: 5,
         }

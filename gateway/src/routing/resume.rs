@@ -31,8 +31,8 @@ pub(super) struct Answering {
     /// Instances this answer ran on.
     tried: Vec<String>,
     pending: VecDeque<dp::generate_response::Event>,
-    /// Tool calls received and not yet given.
-    calls: VecDeque<dp::ToolCall>,
+    /// Events of a delta received and not yet given.
+    queued: VecDeque<Event>,
     stream: dp::tonic::Streaming<dp::GenerateResponse>,
     _guard: Outstanding,
 }
@@ -58,7 +58,7 @@ impl Answering {
             tail_seen: false,
             tried: vec![inst.key.clone()],
             pending: opened.first.into(),
-            calls: VecDeque::new(),
+            queued: VecDeque::new(),
             stream: opened.stream,
             _guard: opened.guard,
         }
@@ -67,8 +67,8 @@ impl Answering {
     /// The next event: text, or the end.
     pub(super) async fn next(&mut self) -> Result<Event, ApiError> {
         use dp::generate_response::Event as E;
-        if let Some(call) = self.calls.pop_front() {
-            return Ok(Event::ToolCall(call));
+        if let Some(e) = self.queued.pop_front() {
+            return Ok(e);
         }
         loop {
             let event = match self.pending.pop_front() {
@@ -93,14 +93,19 @@ impl Answering {
                 E::Delta(d) => {
                     self.tail_seen |= d.tokens.is_empty();
                     self.tokens.extend(&d.tokens);
-                    // Calls come after the delta's text, one event each.
-                    self.calls.extend(d.tool_calls);
-                    if d.text.is_empty()
-                        && let Some(call) = self.calls.pop_front()
-                    {
-                        return Ok(Event::ToolCall(call));
+                    // The tokens' log-probabilities, then the text, then the
+                    // calls, one event each (no empty text before a call).
+                    if !d.logprobs.is_empty() {
+                        self.queued.push_back(Event::Logprobs(d.logprobs));
                     }
-                    return Ok(Event::Text(d.text));
+                    if !d.text.is_empty() || d.tool_calls.is_empty() {
+                        self.queued.push_back(Event::Text(d.text));
+                    }
+                    self.queued
+                        .extend(d.tool_calls.into_iter().map(Event::ToolCall));
+                    if let Some(e) = self.queued.pop_front() {
+                        return Ok(e);
+                    }
                 }
                 E::Finished(f) => return Ok(done(&f)),
             }
