@@ -28,6 +28,7 @@ pub mod gguf;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod pipeline;
+pub mod reasoning;
 pub mod sampler;
 pub mod stage;
 pub mod stop;

@@ -149,7 +149,7 @@ pub fn observed(events: Events, model: &str, metrics: &Metrics, start: Instant) 
     let mut last: Option<Instant> = None;
     Box::pin(events.map(move |e| {
         match &e {
-            Ok(Event::Text(_) | Event::ToolCall(_)) => {
+            Ok(Event::Text(_) | Event::Reasoning(_) | Event::ToolCall(_)) => {
                 let now = Instant::now();
                 match last {
                     None => ttft.observe((now - start).as_secs_f64()),

@@ -47,12 +47,14 @@ pub enum Finish {
     ToolCalls,
 }
 
-/// What a generation produces, in order: text pieces (each after its
-/// tokens' log-probabilities, when asked for) and calls, then one `Done`.
+/// What a generation produces, in order: reasoning, text pieces (each after
+/// its tokens' log-probabilities, when asked for) and calls, then one `Done`.
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A piece of text (possibly empty: a token whose text is held back).
     Text(String),
+    /// A piece of the model's reasoning (before its text).
+    Reasoning(String),
     /// A tool call, whole.
     ToolCall(dp::ToolCall),
     /// The log-probabilities of the tokens whose text comes next (when the

@@ -175,6 +175,7 @@ async fn text(mut events: Events) -> Result<String, ApiError> {
             Event::Text(t) => text.push_str(&t),
             Event::ToolCall(c) => panic!("a call nobody offered tools for: {c:?}"),
             Event::Logprobs(l) => panic!("log-probabilities nobody asked for: {l:?}"),
+            Event::Reasoning(r) => panic!("reasoning from a model that does not think: {r:?}"),
             Event::Done { .. } => return Ok(text),
         }
     }

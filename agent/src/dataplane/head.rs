@@ -15,6 +15,7 @@ use shardplane_dataplane as dp;
 use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
+use shardplane_engine::reasoning::{ThinkSplitter, prompt_opens_reasoning};
 use shardplane_engine::sampler::{Logprobs, Sampler};
 use shardplane_engine::tools::CallDetector;
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
@@ -142,6 +143,7 @@ impl Service {
             text,
             request,
             tools: tools.is_some(),
+            chat: matches!(req.input, Some(Input::Chat(_))),
             banned,
             downstream,
             sampler: local_sampler,
@@ -172,6 +174,9 @@ struct Generation {
     request: ValidRequest,
     /// Whether the answer may call tools (calls are told from text).
     tools: bool,
+    /// Whether the input was a chat (the answer's reasoning, if the model
+    /// writes any, is told from its text).
+    chat: bool,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
@@ -293,18 +298,40 @@ impl Generation {
         let text = self.text.clone();
         let mut decoder = Decoder::new(&text.tokenizer, &self.request).map_err(engine_status)?;
         let mut first_token_at = None;
-        // With tools, calls are told from text as the answer streams; the
-        // text resumed tokens released (given, or held, before) goes first.
+        // A chat's reasoning (between <think> and </think>, opened by the
+        // answer or by the template) is told from its text, then, with
+        // tools, calls from the text; the text resumed tokens released
+        // (given, or held, before) goes through both first.
+        let opened = self.chat && {
+            let prompt = self.request.prompt();
+            let tail = &prompt[prompt.len().saturating_sub(4)..];
+            text.tokenizer
+                .decode(tail, false)
+                .is_ok_and(|t| prompt_opens_reasoning(&t))
+        };
+        let mut thoughts = self.chat.then(|| ThinkSplitter::new(opened));
         let mut calls = self.tools.then(CallDetector::new);
+        let replayed = match &mut thoughts {
+            Some(t) => t.push(decoder.replayed()).1,
+            None => decoder.replayed().to_string(),
+        };
         if let Some(d) = &mut calls {
-            d.push(decoder.replayed()).map_err(engine_status)?;
+            d.push(&replayed).map_err(engine_status)?;
         }
-        let mut split = |text: String| match &mut calls {
-            Some(d) => d
-                .push(&text)
-                .map(|(text, calls)| (text, calls.into_iter().map(wire::tool_call).collect()))
-                .map_err(engine_status),
-            None => Ok((text, Vec::new())),
+        let mut split = |piece: String| -> Result<Split, Status> {
+            let (reasoning, text) = match &mut thoughts {
+                Some(t) => t.push(&piece),
+                None => (String::new(), piece),
+            };
+            let (text, tool_calls) = match &mut calls {
+                Some(d) => d.push(&text).map_err(engine_status)?,
+                None => (text, Vec::new()),
+            };
+            Ok(Split {
+                reasoning,
+                text,
+                tool_calls: tool_calls.into_iter().map(wire::tool_call).collect(),
+            })
         };
         while let Some(input) = decoder.next_input() {
             let allowed = decoder.allowed().map_err(engine_status)?;
@@ -316,33 +343,58 @@ impl Generation {
                 .into_iter()
                 .collect();
             let piece = decoder.accept(token).map_err(engine_status)?;
-            let (text, tool_calls) = split(piece.text)?;
+            let Split {
+                reasoning,
+                text,
+                tool_calls,
+            } = split(piece.text)?;
             self.emit(Event::Delta(dp::Delta {
                 text,
                 tokens: vec![token],
                 tool_calls,
                 logprobs,
+                reasoning,
             }))
             .await?;
         }
         let generated = decoder.generated();
         let (tail, finish) = decoder.finish().map_err(engine_status)?;
-        let (mut tail, tool_calls) = split(tail)?;
+        let Split {
+            mut reasoning,
+            text: mut tail,
+            mut tool_calls,
+        } = split(tail)?;
+        // What the splitter still holds: reasoning cut short, or text.
+        let held = match thoughts {
+            Some(t) => {
+                let (r, held) = t.finish();
+                reasoning.push_str(&r);
+                held
+            }
+            None => String::new(),
+        };
         let (called, cut) = match calls {
-            Some(d) => {
+            Some(mut d) => {
+                let (text, more) = d.push(&held).map_err(engine_status)?;
+                tail.push_str(&text);
+                tool_calls.extend(more.into_iter().map(wire::tool_call));
                 let called = d.called();
                 let (held, cut) = d.finish();
                 tail.push_str(&held);
                 (called, cut)
             }
-            None => (false, false),
+            None => {
+                tail.push_str(&held);
+                (false, false)
+            }
         };
-        if !tail.is_empty() || !tool_calls.is_empty() {
+        if !tail.is_empty() || !tool_calls.is_empty() || !reasoning.is_empty() {
             self.emit(Event::Delta(dp::Delta {
                 text: tail,
                 tokens: Vec::new(),
                 tool_calls,
                 logprobs: Vec::new(),
+                reasoning,
             }))
             .await?;
         }
@@ -365,4 +417,11 @@ impl Generation {
         .await?;
         Ok(())
     }
+}
+
+/// A piece of an answer, told apart: reasoning, text and completed calls.
+struct Split {
+    reasoning: String,
+    text: String,
+    tool_calls: Vec<dp::ToolCall>,
 }

@@ -321,3 +321,55 @@ async fn the_last_stage_s_log_probabilities_come_back_with_each_token_s_text() {
     );
     sequences_become(&worker, 0).await;
 }
+
+#[tokio::test]
+async fn a_chat_s_reasoning_is_told_from_its_text() {
+    use dp::generate_response::Event;
+    let text = text_model();
+    let script = text
+        .tokenizer
+        .encode("<think>The user greets.</think>\n\nHello!", false)
+        .unwrap();
+    let (next, _) = scripted_last(script.clone()).await;
+    let (mut client, worker, _dir) = head(&next, text.clone()).await;
+    let chat = dp::generate_request::Input::Chat(dp::Conversation {
+        messages: vec![dp::ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+            ..Default::default()
+        }],
+    });
+    let answer = |input| {
+        let mut req = request(Vec::new(), script.len() as u32 + 1);
+        req.input = Some(input);
+        req
+    };
+    let read = |mut stream: tonic::Streaming<dp::GenerateResponse>| async move {
+        let (mut reasoning, mut text) = (String::new(), String::new());
+        while let Some(event) = stream.message().await.unwrap() {
+            if let Some(Event::Delta(d)) = event.event {
+                reasoning.push_str(&d.reasoning);
+                text.push_str(&d.text);
+            }
+        }
+        (reasoning, text)
+    };
+    let stream = client.generate(answer(chat)).await.unwrap().into_inner();
+    assert_eq!(
+        read(stream).await,
+        ("The user greets.".to_string(), "Hello!".to_string())
+    );
+    sequences_become(&worker, 0).await;
+    // A raw prompt's answer is text as written.
+    let (next, _) = scripted_last(script.clone()).await;
+    let (mut client, _worker, _dir) = head(&next, text.clone()).await;
+    let raw = dp::generate_request::Input::Prompt("Hi".into());
+    let stream = client.generate(answer(raw)).await.unwrap().into_inner();
+    assert_eq!(
+        read(stream).await,
+        (
+            String::new(),
+            "<think>The user greets.</think>\n\nHello!".to_string()
+        )
+    );
+}

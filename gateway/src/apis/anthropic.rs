@@ -280,6 +280,9 @@ impl Dialect for Anthropic {
     fn answer(&self, req: &Request, c: &Collected) -> Value {
         let model = req.model.as_str();
         let mut content = Vec::new();
+        if !c.reasoning.is_empty() {
+            content.push(json!({"type": "thinking", "thinking": c.reasoning, "signature": ""}));
+        }
         if !c.text.is_empty() || c.tool_calls.is_empty() {
             content.push(json!({"type": "text", "text": c.text}));
         }
@@ -321,8 +324,13 @@ impl Dialect for Anthropic {
         let mut blocks = Blocks::default();
         chunked(opening, events, move |e| match e {
             Ok(Event::Text(t)) => {
-                let mut out = blocks.open_text();
+                let mut out = blocks.open("text");
                 out.push(blocks.delta(json!({"type": "text_delta", "text": t})));
+                out
+            }
+            Ok(Event::Reasoning(r)) => {
+                let mut out = blocks.open("thinking");
+                out.push(blocks.delta(json!({"type": "thinking_delta", "thinking": r})));
                 out
             }
             // Not asked for: this API has none.
@@ -345,9 +353,10 @@ impl Dialect for Anthropic {
                 completion_tokens,
                 ..
             }) => {
-                // An answer always has a block, if only an empty text one.
-                let mut out = if blocks.next == 0 {
-                    blocks.open_text()
+                // An answer always has a text or tool_use block, if only
+                // an empty text one.
+                let mut out = if !blocks.answered {
+                    blocks.open("text")
                 } else {
                     Vec::new()
                 };
@@ -376,33 +385,40 @@ fn input(c: &dp::ToolCall) -> Value {
     }
 }
 
-/// The content blocks of a stream: which is open, and the next one's index.
+/// The content blocks of a stream: which is open, the next one's index, and
+/// whether a text or tool_use block has come.
 #[derive(Default)]
 struct Blocks {
     open: Option<&'static str>,
     next: usize,
+    answered: bool,
 }
 
 impl Blocks {
     fn start(&mut self, block: Value) -> String {
-        self.open = Some(if block["type"] == "text" {
-            "text"
-        } else {
-            "tool_use"
+        self.open = Some(match block["type"].as_str() {
+            Some("text") => "text",
+            Some("thinking") => "thinking",
+            _ => "tool_use",
         });
+        self.answered |= self.open != Some("thinking");
         sse(
             Some("content_block_start"),
             &json!({"type": "content_block_start", "index": self.next, "content_block": block}),
         )
     }
 
-    /// A text block, unless one is open (closing any other first).
-    fn open_text(&mut self) -> Vec<String> {
-        if self.open == Some("text") {
+    /// A text or thinking block, unless one is open (closing any other
+    /// first).
+    fn open(&mut self, kind: &'static str) -> Vec<String> {
+        if self.open == Some(kind) {
             return Vec::new();
         }
         let mut out = self.close();
-        out.push(self.start(json!({"type": "text", "text": ""})));
+        out.push(self.start(match kind {
+            "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
+            _ => json!({"type": "text", "text": ""}),
+        }));
         out
     }
 
@@ -537,6 +553,7 @@ mod tests {
             &req,
             &Collected {
                 text: String::new(),
+                reasoning: String::new(),
                 tool_calls: vec![call()],
                 logprobs: Vec::new(),
                 finish: Finish::ToolCalls,

@@ -89,6 +89,8 @@ pub struct Request {
 pub struct Collected {
     /// The text.
     pub text: String,
+    /// The model's reasoning before it (empty when it has none).
+    pub reasoning: String,
     /// The tools it called.
     pub tool_calls: Vec<shardplane_dataplane::ToolCall>,
     /// Each token's log-probabilities, when asked for.
@@ -198,12 +200,13 @@ pub fn error_response<D: Dialect>(api: &D, e: &ApiError) -> Response {
 }
 
 async fn collect(mut events: Events) -> Result<Collected, ApiError> {
-    let mut text = String::new();
+    let (mut text, mut reasoning) = (String::new(), String::new());
     let mut tool_calls = Vec::new();
     let mut logprobs = Vec::new();
     while let Some(e) = events.next().await {
         match e? {
             Event::Text(t) => text.push_str(&t),
+            Event::Reasoning(r) => reasoning.push_str(&r),
             Event::ToolCall(c) => tool_calls.push(c),
             Event::Logprobs(l) => logprobs.extend(l),
             Event::Done {
@@ -213,6 +216,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
             } => {
                 return Ok(Collected {
                     text,
+                    reasoning,
                     tool_calls,
                     logprobs,
                     finish,
@@ -563,6 +567,7 @@ mod tests {
             &req,
             &Collected {
                 text: "é ok".into(),
+                reasoning: String::new(),
                 tool_calls: Vec::new(),
                 logprobs: vec![lp(" ok", -0.1)],
                 finish: Finish::Stop,
@@ -580,6 +585,7 @@ mod tests {
             &req,
             &Collected {
                 text: " ok ok".into(),
+                reasoning: String::new(),
                 tool_calls: Vec::new(),
                 logprobs: vec![lp(" ok", -0.1), lp(" ok", -0.2)],
                 finish: Finish::Stop,
@@ -591,6 +597,104 @@ mod tests {
         assert_eq!(l["text_offset"], json!([0, 3]));
         assert_eq!(l["tokens"], json!([" ok", " ok"]));
         assert_eq!(l["top_logprobs"][0][" x"], json!(-3.0));
+    }
+
+    #[test]
+    fn reasoning_comes_out_as_each_api_gives_it() {
+        let collected = Collected {
+            text: "Hello!".into(),
+            reasoning: "The user greets.".into(),
+            tool_calls: Vec::new(),
+            logprobs: Vec::new(),
+            finish: Finish::Stop,
+            prompt_tokens: 1,
+            completion_tokens: 9,
+        };
+        let events = || {
+            vec![
+                Event::Reasoning("The user".into()),
+                Event::Reasoning(" greets.".into()),
+                Event::Text("Hello!".into()),
+                Event::Done {
+                    finish: Finish::Stop,
+                    prompt_tokens: 1,
+                    completion_tokens: 9,
+                },
+            ]
+        };
+        let chat =
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9});
+        // OpenAI chat: reasoning_content, whole and in deltas.
+        let req = OpenAi::Chat.parse(&chat).unwrap();
+        let m = &OpenAi::Chat.answer(&req, &collected)["choices"][0]["message"];
+        assert_eq!(
+            (m["reasoning_content"].as_str(), m["content"].as_str()),
+            (Some("The user greets."), Some("Hello!"))
+        );
+        let deltas: String = streamed(&OpenAi::Chat, &req, events())
+            .iter()
+            .filter_map(|d| {
+                d["choices"][0]["delta"]["reasoning_content"]
+                    .as_str()
+                    .map(String::from)
+            })
+            .collect();
+        assert_eq!(deltas, "The user greets.");
+        // Anthropic: a thinking block before the text.
+        let req = Anthropic.parse(&chat).unwrap();
+        let content = &Anthropic.answer(&req, &collected)["content"];
+        assert_eq!(
+            (
+                content[0]["type"].as_str(),
+                content[0]["thinking"].as_str(),
+                content[1]["text"].as_str()
+            ),
+            (Some("thinking"), Some("The user greets."), Some("Hello!"))
+        );
+        let starts: Vec<String> = streamed(&Anthropic, &req, events())
+            .iter()
+            .filter(|d| d["type"] == "content_block_start")
+            .map(|d| format!("{} {}", d["index"], d["content_block"]["type"]))
+            .collect();
+        assert_eq!(starts, ["0 \"thinking\"", "1 \"text\""]);
+        // Ollama: message.thinking.
+        let req = Ollama::Chat.parse(&chat).unwrap();
+        assert_eq!(
+            Ollama::Chat.answer(&req, &collected)["message"]["thinking"],
+            "The user greets."
+        );
+        // Responses: a reasoning item before the message.
+        let api = Responses::default();
+        let req = api.parse(&json!({"model": "m", "input": "hi"})).unwrap();
+        let output = &api.answer(&req, &collected)["output"];
+        assert_eq!(
+            (
+                output[0]["type"].as_str(),
+                output[0]["content"][0]["text"].as_str(),
+                output[1]["type"].as_str()
+            ),
+            (Some("reasoning"), Some("The user greets."), Some("message"))
+        );
+        let data = streamed(&api, &req, events());
+        let kinds: Vec<&str> = data.iter().map(|d| d["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds[2..7],
+            [
+                "response.output_item.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.output_item.done",
+            ]
+        );
+        let whole = &data.last().unwrap()["response"]["output"];
+        assert_eq!(
+            (
+                whole[0]["type"].as_str(),
+                whole[1]["content"][0]["text"].as_str()
+            ),
+            (Some("reasoning"), Some("Hello!"))
+        );
     }
 
     #[test]

@@ -97,6 +97,15 @@ impl Ollama {
         v
     }
 
+    /// Puts the model's reasoning in a line (`message.thinking` in chat,
+    /// `thinking` in generate, as Ollama gives it).
+    fn think(self, line: &mut Value, reasoning: &str) {
+        match self {
+            Ollama::Chat => line["message"]["thinking"] = json!(reasoning),
+            Ollama::Generate => line["thinking"] = json!(reasoning),
+        }
+    }
+
     /// A line carrying the tool calls `calls` (Ollama gives the arguments
     /// as an object).
     fn calls_line(self, model: &str, calls: &[dp::ToolCall]) -> Value {
@@ -235,6 +244,9 @@ impl Dialect for Ollama {
             v["message"]["tool_calls"] =
                 self.calls_line(model, &c.tool_calls)["message"]["tool_calls"].take();
         }
+        if !c.reasoning.is_empty() {
+            self.think(&mut v, &c.reasoning);
+        }
         v
     }
 
@@ -250,6 +262,11 @@ impl Dialect for Ollama {
                 // Not asked for: refused by this dialect's parse.
                 Ok(Event::Logprobs(_)) => return Vec::new(),
                 Ok(Event::ToolCall(c)) => api.calls_line(&model, &[c]),
+                Ok(Event::Reasoning(r)) => {
+                    let mut line = api.line(&model, "", false);
+                    api.think(&mut line, &r);
+                    line
+                }
                 Ok(Event::Text(t)) => api.line(&model, &t, false),
                 Ok(Event::Done {
                     finish,

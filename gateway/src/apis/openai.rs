@@ -325,6 +325,10 @@ impl Dialect for OpenAi {
         let (object, choice) = match self {
             OpenAi::Chat => ("chat.completion", {
                 let mut message = json!({"role": "assistant", "content": c.text});
+                if !c.reasoning.is_empty() {
+                    // As DeepSeek's and vLLM's APIs give it.
+                    message["reasoning_content"] = json!(c.reasoning);
+                }
                 if !c.tool_calls.is_empty() {
                     if c.text.is_empty() {
                         message["content"] = Value::Null;
@@ -423,6 +427,10 @@ impl Dialect for OpenAi {
                 Vec::new()
             }
             Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), logprobs(None), None)],
+            // (only a chat has reasoning)
+            Ok(Event::Reasoning(r)) => {
+                vec![chunk(json!({"reasoning_content": r}), logprobs(None), None)]
+            }
             Ok(Event::ToolCall(c)) => {
                 calls += 1;
                 vec![chunk(

@@ -280,6 +280,11 @@ fn message_item(id: &str, text: &str, status: &str) -> Value {
            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
 }
 
+fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [],
+           "content": [{"type": "reasoning_text", "text": text}]})
+}
+
 fn call_item(id: &str, c: &dp::ToolCall, arguments: &str, status: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": c.id, "name": c.name,
            "arguments": arguments, "status": status})
@@ -420,6 +425,9 @@ impl Dialect for Responses {
     fn answer(&self, req: &Request, c: &Collected) -> Value {
         let rid = id("resp_");
         let mut output = Vec::new();
+        if !c.reasoning.is_empty() {
+            output.push(reasoning_item(&id("rs_"), &c.reasoning, "completed"));
+        }
         if !c.text.is_empty() || c.tool_calls.is_empty() {
             output.push(message_item(&id("msg_"), &c.text, "completed"));
         }
@@ -459,6 +467,7 @@ impl Dialect for Responses {
             sequence: 0,
             output: Vec::new(),
             open: None,
+            thinking: None,
             calls: Vec::new(),
             text: String::new(),
         };
@@ -474,6 +483,7 @@ impl Dialect for Responses {
         ];
         chunked(opening, events, move |e| match e {
             Ok(Event::Text(t)) => s.text(&t),
+            Ok(Event::Reasoning(r)) => s.reasoning(&r),
             // Not asked for: `include` is refused.
             Ok(Event::Logprobs(_)) => Vec::new(),
             Ok(Event::ToolCall(c)) => s.call(c),
@@ -506,6 +516,7 @@ struct Streamed {
     sequence: u64,
     output: Vec<Value>,
     open: Option<OpenMessage>,
+    thinking: Option<OpenMessage>,
     calls: Vec<dp::ToolCall>,
     text: String,
 }
@@ -529,8 +540,59 @@ impl Streamed {
         )
     }
 
-    fn text(&mut self, t: &str) -> Vec<String> {
+    fn reasoning(&mut self, r: &str) -> Vec<String> {
         let mut out = Vec::new();
+        let index = self.output.len();
+        if self.thinking.is_none() {
+            let item = id("rs_");
+            out.push(self.event(
+                "response.output_item.added",
+                json!({"output_index": index, "item": {"type": "reasoning", "id": item,
+                       "status": "in_progress", "summary": [], "content": []}}),
+            ));
+            self.thinking = Some(OpenMessage {
+                id: item,
+                text: String::new(),
+            });
+        }
+        let item = self
+            .thinking
+            .as_ref()
+            .map(|m| m.id.clone())
+            .unwrap_or_default();
+        out.push(self.event(
+            "response.reasoning_text.delta",
+            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": r}),
+        ));
+        if let Some(m) = self.thinking.as_mut() {
+            m.text.push_str(r);
+        }
+        out
+    }
+
+    /// Ends the reasoning under way, if any.
+    fn close_reasoning(&mut self) -> Vec<String> {
+        let Some(m) = self.thinking.take() else {
+            return Vec::new();
+        };
+        let index = self.output.len();
+        let item = reasoning_item(&m.id, &m.text, "completed");
+        let out = vec![
+            self.event(
+                "response.reasoning_text.done",
+                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ),
+        ];
+        self.output.push(item);
+        out
+    }
+
+    fn text(&mut self, t: &str) -> Vec<String> {
+        let mut out = self.close_reasoning();
         let index = self.output.len();
         if self.open.is_none() {
             let item = id("msg_");
@@ -584,7 +646,8 @@ impl Streamed {
     }
 
     fn call(&mut self, c: dp::ToolCall) -> Vec<String> {
-        let mut out = self.close();
+        let mut out = self.close_reasoning();
+        out.extend(self.close());
         let index = self.output.len();
         let item = id("fc_");
         out.push(self.event(
@@ -610,8 +673,9 @@ impl Streamed {
     }
 
     fn done(&mut self, finish: Finish, prompt: u32, completion: u32) -> Vec<String> {
-        // An answer always has an item, if only an empty message.
-        let mut out = if self.output.is_empty() && self.open.is_none() {
+        // An answer always has a message or a call, if only an empty
+        // message.
+        let mut out = if self.open.is_none() && self.text.is_empty() && self.calls.is_empty() {
             self.text("")
         } else {
             Vec::new()
@@ -662,6 +726,7 @@ mod tests {
                 Finish::ToolCalls
             },
             text: text.into(),
+            reasoning: String::new(),
             tool_calls: calls,
             logprobs: Vec::new(),
             prompt_tokens: 7,

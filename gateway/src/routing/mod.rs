@@ -375,9 +375,12 @@ impl Router {
         let events = futures::stream::unfold(Some(answering), |state| async move {
             let mut answering = state?;
             match answering.next().await {
-                Ok(e @ (Event::Text(_) | Event::ToolCall(_) | Event::Logprobs(_))) => {
-                    Some((Ok(e), Some(answering)))
-                }
+                Ok(
+                    e @ (Event::Text(_)
+                    | Event::Reasoning(_)
+                    | Event::ToolCall(_)
+                    | Event::Logprobs(_)),
+                ) => Some((Ok(e), Some(answering))),
                 last => Some((last, None)),
             }
         });

@@ -93,10 +93,14 @@ impl Answering {
                 E::Delta(d) => {
                     self.tail_seen |= d.tokens.is_empty();
                     self.tokens.extend(&d.tokens);
-                    // The tokens' log-probabilities, then the text, then the
-                    // calls, one event each (no empty text before a call).
+                    // The tokens' log-probabilities, then the reasoning, the
+                    // text and the calls, one event each (no empty text
+                    // before a call).
                     if !d.logprobs.is_empty() {
                         self.queued.push_back(Event::Logprobs(d.logprobs));
+                    }
+                    if !d.reasoning.is_empty() {
+                        self.queued.push_back(Event::Reasoning(d.reasoning));
                     }
                     if !d.text.is_empty() || d.tool_calls.is_empty() {
                         self.queued.push_back(Event::Text(d.text));
