@@ -384,6 +384,16 @@ impl TextModel {
         })
     }
 
+    /// The same tokenizer with another chat template (one given apart from
+    /// the model's files).
+    pub fn with_template(&self, template: ChatTemplate) -> TextModel {
+        TextModel {
+            tokenizer: self.tokenizer.clone(),
+            template,
+            grammars: OnceLock::new(),
+        }
+    }
+
     /// Token ids of a conversation, ready for the assistant's reply.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         let text = self.template.render(messages, true)?;

@@ -813,17 +813,10 @@ fn a_bad_grammar_is_refused_with_the_reason() {
 fn a_required_tool_call_always_parses_and_fits_its_schema() {
     use shardplane_engine::generation::ValidRequest;
     use shardplane_engine::pipeline::generate_request;
-    use shardplane_engine::tools::{CallDetector, Tool, ToolChoice, ToolSet};
+    use shardplane_engine::tools::{CallDetector, CallSyntax, ToolChoice, ToolSet};
     let m = load();
     let mut p = pipeline(&m, "0-29");
-    let weather = Tool {
-        name: "get_weather".into(),
-        description: "The current weather in a city.".into(),
-        parameters: serde_json::json!({"type": "object", "additionalProperties": false,
-            "required": ["city", "unit"],
-            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
-                           "unit": {"enum": ["celsius", "fahrenheit"]}}}),
-    };
+    let weather = weather_tool();
     let messages = [ChatMessage::new("user", "What is the weather in Paris?")];
     for (choice, seed) in [
         (ToolChoice::Required, 1),
@@ -844,10 +837,14 @@ fn a_required_tool_call_always_parses_and_fits_its_schema() {
         };
         let request = ValidRequest::new(prompt, Vec::new(), params, 49152, 8192)
             .unwrap()
-            .with_constraint(m.text.constraint(&tools.grammar()).unwrap())
+            .with_constraint(
+                m.text
+                    .constraint(&tools.grammar(CallSyntax::Hermes))
+                    .unwrap(),
+            )
             .unwrap();
         let g = generate_request(&mut p, &m.text, 1, &request, |_| {}).unwrap();
-        let mut detector = CallDetector::new();
+        let mut detector = CallDetector::new(CallSyntax::Hermes);
         let (text, calls) = detector.push(&g.text).unwrap();
         if choice == ToolChoice::Auto && !text.is_empty() {
             assert!(!text.starts_with('<'), "{text:?}");
@@ -872,5 +869,87 @@ fn a_required_tool_call_always_parses_and_fits_its_schema() {
             "{args}"
         );
         assert_eq!(args.as_object().unwrap().len(), 2, "{args}");
+    }
+}
+
+#[test]
+fn forced_calls_in_each_native_syntax_parse_and_fit_their_schema() {
+    use shardplane_engine::chat::ChatTemplate;
+    use shardplane_engine::generation::ValidRequest;
+    use shardplane_engine::pipeline::generate_request;
+    use shardplane_engine::tools::{CallDetector, CallSyntax, ToolChoice, ToolSet};
+    let m = load();
+    let mut p = pipeline(&m, "0-29");
+    let weather = weather_tool();
+    let messages = [ChatMessage::new("user", "What is the weather in Paris?")];
+    for (i, (file, syntax)) in [
+        ("hermes", CallSyntax::Hermes),
+        ("llama3", CallSyntax::Llama3),
+        ("mistral", CallSyntax::Mistral),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let path = format!(
+            "{}/tests/fixtures/chat_templates/{file}.jinja",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let source = std::fs::read_to_string(&path).unwrap();
+        let text = m
+            .text
+            .with_template(ChatTemplate::new(&source, "", "<|im_end|>").unwrap());
+        assert_eq!(CallSyntax::of(&text.template), syntax);
+        let tools = ToolSet {
+            tools: vec![weather.clone()],
+            choice: ToolChoice::Required,
+            parallel: false,
+        };
+        let prompt = text.tool_prompt(&messages, Some(&tools)).unwrap();
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(i as u64),
+            max_tokens: 100,
+            ..Default::default()
+        };
+        let request = ValidRequest::new(prompt, Vec::new(), params, 49152, 8192)
+            .unwrap()
+            .with_constraint(text.constraint(&tools.grammar(syntax)).unwrap())
+            .unwrap();
+        let g = generate_request(&mut p, &text, 10 + i as u64, &request, |_| {}).unwrap();
+        let mut detector = CallDetector::new(syntax);
+        let (said, calls) = detector.push(&g.text).unwrap();
+        assert_eq!(
+            detector.finish(),
+            (String::new(), false),
+            "{file}: {:?}",
+            g.text
+        );
+        assert_eq!(
+            (said.as_str(), calls.len()),
+            ("", 1),
+            "{file}: {:?}",
+            g.text
+        );
+        let args: serde_json::Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert_eq!(calls[0].name, "get_weather");
+        assert!(
+            args["city"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty() && c.chars().count() <= 20)
+                && ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or("")),
+            "{file}: {args}"
+        );
+    }
+}
+
+/// `get_weather(city, unit)`, with bounds every valid call fits in.
+fn weather_tool() -> shardplane_engine::tools::Tool {
+    shardplane_engine::tools::Tool {
+        name: "get_weather".into(),
+        description: "The current weather in a city.".into(),
+        parameters: serde_json::json!({"type": "object", "additionalProperties": false,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}}}),
     }
 }

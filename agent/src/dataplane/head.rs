@@ -17,7 +17,7 @@ use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::reasoning::{ThinkSplitter, prompt_opens_reasoning};
 use shardplane_engine::sampler::{Logprobs, Sampler};
-use shardplane_engine::tools::CallDetector;
+use shardplane_engine::tools::{CallDetector, CallSyntax};
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -84,7 +84,7 @@ impl Service {
                 ));
             }
             (grammar, None) => grammar,
-            (None, Some(tools)) => Some(tools.grammar()),
+            (None, Some(tools)) => Some(tools.grammar(CallSyntax::of(&text.template))),
         };
         if let Some(grammar) = grammar {
             // Compiling (and, the first time, reading the vocabulary) is
@@ -310,7 +310,8 @@ impl Generation {
                 .is_ok_and(|t| prompt_opens_reasoning(&t))
         };
         let mut thoughts = self.chat.then(|| ThinkSplitter::new(opened));
-        let mut calls = self.tools.then(CallDetector::new);
+        let syntax = CallSyntax::of(&text.template);
+        let mut calls = self.tools.then(|| CallDetector::new(syntax));
         let replayed = match &mut thoughts {
             Some(t) => t.push(decoder.replayed()).1,
             None => decoder.replayed().to_string(),

@@ -658,7 +658,9 @@ mod tests {
             .collect();
         assert_eq!(starts, ["0 \"thinking\"", "1 \"text\""]);
         // Ollama: message.thinking.
-        let req = Ollama::Chat.parse(&chat).unwrap();
+        let req = Ollama::Chat
+            .parse(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+            .unwrap();
         assert_eq!(
             Ollama::Chat.answer(&req, &collected)["message"]["thinking"],
             "The user greets."

@@ -5,30 +5,28 @@
 //!
 //! ```text
 //!  messages + ToolSet ─► render: the model's template with `tools` (when it
-//!                        speaks the <tool_call> syntax) or the generic prompt
-//!                     ─► grammar(): start: calls | TEXT (auto), start: calls (required, named)
-//!                                   call: "<tool_call>\n" %json{name + arguments schema} "\n</tool_call>"
-//!  text pieces ─► CallDetector ─► text for the client, or ToolCall { id, name, arguments }
+//!                        speaks a call syntax of its own) or the generic prompt
+//!                     ─► grammar(syntax): start: calls | TEXT (auto), start: calls (required, named)
+//!                                         calls in the syntax, each %json{name + arguments schema}
+//!  text pieces ─► CallDetector(syntax) ─► text for the client, or ToolCall { id, name, arguments }
 //! ```
 //!
-//! The call syntax is the one Hermes-style templates use (Qwen 2.5 and 3
-//! among them): one JSON object `{"name": …, "arguments": {…}}` between
-//! `<tool_call>` and `</tool_call>`. A template that renders `tools` and
-//! speaks that syntax is used as is; any other template gets the generic
-//! prompt ([`ToolSet::instructions`]) in its system message, tool results
-//! as user messages inside `<tool_response>`, and earlier calls written in
-//! the same syntax.
+//! A template that renders `tools` and speaks one of the syntaxes of
+//! [`CallSyntax`] (Hermes `<tool_call>` tags: Qwen 2.5 and 3 among others;
+//! Llama 3's bare JSON; Mistral's `[TOOL_CALLS]`) is used as is, and the
+//! answer is written and read in that syntax. Any other template gets the
+//! generic prompt ([`ToolSet::instructions`]) in its system message, tool
+//! results as user messages inside `<tool_response>`, and earlier calls
+//! written in the Hermes syntax, which answers use too.
+
+mod syntax;
 
 use serde_json::{Value, json};
 
+pub use self::syntax::{CLOSE, CallSyntax, MISTRAL_CALLS, OPEN, PYTHON_TAG};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Grammar, json_layout};
 use crate::error::{Error, Result};
-
-/// Opens a call in the answer.
-pub const OPEN: &str = "<tool_call>";
-/// Closes a call.
-pub const CLOSE: &str = "</tool_call>";
 
 /// A tool (function) the model may call.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,18 +104,19 @@ impl ToolSet {
         Ok(())
     }
 
-    /// The schema of one call: the name of a callable tool and its
-    /// arguments, laid out as the JSON grammar lays out any JSON.
-    fn call_schema(&self) -> Value {
+    /// The schema of one call in `syntax`: the name of a callable tool and
+    /// its arguments, laid out as the JSON grammar lays out any JSON.
+    fn call_schema(&self, syntax: CallSyntax) -> Value {
         let callable: Vec<&Tool> = match &self.choice {
             ToolChoice::Function(name) => self.tools.iter().filter(|t| &t.name == name).collect(),
             _ => self.tools.iter().collect(),
         };
+        let key = syntax.arguments_key();
         let one = |t: &Tool| {
             json!({
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t.name}, key: t.parameters},
+                "required": ["name", key],
                 "additionalProperties": false,
             })
         };
@@ -127,22 +126,15 @@ impl ToolSet {
         })
     }
 
-    /// The grammar of an answer: calls only when one is required; with
-    /// `auto`, either calls or text that does not start with `<`.
-    pub fn grammar(&self) -> Grammar {
-        let calls = if self.parallel {
-            "calls: call (\"\\n\" call)*"
-        } else {
-            "calls: call"
-        };
-        let start = match self.choice {
-            ToolChoice::Auto => "start: calls | TEXT\nTEXT: /[^<\\s][\\s\\S]*/",
-            _ => "start: calls",
-        };
-        Grammar::Lark(format!(
-            "{start}\n{calls}\ncall: \"{OPEN}\\n\" %json {} \"\\n{CLOSE}\"\n",
-            self.call_schema()
-        ))
+    /// The grammar of an answer in `syntax`: calls only when one is
+    /// required; with `auto`, either calls or text that does not start as
+    /// calls do.
+    pub fn grammar(&self, syntax: CallSyntax) -> Grammar {
+        let (calls, text) = syntax.rules(&self.call_schema(syntax), self.parallel);
+        Grammar::Lark(match self.choice {
+            ToolChoice::Auto => format!("start: calls | TEXT\n{text}{calls}"),
+            _ => format!("start: calls\n{calls}"),
+        })
     }
 
     /// The tools as OpenAI-style function objects (what templates read).
@@ -182,31 +174,16 @@ impl ToolSet {
     }
 }
 
-/// Whether `template` presents tools itself in the `<tool_call>` syntax.
-pub fn template_speaks_tools(template: &ChatTemplate) -> bool {
-    let source = template.source();
-    source.contains("tools") && source.contains(OPEN)
-}
-
-/// A call written in the answer's syntax (for earlier turns).
-fn call_text(c: &ToolCall) -> String {
-    let arguments: Value = serde_json::from_str(&c.arguments).unwrap_or(Value::Null);
-    format!(
-        "{OPEN}\n{}\n{CLOSE}",
-        json!({"name": c.name, "arguments": arguments})
-    )
-}
-
 /// Renders a conversation that offers `tools` (or, without them, one that
 /// holds earlier calls and results): with the model's own template when it
-/// presents tools in the `<tool_call>` syntax, otherwise with the generic
-/// prompt in the system message.
+/// presents tools in a syntax of its own ([`CallSyntax::native`]),
+/// otherwise with the generic prompt in the system message.
 pub fn render(
     template: &ChatTemplate,
     messages: &[ChatMessage],
     tools: Option<&ToolSet>,
 ) -> Result<String> {
-    if template_speaks_tools(template) {
+    if let Some(syntax) = CallSyntax::native(template) {
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -218,13 +195,13 @@ pub fn render(
                         .map(|c| {
                             let arguments: Value =
                                 serde_json::from_str(&c.arguments).unwrap_or(Value::Null);
-                            json!({"id": c.id, "type": "function",
+                            json!({"id": syntax.template_id(&c.id), "type": "function",
                                    "function": {"name": c.name, "arguments": arguments}})
                         })
                         .collect();
                 }
                 if let Some(id) = &m.tool_call_id {
-                    v["tool_call_id"] = json!(id);
+                    v["tool_call_id"] = json!(syntax.template_id(id));
                 }
                 v
             })
@@ -259,7 +236,7 @@ pub fn render(
                 if !content.is_empty() {
                     content.push('\n');
                 }
-                content.push_str(&call_text(c));
+                content.push_str(&CallSyntax::Hermes.call_text(c));
             }
             out.push(ChatMessage::new(m.role.clone(), content));
         } else {
@@ -282,21 +259,17 @@ enum Mode {
 /// closes, then returned parsed.
 #[derive(Debug)]
 pub struct CallDetector {
+    syntax: CallSyntax,
     mode: Mode,
     pending: String,
     calls: usize,
 }
 
-impl Default for CallDetector {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl CallDetector {
-    /// A detector at the start of an answer.
-    pub fn new() -> Self {
+    /// A detector at the start of an answer written in `syntax`.
+    pub fn new(syntax: CallSyntax) -> Self {
         CallDetector {
+            syntax,
             mode: Mode::Undecided,
             pending: String::new(),
             calls: 0,
@@ -316,26 +289,16 @@ impl CallDetector {
         }
         self.pending.push_str(text);
         if self.mode == Mode::Undecided {
-            let t = self.pending.trim_start();
-            if t.starts_with(OPEN) {
-                self.mode = Mode::Calls;
-            } else if t.is_empty() || OPEN.starts_with(t) {
-                return Ok((String::new(), Vec::new()));
-            } else {
-                self.mode = Mode::Text;
-                return Ok((std::mem::take(&mut self.pending), Vec::new()));
+            match self.syntax.starts_calls(&self.pending) {
+                Some(true) => self.mode = Mode::Calls,
+                None => return Ok((String::new(), Vec::new())),
+                Some(false) => {
+                    self.mode = Mode::Text;
+                    return Ok((std::mem::take(&mut self.pending), Vec::new()));
+                }
             }
         }
-        let mut calls = Vec::new();
-        while let Some(start) = self.pending.find(OPEN)
-            && let Some(len) = self.pending[start..].find(CLOSE)
-        {
-            let body = self.pending[start + OPEN.len()..start + len]
-                .trim()
-                .to_string();
-            self.pending.drain(..start + len + CLOSE.len());
-            calls.push(parse_call(&body)?);
-        }
+        let calls = self.syntax.take_calls(&mut self.pending)?;
         self.calls += calls.len();
         Ok((String::new(), calls))
     }
@@ -352,33 +315,12 @@ impl CallDetector {
     }
 }
 
-/// A call's JSON: `{"name": …, "arguments": {…}}`, with a fresh id.
-fn parse_call(body: &str) -> Result<ToolCall> {
-    let v: Value = serde_json::from_str(body)
-        .map_err(|e| Error::InvalidInput(format!("a tool call is not JSON ({e}): {body}")))?;
-    let name = v["name"]
-        .as_str()
-        .ok_or_else(|| Error::InvalidInput(format!("a tool call names no tool: {body}")))?;
-    let arguments = match &v["arguments"] {
-        Value::String(s) => s.clone(),
-        Value::Null => "{}".to_string(),
-        a => a.to_string(),
-    };
-    let id: String = (0..24)
-        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
-        .collect();
-    Ok(ToolCall {
-        id: format!("call_{id}"),
-        name: name.to_string(),
-        arguments,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn weather() -> ToolSet {
+    /// A required call of `get_weather(city)`.
+    pub(super) fn weather(parallel: bool) -> ToolSet {
         ToolSet {
             tools: vec![Tool {
                 name: "get_weather".into(),
@@ -387,13 +329,13 @@ mod tests {
                                    "required": ["city"]}),
             }],
             choice: ToolChoice::Required,
-            parallel: false,
+            parallel,
         }
     }
 
     #[test]
     fn calls_are_told_from_text_as_the_answer_streams() {
-        let mut d = CallDetector::new();
+        let mut d = CallDetector::new(CallSyntax::Hermes);
         let mut calls = Vec::new();
         for piece in [
             "  <tool",
@@ -414,23 +356,23 @@ mod tests {
         assert!(d.called());
         assert_eq!(d.finish(), (String::new(), false));
         // A call the limit cut short is dropped, and says so.
-        let mut d = CallDetector::new();
+        let mut d = CallDetector::new(CallSyntax::Hermes);
         let (_, whole) = d
             .push("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"na")
             .unwrap();
         assert_eq!(whole.len(), 1);
         assert_eq!(d.finish(), (String::new(), true));
 
-        let mut d = CallDetector::new();
+        let mut d = CallDetector::new(CallSyntax::Hermes);
         assert_eq!(d.push("<to").unwrap().0, "");
         assert_eq!(d.push("day is sunny").unwrap().0, "<today is sunny");
         assert_eq!(d.push(", warm").unwrap().0, ", warm");
         assert!(!d.called());
-        let mut d = CallDetector::new();
+        let mut d = CallDetector::new(CallSyntax::Hermes);
         assert_eq!(d.push("<tool_ca").unwrap().0, "");
         assert_eq!(d.finish(), ("<tool_ca".to_string(), false));
         assert!(
-            CallDetector::new()
+            CallDetector::new(CallSyntax::Hermes)
                 .push("<tool_call>nope</tool_call>")
                 .is_err()
         );
@@ -450,14 +392,14 @@ mod tests {
 
     #[test]
     fn tool_sets_are_checked() {
-        weather().validate().unwrap();
-        let mut bad = weather();
+        weather(false).validate().unwrap();
+        let mut bad = weather(false);
         bad.choice = ToolChoice::Function("nope".into());
         assert!(bad.validate().unwrap_err().to_string().contains("nope"));
-        let mut bad = weather();
+        let mut bad = weather(false);
         bad.tools.push(bad.tools[0].clone());
         assert!(bad.validate().is_err());
-        let mut bad = weather();
+        let mut bad = weather(false);
         bad.tools[0].parameters = json!([1]);
         assert!(bad.validate().is_err());
     }
@@ -470,7 +412,7 @@ mod tests {
             "",
         )
         .unwrap();
-        assert!(!template_speaks_tools(&template));
+        assert_eq!(CallSyntax::native(&template), None);
         let messages = vec![
             ChatMessage::new("user", "Weather in Paris?"),
             called_paris(),
@@ -479,7 +421,7 @@ mod tests {
                 ..ChatMessage::new("tool", "22 C")
             },
         ];
-        let text = render(&template, &messages, Some(&weather())).unwrap();
+        let text = render(&template, &messages, Some(&weather(false))).unwrap();
         assert!(text.starts_with("[system]You can call tools"), "{text}");
         assert!(text.contains("\"name\":\"get_weather\""), "{text}");
         assert!(text.contains("[assistant]<tool_call>\n{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}\n</tool_call>")
@@ -499,9 +441,9 @@ mod tests {
             "",
         )
         .unwrap();
-        assert!(template_speaks_tools(&template));
+        assert_eq!(CallSyntax::native(&template), Some(CallSyntax::Hermes));
         let messages = vec![ChatMessage::new("user", "Weather?"), called_paris()];
-        let text = render(&template, &messages, Some(&weather())).unwrap();
+        let text = render(&template, &messages, Some(&weather(false))).unwrap();
         assert!(text.starts_with("<tools>get_weather;</tools>"), "{text}");
         assert!(
             text.contains(r#"<tool_call>{"city":"Paris"}</tool_call>"#)
