@@ -18,6 +18,9 @@
 //! The [`Store`] keeps the last [`STORED_RESPONSES`] responses and at most
 //! [`STORED_BYTES`](crate::conversations::STORED_BYTES) of text in the gateway's memory; a response older than
 //! that, or kept by another gateway replica, is not found (400).
+//!
+//! This file parses requests and builds whole responses; [`stream`] writes
+//! a response's events as its answer comes.
 
 use std::sync::Arc;
 
@@ -25,14 +28,16 @@ use futures::stream::BoxStream;
 use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
+mod stream;
+
 use super::fields::{
     array, chat_message, float, function_tool, known_only, max_tokens, model, only_value, tool_set,
     uint,
 };
 use super::openai::{OpenAi, response_format};
-use super::{Collected, Dialect, Request, chunked, id, now_secs, sse};
+use super::{Collected, Dialect, Request, id, now_secs};
 use crate::conversations::{STORED_RESPONSES, Store};
-use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
+use crate::protocol::{ApiError, Events, Finish, Input, Prompt};
 
 /// The Responses API, with the store its conversations continue from.
 #[derive(Clone, Default)]
@@ -453,251 +458,7 @@ impl Dialect for Responses {
         _prompt_tokens: u32,
         events: Events,
     ) -> BoxStream<'static, String> {
-        let mut s = Streamed {
-            api: self.clone(),
-            req: Request {
-                model: req.model.clone(),
-                prompt: req.prompt.clone(),
-                stream: true,
-                include_usage: true,
-                context: req.context.clone(),
-            },
-            id: id("resp_"),
-            created: now_secs(),
-            sequence: 0,
-            output: Vec::new(),
-            open: None,
-            thinking: None,
-            calls: Vec::new(),
-            text: String::new(),
-        };
-        let opening = vec![
-            s.event(
-                "response.created",
-                json!({"response": s.snapshot("in_progress")}),
-            ),
-            s.event(
-                "response.in_progress",
-                json!({"response": s.snapshot("in_progress")}),
-            ),
-        ];
-        chunked(opening, events, move |e| match e {
-            Ok(Event::Text(t)) => s.text(&t),
-            Ok(Event::Reasoning(r)) => s.reasoning(&r),
-            // Not asked for: `include` is refused.
-            Ok(Event::Logprobs(_)) => Vec::new(),
-            Ok(Event::ToolCall(c)) => s.call(c),
-            Ok(Event::Done {
-                finish,
-                prompt_tokens,
-                completion_tokens,
-            }) => s.done(finish, prompt_tokens, completion_tokens),
-            Err(e) => vec![s.event(
-                "error",
-                json!({"code": null, "message": e.message, "param": null}),
-            )],
-        })
-    }
-}
-
-/// A message item being streamed: its id and text so far.
-struct OpenMessage {
-    id: String,
-    text: String,
-}
-
-/// A response as it streams: the items done, the message under way, and
-/// what the store will keep.
-struct Streamed {
-    api: Responses,
-    req: Request,
-    id: String,
-    created: i64,
-    sequence: u64,
-    output: Vec<Value>,
-    open: Option<OpenMessage>,
-    thinking: Option<OpenMessage>,
-    calls: Vec<dp::ToolCall>,
-    text: String,
-}
-
-impl Streamed {
-    fn event(&mut self, kind: &str, mut body: Value) -> String {
-        body["type"] = json!(kind);
-        body["sequence_number"] = json!(self.sequence);
-        self.sequence += 1;
-        sse(Some(kind), &body)
-    }
-
-    fn snapshot(&self, state: &str) -> Value {
-        response(
-            &self.req,
-            &self.id,
-            self.created,
-            (state, Value::Null),
-            self.output.clone(),
-            Value::Null,
-        )
-    }
-
-    fn reasoning(&mut self, r: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        let index = self.output.len();
-        if self.thinking.is_none() {
-            let item = id("rs_");
-            out.push(self.event(
-                "response.output_item.added",
-                json!({"output_index": index, "item": {"type": "reasoning", "id": item,
-                       "status": "in_progress", "summary": [], "content": []}}),
-            ));
-            self.thinking = Some(OpenMessage {
-                id: item,
-                text: String::new(),
-            });
-        }
-        let item = self
-            .thinking
-            .as_ref()
-            .map(|m| m.id.clone())
-            .unwrap_or_default();
-        out.push(self.event(
-            "response.reasoning_text.delta",
-            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": r}),
-        ));
-        if let Some(m) = self.thinking.as_mut() {
-            m.text.push_str(r);
-        }
-        out
-    }
-
-    /// Ends the reasoning under way, if any.
-    fn close_reasoning(&mut self) -> Vec<String> {
-        let Some(m) = self.thinking.take() else {
-            return Vec::new();
-        };
-        let index = self.output.len();
-        let item = reasoning_item(&m.id, &m.text, "completed");
-        let out = vec![
-            self.event(
-                "response.reasoning_text.done",
-                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text}),
-            ),
-            self.event(
-                "response.output_item.done",
-                json!({"output_index": index, "item": item}),
-            ),
-        ];
-        self.output.push(item);
-        out
-    }
-
-    fn text(&mut self, t: &str) -> Vec<String> {
-        let mut out = self.close_reasoning();
-        let index = self.output.len();
-        if self.open.is_none() {
-            let item = id("msg_");
-            out.push(self.event(
-                "response.output_item.added",
-                json!({"output_index": index, "item": {"type": "message", "id": item,
-                       "status": "in_progress", "role": "assistant", "content": []}}),
-            ));
-            out.push(self.event(
-                "response.content_part.added",
-                json!({"item_id": item, "output_index": index, "content_index": 0,
-                       "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
-            ));
-            self.open = Some(OpenMessage {
-                id: item,
-                text: String::new(),
-            });
-        }
-        let item = self.open.as_ref().map(|m| m.id.clone()).unwrap_or_default();
-        out.push(self.event(
-            "response.output_text.delta",
-            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}),
-        ));
-        if let Some(m) = self.open.as_mut() {
-            m.text.push_str(t);
-        }
-        self.text.push_str(t);
-        out
-    }
-
-    /// Ends the message under way, if any.
-    fn close(&mut self) -> Vec<String> {
-        let Some(m) = self.open.take() else {
-            return Vec::new();
-        };
-        let index = self.output.len();
-        let item = message_item(&m.id, &m.text, "completed");
-        let out = vec![
-            self.event(
-                "response.output_text.done",
-                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text, "logprobs": []}),
-            ),
-            self.event(
-                "response.content_part.done",
-                json!({"item_id": m.id, "output_index": index, "content_index": 0, "part": item["content"][0]}),
-            ),
-            self.event("response.output_item.done", json!({"output_index": index, "item": item})),
-        ];
-        self.output.push(item);
-        out
-    }
-
-    fn call(&mut self, c: dp::ToolCall) -> Vec<String> {
-        let mut out = self.close_reasoning();
-        out.extend(self.close());
-        let index = self.output.len();
-        let item = id("fc_");
-        out.push(self.event(
-            "response.output_item.added",
-            json!({"output_index": index, "item": call_item(&item, &c, "", "in_progress")}),
-        ));
-        out.push(self.event(
-            "response.function_call_arguments.delta",
-            json!({"item_id": item, "output_index": index, "delta": c.arguments}),
-        ));
-        out.push(self.event(
-            "response.function_call_arguments.done",
-            json!({"item_id": item, "output_index": index, "name": c.name, "arguments": c.arguments}),
-        ));
-        let done = call_item(&item, &c, &c.arguments, "completed");
-        out.push(self.event(
-            "response.output_item.done",
-            json!({"output_index": index, "item": done}),
-        ));
-        self.output.push(done);
-        self.calls.push(c);
-        out
-    }
-
-    fn done(&mut self, finish: Finish, prompt: u32, completion: u32) -> Vec<String> {
-        // An answer always has a message or a call, if only an empty
-        // message.
-        let mut out = if self.open.is_none() && self.text.is_empty() && self.calls.is_empty() {
-            self.text("")
-        } else {
-            Vec::new()
-        };
-        out.extend(self.close());
-        self.api.keep(&self.req, &self.id, &self.text, &self.calls);
-        let state = status(finish);
-        let kind = if state.0 == "completed" {
-            "response.completed"
-        } else {
-            "response.incomplete"
-        };
-        let whole = response(
-            &self.req,
-            &self.id,
-            self.created,
-            state,
-            self.output.clone(),
-            usage(prompt, completion),
-        );
-        out.push(self.event(kind, json!({"response": whole})));
-        out
+        stream::stream(self, req, events)
     }
 }
 
@@ -705,6 +466,7 @@ impl Streamed {
 mod tests {
     use super::super::tests::{call, streamed};
     use super::*;
+    use crate::protocol::Event;
 
     fn weather() -> Value {
         json!({"type": "function", "name": "get_weather", "strict": true,
