@@ -324,6 +324,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
         && (l.spec.layers.start, l.spec.layers.end) == layers
+        && l.spec.chat_template == shard.spec.chat_template
     {
         return;
     }
@@ -556,7 +557,11 @@ async fn bring_up(
         };
         let file = GgufFile::open(&path)?;
         let text = if layout.is_first() {
-            Some(Arc::new(TextModel::from_gguf(&file)?))
+            let text = TextModel::from_gguf(&file)?;
+            Some(Arc::new(match &spec.chat_template {
+                Some(source) => text.with_template(text.template.with_source(source)?),
+                None => text,
+            }))
         } else {
             None
         };
@@ -576,6 +581,7 @@ async fn bring_up(
             | shardplane_engine::Error::UnsupportedTensorType { .. } => "UnsupportedModel",
             shardplane_engine::Error::LayerRange { .. } => "LayerRangeDoesNotFit",
             shardplane_engine::Error::Io { .. } => "WeightsUnreadable",
+            shardplane_engine::Error::ChatTemplate(_) => "InvalidChatTemplate",
             _ => "LoadFailed",
         },
         message: e.to_string(),
@@ -584,7 +590,7 @@ async fn bring_up(
     let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1), sources.budget);
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
-    shards.loaded.lock().expect("shard set lock").insert(
+    let replaced = shards.loaded.lock().expect("shard set lock").insert(
         k.clone(),
         Arc::new(ServedStage {
             namespace: k.0,
@@ -594,6 +600,12 @@ async fn bring_up(
             text,
         }),
     );
+    // A new spec (other layers, another template) replaced a loaded stage:
+    // its sequences finish on the old one, which then goes.
+    if let Some(old) = replaced {
+        metrics.weight_bytes.sub(old.worker.weight_bytes as i64);
+        sources.cache.unpin(&old.spec.source.cache_key());
+    }
     Ok(bytes)
 }
 

@@ -76,6 +76,7 @@ fn conversation(text: &str) -> Option<dp::generate_request::Input> {
             content: text.into(),
             ..Default::default()
         }],
+        ..Default::default()
     }))
 }
 

@@ -88,14 +88,24 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     let mut agent_a = Some(agent(&a));
     let _agent_b = agent(&b);
 
-    // The model, five deployments (names are unique to this test: served
+    // The model (and the same weights with a chat template that opens
+    // reasoning), six deployments (names are unique to this test: served
     // names are global), and the Shards an operator would have made.
     let mut model = fixtures::model("gw-model");
     model.spec.served_name = Some(format!("{tag}-model"));
-    Api::<Model>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &model)
-        .await
-        .unwrap();
+    let thinking_template = std::fs::read_to_string(
+        shardplane_testkit::repo_root().join("engine/tests/fixtures/chat_templates/thinking.jinja"),
+    )
+    .unwrap();
+    let mut thinker = fixtures::model("gw-thinker");
+    thinker.spec.served_name = Some(format!("{tag}-thinker"));
+    thinker.spec.chat_template = Some(thinking_template.clone());
+    for m in [&model, &thinker] {
+        Api::<Model>::namespaced(client.clone(), &ns)
+            .create(&PostParams::default(), m)
+            .await
+            .unwrap();
+    }
     let names = |s: &str| format!("{tag}-{s}");
     let provider_listen = free_address().to_string();
     let secret = Secret {
@@ -133,6 +143,11 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
             })],
         ),
         deployment("none", &names("none"), vec![]),
+        {
+            let mut d = deployment("think", &names("think"), vec![]);
+            d.spec.model = "gw-thinker".into();
+            d
+        },
     ] {
         deployments
             .create(&PostParams::default(), &d)
@@ -150,16 +165,26 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
         .as_mut()
         .unwrap()
         .insert(INSTANCE_LABEL.into(), "1".into());
+    let mut think = fixtures::shard("think", &b, 0, 1, whole);
+    think.spec.model = "gw-thinker".into();
+    think.spec.chat_template = Some(thinking_template);
     for s in [
         fixtures::shard("daily", &a, 0, 1, whole),
         replica_b,
+        think,
         fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 15 }),
         fixtures::shard("pipe", &b, 1, 2, LayerRange { start: 15, end: 30 }),
     ] {
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
     let mut endpoints = std::collections::BTreeMap::new();
-    for name in ["daily-0-0", "daily-1-0", "pipe-0-0", "pipe-0-1"] {
+    for name in [
+        "daily-0-0",
+        "daily-1-0",
+        "pipe-0-0",
+        "pipe-0-1",
+        "think-0-0",
+    ] {
         let e = shardplane_testkit::eventually(&format!("{name} is Ready"), WAIT, || async {
             let st = shards.get(name).await.ok()?.status?;
             (st.phase == Some(ShardPhase::Ready)).then_some(st.endpoint?)
@@ -186,8 +211,9 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     wait_http(&base).await;
     wait_http(&format!("http://{provider_listen}")).await;
 
-    // The official clients, then a real agent framework, unchanged.
-    for script in ["gateway_clients.py", "agent_framework.py"] {
+    // The official clients, a real agent framework, unchanged, and the
+    // thinking switches on a model whose template opens reasoning.
+    for script in ["thinking.py", "gateway_clients.py", "agent_framework.py"] {
         let out = tokio::process::Command::new(&python)
             .arg(format!(
                 "{}/tests/clients/{script}",
@@ -200,6 +226,7 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
             .env("EMPTY", names("empty"))
             .env("BURST", names("burst"))
             .env("NONE", names("none"))
+            .env("THINK", names("think"))
             .output()
             .await
             .unwrap();

@@ -154,6 +154,11 @@ impl Validate for Model {
                 "must be at least 1".into()
             });
         }
+        if let Some(t) = &self.spec.chat_template {
+            c.check(!t.trim().is_empty(), "spec.chatTemplate", || {
+                "must not be blank (leave it out to use the weights' template)".into()
+            });
+        }
         c.finish()
     }
 }

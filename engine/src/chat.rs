@@ -1,12 +1,76 @@
 //! Chat templates: the Jinja template a model ships (GGUF
 //! `tokenizer.chat_template`), rendered with minijinja for OpenAI-style messages.
+//!
+//! ```text
+//!  messages, tools ─┐
+//!  ChatOptions ─────┼─► template ─► prompt text ─► (thinking off and the
+//!  (vars, thinking) │                              text opens <think>?
+//!  bos, eos ────────┘                              then "</think>" closes it)
+//! ```
 
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 use shardplane_formats::GgufHeader;
 
 use crate::error::{Error, Result};
+use crate::reasoning::{THINK_CLOSE, prompt_opens_reasoning};
 use crate::tools::ToolCall;
+
+/// The names a template always gets, which a request cannot set.
+const STANDARD_VARS: &[&str] = &[
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
+/// How a conversation is rendered besides its messages and tools.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatOptions {
+    vars: serde_json::Map<String, serde_json::Value>,
+    thinking: Option<bool>,
+}
+
+impl ChatOptions {
+    /// Options with extra template variables (a request's
+    /// `chat_template_kwargs`) and whether the model may reason (`None`:
+    /// the template's default). `enable_thinking` among `vars` is read as
+    /// `thinking`; the two must agree.
+    pub fn new(
+        mut vars: serde_json::Map<String, serde_json::Value>,
+        thinking: Option<bool>,
+    ) -> Result<Self> {
+        if let Some(name) = vars.keys().find(|k| STANDARD_VARS.contains(&k.as_str())) {
+            return Err(Error::InvalidInput(format!(
+                "the chat template variable `{name}` is the gateway's to set"
+            )));
+        }
+        let from_vars = match vars.remove("enable_thinking") {
+            None => None,
+            Some(serde_json::Value::Bool(b)) => Some(b),
+            Some(other) => {
+                return Err(Error::InvalidInput(format!(
+                    "the chat template variable `enable_thinking` must be true or false, not {other}"
+                )));
+            }
+        };
+        let thinking = match (thinking, from_vars) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(Error::InvalidInput(
+                    "`enable_thinking` contradicts the request's thinking setting".into(),
+                ));
+            }
+            (a, b) => a.or(b),
+        };
+        Ok(ChatOptions { vars, thinking })
+    }
+
+    /// Whether the model may reason (`None`: the template decides).
+    pub fn thinking(&self) -> Option<bool> {
+        self.thinking
+    }
+}
 
 /// ChatML, for models that ship no template.
 const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -97,6 +161,12 @@ impl ChatTemplate {
         Self::new(source, bos_token, eos_token)
     }
 
+    /// Another template (given apart from the model's files) with the same
+    /// BOS and EOS tokens.
+    pub fn with_source(&self, source: &str) -> Result<Self> {
+        Self::new(source, &self.bos_token, &self.eos_token)
+    }
+
     /// The template's Jinja source.
     pub fn source(&self) -> &str {
         &self.source
@@ -105,18 +175,34 @@ impl ChatTemplate {
     /// Renders a conversation; with `add_generation_prompt` the text ends where
     /// the assistant's reply begins.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &ChatOptions::default())
+    }
+
+    /// [`Self::render`] with options.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        options: &ChatOptions,
+    ) -> Result<String> {
         let messages =
             serde_json::to_value(messages).map_err(|e| Error::ChatTemplate(e.to_string()))?;
-        self.render_json(&messages, None, add_generation_prompt)
+        self.render_json(&messages, None, add_generation_prompt, options)
     }
 
     /// Renders messages given as JSON (OpenAI's shapes, `tool_calls`
     /// included), with `tools` (OpenAI function objects) when given.
+    ///
+    /// With thinking off, the template gets `enable_thinking = false` (as
+    /// Qwen 3's reads it), and a generation prompt that still opens
+    /// reasoning (R1-style templates end in `<think>`) is closed at once,
+    /// so the answer starts after an empty reasoning.
     pub fn render_json(
         &self,
         messages: &serde_json::Value,
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
+        options: &ChatOptions,
     ) -> Result<String> {
         if messages.as_array().is_none_or(|m| m.is_empty()) {
             return Err(Error::ChatTemplate(
@@ -124,21 +210,114 @@ impl ChatTemplate {
             ));
         }
         let template = self.env.get_template("chat").expect("added in new");
-        let base = context! {
+        let mut vars = options.vars.clone();
+        if let Some(t) = options.thinking {
+            vars.insert("enable_thinking".into(), t.into());
+        }
+        // `tools` is left undefined when there are none, as templates expect.
+        if let Some(t) = tools {
+            vars.insert("tools".into(), t.clone());
+        }
+        let ctx = context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
+            ..minijinja::Value::from(minijinja::value::Serde(&vars))
         };
-        // `tools` is left undefined when there are none, as templates expect.
-        let ctx = match tools {
-            Some(t) => {
-                context! { tools => minijinja::Value::from(minijinja::value::Serde(t)), ..base }
-            }
-            None => base,
-        };
-        template
+        let mut text = template
             .render(ctx)
-            .map_err(|e| Error::ChatTemplate(e.to_string()))
+            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        if add_generation_prompt && options.thinking == Some(false) && prompt_opens_reasoning(&text)
+        {
+            text.truncate(text.trim_end().len());
+            text.push_str("\n\n");
+            text.push_str(THINK_CLOSE);
+            text.push_str("\n\n");
+        }
+        Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Qwen 3's switch: an empty reasoning when `enable_thinking` is false.
+    const HYBRID: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}{{ style | default('') }}";
+    /// R1's: the generation prompt always opens reasoning.
+    const OPENS: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: <think>\n{% endif %}";
+
+    fn vars(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn thinking_off_reaches_the_template_or_closes_the_opened_reasoning() {
+        let hi = [ChatMessage::new("user", "Hi")];
+        let off = ChatOptions::new(Default::default(), Some(false)).unwrap();
+        let on = ChatOptions::new(Default::default(), Some(true)).unwrap();
+        let hybrid = ChatTemplate::new(HYBRID, "", "").unwrap();
+        assert!(
+            hybrid
+                .render_with(&hi, true, &off)
+                .unwrap()
+                .ends_with("assistant\n<think>\n\n</think>\n\n")
+        );
+        for options in [&on, &ChatOptions::default()] {
+            assert!(
+                hybrid
+                    .render_with(&hi, true, options)
+                    .unwrap()
+                    .ends_with("assistant\n")
+            );
+        }
+        let opens = ChatTemplate::new(OPENS, "", "").unwrap();
+        assert!(
+            opens
+                .render_with(&hi, true, &on)
+                .unwrap()
+                .ends_with("assistant: <think>\n")
+        );
+        let closed = opens.render_with(&hi, true, &off).unwrap();
+        assert!(
+            closed.ends_with("assistant: <think>\n\n</think>\n\n"),
+            "{closed:?}"
+        );
+        assert!(!prompt_opens_reasoning(&closed));
+        // Without a generation prompt nothing is added.
+        assert!(
+            opens
+                .render_with(&hi, false, &off)
+                .unwrap()
+                .ends_with("user: Hi\n")
+        );
+    }
+
+    #[test]
+    fn extra_variables_reach_the_template_and_standard_names_are_refused() {
+        let hi = [ChatMessage::new("user", "Hi")];
+        let t = ChatTemplate::new(HYBRID, "", "").unwrap();
+        let o = ChatOptions::new(vars(json!({"style": "terse"})), None).unwrap();
+        assert!(t.render_with(&hi, true, &o).unwrap().ends_with("terse"));
+        // enable_thinking among the variables is the thinking switch.
+        let o = ChatOptions::new(vars(json!({"enable_thinking": false})), None).unwrap();
+        assert_eq!(o.thinking(), Some(false));
+        assert_eq!(
+            ChatOptions::new(vars(json!({"enable_thinking": true})), Some(true))
+                .unwrap()
+                .thinking(),
+            Some(true)
+        );
+        for (v, thinking, says) in [
+            (json!({"messages": []}), None, "`messages`"),
+            (json!({"bos_token": "x"}), None, "`bos_token`"),
+            (json!({"enable_thinking": "no"}), None, "true or false"),
+            (json!({"enable_thinking": true}), Some(false), "contradicts"),
+        ] {
+            let e = ChatOptions::new(vars(v), thinking).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
     }
 }

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::candle::CandleStage;
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use crate::constraint::{Constraint, Grammar, Grammars};
 use crate::error::{Error, Result};
 pub use crate::generation::FinishReason;
@@ -396,9 +396,7 @@ impl TextModel {
 
     /// Token ids of a conversation, ready for the assistant's reply.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.template.render(messages, true)?;
-        // The template writes BOS itself where the model wants it.
-        self.tokenizer.encode(&text, false)
+        self.conversation_prompt(messages, None, &ChatOptions::default())
     }
 
     /// Token ids of a chat prompt that offers `tools`, or holds earlier tool
@@ -408,7 +406,24 @@ impl TextModel {
         messages: &[ChatMessage],
         tools: Option<&crate::tools::ToolSet>,
     ) -> Result<Vec<u32>> {
-        let text = crate::tools::render(&self.template, messages, tools)?;
+        self.conversation_prompt(messages, tools, &ChatOptions::default())
+    }
+
+    /// Token ids of a conversation rendered with `options`: with the
+    /// tools' prompt when it offers `tools` or holds earlier calls and
+    /// results, with the plain template otherwise.
+    pub fn conversation_prompt(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&crate::tools::ToolSet>,
+        options: &ChatOptions,
+    ) -> Result<Vec<u32>> {
+        let text = if tools.is_some() || messages.iter().any(ChatMessage::is_tool_exchange) {
+            crate::tools::render(&self.template, messages, tools, options)?
+        } else {
+            self.template.render_with(messages, true, options)?
+        };
+        // The template writes BOS itself where the model wants it.
         self.tokenizer.encode(&text, false)
     }
 

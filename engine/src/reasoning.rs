@@ -74,6 +74,12 @@ impl ThinkSplitter {
         self.mode == Mode::Answer
     }
 
+    /// Whether the answer is inside its reasoning (opened and not yet
+    /// closed).
+    pub fn in_reasoning(&self) -> bool {
+        self.mode == Mode::Inside
+    }
+
     /// Takes the next piece of the answer: the reasoning and the answer's
     /// text it completes (text that may be part of a marker is held).
     pub fn push(&mut self, piece: &str) -> (String, String) {

@@ -69,8 +69,9 @@ fn body(ext: &ExternalEndpoint, prompt: &Prompt) -> (String, Value) {
         _ => {}
     }
     match &prompt.input {
-        Input::Chat(messages) => {
-            body["messages"] = messages
+        Input::Chat(c) => {
+            body["messages"] = c
+                .messages
                 .iter()
                 .map(|m| json!({"role": m.role, "content": m.content}))
                 .collect();
@@ -92,7 +93,8 @@ pub async fn start(
     prompt: &Prompt,
 ) -> Result<Answer, Failure> {
     let tool_exchange = match &prompt.input {
-        Input::Chat(messages) => messages
+        Input::Chat(c) => c
+            .messages
             .iter()
             .any(|m| !m.tool_calls.is_empty() || m.role == "tool"),
         Input::Text(_) => false,
@@ -101,6 +103,14 @@ pub async fn start(
         // Passed on without them, the answer would ignore the tools.
         return Err(Failure::Retry(format!(
             "{name}'s external endpoint is not given tools or tool results (not implemented)"
+        )));
+    }
+    if let Input::Chat(c) = &prompt.input
+        && !crate::apis::is_plain(c)
+    {
+        // Passed on without them, the answer would think when told not to.
+        return Err(Failure::Retry(format!(
+            "{name}'s external endpoint is not given thinking settings or template variables (not implemented)"
         )));
     }
     if prompt.sampling.logprobs.is_some() {

@@ -30,8 +30,9 @@ pub struct Prompt {
 #[derive(Debug, Clone)]
 pub enum Input {
     /// Messages (with earlier tool calls and results), rendered with the
-    /// model's chat template.
-    Chat(Vec<dp::ChatMessage>),
+    /// model's chat template (with the conversation's thinking setting and
+    /// template variables).
+    Chat(dp::Conversation),
     /// Text used as is.
     Text(String),
 }

@@ -113,6 +113,9 @@ struct Setup {
 }
 
 /// A model (the real test GGUF), two pools, two strategies and `n` nodes in both pools.
+/// The Model's chat template override, which the first stage gets.
+const TEMPLATE: &str = "{% for m in messages %}{{ m.content }}\n{% endfor %}";
+
 async fn setup(client: &Client, n: usize) -> Setup {
     let ns = control_plane().namespace(client, "op").await.unwrap();
     let tag = unique_name("t");
@@ -121,6 +124,7 @@ async fn setup(client: &Client, n: usize) -> Setup {
         path: shardplane_testkit::test_model().display().to_string(),
         sha256: None,
     });
+    model.spec.chat_template = Some(TEMPLATE.into());
     Api::<Model>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &model)
         .await
@@ -263,6 +267,12 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         stages[2].spec.previous.as_deref(),
         Some(stages[1].name_any().as_str())
     );
+    // Only the first stage renders conversations.
+    let templates: Vec<Option<&str>> = stages
+        .iter()
+        .map(|x| x.spec.chat_template.as_deref())
+        .collect();
+    assert_eq!(templates, [Some(TEMPLATE), None, None]);
     for sh in &stages {
         use shardplane_crds::validation::Validate;
         sh.validate().unwrap();

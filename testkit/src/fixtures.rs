@@ -28,6 +28,7 @@ pub fn model(name: &str) -> Model {
             format: ModelFormat::Gguf,
             served_name: None,
             max_context_length: None,
+            chat_template: None,
         },
         status: None,
     }
@@ -156,6 +157,7 @@ pub fn shard(
             engine: None,
             next: (stage + 1 < stage_count).then(|| name(stage + 1)),
             previous: (stage > 0).then(|| name(stage - 1)),
+            chat_template: None,
         },
         status: None,
     };

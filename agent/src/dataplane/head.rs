@@ -15,7 +15,7 @@ use shardplane_dataplane as dp;
 use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
-use shardplane_engine::reasoning::{ThinkSplitter, prompt_opens_reasoning};
+use shardplane_engine::reasoning::{THINK_CLOSE, ThinkSplitter, prompt_opens_reasoning};
 use shardplane_engine::sampler::{Logprobs, Sampler};
 use shardplane_engine::tools::{CallDetector, CallSyntax};
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
@@ -57,12 +57,9 @@ impl Service {
         let prompt = match &req.input {
             Some(Input::Chat(c)) => {
                 let messages: Vec<_> = c.messages.iter().map(wire::chat_message).collect();
-                if tools.is_some() || messages.iter().any(|m| m.is_tool_exchange()) {
-                    text.tool_prompt(&messages, tools.as_ref())
-                } else {
-                    text.chat_prompt(&messages)
-                }
-                .map_err(engine_status)?
+                let options = wire::chat_options(c)?;
+                text.conversation_prompt(&messages, tools.as_ref(), &options)
+                    .map_err(engine_status)?
             }
             Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
             Some(Input::Tokens(t)) => t.ids.clone(),
@@ -144,6 +141,10 @@ impl Service {
             request,
             tools: tools.is_some(),
             chat: matches!(req.input, Some(Input::Chat(_))),
+            thinking_budget: match &req.input {
+                Some(Input::Chat(c)) if c.thinking_budget > 0 => Some(c.thinking_budget as usize),
+                _ => None,
+            },
             banned,
             downstream,
             sampler: local_sampler,
@@ -177,6 +178,8 @@ struct Generation {
     /// Whether the input was a chat (the answer's reasoning, if the model
     /// writes any, is told from its text).
     chat: bool,
+    /// The most reasoning tokens, if bounded.
+    thinking_budget: Option<usize>,
     banned: Vec<u32>,
     downstream: Option<Downstream>,
     sampler: Option<Sampler>,
@@ -324,6 +327,7 @@ impl Generation {
                 Some(t) => t.push(&piece),
                 None => (String::new(), piece),
             };
+            let thinking = thoughts.as_ref().is_some_and(ThinkSplitter::in_reasoning);
             let (text, tool_calls) = match &mut calls {
                 Some(d) => d.push(&text).map_err(engine_status)?,
                 None => (text, Vec::new()),
@@ -332,10 +336,29 @@ impl Generation {
                 reasoning,
                 text,
                 tool_calls: tool_calls.into_iter().map(wire::tool_call).collect(),
+                thinking,
             })
         };
+        // A reasoning budget: once spent, the model is held, token by token,
+        // to the text that closes the reasoning. (An answer under a grammar
+        // is held to the grammar instead.)
+        let mut budget = self
+            .thinking_budget
+            .filter(|_| !self.request.is_constrained());
+        let close = match budget {
+            Some(_) => text
+                .tokenizer
+                .encode(&format!("\n{THINK_CLOSE}\n\n"), false)
+                .map_err(engine_status)?,
+            None => Vec::new(),
+        };
+        let mut forced = std::collections::VecDeque::new();
+        let mut inside = opened;
         while let Some(input) = decoder.next_input() {
-            let allowed = decoder.allowed().map_err(engine_status)?;
+            let allowed = match forced.pop_front() {
+                Some(t) => Some(TokenMask::of(&[t])),
+                None => decoder.allowed().map_err(engine_status)?,
+            };
             let (token, logprobs) = self.step(input, allowed).await?;
             first_token_at.get_or_insert_with(Instant::now);
             self.metrics.generated_tokens.inc();
@@ -348,7 +371,18 @@ impl Generation {
                 reasoning,
                 text,
                 tool_calls,
+                thinking,
             } = split(piece.text)?;
+            // A token counts against the budget when it is written inside
+            // the reasoning (`<think>` itself does not).
+            let counts = std::mem::replace(&mut inside, thinking);
+            if counts && let Some(left) = &mut budget {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    budget = None;
+                    forced.extend(close.iter().copied());
+                }
+            }
             self.emit(Event::Delta(dp::Delta {
                 text,
                 tokens: vec![token],
@@ -364,6 +398,7 @@ impl Generation {
             mut reasoning,
             text: mut tail,
             mut tool_calls,
+            ..
         } = split(tail)?;
         // What the splitter still holds: reasoning cut short, or text.
         let held = match thoughts {
@@ -425,4 +460,6 @@ struct Split {
     reasoning: String,
     text: String,
     tool_calls: Vec<dp::ToolCall>,
+    /// Whether the answer is still in its reasoning after the piece.
+    thinking: bool,
 }

@@ -34,7 +34,7 @@ type Seen = Arc<Mutex<Vec<(u32, bool, Vec<u8>)>>>;
 async fn scripted_last(script: Vec<u32>) -> (String, Seen) {
     let seen = Seen::default();
     let log = seen.clone();
-    let next = Arc::new(Mutex::new(script.into_iter()));
+    let next = Arc::new(Mutex::new(script.into_iter().peekable()));
     let endpoint = FakeDataPlane::stepping(move |_, step| {
         let rows = step.hidden.as_ref().map_or(0, |h| h.tokens);
         log.lock()
@@ -43,9 +43,17 @@ async fn scripted_last(script: Vec<u32>) -> (String, Seen) {
         if !step.sample {
             return Ok(dp::ForwardResponse::default());
         }
-        let token = next.lock().unwrap().next().unwrap_or(IM_END);
-        if !step.allowed.is_empty() && !TokenMask::from_bytes(&step.allowed).unwrap().allows(token)
-        {
+        let mask =
+            (!step.allowed.is_empty()).then(|| TokenMask::from_bytes(&step.allowed).unwrap());
+        let mut script = next.lock().unwrap();
+        let token = match &mask {
+            // One token allowed: a sampler gives it, and the script waits.
+            Some(m) if m.count() == 1 && !script.peek().is_some_and(|&t| m.allows(t)) => {
+                (0..).find(|&t| m.allows(t)).unwrap()
+            }
+            _ => script.next().unwrap_or(IM_END),
+        };
+        if mask.is_some_and(|m| !m.allows(token)) {
             return Err(Status::internal(format!("token {token} is not allowed")));
         }
         Ok(dp::ForwardResponse {
@@ -236,6 +244,7 @@ async fn tools_are_offered_and_a_call_comes_back_as_a_call_not_text() {
             content: "What time is it?".into(),
             ..Default::default()
         }],
+        ..Default::default()
     });
     let tools = dp::ToolSet {
         tools: vec![dp::Tool {
@@ -338,6 +347,7 @@ async fn a_chat_s_reasoning_is_told_from_its_text() {
             content: "Hi".into(),
             ..Default::default()
         }],
+        ..Default::default()
     });
     let answer = |input| {
         let mut req = request(Vec::new(), script.len() as u32 + 1);
@@ -372,4 +382,58 @@ async fn a_chat_s_reasoning_is_told_from_its_text() {
             "<think>The user greets.</think>\n\nHello!".to_string()
         )
     );
+}
+
+#[tokio::test]
+async fn a_reasoning_budget_closes_the_reasoning_and_the_answer_follows() {
+    use dp::generate_response::Event;
+    let text = text_model();
+    let script = text
+        .tokenizer
+        .encode(
+            "<think>one two three four five six</think>\n\nseven eight",
+            false,
+        )
+        .unwrap();
+    let (next, seen) = scripted_last(script.clone()).await;
+    let (mut client, worker, _dir) = head(&next, text.clone()).await;
+    let mut req = request(Vec::new(), 40);
+    req.input = Some(dp::generate_request::Input::Chat(dp::Conversation {
+        messages: vec![dp::ChatMessage {
+            role: "user".into(),
+            content: "Count.".into(),
+            ..Default::default()
+        }],
+        thinking: Some(true),
+        thinking_budget: 3,
+        ..Default::default()
+    }));
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let (mut reasoning, mut answer) = (String::new(), String::new());
+    while let Some(event) = stream.message().await.unwrap() {
+        if let Some(Event::Delta(d)) = event.event {
+            reasoning.push_str(&d.reasoning);
+            answer.push_str(&d.text);
+        }
+    }
+    // Three tokens of reasoning, then the closing text was the only choice;
+    // the model's own words go on as the answer.
+    assert_eq!(
+        text.tokenizer
+            .encode(reasoning.trim(), false)
+            .unwrap()
+            .len(),
+        3,
+        "{reasoning:?}"
+    );
+    assert!(answer.starts_with("four"), "{answer:?}");
+    let forced = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, _, allowed)| !allowed.is_empty())
+        .count();
+    let close = text.tokenizer.encode("\n</think>\n\n", false).unwrap();
+    assert_eq!(forced, close.len());
+    sequences_become(&worker, 0).await;
 }

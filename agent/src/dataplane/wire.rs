@@ -1,7 +1,7 @@
 //! Conversions between the data plane's messages and the engine's types.
 
 use shardplane_dataplane as dp;
-use shardplane_engine::chat::ChatMessage;
+use shardplane_engine::chat::{ChatMessage, ChatOptions};
 use shardplane_engine::constraint::Grammar;
 use shardplane_engine::sampler::{Logprobs, SamplingParams};
 use shardplane_engine::tokenizer::Tokenizer;
@@ -14,6 +14,8 @@ pub(super) fn engine_status(e: shardplane_engine::Error) -> Status {
         shardplane_engine::Error::InvalidInput(m) | shardplane_engine::Error::Sampling(m) => {
             Status::invalid_argument(m)
         }
+        // A template that refuses a conversation (roles out of order, say).
+        e @ shardplane_engine::Error::ChatTemplate(_) => Status::invalid_argument(e.to_string()),
         e @ shardplane_engine::Error::ContextOverflow { .. } => {
             Status::invalid_argument(e.to_string())
         }
@@ -165,6 +167,24 @@ pub(super) fn chat_message(m: &dp::ChatMessage) -> ChatMessage {
         tool_call_id: (!m.tool_call_id.is_empty()).then(|| m.tool_call_id.clone()),
         ..ChatMessage::new(m.role.clone(), m.content.clone())
     }
+}
+
+/// How a conversation is rendered: its template variables and thinking
+/// switch, checked.
+pub(super) fn chat_options(c: &dp::Conversation) -> Result<ChatOptions, Status> {
+    let vars = if c.template_vars.is_empty() {
+        serde_json::Map::new()
+    } else {
+        match serde_json::from_str(&c.template_vars) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "template_vars must be a JSON object",
+                ));
+            }
+        }
+    };
+    ChatOptions::new(vars, c.thinking).map_err(engine_status)
 }
 
 /// The wire's tool call from the engine's.

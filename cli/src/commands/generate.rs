@@ -167,7 +167,10 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
             content: args.prompt.clone(),
             ..Default::default()
         });
-        dp::generate_request::Input::Chat(dp::Conversation { messages })
+        dp::generate_request::Input::Chat(dp::Conversation {
+            messages,
+            ..Default::default()
+        })
     } else {
         dp::generate_request::Input::Prompt(args.prompt.clone())
     };

@@ -51,6 +51,15 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_context_length: Option<u32>,
+    /// A Jinja chat template used instead of the one the weights ship (as
+    /// Hugging Face templates are written: `messages`, `tools`,
+    /// `add_generation_prompt`, `bos_token`, `eos_token`, and any
+    /// `chat_template_kwargs` a request sends). For weights whose template
+    /// is missing or wrong; a template that does not compile fails the
+    /// first stage's Shard with reason `InvalidChatTemplate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 262144))]
+    pub chat_template: Option<String>,
 }
 
 /// What the operator read from the model's source: everything placement needs.

@@ -82,6 +82,10 @@ pub struct ShardSpec {
     /// The Shard of the previous stage; unset on the first stage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous: Option<String>,
+    /// The Model's chat template override (first stage only: the stage
+    /// that renders conversations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
 }
 
 /// The lifecycle of a shard on its node.

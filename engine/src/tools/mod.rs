@@ -24,7 +24,7 @@ mod syntax;
 use serde_json::{Value, json};
 
 pub use self::syntax::{CLOSE, CallSyntax, MISTRAL_CALLS, OPEN, PYTHON_TAG};
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
 use crate::constraint::{Grammar, json_layout};
 use crate::error::{Error, Result};
 
@@ -182,6 +182,7 @@ pub fn render(
     template: &ChatTemplate,
     messages: &[ChatMessage],
     tools: Option<&ToolSet>,
+    options: &ChatOptions,
 ) -> Result<String> {
     if let Some(syntax) = CallSyntax::native(template) {
         let messages: Vec<Value> = messages
@@ -207,7 +208,7 @@ pub fn render(
             })
             .collect();
         let tools = tools.map(ToolSet::for_template);
-        return template.render_json(&Value::Array(messages), tools.as_ref(), true);
+        return template.render_json(&Value::Array(messages), tools.as_ref(), true, options);
     }
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
     let mut rest = messages;
@@ -243,7 +244,7 @@ pub fn render(
             out.push(ChatMessage::new(m.role.clone(), m.content.clone()));
         }
     }
-    template.render(&out, true)
+    template.render_with(&out, true, options)
 }
 
 /// Where an answer stands: not yet known, text, or calls.
@@ -421,7 +422,13 @@ mod tests {
                 ..ChatMessage::new("tool", "22 C")
             },
         ];
-        let text = render(&template, &messages, Some(&weather(false))).unwrap();
+        let text = render(
+            &template,
+            &messages,
+            Some(&weather(false)),
+            &Default::default(),
+        )
+        .unwrap();
         assert!(text.starts_with("[system]You can call tools"), "{text}");
         assert!(text.contains("\"name\":\"get_weather\""), "{text}");
         assert!(text.contains("[assistant]<tool_call>\n{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}\n</tool_call>")
@@ -443,7 +450,13 @@ mod tests {
         .unwrap();
         assert_eq!(CallSyntax::native(&template), Some(CallSyntax::Hermes));
         let messages = vec![ChatMessage::new("user", "Weather?"), called_paris()];
-        let text = render(&template, &messages, Some(&weather(false))).unwrap();
+        let text = render(
+            &template,
+            &messages,
+            Some(&weather(false)),
+            &Default::default(),
+        )
+        .unwrap();
         assert!(text.starts_with("<tools>get_weather;</tools>"), "{text}");
         assert!(
             text.contains(r#"<tool_call>{"city":"Paris"}</tool_call>"#)

@@ -306,7 +306,13 @@ mod tests {
             },
         ];
         for (source, syntax) in FIXTURES {
-            let text = render(&template(source), &messages, Some(&weather(false))).unwrap();
+            let text = render(
+                &template(source),
+                &messages,
+                Some(&weather(false)),
+                &Default::default(),
+            )
+            .unwrap();
             assert!(
                 text.contains("get_weather") && text.contains("The weather in a city"),
                 "{syntax:?}: {text}"

@@ -15,9 +15,10 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    array, chat_message, content_text, float, function_tool, known_only, max_tokens, model,
-    only_value, stops, tool_set, uint,
+    array, chat_message, content_text, float, function_tool, given, known_only, max_tokens, model,
+    stops, tool_set, uint,
 };
+use super::rendering::Rendering;
 use super::{Collected, Dialect, Request, chunked, error_type, id, sse};
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 
@@ -26,8 +27,7 @@ use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 pub struct Anthropic;
 
 /// The Messages fields this gateway implements (`metadata.user_id` changes
-/// nothing here; `thinking` passes only when it asks for nothing more than
-/// text).
+/// nothing here).
 const FIELDS: &[&str] = &[
     "model",
     "messages",
@@ -229,6 +229,49 @@ fn stop_reason(f: Finish) -> &'static str {
     }
 }
 
+/// `thinking`: `{"type": "disabled"}`, or `{"type": "enabled",
+/// "budget_tokens": N}` with N below `max_tokens` (Anthropic's floor of
+/// 1024 is not imposed: small models think briefly).
+fn thinking(t: &Value, max_tokens: u64) -> Result<Rendering, ApiError> {
+    let mut r = Rendering::default();
+    if t.is_null() {
+        return Ok(r);
+    }
+    if !t.is_object() {
+        return Err(ApiError::invalid("`thinking` must be an object"));
+    }
+    known_only(t, "thinking.", &["type", "budget_tokens"])?;
+    match t["type"].as_str() {
+        Some("disabled") => {
+            if given(&t["budget_tokens"]) {
+                return Err(ApiError::invalid(
+                    "`thinking.budget_tokens` goes with `thinking.type` enabled",
+                ));
+            }
+            r.thinking(false);
+        }
+        Some("enabled") => {
+            let budget = uint(t, "budget_tokens")?.ok_or_else(|| {
+                ApiError::invalid("`thinking.budget_tokens` is required when thinking is enabled")
+            })?;
+            if budget == 0 || budget >= max_tokens {
+                return Err(ApiError::invalid(format!(
+                    "`thinking.budget_tokens` must be at least 1 and less than `max_tokens` ({max_tokens})"
+                )));
+            }
+            r.thinking(true);
+            r.budget(budget as u32);
+        }
+        _ => {
+            return Err(ApiError::invalid(format!(
+                "`thinking.type` {} is not supported (supported: \"enabled\", \"disabled\")",
+                t["type"]
+            )));
+        }
+    }
+    Ok(r)
+}
+
 impl Dialect for Anthropic {
     const LABEL: &'static str = "anthropic";
 
@@ -236,15 +279,9 @@ impl Dialect for Anthropic {
         let model = model(v)?;
         known_only(v, "", FIELDS)?;
         known_only(&v["metadata"], "metadata.", &["user_id"])?;
-        only_value(
-            v,
-            "thinking",
-            |t| t["type"] == "disabled",
-            r#"{"type": "disabled"}"#,
-        )?;
         let limit =
             uint(v, "max_tokens")?.ok_or_else(|| ApiError::invalid("`max_tokens` is required"))?;
-        let chat = conversation(v)?;
+        let chat = thinking(&v["thinking"], limit)?.conversation(conversation(v)?);
         let tools = tools(v)?;
         Ok(Request {
             model,
@@ -466,7 +503,7 @@ mod tests {
     #[test]
     fn tool_use_and_tool_result_blocks_become_calls_and_tool_messages() {
         let prompt = Anthropic.parse(&request(json!({}))).unwrap().prompt;
-        let Input::Chat(chat) = prompt.input else {
+        let Input::Chat(dp::Conversation { messages: chat, .. }) = prompt.input else {
             panic!("a chat")
         };
         let roles: Vec<&str> = chat.iter().map(|m| m.role.as_str()).collect();
@@ -487,7 +524,9 @@ mod tests {
         // Results alone make no empty user message; an error result says so.
         let v = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": "no such city", "is_error": true}]}]});
-        let Input::Chat(chat) = Anthropic.parse(&v).unwrap().prompt.input else {
+        let Input::Chat(dp::Conversation { messages: chat, .. }) =
+            Anthropic.parse(&v).unwrap().prompt.input
+        else {
             panic!("a chat")
         };
         assert_eq!(chat.len(), 1);

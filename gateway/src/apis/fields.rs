@@ -19,7 +19,7 @@ pub fn object(body: &[u8]) -> Result<Value, ApiError> {
 
 /// A field counts as given unless it is null, an empty array or an empty
 /// object (clients send those for "none").
-fn given(v: &Value) -> bool {
+pub fn given(v: &Value) -> bool {
     match v {
         Value::Null => false,
         Value::Array(a) => !a.is_empty(),

@@ -17,11 +17,14 @@
 //! - [`fields`]: reading the body's fields with the same checks everywhere;
 //! - [`openai`], [`responses`], [`anthropic`], [`ollama`]: one file per
 //!   dialect, each with its parse, answer, stream chunks and error body.
+//! - [`rendering`]: each dialect's thinking switch and template variables,
+//!   made one conversation.
 
 mod anthropic;
 mod fields;
 mod ollama;
 mod openai;
+mod rendering;
 mod responses;
 
 use std::convert::Infallible;
@@ -37,6 +40,7 @@ use serde_json::Value;
 pub use anthropic::Anthropic;
 pub use ollama::{Ollama, running as ollama_ps, show as ollama_show, tags as ollama_tags};
 pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
+pub use rendering::is_plain;
 pub use responses::Responses;
 
 use crate::App;
@@ -370,7 +374,8 @@ mod tests {
             ("top_logprobs", json!(3)),
             ("response_format", json!({"type": "grammar"})),
             ("tool_choice", json!("required")),
-            ("reasoning_effort", json!("high")),
+            ("reasoning_effort", json!("extreme")),
+            ("chat_template_kwargs", json!("enable_thinking=false")),
         ] {
             refused(OpenAi::Chat, &with(&chat, field, value), field);
         }
@@ -490,7 +495,7 @@ mod tests {
                 ["type"],
             "string"
         );
-        let crate::protocol::Input::Chat(messages) = parsed.input else {
+        let crate::protocol::Input::Chat(dp::Conversation { messages, .. }) = parsed.input else {
             panic!("a chat");
         };
         assert_eq!(messages[1].tool_calls[0].name, "get_weather");
@@ -713,15 +718,21 @@ mod tests {
             ),
             "tools[0].type",
         );
-        refused(
-            Anthropic,
-            &with(
-                &m,
-                "thinking",
+        for (thinking, named) in [
+            (
                 json!({"type": "enabled", "budget_tokens": 1024}),
+                "thinking.budget_tokens",
             ),
-            "thinking",
-        );
+            (json!({"type": "enabled"}), "thinking.budget_tokens"),
+            (json!({"type": "adaptive"}), "thinking.type"),
+            (
+                json!({"type": "disabled", "display": "summarized"}),
+                "thinking.display",
+            ),
+            (json!(true), "thinking"),
+        ] {
+            refused(Anthropic, &with(&m, "thinking", thinking), named);
+        }
         refused(
             Anthropic,
             &with(&m, "tool_choice", json!({"type": "any"})),
@@ -745,7 +756,9 @@ mod tests {
             &with(&c, "tools", json!([{"type": "function"}])),
             "tools",
         );
-        refused(Ollama::Chat, &with(&c, "think", json!(true)), "think");
+        refused(Ollama::Chat, &with(&c, "think", json!("max")), "think");
+        let raw = json!({"model": "m", "prompt": "hi", "raw": true, "think": false});
+        refused(Ollama::Generate, &raw, "think");
         refused(
             Ollama::Chat,
             &with(&c, "options", json!({"mirostat": 2})),

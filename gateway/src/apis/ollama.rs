@@ -12,8 +12,10 @@ use shardplane_dataplane as dp;
 
 use super::fields::{
     chat_message, float, json_object, json_schema, known_only, max_tokens, message_fields,
-    messages, model, object, only_value, stops, tools, uint,
+    messages, model, object, stops, tools, uint,
 };
+use super::openai::{logprobs_and_top, token_logprobs};
+use super::rendering::Rendering;
 use super::{Collected, Dialect, Request, chunked, json_body, listing};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
@@ -55,8 +57,7 @@ const OPTIONS: &[&str] = &[
 
 impl Ollama {
     /// The request fields this gateway implements (`keep_alive` is the
-    /// cluster's to decide: models stay loaded while deployed; `think` passes
-    /// only as false).
+    /// cluster's to decide: models stay loaded while deployed).
     fn fields(self) -> &'static [&'static str] {
         match self {
             Ollama::Chat => &[
@@ -68,6 +69,8 @@ impl Ollama {
                 "think",
                 "format",
                 "tools",
+                "logprobs",
+                "top_logprobs",
             ],
             Ollama::Generate => &[
                 "model",
@@ -79,6 +82,8 @@ impl Ollama {
                 "keep_alive",
                 "think",
                 "format",
+                "logprobs",
+                "top_logprobs",
             ],
         }
     }
@@ -153,20 +158,32 @@ impl Dialect for Ollama {
             "messages",
             &["role", "content", "tool_calls", "tool_name"],
         )?;
-        only_value(v, "think", |t| t == false, "false")?;
+        // `think`: true or false, or a level (gpt-oss's `low`, `medium`,
+        // `high`).
+        let mut rendering = Rendering::default();
+        match &v["think"] {
+            Value::Null => {}
+            Value::Bool(on) => rendering.thinking(*on),
+            level => rendering.effort("think", level)?,
+        }
         let o = &v["options"];
         if !(o.is_null() || o.is_object()) {
             return Err(ApiError::invalid("`options` must be an object"));
         }
         known_only(o, "options.", OPTIONS)?;
         let input = match self {
-            Ollama::Chat => Input::Chat(messages(v, "messages")?),
+            Ollama::Chat => Input::Chat(rendering.conversation(messages(v, "messages")?)),
             Ollama::Generate => {
                 let prompt = v["prompt"]
                     .as_str()
                     .ok_or_else(|| ApiError::invalid("`prompt` is required"))?
                     .to_string();
                 if v["raw"].as_bool().unwrap_or(false) {
+                    if !v["think"].is_null() {
+                        return Err(ApiError::invalid(
+                            "`think` goes with a templated prompt, not with `raw`",
+                        ));
+                    }
                     Input::Text(prompt)
                 } else {
                     let mut chat = Vec::new();
@@ -174,7 +191,7 @@ impl Dialect for Ollama {
                         chat.push(chat_message("system", s));
                     }
                     chat.push(chat_message("user", prompt));
-                    Input::Chat(chat)
+                    Input::Chat(rendering.conversation(chat))
                 }
             }
         };
@@ -213,6 +230,7 @@ impl Dialect for Ollama {
                     },
                     max_tokens: max_tokens(limit)?,
                     stop: stops(o, "stop")?,
+                    logprobs: logprobs_and_top(v)?,
                     ..Default::default()
                 },
                 grammar,
@@ -247,6 +265,9 @@ impl Dialect for Ollama {
         if !c.reasoning.is_empty() {
             self.think(&mut v, &c.reasoning);
         }
+        if req.prompt.sampling.logprobs.is_some() {
+            v["logprobs"] = token_logprobs(&c.logprobs).into();
+        }
         v
     }
 
@@ -257,10 +278,15 @@ impl Dialect for Ollama {
         events: Events,
     ) -> BoxStream<'static, String> {
         let (api, model) = (*self, req.model.clone());
+        // Tokens' log-probabilities go with the next line (the one their
+        // text, reasoning or call is in).
+        let mut pending: Vec<dp::TokenLogprobs> = Vec::new();
         chunked(Vec::new(), events, move |e| {
-            let line = match e {
-                // Not asked for: refused by this dialect's parse.
-                Ok(Event::Logprobs(_)) => return Vec::new(),
+            let mut line = match e {
+                Ok(Event::Logprobs(l)) => {
+                    pending.extend(l);
+                    return Vec::new();
+                }
                 Ok(Event::ToolCall(c)) => api.calls_line(&model, &[c]),
                 Ok(Event::Reasoning(r)) => {
                     let mut line = api.line(&model, "", false);
@@ -275,6 +301,9 @@ impl Dialect for Ollama {
                 }) => api.last_line(&model, "", finish, prompt_tokens, completion_tokens),
                 Err(e) => json!({"error": e.message}),
             };
+            if !pending.is_empty() {
+                line["logprobs"] = token_logprobs(&std::mem::take(&mut pending)).into();
+            }
             vec![json_body(&line) + "\n"]
         })
     }
@@ -381,4 +410,80 @@ fn tag(s: &Served) -> Value {
             "quantization_level": st.quantization.clone().unwrap_or_default(),
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    fn lp(token: &str, logprob: f32) -> dp::TokenLogprobs {
+        let entry = |token: &str, logprob: f32| dp::TokenLogprob {
+            token: token.into(),
+            logprob,
+        };
+        dp::TokenLogprobs {
+            chosen: Some(entry(token, logprob)),
+            top: vec![entry(token, logprob), entry(" x", -3.0)],
+        }
+    }
+
+    #[test]
+    fn log_probabilities_come_with_the_line_of_their_text() {
+        let v = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "logprobs": true, "top_logprobs": 2});
+        let req = Ollama::Chat.parse(&v).unwrap();
+        assert_eq!(req.prompt.sampling.logprobs, Some(2));
+        let bad = json!({"model": "m", "prompt": "hi", "top_logprobs": 2});
+        let e = Ollama::Generate.parse(&bad).unwrap_err();
+        assert!(e.message.contains("`logprobs`"), "{}", e.message);
+
+        let events = vec![
+            Event::Logprobs(vec![lp(" a", -0.5)]),
+            Event::Text(" a".into()),
+            Event::Logprobs(vec![lp(" b", -0.25), lp(" c", -0.1)]),
+            Event::Text(" b c".into()),
+            Event::Done {
+                finish: Finish::Stop,
+                prompt_tokens: 1,
+                completion_tokens: 3,
+            },
+        ];
+        let events: Events = Box::pin(futures::stream::iter(events.into_iter().map(Ok)));
+        let lines: Vec<Value> =
+            futures::executor::block_on(Ollama::Chat.stream(&req, 1, events).collect::<Vec<_>>())
+                .iter()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+        let counts: Vec<(&str, usize)> = lines
+            .iter()
+            .map(|l| {
+                (
+                    l["message"]["content"].as_str().unwrap(),
+                    l["logprobs"].as_array().map_or(0, Vec::len),
+                )
+            })
+            .collect();
+        assert_eq!(counts, [(" a", 1), (" b c", 2), ("", 0)]);
+        assert_eq!(lines[1]["logprobs"][1]["token"], " c");
+        assert_eq!(
+            lines[1]["logprobs"][1]["top_logprobs"][1]["logprob"],
+            json!(-3.0)
+        );
+
+        let whole = Ollama::Chat.answer(
+            &req,
+            &Collected {
+                text: " a b c".into(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                logprobs: vec![lp(" a", -0.5), lp(" b", -0.25), lp(" c", -0.1)],
+                finish: Finish::Stop,
+                prompt_tokens: 1,
+                completion_tokens: 3,
+            },
+        );
+        assert_eq!(whole["logprobs"].as_array().unwrap().len(), 3);
+        assert_eq!(whole["logprobs"][0]["bytes"], json!([32, 97]));
+    }
 }

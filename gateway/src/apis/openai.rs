@@ -12,6 +12,7 @@ use super::fields::{
     float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
     only_value, stops, tools, uint,
 };
+use super::rendering::Rendering;
 use super::{Collected, Dialect, Request, chunked, error_type, id, listing, now_secs, sse};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
@@ -61,7 +62,9 @@ const COMMON_FIELDS: &[&str] = &[
 ];
 
 /// Chat's own; `store` and `modalities` pass only with values that ask for
-/// nothing more than text ([`check_fields`]).
+/// nothing more than text ([`check_fields`]); `reasoning_effort` and
+/// (vLLM's and llama.cpp's) `chat_template_kwargs` go to the template
+/// ([`Rendering`]).
 const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
@@ -73,6 +76,8 @@ const CHAT_FIELDS: &[&str] = &[
     "top_logprobs",
     "store",
     "modalities",
+    "reasoning_effort",
+    "chat_template_kwargs",
 ];
 
 /// The legacy completions API's own, likewise.
@@ -158,22 +163,7 @@ pub(super) fn response_format(f: &Value) -> Result<Option<dp::OutputGrammar>, Ap
 /// API's `logprobs` (0 to 5).
 fn logprobs(api: OpenAi, v: &Value) -> Result<Option<u32>, ApiError> {
     match api {
-        OpenAi::Chat => {
-            let top = uint(v, "top_logprobs")?;
-            match &v["logprobs"] {
-                Value::Bool(true) => match top.unwrap_or(0) {
-                    n @ 0..=20 => Ok(Some(n as u32)),
-                    n => Err(ApiError::invalid(format!(
-                        "`top_logprobs` {n} must be between 0 and 20"
-                    ))),
-                },
-                Value::Null | Value::Bool(false) if top.unwrap_or(0) > 0 => Err(ApiError::invalid(
-                    "`top_logprobs` needs `logprobs` set to true",
-                )),
-                Value::Null | Value::Bool(false) => Ok(None),
-                _ => Err(ApiError::invalid("`logprobs` must be true or false")),
-            }
-        }
+        OpenAi::Chat => logprobs_and_top(v),
         OpenAi::Text => match uint(v, "logprobs")? {
             None => Ok(None),
             Some(n @ 0..=5) => Ok(Some(n as u32)),
@@ -184,18 +174,41 @@ fn logprobs(api: OpenAi, v: &Value) -> Result<Option<u32>, ApiError> {
     }
 }
 
+/// `logprobs: true` with `top_logprobs` (0 to 20), as OpenAI chat and
+/// Ollama take them.
+pub(super) fn logprobs_and_top(v: &Value) -> Result<Option<u32>, ApiError> {
+    let top = uint(v, "top_logprobs")?;
+    match &v["logprobs"] {
+        Value::Bool(true) => match top.unwrap_or(0) {
+            n @ 0..=20 => Ok(Some(n as u32)),
+            n => Err(ApiError::invalid(format!(
+                "`top_logprobs` {n} must be between 0 and 20"
+            ))),
+        },
+        Value::Null | Value::Bool(false) if top.unwrap_or(0) > 0 => Err(ApiError::invalid(
+            "`top_logprobs` needs `logprobs` set to true",
+        )),
+        Value::Null | Value::Bool(false) => Ok(None),
+        _ => Err(ApiError::invalid("`logprobs` must be true or false")),
+    }
+}
+
 /// Tokens' log-probabilities as chat gives them (`choice.logprobs`).
 fn chat_logprobs(l: &[dp::TokenLogprobs]) -> Value {
+    json!({"content": token_logprobs(l), "refusal": null})
+}
+
+/// Each token's `{token, logprob, bytes, top_logprobs}`, as OpenAI chat
+/// (and Ollama) list them.
+pub(super) fn token_logprobs(l: &[dp::TokenLogprobs]) -> Vec<Value> {
     let entry = |t: &dp::TokenLogprob| json!({"token": t.token, "logprob": t.logprob, "bytes": t.token.as_bytes()});
-    let content: Vec<Value> = l
-        .iter()
+    l.iter()
         .map(|t| {
             let mut e = entry(&t.chosen.clone().unwrap_or_default());
             e["top_logprobs"] = t.top.iter().map(entry).collect();
             e
         })
-        .collect();
-    json!({"content": content, "refusal": null})
+        .collect()
 }
 
 /// Tokens' log-probabilities as the legacy API gives them, the first token
@@ -246,7 +259,12 @@ impl Dialect for OpenAi {
             return Err(ApiError::invalid("only `n` = 1 is supported"));
         }
         let input = match self {
-            OpenAi::Chat => Input::Chat(messages(v, "messages")?),
+            OpenAi::Chat => {
+                let mut rendering = Rendering::default();
+                rendering.effort("reasoning_effort", &v["reasoning_effort"])?;
+                rendering.template_vars("chat_template_kwargs", &v["chat_template_kwargs"])?;
+                Input::Chat(rendering.conversation(messages(v, "messages")?))
+            }
             OpenAi::Text => Input::Text(match &v["prompt"] {
                 Value::String(s) => s.clone(),
                 Value::Array(a) if a.len() == 1 && a[0].is_string() => {

@@ -413,9 +413,7 @@ impl Router {
             .client(&inst.endpoint)
             .map_err(|e| Attempt::Next(e.to_string()))?;
         let input = match &prompt.input {
-            Input::Chat(messages) => dp::generate_request::Input::Chat(dp::Conversation {
-                messages: messages.clone(),
-            }),
+            Input::Chat(c) => dp::generate_request::Input::Chat(c.clone()),
             Input::Text(t) => dp::generate_request::Input::Prompt(t.clone()),
         };
         let request = dp::GenerateRequest {

@@ -34,7 +34,8 @@ use super::fields::{
     array, chat_message, float, function_tool, known_only, max_tokens, model, only_value, tool_set,
     uint,
 };
-use super::openai::{OpenAi, response_format};
+use super::openai::{OpenAi, response_format, token_logprobs};
+use super::rendering::Rendering;
 use super::{Collected, Dialect, Request, id, now_secs};
 use crate::conversations::{STORED_RESPONSES, Store};
 use crate::protocol::{ApiError, Events, Finish, Input, Prompt};
@@ -47,8 +48,9 @@ pub struct Responses {
 
 /// The request fields this gateway implements (`metadata` is echoed back;
 /// `user`, `safety_identifier` and `prompt_cache_key` change nothing here);
-/// `truncation`, `reasoning` and `include` pass only when they ask for
-/// nothing more.
+/// `truncation` passes only as `disabled`; `include` takes the output
+/// text's log-probabilities ([`logprobs`]);
+/// `reasoning` takes `effort` (see [`Rendering::effort`]).
 const FIELDS: &[&str] = &[
     "model",
     "input",
@@ -70,6 +72,7 @@ const FIELDS: &[&str] = &[
     "truncation",
     "reasoning",
     "include",
+    "top_logprobs",
 ];
 
 /// A message's content: a string, or parts of type `input_text` or
@@ -280,9 +283,38 @@ fn status(f: Finish) -> (&'static str, Value) {
     }
 }
 
-fn message_item(id: &str, text: &str, status: &str) -> Value {
+fn message_item(id: &str, text: &str, status: &str, logprobs: &[Value]) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
-           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+           "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
+}
+
+/// What `include` and `top_logprobs` ask for: the output text's
+/// log-probabilities (`message.output_text.logprobs`) with that many
+/// alternatives (0 to 20), or nothing.
+fn logprobs(v: &Value) -> Result<Option<u32>, ApiError> {
+    const LOGPROBS: &str = "message.output_text.logprobs";
+    let mut asked = false;
+    for (i, item) in array(v, "include")?.iter().enumerate() {
+        match item.as_str() {
+            Some(LOGPROBS) => asked = true,
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "`include[{i}]` {item} is not supported by this gateway (supported: {LOGPROBS:?})"
+                )));
+            }
+        }
+    }
+    match (asked, uint(v, "top_logprobs")?) {
+        (true, None) => Ok(Some(0)),
+        (true, Some(n @ 0..=20)) => Ok(Some(n as u32)),
+        (true, Some(n)) => Err(ApiError::invalid(format!(
+            "`top_logprobs` {n} must be between 0 and 20"
+        ))),
+        (false, None) => Ok(None),
+        (false, Some(_)) => Err(ApiError::invalid(format!(
+            "`top_logprobs` needs `include: [{LOGPROBS:?}]`"
+        ))),
+    }
 }
 
 fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
@@ -307,7 +339,7 @@ impl Responses {
         if req.context["store"] == false {
             return;
         }
-        let Input::Chat(chat) = &req.prompt.input else {
+        let Input::Chat(dp::Conversation { messages: chat, .. }) = &req.prompt.input else {
             return;
         };
         let skip = req.context["skip"].as_u64().unwrap_or(0) as usize;
@@ -359,8 +391,12 @@ impl Dialect for Responses {
         let model = model(v)?;
         known_only(v, "", FIELDS)?;
         only_value(v, "truncation", |t| t == "disabled", "\"disabled\"")?;
-        only_value(v, "reasoning", |_| false, "none")?;
-        only_value(v, "include", |_| false, "none")?;
+        if !(v["reasoning"].is_null() || v["reasoning"].is_object()) {
+            return Err(ApiError::invalid("`reasoning` must be an object"));
+        }
+        known_only(&v["reasoning"], "reasoning.", &["effort"])?;
+        let mut rendering = Rendering::default();
+        rendering.effort("reasoning.effort", &v["reasoning"]["effort"])?;
         let grammar = text_format(&v["text"])?;
         let tools = tools(v)?;
         if grammar.is_some() && tools.is_some() {
@@ -398,20 +434,22 @@ impl Dialect for Responses {
             "tool_choice": if v["tool_choice"].is_null() { json!("auto") } else { v["tool_choice"].clone() },
             "tools": if v["tools"].is_array() { v["tools"].clone() } else { json!([]) },
             "max_output_tokens": limit,
+            "top_logprobs": v["top_logprobs"],
             "previous_response_id": v["previous_response_id"],
             "store": v["store"] != false,
             "text": if v["text"]["format"].is_object() { v["text"].clone() } else { json!({"format": {"type": "text"}}) },
             "truncation": "disabled",
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": {"effort": v["reasoning"]["effort"], "summary": null},
         });
         Ok(Request {
             model,
             prompt: Prompt {
-                input: Input::Chat(chat),
+                input: Input::Chat(rendering.conversation(chat)),
                 sampling: dp::Sampling {
                     temperature: float(v, "temperature", 1.0, (0.0, 2.0))?,
                     top_p: float(v, "top_p", 0.0, (0.0, 1.0))?,
                     max_tokens: max_tokens(limit)?,
+                    logprobs: logprobs(v)?,
                     ..Default::default()
                 },
                 grammar,
@@ -434,7 +472,11 @@ impl Dialect for Responses {
             output.push(reasoning_item(&id("rs_"), &c.reasoning, "completed"));
         }
         if !c.text.is_empty() || c.tool_calls.is_empty() {
-            output.push(message_item(&id("msg_"), &c.text, "completed"));
+            let logprobs = match req.prompt.sampling.logprobs {
+                Some(_) => token_logprobs(&c.logprobs),
+                None => Vec::new(),
+            };
+            output.push(message_item(&id("msg_"), &c.text, "completed", &logprobs));
         }
         output.extend(
             c.tool_calls
@@ -475,7 +517,7 @@ mod tests {
 
     fn chat_of(r: &Request) -> &[dp::ChatMessage] {
         match &r.prompt.input {
-            Input::Chat(c) => c,
+            Input::Chat(c) => &c.messages,
             Input::Text(_) => panic!("a chat"),
         }
     }
@@ -561,7 +603,12 @@ mod tests {
     fn what_is_not_implemented_is_named() {
         let api = Responses::default();
         for (extra, named) in [
-            (json!({"reasoning": {"effort": "high"}}), "reasoning"),
+            (
+                json!({"reasoning": {"effort": "high", "summary": "auto"}}),
+                "reasoning.summary",
+            ),
+            (json!({"reasoning": "high"}), "reasoning"),
+            (json!({"reasoning": {"effort": "max"}}), "reasoning.effort"),
             (json!({"include": ["file_search_call.results"]}), "include"),
             (json!({"tools": [{"type": "web_search"}]}), "tools[0].type"),
             (json!({"truncation": "auto"}), "truncation"),
@@ -591,6 +638,78 @@ mod tests {
                           "schema": {"type": "object"}, "strict": true}}, "truncation": "disabled", "include": []}))
             .unwrap();
         assert!(r.prompt.grammar.is_some());
+        // An effort of none turns thinking off, and is echoed back.
+        let r = api
+            .parse(&json!({"model": "m", "input": "hi", "reasoning": {"effort": "none"}}))
+            .unwrap();
+        let Input::Chat(c) = &r.prompt.input else {
+            panic!("a chat")
+        };
+        assert_eq!(c.thinking, Some(false));
+        assert_eq!(
+            api.answer(&r, &collected("hi", vec![]))["reasoning"]["effort"],
+            "none"
+        );
+    }
+
+    #[test]
+    fn log_probabilities_are_included_when_asked_for() {
+        let api = Responses::default();
+        let lp = |token: &str| dp::TokenLogprobs {
+            chosen: Some(dp::TokenLogprob {
+                token: token.into(),
+                logprob: -0.5,
+            }),
+            top: Vec::new(),
+        };
+        let req = api
+            .parse(&json!({"model": "m", "input": "hi", "top_logprobs": 2,
+                           "include": ["message.output_text.logprobs"]}))
+            .unwrap();
+        assert_eq!(req.prompt.sampling.logprobs, Some(2));
+        for (v, named) in [
+            (json!({"top_logprobs": 2}), "include"),
+            (
+                json!({"include": ["message.output_text.logprobs"], "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+        ] {
+            let mut v = v;
+            v["model"] = json!("m");
+            v["input"] = json!("hi");
+            let e = api.parse(&v).unwrap_err();
+            assert!(e.message.contains(named), "{named}: {}", e.message);
+        }
+        let data = streamed(
+            &api,
+            &req,
+            vec![
+                Event::Logprobs(vec![lp(" a")]),
+                Event::Text(" a".into()),
+                Event::Logprobs(vec![lp(" b"), lp(" c")]),
+                Event::Text(" b c".into()),
+                Event::Done {
+                    finish: Finish::Stop,
+                    prompt_tokens: 1,
+                    completion_tokens: 3,
+                },
+            ],
+        );
+        let deltas: Vec<usize> = data
+            .iter()
+            .filter(|d| d["type"] == "response.output_text.delta")
+            .map(|d| d["logprobs"].as_array().unwrap().len())
+            .collect();
+        assert_eq!(deltas, [1, 2]);
+        let whole = &data.last().unwrap()["response"]["output"][0]["content"][0]["logprobs"];
+        assert_eq!(whole.as_array().unwrap().len(), 3);
+        let mut c = collected(" a b c", vec![]);
+        c.logprobs = vec![lp(" a"), lp(" b"), lp(" c")];
+        let answer = api.answer(&req, &c);
+        assert_eq!(
+            answer["output"][0]["content"][0]["logprobs"][2]["token"],
+            " c"
+        );
     }
 
     #[test]

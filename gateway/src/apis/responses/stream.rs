@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::{Responses, call_item, message_item, reasoning_item, response, status, usage};
+use crate::apis::openai::token_logprobs;
 use crate::apis::{Request, chunked, id, now_secs, sse};
 use crate::protocol::{Event, Events, Finish};
 
@@ -37,6 +38,7 @@ pub(super) fn stream(api: &Responses, req: &Request, events: Events) -> BoxStrea
         thinking: None,
         calls: Vec::new(),
         text: String::new(),
+        pending: Vec::new(),
     };
     let opening = vec![
         s.event(
@@ -51,8 +53,11 @@ pub(super) fn stream(api: &Responses, req: &Request, events: Events) -> BoxStrea
     chunked(opening, events, move |e| match e {
         Ok(Event::Text(t)) => s.text(&t),
         Ok(Event::Reasoning(r)) => s.reasoning(&r),
-        // Not asked for: `include` is refused.
-        Ok(Event::Logprobs(_)) => Vec::new(),
+        // They go with the next text delta.
+        Ok(Event::Logprobs(l)) => {
+            s.pending.extend(l);
+            Vec::new()
+        }
         Ok(Event::ToolCall(c)) => s.call(c),
         Ok(Event::Done {
             finish,
@@ -66,10 +71,12 @@ pub(super) fn stream(api: &Responses, req: &Request, events: Events) -> BoxStrea
     })
 }
 
-/// A message item being streamed: its id and text so far.
+/// A message (or reasoning) item being streamed: its id, text and text's
+/// log-probabilities so far.
 struct OpenMessage {
     id: String,
     text: String,
+    logprobs: Vec<Value>,
 }
 
 /// A response as it streams: the items done, the message under way, and
@@ -85,6 +92,8 @@ struct Streamed {
     thinking: Option<OpenMessage>,
     calls: Vec<dp::ToolCall>,
     text: String,
+    /// Log-probabilities of tokens whose text has not come yet.
+    pending: Vec<dp::TokenLogprobs>,
 }
 
 impl Streamed {
@@ -119,6 +128,7 @@ impl Streamed {
             self.thinking = Some(OpenMessage {
                 id: item,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         let item = self
@@ -175,15 +185,18 @@ impl Streamed {
             self.open = Some(OpenMessage {
                 id: item,
                 text: String::new(),
+                logprobs: Vec::new(),
             });
         }
         let item = self.open.as_ref().map(|m| m.id.clone()).unwrap_or_default();
+        let logprobs = token_logprobs(&std::mem::take(&mut self.pending));
         out.push(self.event(
             "response.output_text.delta",
-            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}),
+            json!({"item_id": item, "output_index": index, "content_index": 0, "delta": t, "logprobs": logprobs}),
         ));
         if let Some(m) = self.open.as_mut() {
             m.text.push_str(t);
+            m.logprobs.extend(logprobs);
         }
         self.text.push_str(t);
         out
@@ -195,11 +208,11 @@ impl Streamed {
             return Vec::new();
         };
         let index = self.output.len();
-        let item = message_item(&m.id, &m.text, "completed");
+        let item = message_item(&m.id, &m.text, "completed", &m.logprobs);
         let out = vec![
             self.event(
                 "response.output_text.done",
-                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text, "logprobs": []}),
+                json!({"item_id": m.id, "output_index": index, "content_index": 0, "text": m.text, "logprobs": m.logprobs}),
             ),
             self.event(
                 "response.content_part.done",

@@ -179,6 +179,9 @@ fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) ->
                     engine: None,
                     next: names.get(i + 1).cloned(),
                     previous: i.checked_sub(1).map(|p| names[p].clone()),
+                    chat_template: (i == 0)
+                        .then(|| v.model.spec.chat_template.clone())
+                        .flatten(),
                 },
                 status: None,
             });
