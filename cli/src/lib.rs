@@ -49,6 +49,9 @@ enum Command {
     /// plane, operator, gateway and agents serving the quickstart; Ctrl-C
     /// stops it all.
     Up(commands::up::UpArgs),
+    /// Show the cluster on one screen: nodes (memory, links, cached models)
+    /// and each deployment's instances and stages, with download progress.
+    Status(commands::status::StatusArgs),
 }
 
 impl Command {
@@ -83,6 +86,7 @@ impl Cli {
             Command::Gateway(args) => commands::gateway::run(args),
             Command::AgentKubeconfig(args) => commands::agent_kubeconfig::run(args),
             Command::Up(args) => commands::up::run(args),
+            Command::Status(args) => commands::status::run(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

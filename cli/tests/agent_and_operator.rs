@@ -16,6 +16,21 @@ use shardplane_testkit::{
 
 const WAIT: Duration = Duration::from_secs(90);
 
+/// `shardplane status` for namespace `ns`, as a person runs it: its output.
+fn status(ns: &str, output: &str) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(["status", "-n", ns, "-o", output, "--kubeconfig"])
+        .arg(control_plane().kubeconfig())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "shardplane status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 fn shardplane(args: &[&str]) -> Process {
     shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
 }
@@ -440,6 +455,38 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");
 
+    // `shardplane status` shows every node, the deployment and its stages.
+    let seen: serde_json::Value = serde_json::from_str(&status(&ns, "json")).unwrap();
+    let ours: Vec<&serde_json::Value> = seen["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["name"].as_str().unwrap().starts_with(&tag))
+        .collect();
+    assert_eq!(ours.len(), 4, "{seen:#}");
+    assert!(ours.iter().all(|n| n["ready"] == "Ready"), "{seen:#}");
+    let shown = &seen["deployments"][0];
+    assert_eq!(
+        (&shown["name"], &shown["readyReplicas"]),
+        (&"reason".into(), &1.into())
+    );
+    let shown_stages: Vec<(&str, &str)> = shown["instances"][0]["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["node"].as_str().unwrap(), s["phase"].as_str().unwrap()))
+        .collect();
+    let expected: Vec<(&str, &str)> = stages.iter().map(|s| (s.node.as_str(), "Ready")).collect();
+    assert_eq!(shown_stages, expected);
+    let text = status(&ns, "text");
+    for n in &nodes {
+        assert!(text.contains(n), "{n} not in\n{text}");
+    }
+    assert!(
+        text.contains(&format!("{ns}/reason  model smollm2  1/1 ready")),
+        "{text}"
+    );
+
     // Kill the agent of the middle stage: only that stage moves, to the spare
     // agent, and the instance is Ready again without anyone acting.
     let victim = stages[1].node.clone();
@@ -457,6 +504,21 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         "node loss to Ready again: {:.1} s (Lease of 3 s)",
         killed_at.elapsed().as_secs_f64()
     );
+    // ... and `status` sees the killed node go NotReady.
+    eventually("status shows the killed node NotReady", || async {
+        let seen: serde_json::Value = serde_json::from_str(&status(&ns, "json")).ok()?;
+        seen["nodes"]
+            .as_array()?
+            .iter()
+            .any(|n| {
+                n["name"] == victim.as_str()
+                    && n["ready"]
+                        .as_str()
+                        .is_some_and(|r| r.starts_with("NotReady"))
+            })
+            .then_some(())
+    })
+    .await;
     let healed = d.status.unwrap().instances[0].stages.clone();
     assert_eq!(healed.len(), 3);
     assert_eq!(

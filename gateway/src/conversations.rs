@@ -1,9 +1,12 @@
-//! Conversations kept for the Responses API's `previous_response_id`: in
-//! the gateway's memory, bounded in count and in bytes, oldest out first.
+//! Responses kept for the Responses API: each one's conversation (for
+//! `previous_response_id`) and the response itself (for
+//! `GET /v1/responses/{id}`), in the gateway's memory, bounded in count and
+//! in bytes, oldest out first.
 //!
 //! ```text
-//!  answer ─► put(response id, conversation + answer) ─► evict oldest while over bounds
+//!  answer ─► put(response id, conversation + answer, response) ─► evict oldest while over bounds
 //!  next request ─► get(previous_response_id) ─► conversation to continue
+//!  GET / DELETE /v1/responses/{id} ─► response(id) / delete(id)
 //! ```
 
 use std::collections::{HashMap, VecDeque};
@@ -26,8 +29,15 @@ pub struct Store {
 
 #[derive(Default)]
 struct Kept {
-    by_id: HashMap<String, (Arc<Vec<dp::ChatMessage>>, usize)>,
+    by_id: HashMap<String, Entry>,
     order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// One kept response.
+struct Entry {
+    conversation: Arc<Vec<dp::ChatMessage>>,
+    response: Arc<serde_json::Value>,
     bytes: usize,
 }
 
@@ -50,24 +60,42 @@ impl Store {
     /// The conversation up to and including the response `id`.
     pub fn get(&self, id: &str) -> Option<Arc<Vec<dp::ChatMessage>>> {
         let kept = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        kept.by_id.get(id).map(|(c, _)| c.clone())
+        kept.by_id.get(id).map(|e| e.conversation.clone())
     }
 
-    /// Keeps `conversation` as the response `id`'s, dropping the oldest
-    /// responses to stay within bounds (one larger than the whole store is
-    /// not kept).
-    pub fn put(&self, id: String, conversation: Vec<dp::ChatMessage>) {
-        let size: usize = conversation
-            .iter()
-            .map(|m| {
-                64 + m.content.len()
-                    + m.tool_call_id.len()
-                    + m.tool_calls
-                        .iter()
-                        .map(|c| 64 + c.arguments.len() + c.name.len() + c.id.len())
-                        .sum::<usize>()
-            })
-            .sum();
+    /// The response `id` as it was answered.
+    pub fn response(&self, id: &str) -> Option<Arc<serde_json::Value>> {
+        let kept = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        kept.by_id.get(id).map(|e| e.response.clone())
+    }
+
+    /// Forgets the response `id`; whether it was kept.
+    pub fn delete(&self, id: &str) -> bool {
+        let mut kept = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(e) = kept.by_id.remove(id) else {
+            return false;
+        };
+        kept.bytes -= e.bytes;
+        kept.order.retain(|k| k != id);
+        true
+    }
+
+    /// Keeps `conversation` and `response` as the response `id`'s, dropping
+    /// the oldest responses to stay within bounds (one larger than the
+    /// whole store is not kept).
+    pub fn put(&self, id: String, conversation: Vec<dp::ChatMessage>, response: serde_json::Value) {
+        let size: usize = response.to_string().len()
+            + conversation
+                .iter()
+                .map(|m| {
+                    64 + m.content.len()
+                        + m.tool_call_id.len()
+                        + m.tool_calls
+                            .iter()
+                            .map(|c| 64 + c.arguments.len() + c.name.len() + c.id.len())
+                            .sum::<usize>()
+                })
+                .sum::<usize>();
         if size > self.max_bytes || self.max_entries == 0 {
             return;
         }
@@ -76,13 +104,20 @@ impl Store {
             let Some(old) = kept.order.pop_front() else {
                 break;
             };
-            if let Some((_, n)) = kept.by_id.remove(&old) {
-                kept.bytes -= n;
+            if let Some(e) = kept.by_id.remove(&old) {
+                kept.bytes -= e.bytes;
             }
         }
         kept.bytes += size;
         kept.order.push_back(id.clone());
-        kept.by_id.insert(id, (Arc::new(conversation), size));
+        kept.by_id.insert(
+            id,
+            Entry {
+                conversation: Arc::new(conversation),
+                response: Arc::new(response),
+                bytes: size,
+            },
+        );
     }
 }
 
@@ -101,13 +136,23 @@ mod tests {
     #[test]
     fn the_store_is_bounded_in_count_and_bytes() {
         let store = Store::new(2, 1000);
-        store.put("a".into(), conv(10));
-        store.put("b".into(), conv(10));
-        store.put("c".into(), conv(10));
+        let put = |id: &str, n: usize| store.put(id.into(), conv(n), serde_json::json!({"id": id}));
+        put("a", 10);
+        put("b", 10);
+        put("c", 10);
         assert!(store.get("a").is_none() && store.get("b").is_some() && store.get("c").is_some());
-        store.put("d".into(), conv(900));
+        assert_eq!(store.response("c").unwrap()["id"], "c");
+        put("d", 900);
         assert!(store.get("b").is_none() && store.get("c").is_none() && store.get("d").is_some());
-        store.put("e".into(), conv(5000));
+        put("e", 5000);
         assert!(store.get("e").is_none() && store.get("d").is_some());
+        // A deleted response is gone, and its bytes are free again.
+        assert!(store.delete("d") && !store.delete("d"));
+        assert!(store.get("d").is_none() && store.response("d").is_none());
+        assert_eq!(store.inner.lock().unwrap().bytes, 0);
+        put("f", 900);
+        assert!(store.get("f").is_some());
+        put("g", 10);
+        assert!(store.get("f").is_none() && store.get("g").is_some());
     }
 }

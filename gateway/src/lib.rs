@@ -77,6 +77,10 @@ pub fn routes(app: App) -> Http {
         .route("/v1/chat/completions", post(generation(OpenAi::Chat)))
         .route("/v1/completions", post(generation(OpenAi::Text)))
         .route("/v1/responses", post(generation(app.responses.clone())))
+        .route(
+            "/v1/responses/{id}",
+            get(apis::get_response).delete(apis::delete_response),
+        )
         .route("/v1/models", get(apis::openai_models))
         .route("/v1/models/{*id}", get(apis::openai_model))
         .route("/v1/messages", post(generation(Anthropic)))

@@ -115,10 +115,17 @@ impl ApiError {
 
     /// A 404 for a model.
     pub fn unknown_model(name: &str) -> Self {
+        Self::not_found(format!(
+            "model {name:?} is not served here (see /v1/models)"
+        ))
+    }
+
+    /// A 404: what was asked for is not here.
+    pub fn not_found(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,
             kind: Kind::NotFound,
-            message: format!("model {name:?} is not served here (see /v1/models)"),
+            message: message.into(),
             retry_after: None,
         }
     }

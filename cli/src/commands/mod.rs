@@ -13,6 +13,7 @@ mod kube_client;
 mod model_args;
 pub mod operator;
 mod process;
+pub mod status;
 pub mod threads;
 pub mod up;
 

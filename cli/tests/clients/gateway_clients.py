@@ -331,6 +331,10 @@ check(final.content[0].type == "text" and final.content[0].text and final.stop_r
 r = oa.responses.create(model=DAILY, input=PROMPT, max_output_tokens=20, temperature=0)
 check(r.output_text == reference and r.usage.output_tokens <= 20, f"openai responses: {r.output_text!r}")
 check((r.status == "incomplete") == (r.incomplete_details is not None), f"responses status {r.status} {r.incomplete_details}")
+kept = oa.responses.retrieve(r.id)
+check(kept.id == r.id and kept.output_text == r.output_text and kept.usage == r.usage, "openai responses: retrieved as answered")
+check(oa.responses.delete(r.id) is None, "openai responses: deleted")
+expect(openai.NotFoundError, lambda: oa.responses.retrieve(r.id), "openai responses: a deleted response is 404", 404)
 # (cut by the limit, a stream ends in response.incomplete, as OpenAI's do)
 deltas, streamed = "", None
 with oa.responses.stream(model=DAILY, input=PROMPT, max_output_tokens=20, temperature=0) as s:

@@ -41,7 +41,7 @@ pub use anthropic::Anthropic;
 pub use ollama::{Ollama, running as ollama_ps, show as ollama_show, tags as ollama_tags};
 pub use openai::{OpenAi, model_info as openai_model, models as openai_models};
 pub use rendering::is_plain;
-pub use responses::Responses;
+pub use responses::{Responses, delete as delete_response, get as get_response};
 
 use crate::App;
 use crate::metrics::observed;

@@ -36,9 +36,13 @@ use super::fields::{
 };
 use super::openai::{OpenAi, response_format, token_logprobs};
 use super::rendering::Rendering;
-use super::{Collected, Dialect, Request, id, now_secs};
+use super::{Collected, Dialect, Request, id, listing, now_secs};
+use crate::App;
 use crate::conversations::{STORED_RESPONSES, Store};
 use crate::protocol::{ApiError, Events, Finish, Input, Prompt};
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::Response;
 
 /// The Responses API, with the store its conversations continue from.
 #[derive(Clone, Default)]
@@ -283,6 +287,29 @@ fn status(f: Finish) -> (&'static str, Value) {
     }
 }
 
+/// The 404 of a response that is not kept here.
+fn not_kept(id: &str) -> ApiError {
+    ApiError::not_found(format!(
+        "response {id:?} is not kept here: this gateway keeps the last {STORED_RESPONSES} responses in memory, and not those made with `store: false`"
+    ))
+}
+
+/// `GET /v1/responses/{id}`: a kept response.
+pub async fn get(State(app): State<App>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    listing(&app, &headers, OpenAi::Chat, |_| {
+        app.responses.retrieve(&id)
+    })
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a kept response.
+pub async fn delete(
+    State(app): State<App>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    listing(&app, &headers, OpenAi::Chat, |_| app.responses.delete(&id))
+}
+
 fn message_item(id: &str, text: &str, status: &str, logprobs: &[Value]) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]})
@@ -333,9 +360,25 @@ impl Responses {
         Responses { store }
     }
 
+    /// A kept response, as it was answered.
+    fn retrieve(&self, id: &str) -> Result<Value, ApiError> {
+        self.store
+            .response(id)
+            .map(|r| (*r).clone())
+            .ok_or_else(|| not_kept(id))
+    }
+
+    /// Forgets a kept response.
+    fn delete(&self, id: &str) -> Result<Value, ApiError> {
+        if !self.store.delete(id) {
+            return Err(not_kept(id));
+        }
+        Ok(json!({"id": id, "object": "response", "deleted": true}))
+    }
+
     /// Keeps the conversation of `req` and its answer as the response `id`'s
     /// (unless the request said `store: false`).
-    fn keep(&self, req: &Request, id: &str, text: &str, calls: &[dp::ToolCall]) {
+    fn keep(&self, req: &Request, id: &str, text: &str, calls: &[dp::ToolCall], response: &Value) {
         if req.context["store"] == false {
             return;
         }
@@ -347,7 +390,8 @@ impl Responses {
         let mut answer = chat_message("assistant", text);
         answer.tool_calls = calls.to_vec();
         conversation.push(answer);
-        self.store.put(id.to_string(), conversation);
+        self.store
+            .put(id.to_string(), conversation, response.clone());
     }
 }
 
@@ -483,15 +527,16 @@ impl Dialect for Responses {
                 .iter()
                 .map(|t| call_item(&id("fc_"), t, &t.arguments, "completed")),
         );
-        self.keep(req, &rid, &c.text, &c.tool_calls);
-        response(
+        let whole = response(
             req,
             &rid,
             now_secs(),
             status(c.finish),
             output,
             usage(c.prompt_tokens, c.completion_tokens),
-        )
+        );
+        self.keep(req, &rid, &c.text, &c.tool_calls, &whole);
+        whole
     }
 
     fn stream(
@@ -597,6 +642,40 @@ mod tests {
             .parse(&json!({"model": "m", "input": "x", "previous_response_id": a["id"]}))
             .unwrap_err();
         assert!(e.message.contains("previous_response_id"), "{}", e.message);
+        assert_eq!(
+            api.retrieve(a["id"].as_str().unwrap()).unwrap_err().status,
+            404
+        );
+    }
+
+    #[test]
+    fn kept_responses_are_retrieved_and_deleted() {
+        let api = Responses::default();
+        let req = api.parse(&json!({"model": "m", "input": "x"})).unwrap();
+        let a = api.answer(&req, &collected("hi", vec![]));
+        let id = a["id"].as_str().unwrap();
+        assert_eq!(api.retrieve(id).unwrap(), a);
+        assert_eq!(api.delete(id).unwrap()["deleted"], true);
+        assert_eq!(api.retrieve(id).unwrap_err().status, 404);
+        assert_eq!(api.delete(id).unwrap_err().status, 404);
+        // A streamed response is kept as its last event gave it.
+        let req = api
+            .parse(&json!({"model": "m", "input": "x", "stream": true}))
+            .unwrap();
+        let data = streamed(
+            &api,
+            &req,
+            vec![
+                Event::Text("hi".into()),
+                Event::Done {
+                    finish: Finish::Stop,
+                    prompt_tokens: 1,
+                    completion_tokens: 1,
+                },
+            ],
+        );
+        let whole = &data.last().unwrap()["response"];
+        assert_eq!(&api.retrieve(whole["id"].as_str().unwrap()).unwrap(), whole);
     }
 
     #[test]

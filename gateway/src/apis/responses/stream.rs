@@ -260,7 +260,6 @@ impl Streamed {
             Vec::new()
         };
         out.extend(self.close());
-        self.api.keep(&self.req, &self.id, &self.text, &self.calls);
         let state = status(finish);
         let kind = if state.0 == "completed" {
             "response.completed"
@@ -275,6 +274,8 @@ impl Streamed {
             self.output.clone(),
             usage(prompt, completion),
         );
+        self.api
+            .keep(&self.req, &self.id, &self.text, &self.calls, &whole);
         out.push(self.event(kind, json!({"response": whole})));
         out
     }

@@ -157,7 +157,19 @@ pub fn current_instances(shards: &[&Shard]) -> Vec<placement::Instance> {
     by_instance
         .into_iter()
         .filter_map(|(index, mut stages)| {
-            stages.sort_by_key(|s| s.spec.stage);
+            // A stage moved moments ago may still have its old Shard in the
+            // cache beside the new one: the newest is the last plan's. (Seen
+            // as an incomplete instance, it would be placed anew, moving
+            // stages that stand.)
+            stages.retain(|s| s.metadata.deletion_timestamp.is_none());
+            stages.sort_by(|a, b| {
+                a.spec.stage.cmp(&b.spec.stage).then_with(|| {
+                    b.metadata
+                        .creation_timestamp
+                        .cmp(&a.metadata.creation_timestamp)
+                })
+            });
+            stages.dedup_by_key(|s| s.spec.stage);
             let count = stages.first()?.spec.stage_count as usize;
             let complete = stages.len() == count
                 && stages
@@ -176,4 +188,43 @@ pub fn current_instances(shards: &[&Shard]) -> Vec<placement::Instance> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use shardplane_crds::v1alpha1::LayerRange;
+
+    fn shard(node: &str, stage: u32, created: i64) -> Shard {
+        let layers = LayerRange {
+            start: stage * 10,
+            end: stage * 10 + 10,
+        };
+        let mut s = shardplane_testkit::fixtures::shard("d", node, stage, 3, layers);
+        s.metadata.creation_timestamp = Some(Time(
+            k8s_openapi::jiff::Timestamp::from_second(created).unwrap(),
+        ));
+        s
+    }
+
+    #[test]
+    fn a_moved_stage_s_old_shard_does_not_make_the_instance_incomplete() {
+        let (a, b_old, b_new, c) = (
+            shard("a", 0, 1),
+            shard("b", 1, 1),
+            shard("spare", 1, 50),
+            shard("c", 2, 1),
+        );
+        let current = current_instances(&[&a, &b_old, &b_new, &c]);
+        let nodes: Vec<&str> = current[0].stages.iter().map(|s| s.node.as_str()).collect();
+        assert_eq!(nodes, ["a", "spare", "c"]);
+        // One being deleted does not count at all.
+        let mut going = shard("b", 1, 99);
+        going.metadata.deletion_timestamp = going.metadata.creation_timestamp.clone();
+        let current = current_instances(&[&a, &b_new, &going, &c]);
+        assert_eq!(current[0].stages[1].node, "spare");
+        // A stage missing is still an incomplete instance.
+        assert!(current_instances(&[&a, &c]).is_empty());
+    }
 }

@@ -1,0 +1,227 @@
+//! What `shardplane status` shows, read from the cluster's objects: the
+//! nodes (with their links and the memory their shards hold) and each
+//! deployment's instances and stages. Built purely from lists, so the
+//! same objects always make the same snapshot; `-o json` prints it as is.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::ResourceExt;
+use serde::Serialize;
+use shardplane_crds::quantity::parse_bytes;
+use shardplane_crds::v1alpha1::{
+    CONDITION_READY, InferenceNode, ModelDeployment, Shard, ShardPhase,
+};
+use shardplane_crds::{DEPLOYMENT_LABEL, INSTANCE_LABEL};
+
+/// The cluster at one moment.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    pub nodes: Vec<Node>,
+    pub deployments: Vec<Deployment>,
+}
+
+/// One machine.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Node {
+    pub name: String,
+    /// `Ready`, `NotReady` (with the condition's reason) or `Unknown`.
+    pub ready: String,
+    pub unschedulable: bool,
+    pub chip: Option<String>,
+    pub accelerator: Option<String>,
+    pub engines: Vec<String>,
+    /// Bytes the node's loaded shards hold.
+    pub used_bytes: u64,
+    pub allocatable_bytes: Option<u64>,
+    pub total_bytes: Option<u64>,
+    /// Models in its cache: key and bytes.
+    pub cached_models: Vec<(String, u64)>,
+    pub links: Vec<Link>,
+}
+
+/// A measured link from a node to a peer.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Link {
+    pub to: String,
+    pub kind: String,
+    pub latency_micros: u32,
+    pub bandwidth_mbps: Option<u32>,
+}
+
+/// A deployment and its instances.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Deployment {
+    pub namespace: String,
+    pub name: String,
+    pub model: String,
+    pub replicas: i32,
+    pub ready_replicas: i32,
+    /// Conditions that are not as they should be (`type: reason: message`).
+    pub problems: Vec<String>,
+    pub endpoint: Option<String>,
+    pub instances: Vec<Instance>,
+}
+
+/// One instance: its stages in pipeline order.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Instance {
+    pub index: u32,
+    pub stages: Vec<Stage>,
+}
+
+/// One stage: a Shard.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Stage {
+    pub shard: String,
+    pub node: String,
+    pub layers: String,
+    pub phase: String,
+    pub reason: Option<String>,
+    pub message: Option<String>,
+    pub downloaded_bytes: Option<u64>,
+    pub total_bytes: Option<u64>,
+    pub restarts: u32,
+}
+
+fn condition<'a>(conditions: &'a [Condition], kind: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == kind)
+}
+
+/// The snapshot of these objects (nodes by name, deployments by namespace
+/// and name, instances by index, stages in order).
+pub fn snapshot(
+    nodes: &[InferenceNode],
+    deployments: &[ModelDeployment],
+    shards: &[Shard],
+) -> Snapshot {
+    let mut used: BTreeMap<&str, u64> = BTreeMap::new();
+    for s in shards {
+        if let Some(bytes) = s.status.as_ref().and_then(|st| st.memory_bytes) {
+            *used.entry(s.spec.node.as_str()).or_default() += bytes;
+        }
+    }
+    let mut nodes: Vec<Node> = nodes
+        .iter()
+        .map(|n| {
+            let st = n.status.clone().unwrap_or_default();
+            let ready = match condition(&st.conditions, CONDITION_READY) {
+                Some(c) if c.status == "True" => "Ready".to_string(),
+                Some(c) => format!("NotReady ({})", c.reason),
+                None => "Unknown".to_string(),
+            };
+            let name = n.name_any();
+            Node {
+                ready,
+                unschedulable: n.spec.unschedulable,
+                chip: st.chip,
+                accelerator: st.accelerator.map(|a| format!("{a:?}")),
+                engines: st.engines.iter().map(|e| format!("{e:?}")).collect(),
+                used_bytes: used.get(name.as_str()).copied().unwrap_or(0),
+                allocatable_bytes: st
+                    .memory
+                    .as_ref()
+                    .and_then(|m| parse_bytes(&m.allocatable).ok()),
+                total_bytes: st.memory.as_ref().and_then(|m| parse_bytes(&m.total).ok()),
+                cached_models: st
+                    .cached_models
+                    .iter()
+                    .map(|c| (c.key.clone(), c.bytes))
+                    .collect(),
+                links: st
+                    .links
+                    .iter()
+                    .map(|l| Link {
+                        to: l.node.clone(),
+                        kind: format!("{:?}", l.kind),
+                        latency_micros: l.latency_micros,
+                        bandwidth_mbps: l.bandwidth_mbps,
+                    })
+                    .collect(),
+                name,
+            }
+        })
+        .collect();
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+
+    let mut deployments: Vec<Deployment> = deployments
+        .iter()
+        .map(|d| {
+            let namespace = d.namespace().unwrap_or_default();
+            let name = d.name_any();
+            let st = d.status.clone().unwrap_or_default();
+            // Shards of this deployment, by instance, in stage order.
+            let mut instances: BTreeMap<u32, Vec<&Shard>> = BTreeMap::new();
+            for s in shards.iter().filter(|s| {
+                s.namespace().as_deref() == Some(namespace.as_str())
+                    && s.labels().get(DEPLOYMENT_LABEL) == Some(&name)
+            }) {
+                let index = s
+                    .labels()
+                    .get(INSTANCE_LABEL)
+                    .and_then(|i| i.parse().ok())
+                    .unwrap_or(s.spec.instance);
+                instances.entry(index).or_default().push(s);
+            }
+            let instances = instances
+                .into_iter()
+                .map(|(index, mut stages)| {
+                    stages.sort_by_key(|s| s.spec.stage);
+                    Instance {
+                        index,
+                        stages: stages.into_iter().map(stage).collect(),
+                    }
+                })
+                .collect();
+            Deployment {
+                model: d.spec.model.clone(),
+                replicas: st.replicas,
+                ready_replicas: st.ready_replicas,
+                problems: problems(&st.conditions),
+                endpoint: st
+                    .endpoint
+                    .map(|e| format!("{} (model {})", e.url, e.model)),
+                instances,
+                namespace,
+                name,
+            }
+        })
+        .collect();
+    deployments.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    Snapshot { nodes, deployments }
+}
+
+fn stage(s: &Shard) -> Stage {
+    let st = s.status.clone().unwrap_or_default();
+    Stage {
+        shard: s.name_any(),
+        node: s.spec.node.clone(),
+        layers: s.spec.layers.to_string(),
+        phase: st.phase.unwrap_or(ShardPhase::Pending).to_string(),
+        reason: st.reason,
+        message: st.message,
+        downloaded_bytes: st.downloaded_bytes,
+        total_bytes: st.total_bytes,
+        restarts: st.restarts.unwrap_or(0),
+    }
+}
+
+/// Conditions that say something is wrong: Ready or Placed not true,
+/// Degraded true.
+fn problems(conditions: &[Condition]) -> Vec<String> {
+    conditions
+        .iter()
+        .filter(|c| match c.type_.as_str() {
+            "Degraded" => c.status == "True",
+            "Progressing" => false,
+            _ => c.status != "True",
+        })
+        .map(|c| format!("{}: {}: {}", c.type_, c.reason, c.message))
+        .collect()
+}
