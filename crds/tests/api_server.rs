@@ -249,13 +249,22 @@ async fn kubectl_scale_changes_replicas_through_the_scale_subresource() -> anyho
     )
     .await?;
     let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "ModelDeployment",
-                        "status": {"replicas": 1, "readyReplicas": 1, "selector": "shardplane.dev/deployment=chat"}});
+                        "status": {"replicas": 1, "readyReplicas": 1, "selector": "shardplane.dev/deployment=chat",
+                                   "endpoint": {"url": "http://gw.example:8080/v1", "model": "chat-model"}}});
     api.patch_status(
         "chat",
         &PatchParams::apply(FIELD_MANAGER),
         &Patch::Apply(&status),
     )
     .await?;
+    // `kubectl get mdep` says where to send requests.
+    let listed = cp.kubectl(&["get", "mdep", "-n", &ns])?;
+    assert!(
+        listed.contains("URL")
+            && listed.contains("http://gw.example:8080/v1")
+            && listed.contains("chat-model"),
+        "{listed}"
+    );
 
     cp.kubectl(&["scale", "-n", &ns, "modeldeployment/chat", "--replicas=3"])?;
     assert_eq!(api.get("chat").await?.spec.replicas, 3);
@@ -290,7 +299,8 @@ async fn kubectl_get_shows_printer_columns_and_the_category() -> anyhow::Result<
         )
         .await?;
     let status = json!({"apiVersion": "shardplane.dev/v1alpha1", "kind": "Shard",
-                        "status": {"phase": "Ready", "endpoint": "10.0.0.2:7070"}});
+                        "status": {"phase": "Downloading", "endpoint": "10.0.0.2:7070",
+                                   "downloadedBytes": 1048576, "totalBytes": 4194304}});
     shards
         .patch_status(
             "chat-0-1",
@@ -312,7 +322,17 @@ async fn kubectl_get_shows_printer_columns_and_the_category() -> anyhow::Result<
     assert_eq!(
         header,
         [
-            "NAME", "MODEL", "NODE", "STAGE", "FROM", "TO", "PHASE", "RESTARTS", "AGE"
+            "NAME",
+            "MODEL",
+            "NODE",
+            "STAGE",
+            "FROM",
+            "TO",
+            "PHASE",
+            "RESTARTS",
+            "DOWNLOADED",
+            "OF",
+            "AGE"
         ],
         "{out}"
     );
@@ -330,10 +350,12 @@ async fn kubectl_get_shows_printer_columns_and_the_category() -> anyhow::Result<
             "1",
             "15",
             "30",
-            "Ready"
+            "Downloading"
         ],
         "{out}"
     );
+    // Download progress, in bytes.
+    assert!(out.contains("1048576") && out.contains("4194304"), "{out}");
 
     let wide = cp.kubectl(&["get", "shd", "-n", &ns, "-o", "wide"])?;
     assert!(

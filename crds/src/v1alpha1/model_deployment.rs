@@ -32,6 +32,12 @@ use super::{Conditions, LayerRange, ShardPhase, keep_field_docs};
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].reason"
     ),
+    printcolumn(name = "URL", type_ = "string", json_path = ".status.endpoint.url"),
+    printcolumn(
+        name = "Served",
+        type_ = "string",
+        json_path = ".status.endpoint.model"
+    ),
     printcolumn(
         name = "Age",
         type_ = "date",

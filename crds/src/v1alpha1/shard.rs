@@ -29,6 +29,12 @@ use super::{
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Restarts", type_ = "integer", json_path = ".status.restarts"),
     printcolumn(
+        name = "Downloaded",
+        type_ = "integer",
+        json_path = ".status.downloadedBytes"
+    ),
+    printcolumn(name = "Of", type_ = "integer", json_path = ".status.totalBytes"),
+    printcolumn(
         name = "Endpoint",
         type_ = "string",
         json_path = ".status.endpoint",

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  list InferenceNodes, ModelDeployments, Shards ─► snapshot (pure) ─► render │ JSON
-//!  --watch: again every interval, the screen cleared on a terminal
+//!  --watch: again every interval, the screen cleared on a terminal, download
+//!           rates from the refresh before
 //! ```
 
 mod render;
@@ -98,15 +99,21 @@ pub fn run(args: StatusArgs) -> anyhow::Result<()> {
             every.is_finite() && every >= 0.1,
             "--watch takes an interval of at least 0.1 s"
         );
+        let mut earlier: Option<(Snapshot, std::time::Instant)> = None;
         loop {
             // A failed read is shown and tried again: the cluster may be
             // restarting.
             match read(&client, args.namespace.as_deref()).await {
-                Ok(s) => {
+                Ok(mut s) => {
+                    let now = std::time::Instant::now();
+                    if let Some((before, at)) = &earlier {
+                        s.rates_since(before, (now - *at).as_secs_f64());
+                    }
                     if terminal && args.output == Output::Text {
                         print!("\x1b[2J\x1b[H");
                     }
                     print(&s, args.output, terminal)?;
+                    earlier = Some((s, now));
                 }
                 Err(e) => eprintln!("{e:#}"),
             }

@@ -71,11 +71,21 @@ fn stage_line(s: &Stage) -> String {
         && total > 0
     {
         line.push_str(&format!(
-            " {}% ({}/{})",
+            " {}% ({}/{}",
             done * 100 / total,
             bytes(done),
             bytes(total)
         ));
+        if let Some(rate) = s.download_rate.filter(|r| *r > 0.0) {
+            let left = (total.saturating_sub(done) as f64 / rate).round() as u64;
+            line.push_str(&format!(
+                ", {}/s, {}m{:02}s left",
+                bytes(rate as u64),
+                left / 60,
+                left % 60
+            ));
+        }
+        line.push(')');
     }
     if s.phase == "Failed"
         && let Some(m) = &s.message
@@ -228,6 +238,7 @@ mod tests {
             message: None,
             downloaded_bytes: None,
             total_bytes: None,
+            download_rate: None,
             restarts: 0,
         };
         let mut downloading = stage("mac-b", "15-30", "Downloading");
@@ -301,6 +312,15 @@ mod tests {
             assert!(text.contains(expected), "{expected:?} not in\n{text}");
         }
         assert!(!text.contains('\x1b'), "no colour off a terminal");
+        // Two refreshes two seconds apart: the rate and the time left.
+        let (mut later, earlier) = (sample(), sample());
+        later.deployments[0].instances[0].stages[1].downloaded_bytes = Some(2 << 30);
+        later.rates_since(&earlier, 2.0);
+        let text = render(&later, false);
+        assert!(
+            text.contains("Downloading 50% (2.0 GiB/4.0 GiB, 512.0 MiB/s, 0m04s left)"),
+            "{text}"
+        );
         let coloured = render(&sample(), true);
         assert!(coloured.contains("\x1b[32mReady\x1b[0m"), "{coloured}");
     }

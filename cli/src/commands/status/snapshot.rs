@@ -87,6 +87,9 @@ pub struct Stage {
     pub message: Option<String>,
     pub downloaded_bytes: Option<u64>,
     pub total_bytes: Option<u64>,
+    /// Download rate, bytes per second, from two refreshes (`--watch`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub download_rate: Option<f64>,
     pub restarts: u32,
 }
 
@@ -208,7 +211,43 @@ fn stage(s: &Shard) -> Stage {
         message: st.message,
         downloaded_bytes: st.downloaded_bytes,
         total_bytes: st.total_bytes,
+        download_rate: None,
         restarts: st.restarts.unwrap_or(0),
+    }
+}
+
+impl Snapshot {
+    /// Fills each downloading stage's rate from what `earlier` (taken
+    /// `seconds` before) showed of the same Shard.
+    pub fn rates_since(&mut self, earlier: &Snapshot, seconds: f64) {
+        if seconds <= 0.0 {
+            return;
+        }
+        let before: BTreeMap<(&str, &str), u64> = earlier
+            .deployments
+            .iter()
+            .flat_map(|d| {
+                d.instances.iter().flat_map(move |i| {
+                    i.stages.iter().filter_map(move |s| {
+                        Some((
+                            (d.namespace.as_str(), s.shard.as_str()),
+                            s.downloaded_bytes?,
+                        ))
+                    })
+                })
+            })
+            .collect();
+        for d in &mut self.deployments {
+            for s in d.instances.iter_mut().flat_map(|i| i.stages.iter_mut()) {
+                if let (Some(now), Some(then)) = (
+                    s.downloaded_bytes,
+                    before.get(&(d.namespace.as_str(), s.shard.as_str())),
+                ) && now >= *then
+                {
+                    s.download_rate = Some((now - then) as f64 / seconds);
+                }
+            }
+        }
     }
 }
 
