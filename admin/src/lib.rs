@@ -1,6 +1,7 @@
 //! What every long-running shardplane process shares: the admin port
 //! (`/metrics`, the process's Prometheus registry; `/livez`, the process runs;
-//! `/readyz`, it is ready for work) and metric registration.
+//! `/readyz`, it is ready for work; and whatever else the process adds, such
+//! as the operator's web view) and metric registration.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,14 +13,17 @@ use axum::routing::get;
 
 use prometheus::Registry;
 
-/// Serves the admin endpoints on `listener` until `shutdown` resolves.
+/// Serves the admin endpoints, and the routes of `extra`, on `listener`
+/// until `shutdown` resolves. Handlers can read the peer's address
+/// (`ConnectInfo<SocketAddr>`).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Registry,
     ready: Arc<AtomicBool>,
+    extra: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = Router::new()
+    let app = extra
         .route(
             "/metrics",
             get(move || async move {
@@ -39,9 +43,12 @@ pub async fn serve(
                 }
             }),
         );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
 /// Binds the admin address.
@@ -78,9 +85,15 @@ impl Admin {
             .map_err(|source| Error::Listen { address, source })?;
         let ready = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, registry, ready.clone(), async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(serve(
+            listener,
+            registry,
+            ready.clone(),
+            Router::new(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Ok(Admin { ready, stop, task })
     }
 

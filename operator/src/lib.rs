@@ -13,7 +13,8 @@
 //! a reconcile never LISTs.
 //!
 //! Only the replica holding the leader Lease runs controllers. Every replica
-//! serves `/metrics`, `/livez` and `/readyz` on its admin port; `/readyz` says
+//! serves `/metrics`, `/livez`, `/readyz` and the web view (`/ui`,
+//! `shardplane-view`) on its admin port; `/readyz` says
 //! the replica reaches the API server (leader or standby), the
 //! `shardplane_operator_leader` gauge says it leads.
 
@@ -55,6 +56,8 @@ pub struct OperatorConfig {
     /// The gateway's base URL, written into each placed deployment's
     /// `status.endpoint`; no endpoint is written when unset.
     pub gateway_url: Option<String>,
+    /// The web view at `/ui` on the admin port; none when turned off.
+    pub view: Option<shardplane_view::web::Settings>,
 }
 
 pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
@@ -71,10 +74,17 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
             source,
         })?;
     tracing::info!(address = %config.admin_address, "admin endpoints up");
+    // Every replica serves the view (it lists what it shows, so a standby
+    // shows the same as the leader).
+    let view = match &config.view {
+        Some(settings) => shardplane_view::web::router(client.clone(), settings.clone()),
+        None => axum::Router::new(),
+    };
     let admin = tokio::spawn(shardplane_admin::serve(
         listener,
         metrics.registry.clone(),
         ready.clone(),
+        view,
         async {
             let _ = tokio::signal::ctrl_c().await;
         },

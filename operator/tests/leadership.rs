@@ -37,6 +37,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
         gateway_url: None,
+        view: None,
     };
     let client = client.clone();
     let task = tokio::spawn(async move {

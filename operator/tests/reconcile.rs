@@ -42,6 +42,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         // No agents run in these tests: the operator reads the model itself.
         read_model_paths: true,
         gateway_url: Some(GATEWAY_URL.into()),
+        view: None,
     };
     let client = client.clone();
     tokio::spawn(async move {

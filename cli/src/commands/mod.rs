@@ -32,6 +32,15 @@ pub(crate) fn hugging_face_token(file: Option<&std::path::Path>) -> anyhow::Resu
     }
 }
 
+/// A key from a file (trimmed), refusing one every user may read or an
+/// empty one.
+pub(crate) fn read_secret_file(file: &std::path::Path) -> anyhow::Result<String> {
+    refuse_world_readable(file, "--ui-key-file")?;
+    let key = std::fs::read_to_string(file)?.trim().to_string();
+    anyhow::ensure!(!key.is_empty(), "--ui-key-file {} is empty", file.display());
+    Ok(key)
+}
+
 /// Refuses a secret file every user of this machine may read (or one that
 /// cannot be read at all), naming `flag` and the `chmod` that fixes it.
 pub(crate) fn refuse_world_readable(file: &std::path::Path, flag: &str) -> anyhow::Result<()> {

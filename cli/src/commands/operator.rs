@@ -54,6 +54,25 @@ pub struct OperatorArgs {
     /// `status.endpoint`.
     #[arg(long, env = "SHARDPLANE_GATEWAY_URL", value_parser = gateway_url)]
     gateway_url: Option<String>,
+    /// Do not serve the web view (`/ui` on the admin port).
+    #[arg(long, env = "SHARDPLANE_NO_UI")]
+    no_ui: bool,
+    /// A file holding the web view's key: every request must carry it (the
+    /// browser asks; any user name, the key as the password), else the
+    /// SHARDPLANE_UI_KEY environment variable. Without a key the view
+    /// answers only this machine's loopback.
+    #[arg(long, env = "SHARDPLANE_UI_KEY_FILE")]
+    ui_key_file: Option<PathBuf>,
+    /// A gateway's metrics URL, for the view's tokens/s and time to first
+    /// token; `dns+http://name:port/metrics` reads every address the name
+    /// resolves to (a headless Service of several gateway replicas). Repeat
+    /// for several gateways.
+    #[arg(long, env = "SHARDPLANE_GATEWAY_METRICS", value_delimiter = ',', value_parser = metrics_url)]
+    gateway_metrics: Vec<String>,
+}
+
+fn metrics_url(text: &str) -> Result<String, String> {
+    shardplane_view::traffic::check_url(text).map(|()| text.to_string())
 }
 
 /// An http(s) URL with a host, without a trailing slash.
@@ -88,6 +107,21 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
         hugging_face_token: super::hugging_face_token(args.hugging_face_token_file.as_deref())?,
         read_model_paths: args.read_model_paths,
         gateway_url: args.gateway_url,
+        view: (!args.no_ui)
+            .then(|| -> anyhow::Result<_> {
+                Ok(shardplane_view::web::Settings {
+                    key: match args.ui_key_file.as_deref() {
+                        Some(file) => Some(super::read_secret_file(file)?),
+                        // From a Secret in the chart; never a flag (ps shows flags).
+                        None => std::env::var("SHARDPLANE_UI_KEY")
+                            .ok()
+                            .map(|k| k.trim().to_string())
+                            .filter(|k| !k.is_empty()),
+                    },
+                    gateway_metrics: args.gateway_metrics,
+                })
+            })
+            .transpose()?,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -143,6 +143,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             "127.0.0.1:9090",
             "--gateway-url",
             &format!("http://{}/v1", args.gateway_address),
+            "--gateway-metrics",
+            "http://127.0.0.1:9092/metrics",
         ],
     )?;
     // The agents share this machine's cores (see `threads`).
@@ -512,7 +514,9 @@ Chat (OpenAI API; the Anthropic and Ollama APIs are on the same address):
   OpenAI base URL: http://{address}/v1   models: {models}   API key in {keys}
 
 Look:
+  Web view: http://127.0.0.1:9090/ui   (nodes, links, instances, tokens/s; this machine only)
   export KUBECONFIG={kubeconfig}
+  shardplane status --watch --gateway-metrics http://127.0.0.1:9092/metrics
   kubectl get shardplane
   kubectl get shards -o wide
   curl -s 127.0.0.1:9090/metrics | grep ^shardplane_

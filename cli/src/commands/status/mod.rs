@@ -3,24 +3,20 @@
 //!
 //! ```text
 //!  list InferenceNodes, ModelDeployments, Shards ─► snapshot (pure) ─► render │ JSON
+//!  --gateway-metrics: the gateways' /metrics ─► traffic per deployment
 //!  --watch: again every interval, the screen cleared on a terminal, download
-//!           rates from the refresh before
+//!           and token rates from the refresh before
 //! ```
 
 mod render;
-mod snapshot;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::{Args, ValueEnum};
-use kube::Api;
-use kube::api::ListParams;
-use shardplane_crds::v1alpha1::{InferenceNode, ModelDeployment, Shard};
-
-pub use snapshot::Snapshot;
+use shardplane_view::Snapshot;
+use shardplane_view::traffic::{self, Sample};
 
 /// How the status is printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -45,34 +41,29 @@ pub struct StatusArgs {
     /// Refresh every this many seconds until interrupted.
     #[arg(long, short = 'w', num_args = 0..=1, default_missing_value = "2", value_name = "SECONDS")]
     watch: Option<f64>,
+    /// A gateway's metrics URL, to show each deployment's requests, tokens
+    /// per second (under --watch) and time to first token;
+    /// `dns+http://name:port/metrics` reads every address the name resolves to.
+    #[arg(long, env = "SHARDPLANE_GATEWAY_METRICS", value_delimiter = ',',
+          value_parser = |t: &str| traffic::check_url(t).map(|()| t.to_string()))]
+    gateway_metrics: Vec<String>,
 }
 
-/// Reads the cluster's objects and makes the snapshot.
-async fn read(client: &kube::Client, namespace: Option<&str>) -> anyhow::Result<Snapshot> {
-    let lp = ListParams::default();
-    let nodes = Api::<InferenceNode>::all(client.clone())
-        .list(&lp)
-        .await
-        .context("listing InferenceNodes (are the shardplane CRDs installed?)")?;
-    let (deployments, shards) = match namespace {
-        Some(ns) => (
-            Api::<ModelDeployment>::namespaced(client.clone(), ns)
-                .list(&lp)
-                .await,
-            Api::<Shard>::namespaced(client.clone(), ns).list(&lp).await,
-        ),
-        None => (
-            Api::<ModelDeployment>::all(client.clone()).list(&lp).await,
-            Api::<Shard>::all(client.clone()).list(&lp).await,
-        ),
-    };
-    let deployments = deployments.context("listing ModelDeployments")?;
-    let shards = shards.context("listing Shards")?;
-    Ok(snapshot::snapshot(
-        &nodes.items,
-        &deployments.items,
-        &shards.items,
-    ))
+/// Reads the cluster and, when asked, the gateways' metrics (rates since
+/// `earlier`, the reading before).
+async fn read(
+    client: &kube::Client,
+    args: &StatusArgs,
+    http: &reqwest::Client,
+    earlier: Option<&Sample>,
+) -> anyhow::Result<(Snapshot, Option<Sample>)> {
+    let mut s = shardplane_view::read(client, args.namespace.as_deref()).await?;
+    if args.gateway_metrics.is_empty() {
+        return Ok((s, None));
+    }
+    let sample = traffic::scrape(http, &args.gateway_metrics).await?;
+    s.with_traffic(earlier, &sample);
+    Ok((s, Some(sample)))
 }
 
 fn print(s: &Snapshot, output: Output, terminal: bool) -> anyhow::Result<()> {
@@ -90,9 +81,10 @@ pub fn run(args: StatusArgs) -> anyhow::Result<()> {
         .build()?;
     runtime.block_on(async {
         let client = super::kube_client::client(args.kubeconfig.as_deref()).await?;
+        let http = shardplane_models::http_client()?;
         let terminal = std::io::stdout().is_terminal();
         let Some(every) = args.watch else {
-            let s = read(&client, args.namespace.as_deref()).await?;
+            let (s, _) = read(&client, &args, &http, None).await?;
             return print(&s, args.output, terminal);
         };
         anyhow::ensure!(
@@ -100,11 +92,13 @@ pub fn run(args: StatusArgs) -> anyhow::Result<()> {
             "--watch takes an interval of at least 0.1 s"
         );
         let mut earlier: Option<(Snapshot, std::time::Instant)> = None;
+        let mut sample: Option<Sample> = None;
         loop {
             // A failed read is shown and tried again: the cluster may be
             // restarting.
-            match read(&client, args.namespace.as_deref()).await {
-                Ok(mut s) => {
+            match read(&client, &args, &http, sample.as_ref()).await {
+                Ok((mut s, read_sample)) => {
+                    sample = read_sample;
                     let now = std::time::Instant::now();
                     if let Some((before, at)) = &earlier {
                         s.rates_since(before, (now - *at).as_secs_f64());

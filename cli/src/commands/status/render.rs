@@ -7,13 +7,15 @@
 //!  NODES      name │ ready │ accel │ engines │ memory [####------] used/allocatable │ cached
 //!  LINKS      from │ to │ kind │ latency │ bandwidth
 //!  ns/name  model  2/2 ready  (problems…)
+//!    traffic 1.5 requests/s, 42.0 tokens/s, TTFT p50 180 ms, 1 in flight
 //!    instance 0: node-a[0-15] Ready → node-b[15-30] Downloading 45% (1.2/2.6 GiB)
 //! ```
 
 use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Color, Table};
 
-use super::snapshot::{Deployment, Snapshot, Stage};
+use shardplane_view::snapshot::{Deployment, Snapshot, Stage};
+use shardplane_view::traffic::Traffic;
 
 /// Bytes as a person reads them (binary units, one decimal).
 pub fn bytes(n: u64) -> String {
@@ -98,6 +100,26 @@ fn stage_line(s: &Stage) -> String {
     line
 }
 
+/// Rates when there are two readings, else totals; TTFT either way.
+fn traffic(t: &Traffic) -> String {
+    let mut parts = Vec::new();
+    match (t.requests_per_second, t.tokens_per_second) {
+        (Some(r), Some(tokens)) => {
+            parts.push(format!("{r:.2} requests/s"));
+            parts.push(format!("{tokens:.1} tokens/s"));
+        }
+        _ => parts.push(format!("{} requests, {} tokens", t.requests, t.tokens_out)),
+    }
+    if let Some(e) = t.errors_per_second.filter(|e| *e > 0.0) {
+        parts.push(format!("{e:.2} errors/s"));
+    }
+    if let Some(p50) = t.ttft_p50_seconds {
+        parts.push(format!("TTFT p50 {:.0} ms", p50 * 1000.0));
+    }
+    parts.push(format!("{} in flight", t.in_flight));
+    parts.join(", ")
+}
+
 fn deployment(d: &Deployment, colour: bool, out: &mut String) {
     let state = format!("{}/{} ready", d.ready_replicas, d.replicas);
     let state = if colour {
@@ -116,6 +138,9 @@ fn deployment(d: &Deployment, colour: bool, out: &mut String) {
     ));
     if let Some(e) = &d.endpoint {
         out.push_str(&format!("  endpoint {e}\n"));
+    }
+    if let Some(t) = &d.traffic {
+        out.push_str(&format!("  traffic {}\n", traffic(t)));
     }
     for p in &d.problems {
         out.push_str(&format!("  ! {p}\n"));
@@ -225,8 +250,8 @@ pub fn render(s: &Snapshot, colour: bool) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::snapshot::{Instance, Link, Node};
     use super::*;
+    use shardplane_view::snapshot::{Instance, Link, Node};
 
     fn sample() -> Snapshot {
         let stage = |node: &str, layers: &str, phase: &str| Stage {
@@ -285,11 +310,24 @@ mod tests {
                 replicas: 1,
                 ready_replicas: 0,
                 problems: vec!["Ready: Progressing: 1 of 2 stages ready".into()],
+                conditions: vec![],
                 endpoint: None,
+                served_as: vec!["llama-8b".into()],
                 instances: vec![Instance {
                     index: 0,
                     stages: vec![stage("mac-a", "0-15", "Ready"), downloading],
                 }],
+                traffic: Some(Traffic {
+                    requests: 12,
+                    tokens_out: 900,
+                    in_flight: 1,
+                    window_seconds: Some(10.0),
+                    requests_per_second: Some(1.5),
+                    errors_per_second: Some(0.0),
+                    tokens_per_second: Some(42.0),
+                    ttft_p50_seconds: Some(0.18),
+                    ttft_mean_seconds: Some(0.2),
+                }),
             }],
         }
     }
@@ -312,6 +350,10 @@ mod tests {
             assert!(text.contains(expected), "{expected:?} not in\n{text}");
         }
         assert!(!text.contains('\x1b'), "no colour off a terminal");
+        assert!(
+            text.contains("  traffic 1.50 requests/s, 42.0 tokens/s, TTFT p50 180 ms, 1 in flight"),
+            "{text}"
+        );
         // Two refreshes two seconds apart: the rate and the time left.
         let (mut later, earlier) = (sample(), sample());
         later.deployments[0].instances[0].stages[1].downloaded_bytes = Some(2 << 30);

@@ -1,7 +1,8 @@
-//! What `shardplane status` shows, read from the cluster's objects: the
-//! nodes (with their links and the memory their shards hold) and each
-//! deployment's instances and stages. Built purely from lists, so the
-//! same objects always make the same snapshot; `-o json` prints it as is.
+//! The cluster as a person looks at it, made from its objects: the nodes
+//! (with their links and the memory their shards hold) and each
+//! deployment's instances and stages. Built purely from lists, so the same
+//! objects always make the same snapshot; `shardplane status -o json` prints
+//! it as is and the web view draws it.
 
 use std::collections::BTreeMap;
 
@@ -18,7 +19,9 @@ use shardplane_crds::{DEPLOYMENT_LABEL, INSTANCE_LABEL};
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Snapshot {
+    /// Every InferenceNode, by name.
     pub nodes: Vec<Node>,
+    /// Every ModelDeployment, by namespace and name.
     pub deployments: Vec<Deployment>,
 }
 
@@ -26,19 +29,27 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Node {
+    /// Its name.
     pub name: String,
     /// `Ready`, `NotReady` (with the condition's reason) or `Unknown`.
     pub ready: String,
+    /// Cordoned: no new shards.
     pub unschedulable: bool,
+    /// The chip, as the agent reported it.
     pub chip: Option<String>,
+    /// The accelerator.
     pub accelerator: Option<String>,
+    /// The engines its agent runs.
     pub engines: Vec<String>,
     /// Bytes the node's loaded shards hold.
     pub used_bytes: u64,
+    /// Memory shards may use.
     pub allocatable_bytes: Option<u64>,
+    /// Memory in all (a node), or the weights' size (a stage).
     pub total_bytes: Option<u64>,
     /// Models in its cache: key and bytes.
     pub cached_models: Vec<(String, u64)>,
+    /// Its measured links.
     pub links: Vec<Link>,
 }
 
@@ -46,9 +57,13 @@ pub struct Node {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Link {
+    /// The peer.
     pub to: String,
+    /// How it was measured.
     pub kind: String,
+    /// Round-trip latency, microseconds.
     pub latency_micros: u32,
+    /// Bandwidth, megabits per second.
     pub bandwidth_mbps: Option<u32>,
 }
 
@@ -56,22 +71,53 @@ pub struct Link {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Deployment {
+    /// Its namespace.
     pub namespace: String,
+    /// Its name.
     pub name: String,
+    /// The Model it serves.
     pub model: String,
+    /// Instances wanted.
     pub replicas: i32,
+    /// Instances serving.
     pub ready_replicas: i32,
     /// Conditions that are not as they should be (`type: reason: message`).
     pub problems: Vec<String>,
+    /// Every condition, as the operator wrote it.
+    pub conditions: Vec<ConditionView>,
+    /// Where clients send requests.
     pub endpoint: Option<String>,
+    /// The names clients ask for it by: the served name, then the aliases.
+    pub served_as: Vec<String>,
+    /// Its instances by index.
     pub instances: Vec<Instance>,
+    /// The gateway's traffic for it, when its metrics were read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traffic: Option<crate::traffic::Traffic>,
+}
+
+/// A condition of a deployment.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionView {
+    /// Its type.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// Why, in a word.
+    pub reason: String,
+    /// Why, for a person.
+    pub message: String,
 }
 
 /// One instance: its stages in pipeline order.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Instance {
+    /// Its index in the deployment.
     pub index: u32,
+    /// Its stages in pipeline order.
     pub stages: Vec<Stage>,
 }
 
@@ -79,17 +125,26 @@ pub struct Instance {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Stage {
+    /// The Shard's name.
     pub shard: String,
+    /// The node it is bound to.
     pub node: String,
+    /// Its layer range.
     pub layers: String,
+    /// Its phase.
     pub phase: String,
+    /// Why it is in that phase, in a word.
     pub reason: Option<String>,
+    /// Why, for a person.
     pub message: Option<String>,
+    /// Bytes of its weights fetched so far.
     pub downloaded_bytes: Option<u64>,
+    /// Memory in all (a node), or the weights' size (a stage).
     pub total_bytes: Option<u64>,
     /// Download rate, bytes per second, from two refreshes (`--watch`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub download_rate: Option<f64>,
+    /// Times its agent restarted it.
     pub restarts: u32,
 }
 
@@ -182,15 +237,33 @@ pub fn snapshot(
                     }
                 })
                 .collect();
+            let served_as = st
+                .endpoint
+                .iter()
+                .map(|e| e.model.clone())
+                .chain(d.spec.aliases.iter().cloned())
+                .collect();
             Deployment {
                 model: d.spec.model.clone(),
                 replicas: st.replicas,
                 ready_replicas: st.ready_replicas,
                 problems: problems(&st.conditions),
+                conditions: st
+                    .conditions
+                    .iter()
+                    .map(|c| ConditionView {
+                        type_: c.type_.clone(),
+                        status: c.status.clone(),
+                        reason: c.reason.clone(),
+                        message: c.message.clone(),
+                    })
+                    .collect(),
                 endpoint: st
                     .endpoint
                     .map(|e| format!("{} (model {})", e.url, e.model)),
+                served_as,
                 instances,
+                traffic: None,
                 namespace,
                 name,
             }
@@ -217,6 +290,18 @@ fn stage(s: &Shard) -> Stage {
 }
 
 impl Snapshot {
+    /// Gives each deployment its traffic between two readings of the
+    /// gateways' metrics (the names it is served as, summed).
+    pub fn with_traffic(
+        &mut self,
+        earlier: Option<&crate::traffic::Sample>,
+        later: &crate::traffic::Sample,
+    ) {
+        for d in &mut self.deployments {
+            d.traffic = crate::traffic::traffic(earlier, later, &d.served_as);
+        }
+    }
+
     /// Fills each downloading stage's rate from what `earlier` (taken
     /// `seconds` before) showed of the same Shard.
     pub fn rates_since(&mut self, earlier: &Snapshot, seconds: f64) {
