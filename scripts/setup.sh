@@ -10,6 +10,8 @@
 #     framework (PyPI, in a venv)
 #   - helm-python-sdk (Helm's Go SDK as a Python package, in the venv) for the chart test
 #   - promtool, from Debian's prometheus package
+#   - Debian's Chromium and ChromeDriver, and Selenium (in the venv), for the
+#     web view's browser test
 #   - cargo-fuzz (crates.io), for the data-plane fuzz target
 #
 # SHARDPLANE_SETUP=check checks instead what a cold machine's first run depends
@@ -46,13 +48,19 @@ if ! command -v promtool >/dev/null 2>&1; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } >&2 ||
     { echo "[setup] error: cannot install Debian's prometheus package (promtool)" >&2; exit 1; }
 fi
+# Chromium and its driver for the web view's browser test (Debian's packages).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || { echo "[setup] error: need root to apt-get install chromium chromium-driver" >&2; exit 1; }
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; } >&2 ||
+    { echo "[setup] error: cannot install Debian's chromium and chromium-driver packages" >&2; exit 1; }
+fi
 bash scripts/model.sh >/dev/null
 # MLX (the mlx-cpu wheel) and OpenBLAS for the `mlx` feature the tests build.
 bash scripts/mlx.sh >/dev/null
 # The official API clients the gateway is tested with, and Helm's SDK for the
 # chart test, pinned, in a venv.
 VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
-CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0"
+CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0 selenium==4.40.0"
 if [ "$(cat "$VENV/.clients" 2>/dev/null)" != "$CLIENTS" ]; then
   python3 -m venv "$VENV" >&2 || { echo "[setup] error: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
   # shellcheck disable=SC2086

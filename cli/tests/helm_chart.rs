@@ -254,6 +254,53 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
             ));
         }
 
+        // The operator's web view reads every gateway replica through a
+        // headless Service that selects the gateway's pods.
+        let operator = of_kind(&docs, "Deployment")
+            .into_iter()
+            .find(|d| {
+                d["metadata"]["name"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("operator")
+            })
+            .unwrap();
+        let env = operator["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_array()
+            .unwrap();
+        let metrics = env
+            .iter()
+            .find(|e| e["name"] == "SHARDPLANE_GATEWAY_METRICS")
+            .unwrap()["value"]
+            .as_str()
+            .unwrap();
+        let host = metrics
+            .strip_prefix("dns+http://")
+            .and_then(|r| r.split_once('.'))
+            .unwrap()
+            .0;
+        let replicas = of_kind(&docs, "Service")
+            .into_iter()
+            .find(|s| s["metadata"]["name"] == host)
+            .unwrap_or_else(|| panic!("no Service {host}"));
+        assert_eq!(replicas["spec"]["clusterIP"], "None", "{replicas}");
+        let gateway = of_kind(&docs, "Deployment")
+            .into_iter()
+            .find(|d| d["metadata"]["name"].as_str().unwrap().ends_with("gateway"))
+            .unwrap();
+        let selector = serde_json::json!({"matchLabels": replicas["spec"]["selector"]});
+        assert!(labels_match(
+            &selector,
+            &gateway["spec"]["template"]["metadata"]["labels"]
+        ));
+        assert!(
+            replicas["metadata"]["labels"]
+                .get("shardplane.dev/job")
+                .is_none(),
+            "Prometheus scrapes the gateway once, through its metrics Service"
+        );
+        assert!(env.iter().all(|e| e["name"] != "SHARDPLANE_NO_UI"));
+
         // The dashboards, one ConfigMap each, exactly the shipped JSON.
         let maps = of_kind(&docs, "ConfigMap");
         let shipped = std::fs::read_dir(chart().join("files/dashboards")).unwrap();

@@ -1,7 +1,8 @@
 //! `shardplane up`, the main job, as a user runs it: it brings up its own
 //! control plane, the operator, five agents and the gateway, shows progress
 //! until the quickstart is Ready, and both served models answer through the
-//! gateway; a killed agent is reported while the other replica keeps serving;
+//! gateway; the web view shows all of it in a real browser (Chromium), live;
+//! a killed agent is reported while the other replica keeps serving;
 //! Ctrl-C stops everything it started and leaves no process behind.
 
 use std::io::{BufRead, BufReader};
@@ -91,6 +92,7 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         "smollm2-pipeline says:",
         "OpenAI base URL: http://127.0.0.1:8080/v1",
         "kubectl get shardplane",
+        "Web view: http://127.0.0.1:9090/ui",
     ] {
         assert!(shown.contains(expected), "no {expected:?} in:\n{shown}");
     }
@@ -109,14 +111,38 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     }
     assert_eq!(chat("sk-wrong", "smollm2").0, 401);
 
-    // Lose a daily agent: `up` says so and the other replica serves on.
+    // The web view in a real browser: every node, deployment and stage,
+    // live traffic; then a daily agent is killed while the page is open and
+    // its node turns NotReady there.
     let agent = processes_with("--node-name node-0 ");
     assert_eq!(agent.len(), 1, "{agent:?}");
-    let killed = Command::new("kill")
-        .args(["-9", &agent[0].0.to_string()])
-        .status()
+    let shots = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("web-view");
+    std::fs::create_dir_all(&shots).unwrap();
+    let browser = Command::new(shardplane_testkit::venv_python())
+        .arg(repo_root().join("cli/tests/clients/web_view.py"))
+        .env("VIEW", "http://127.0.0.1:9090/ui")
+        .env("GATEWAY", "http://127.0.0.1:8080/v1")
+        .env("API_KEY", key)
+        .env("NODES", "node-0,node-1,node-2,node-3,node-4")
+        .env(
+            "DEPLOYMENTS",
+            "default/smollm2-daily,default/smollm2-pipeline",
+        )
+        .env("STAGES", "5")
+        .env("KILL_PID", agent[0].0.to_string())
+        .env("KILL_NODE", "node-0")
+        .env("SCREENSHOTS", &shots)
+        .output()
         .unwrap();
-    assert!(killed.success());
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&browser.stdout),
+        String::from_utf8_lossy(&browser.stderr)
+    );
+    eprintln!("{said}");
+    assert!(browser.status.success(), "the browser test failed:\n{said}");
+
+    // `up` reports the lost agent and the other replica serves on.
     read_until("agent-0 (signal: 9", Duration::from_secs(10));
     for _ in 0..5 {
         let (status, body) = chat(key, "smollm2");

@@ -63,13 +63,14 @@ function layout(nodes) {
   });
   const count = boxes.length;
   const widest = Math.max(140, ...boxes.map(b => b.w));
-  const radius = count <= 1 ? 0 : Math.max(170, (count * (widest + 50)) / (2 * Math.PI));
+  const radius = count <= 1 ? 0 : Math.max(230, (count * (widest + 70)) / (2 * Math.PI));
+  const squash = 0.85;
   const cx = radius + widest / 2 + 30;
-  const cy = radius * 0.72 + 90;
+  const cy = radius * squash + widest * 0.55 / 2 + 30;
   boxes.forEach((b, i) => {
     const angle = -Math.PI / 2 + (2 * Math.PI * i) / Math.max(1, count);
     b.x = cx + radius * Math.cos(angle);
-    b.y = cy + radius * 0.72 * Math.sin(angle);
+    b.y = cy + radius * squash * Math.sin(angle);
   });
   return { boxes, width: 2 * cx, height: 2 * cy };
 }
@@ -88,6 +89,7 @@ function drawTopology(state) {
   // Links: each pair once, labelled with what one side measured.
   const seen = new Set();
   const links = svg("g", { class: "links" });
+  const labels = [];
   for (const n of state.nodes) {
     for (const l of n.links) {
       const a = at.get(n.name), b = at.get(l.to);
@@ -96,13 +98,35 @@ function drawTopology(state) {
       seen.add(key);
       links.append(svg("line", { class: "link", x1: a.x, y1: a.y, x2: b.x, y2: b.y }));
       const label = [latency(l.latencyMicros), bandwidth(l.bandwidthMbps)].filter(Boolean).join(" · ");
-      links.append(svg("text", {
-        class: "linklabel", x: (a.x + b.x) / 2, y: (a.y + b.y) / 2 - 4, "text-anchor": "middle",
+      // On the part of the line between the boxes, a little nearer the
+      // first-named node, so that labels of lines crossing in the middle
+      // do not land on each other.
+      const [p, q] = n.name < l.to ? [a, b] : [b, a];
+      const dx = q.x - p.x, dy = q.y - p.y;
+      const out = box => Math.min(box.w / 2 / Math.abs(dx || 1e-9), box.h / 2 / Math.abs(dy || 1e-9));
+      const from = out(p), to = 1 - out(q);
+      const t = from + (to - from) * 0.42;
+      labels.push(svg("text", {
+        class: "linklabel", x: p.x + dx * t, y: p.y + dy * t + 4, "text-anchor": "middle",
         "data-link": key.replace("\u0000", "--"),
       }, label));
     }
   }
+  if (seen.size === 0 && state.nodes.length > 1) {
+    links.append(svg("text", { class: "linklabel", x: 12, y: height - 12 }, "no links measured yet"));
+  }
   root.append(links);
+  // Labels above the boxes, each on a backing of the panel's colour (once
+  // it can be measured).
+  const tags = svg("g", { class: "linklabels" });
+  root.append(tags);
+  for (const t of labels) {
+    tags.append(t);
+    const box = t.getBBox();
+    tags.insertBefore(svg("rect", {
+      class: "labelback", x: box.x - 3, y: box.y - 1, width: box.width + 6, height: box.height + 2, rx: 3,
+    }), t);
+  }
 
   // Nodes.
   const nodes = svg("g", { class: "nodes" });
@@ -159,7 +183,8 @@ function drawTopology(state) {
       legend.append(el("li", {}, el("span", { class: "swatch", style: null, "data-colour": colour }), `${id}: ${stages}`));
     }
   }
-  root.append(nodes, paths);
+  root.insertBefore(nodes, tags);
+  root.append(paths);
   // Inline styles are refused by the page's policy: colour swatches by attribute.
   for (const s of legend.querySelectorAll(".swatch")) {
     s.style.background = s.getAttribute("data-colour");
@@ -222,9 +247,11 @@ function drawDeployments(state) {
         d.endpoint ? el("span", { class: "dim" }, d.endpoint) : null));
     const conditions = el("div", { class: "conditions" });
     for (const c of d.conditions) {
+      // Progressing says what is under way, neither good nor bad.
       const good = c.type === "Degraded" ? c.status !== "True" : c.status === "True";
+      const kind = c.type === "Progressing" ? "" : good ? " good" : " bad";
       conditions.append(el("span", {
-        class: "condition " + (good ? "good" : "bad"), title: `${c.reason}: ${c.message}`,
+        class: "condition" + kind, title: `${c.reason}: ${c.message}`,
         "data-condition": c.type, "data-status": c.status,
       }, `${c.type}: ${c.status}` + (c.reason ? ` (${c.reason})` : "")));
     }
@@ -257,7 +284,7 @@ function drawNodes(state) {
       el("td", {}, n.name),
       el("td", { class: "state-" + word }, n.ready + (n.unschedulable ? ", cordoned" : "")),
       el("td", {}, mem),
-      el("td", {}, [n.chip, n.accelerator].filter(Boolean).join(" · ") || "–"),
+      el("td", {}, [n.chip, n.accelerator].filter(v => v && v !== "None").join(" · ") || "–"),
       el("td", {}, n.engines.join(", ") || "–"),
       el("td", {}, n.cachedModels.map(([k, b]) => `${k} (${bytes(b)})`).join(", ") || "–")));
   }

@@ -77,7 +77,7 @@ pub struct Deployment {
     pub name: String,
     /// The Model it serves.
     pub model: String,
-    /// Instances wanted.
+    /// Instances wanted (the spec's replicas).
     pub replicas: i32,
     /// Instances serving.
     pub ready_replicas: i32,
@@ -237,15 +237,22 @@ pub fn snapshot(
                     }
                 })
                 .collect();
-            let served_as = st
+            // The endpoint's name (the first alias, or the Model's served
+            // name when there is none) and every alias, once each.
+            let mut served_as: Vec<String> = Vec::new();
+            for name in st
                 .endpoint
                 .iter()
-                .map(|e| e.model.clone())
-                .chain(d.spec.aliases.iter().cloned())
-                .collect();
+                .map(|e| &e.model)
+                .chain(d.spec.aliases.iter())
+            {
+                if !served_as.contains(name) {
+                    served_as.push(name.clone());
+                }
+            }
             Deployment {
                 model: d.spec.model.clone(),
-                replicas: st.replicas,
+                replicas: d.spec.replicas,
                 ready_replicas: st.ready_replicas,
                 problems: problems(&st.conditions),
                 conditions: st

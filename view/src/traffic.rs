@@ -441,7 +441,11 @@ shardplane_gateway_requests_total{api="ollama",model="we\"ird, {name}",status="2
         };
         let t = traffic(Some(&earlier), &later, &names).unwrap();
         assert_eq!(t.window_seconds, Some(4.0));
-        assert_eq!(t.tokens_per_second, Some((164.0 + 36.0 - 64.0) / 4.0), "both names add up");
+        assert_eq!(
+            t.tokens_per_second,
+            Some((164.0 + 36.0 - 64.0) / 4.0),
+            "both names add up"
+        );
         assert_eq!(t.requests_per_second, Some(10.0 / 4.0));
         assert_eq!(t.errors_per_second, Some(0.0));
         assert_eq!((t.requests, t.tokens_out, t.in_flight), (20, 200, 1));
