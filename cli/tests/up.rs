@@ -93,6 +93,7 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         "OpenAI base URL: http://127.0.0.1:8080/v1",
         "kubectl get shardplane",
         "Web view: http://127.0.0.1:9090/ui",
+        "shardplane status --watch --gateway-metrics http://127.0.0.1:9092/metrics",
     ] {
         assert!(shown.contains(expected), "no {expected:?} in:\n{shown}");
     }
@@ -110,6 +111,42 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         assert_eq!(status, 200, "{model}: {body}");
     }
     assert_eq!(chat("sk-wrong", "smollm2").0, 401);
+
+    // `shardplane status` as `up` suggests it: the deployments with their
+    // traffic from the gateway's metrics.
+    let kubeconfig = shown
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("export KUBECONFIG="))
+        .unwrap()
+        .to_string();
+    let status = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args([
+            "status",
+            "--gateway-metrics",
+            "http://127.0.0.1:9092/metrics",
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    eprintln!("shardplane status:\n{text}");
+    assert!(
+        status.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    for expected in [
+        "default/smollm2-daily  model smollm2-135m  2/2 ready",
+        "default/smollm2-pipeline  model smollm2-135m  1/1 ready",
+    ] {
+        assert!(text.contains(expected), "no {expected:?} in:\n{text}");
+    }
+    assert_eq!(
+        text.matches("  traffic ").count(),
+        2,
+        "each deployment's traffic:\n{text}"
+    );
+    assert!(text.contains("TTFT p50 "), "{text}");
 
     // The web view in a real browser: every node, deployment and stage,
     // live traffic; then a daily agent is killed while the page is open and
