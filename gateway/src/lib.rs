@@ -17,12 +17,13 @@ pub mod external;
 pub mod metrics;
 pub mod protocol;
 pub mod routing;
+pub mod server;
 
 use std::net::SocketAddr;
 
 use axum::Router as Http;
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::HeaderMap;
 use axum::routing::{get, post};
 use kube::Client;
@@ -45,7 +46,14 @@ pub struct GatewayConfig {
     pub rate_limit_per_minute: Option<u32>,
     /// How long a request waits while every instance is busy (then 429).
     pub busy_wait: std::time::Duration,
+    /// The largest generation request body, in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Connections, header deadline and drain of the HTTP server.
+    pub limits: server::Limits,
 }
+
+/// The largest body of the routes that are not generation requests.
+pub(crate) const SMALL_BODY_BYTES: usize = 64 << 10;
 
 /// The shared state of the handlers.
 #[derive(Clone)]
@@ -54,6 +62,7 @@ pub struct App {
     keys: auth::Keys,
     metrics: metrics::Metrics,
     responses: Responses,
+    max_body_bytes: usize,
 }
 
 /// The HTTP routes.
@@ -63,13 +72,13 @@ pub fn routes(app: App) -> Http {
     ) -> impl Fn(
         State<App>,
         HeaderMap,
-        Bytes,
+        Body,
     ) -> futures::future::BoxFuture<'static, axum::response::Response>
     + Clone
     + Send
     + Sync
     + 'static {
-        move |State(app): State<App>, headers: HeaderMap, body: Bytes| {
+        move |State(app): State<App>, headers: HeaderMap, body: Body| {
             Box::pin(apis::handle(app, api.clone(), headers, body))
         }
     }
@@ -98,6 +107,9 @@ pub fn routes(app: App) -> Http {
                 )
             }),
         )
+        // Generation routes read their bodies themselves, after the key,
+        // up to `max_body_bytes`; every other route takes a small one.
+        .layer(DefaultBodyLimit::max(SMALL_BODY_BYTES))
         .with_state(app)
 }
 
@@ -145,10 +157,9 @@ pub async fn run(
         keys,
         metrics,
         responses: Responses::default(),
+        max_body_bytes: config.max_body_bytes,
     };
-    let served = axum::serve(listener, routes(app))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let served = server::serve(listener, routes(app), config.limits, shutdown).await;
     admin.stop(std::time::Duration::from_secs(5)).await;
     served.map_err(|source| Error::Serve {
         address: config.listen,

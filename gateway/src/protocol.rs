@@ -87,6 +87,8 @@ pub enum Kind {
     Unavailable,
     /// Something broke upstream (500/502).
     Internal,
+    /// The body is larger than the route allows (413).
+    TooLarge,
 }
 
 /// An error for the client.
@@ -109,6 +111,16 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: Kind::InvalidRequest,
             message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// A 413: the body is over `limit` bytes.
+    pub fn too_large(limit: usize) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: Kind::TooLarge,
+            message: format!("the request body is larger than this route allows ({limit} bytes)"),
             retry_after: None,
         }
     }

@@ -54,6 +54,21 @@ pub struct GatewayArgs {
     /// Retry-After. 0 answers 429 at once.
     #[arg(long, env = "SHARDPLANE_BUSY_WAIT_SECONDS", default_value_t = 60)]
     busy_wait_seconds: u64,
+    /// The largest generation request body in MiB (larger: 413 in the API's
+    /// shape, refused before it is read). Long contexts with tools fit in a
+    /// few MiB.
+    #[arg(long, env = "SHARDPLANE_MAX_BODY_MIB", default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_body_mib: u32,
+    /// Open client connections at most; more wait to be accepted.
+    #[arg(long, env = "SHARDPLANE_MAX_CONNECTIONS", default_value_t = 4096,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Seconds a client has to send a request's headers; also how long a
+    /// kept-alive connection may sit idle.
+    #[arg(long, env = "SHARDPLANE_HEADER_TIMEOUT_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    header_timeout_seconds: u32,
 }
 
 /// Runs the gateway until Ctrl-C or SIGTERM.
@@ -85,6 +100,12 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         token,
         keys,
         rate_limit_per_minute: args.rate_limit_per_minute,
+        max_body_bytes: (args.max_body_mib as usize) << 20,
+        limits: shardplane_gateway::server::Limits {
+            max_connections: args.max_connections as usize,
+            header_timeout: std::time::Duration::from_secs(args.header_timeout_seconds.into()),
+            ..Default::default()
+        },
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -167,6 +167,7 @@ fn error_type(kind: Kind) -> &'static str {
         Kind::RateLimited => "rate_limit_error",
         Kind::Unavailable => "service_unavailable",
         Kind::Internal => "api_error",
+        Kind::TooLarge => "request_too_large",
     }
 }
 
@@ -258,11 +259,32 @@ fn stream_response(
         .into_response()
 }
 
-/// Handles one generation request through `api`.
-pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Bytes) -> Response {
+/// Reads a body of at most `limit` bytes; one declared or found larger is
+/// a 413 (and is not read further).
+pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
+        Err(e) => Err(ApiError::invalid(format!(
+            "the request body could not be read: {e}"
+        ))),
+    }
+}
+
+/// Handles one generation request through `api`: the key is checked before
+/// the body (at most `app.max_body_bytes`) is read.
+pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Body) -> Response {
     let start = Instant::now();
     let outcome = async {
         app.keys.check(&headers)?;
+        let body = read_body(&headers, body, app.max_body_bytes).await?;
         api.parse(&fields::object(&body)?)
     }
     .await;
@@ -277,6 +299,15 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Byte
         }
     };
     let model = req.model.clone();
+    // Only served names become metric labels: a stranger's made-up names
+    // must not grow /metrics.
+    if app.router.deployment_for(&model).is_none() {
+        app.metrics
+            .requests
+            .with_label_values(&["", D::LABEL, "404"])
+            .inc();
+        return error_response(&api, &ApiError::unknown_model(&model));
+    }
     let gauge = app.metrics.in_flight.with_label_values(&[&model]);
     gauge.inc();
     let in_flight = InFlight(gauge);

@@ -2,7 +2,7 @@
 //! `options`; streams (the default) are newline-delimited JSON lines, the
 //! last one `done` with the token counts.
 
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -16,7 +16,7 @@ use super::fields::{
 };
 use super::openai::{logprobs_and_top, token_logprobs};
 use super::rendering::Rendering;
-use super::{Collected, Dialect, Request, chunked, json_body, listing};
+use super::{Collected, Dialect, Request, chunked, error_response, json_body, listing, read_body};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Prompt};
 use crate::routing::Served;
@@ -329,7 +329,12 @@ fn find<'a>(served: &'a [Served], name: &str) -> Option<&'a Served> {
 
 /// `POST /api/show`: one served model, as Ollama describes a model (the
 /// hyper-parameters its clients read, such as the context length).
-pub async fn show(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn show(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
+    // A small body (64 KiB at most) read before `listing` checks the key.
+    let body = match read_body(&headers, body, crate::SMALL_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&Ollama::Chat, &e),
+    };
     listing(&app, &headers, Ollama::Chat, |served| {
         let v = object(&body)?;
         known_only(&v, "", &["model", "name", "verbose"])?;
