@@ -49,13 +49,8 @@ async fn report(client: &Client, model: &Model) -> kube::Result<()> {
         return Ok(());
     }
     let (path, spec, format) = (p.path.clone(), model.spec.clone(), model.spec.format);
-    let read = move || match format {
-        ModelFormat::Gguf => shardplane_models::resolve_gguf(Path::new(&path), &spec),
-        ModelFormat::Safetensors => {
-            shardplane_models::safetensors::resolve_dir(Path::new(&path), &spec)
-        }
-    };
-    let Ok(Ok(status)) = tokio::task::spawn_blocking(read).await else {
+    let read = move || shardplane_models::resolve_path(Path::new(&path), format, &spec);
+    let Ok(Ok(status)) = shardplane_models::off_runtime(&p.path, read).await else {
         // A file this agent cannot read is reported by the Shards that use it.
         return Ok(());
     };

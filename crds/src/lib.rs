@@ -20,6 +20,7 @@
 // the same attribute repeated.
 #![allow(clippy::duplicated_attributes)]
 
+pub mod limits;
 pub mod quantity;
 pub mod v1alpha1;
 pub mod validation;

@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
+use crate::limits::*;
 use crate::quantity;
 use crate::v1alpha1::*;
 
@@ -63,6 +64,15 @@ impl Collector {
     fn byte_quantity(&mut self, q: Option<&Quantity>, path: &str) {
         if let Some(Err(e)) = q.map(quantity::parse_bytes) {
             self.check(false, path, || e.to_string());
+        }
+    }
+
+    /// A count must not pass its bound (`limits`).
+    fn at_most<T: PartialOrd + std::fmt::Display>(&mut self, value: T, max: T, path: &str) {
+        if value > max {
+            self.check(false, path, || {
+                format!("{value} is more than the {max} allowed")
+            });
         }
     }
 
@@ -153,6 +163,7 @@ impl Validate for Model {
             c.check(n > 0, "spec.maxContextLength", || {
                 "must be at least 1".into()
             });
+            c.at_most(n, MAX_CONTEXT_LENGTH, "spec.maxContextLength");
         }
         if let Some(t) = &self.spec.chat_template {
             c.check(!t.trim().is_empty(), "spec.chatTemplate", || {
@@ -194,6 +205,16 @@ impl Validate for ShardingStrategy {
     fn validate(&self) -> Result<(), ValidationErrors> {
         let s = &self.spec;
         let mut c = Collector::default();
+        c.at_most(
+            s.min_nodes.unwrap_or(1),
+            MAX_NODES_PER_INSTANCE,
+            "spec.minNodes",
+        );
+        c.at_most(
+            s.max_nodes.unwrap_or(1),
+            MAX_NODES_PER_INSTANCE,
+            "spec.maxNodes",
+        );
         if let (Some(min), Some(max)) = (s.min_nodes, s.max_nodes) {
             c.check(min <= max, "spec.minNodes", || {
                 format!("minNodes ({min}) is above maxNodes ({max})")
@@ -226,6 +247,16 @@ impl Validate for ShardingStrategy {
             s.kv_cache.concurrent_sequences > 0,
             "spec.kvCache.concurrentSequences",
             || "must be at least 1".into(),
+        );
+        c.at_most(
+            s.kv_cache.context_length,
+            MAX_CONTEXT_LENGTH,
+            "spec.kvCache.contextLength",
+        );
+        c.at_most(
+            s.kv_cache.concurrent_sequences,
+            MAX_CONCURRENT_SEQUENCES,
+            "spec.kvCache.concurrentSequences",
         );
         c.byte_quantity(s.stage_overhead.as_ref(), "spec.stageOverhead");
         c.finish()
@@ -261,6 +292,9 @@ impl Validate for ModelDeployment {
         c.check(s.replicas >= 0, "spec.replicas", || {
             format!("{} replicas: must be 0 or more", s.replicas)
         });
+        c.at_most(s.replicas, MAX_REPLICAS, "spec.replicas");
+        c.at_most(s.aliases.len(), MAX_ALIASES, "spec.aliases");
+        c.at_most(s.fallback.len(), MAX_FALLBACK, "spec.fallback");
         let mut seen = HashSet::new();
         for (i, alias) in s.aliases.iter().enumerate() {
             c.check(

@@ -443,6 +443,44 @@ async fn bad_input_is_refused_by_the_schema_or_reported_by_validate() -> anyhow:
          spec: {model: m, nodePool: p, strategy: s, replicas: -1}\n",
         &["spec.replicas", "greater than or equal to 0"],
     )?;
+    // Counts past their bounds (`limits`) are refused at apply time, so no
+    // controller ever sees them.
+    assert_refused(
+        &ns,
+        "apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: huge}\n\
+         spec: {model: m, nodePool: p, strategy: s, replicas: 2147483647}\n",
+        &["spec.replicas", "less than or equal to 1024"],
+    )?;
+    let aliases: Vec<String> = (0..=limits::MAX_ALIASES).map(|i| format!("a{i}")).collect();
+    assert_refused(
+        &ns,
+        &format!(
+            "apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {{name: many}}\n\
+             spec: {{model: m, nodePool: p, strategy: s, aliases: [{}]}}\n",
+            aliases.join(", ")
+        ),
+        &["spec.aliases", "should have at most 64 items"],
+    )?;
+    let wide = unique_name("wide");
+    assert_refused(
+        &ns,
+        &format!(
+            "apiVersion: shardplane.dev/v1alpha1\nkind: ShardingStrategy\nmetadata: {{name: {wide}}}\n\
+             spec: {{parallelism: pipeline, maxNodes: 100000, \
+             kvCache: {{contextLength: 4294967295, concurrentSequences: 1000000}}}}\n"
+        ),
+        &[
+            "spec.maxNodes",
+            "spec.kvCache.contextLength",
+            "spec.kvCache.concurrentSequences",
+        ],
+    )?;
+    assert_refused(
+        &ns,
+        "apiVersion: shardplane.dev/v1alpha1\nkind: Model\nmetadata: {name: long}\n\
+         spec: {format: gguf, source: {path: {path: /m.gguf}}, maxContextLength: 4000000000}\n",
+        &["spec.maxContextLength", "less than or equal to 16777216"],
+    )?;
     let pool = unique_name("weekly");
     assert_refused(
         &ns,

@@ -183,6 +183,51 @@ fn deployment_names_aliases_and_fallbacks() {
 }
 
 #[test]
+fn counts_are_bounded_as_the_schema_bounds_them() {
+    // Objects stored before a bound existed still meet it in the controllers.
+    let mut d = fixtures::deployment("d", "m", "p", "s");
+    d.spec.replicas = i32::MAX;
+    d.spec.aliases = (0..=limits::MAX_ALIASES).map(|i| format!("a{i}")).collect();
+    d.spec.fallback = (0..=limits::MAX_FALLBACK)
+        .map(|i| FallbackTarget::Deployment(format!("f{i}")))
+        .collect();
+    let errors = d.validate().unwrap_err();
+    for path in ["spec.replicas", "spec.aliases", "spec.fallback"] {
+        assert!(errors.has_path(path), "{path}: {errors}");
+    }
+    assert!(
+        errors
+            .to_string()
+            .contains("2147483647 is more than the 1024 allowed"),
+        "{errors}"
+    );
+    d.spec.replicas = limits::MAX_REPLICAS;
+    d.spec.aliases.clear();
+    d.spec.fallback.clear();
+    d.validate().expect("the bound itself is allowed");
+
+    let mut s = fixtures::strategy("s", Parallelism::Pipeline);
+    s.spec.max_nodes = Some(u32::MAX);
+    s.spec.kv_cache.context_length = u32::MAX;
+    s.spec.kv_cache.concurrent_sequences = u32::MAX;
+    let errors = s.validate().unwrap_err();
+    for path in [
+        "spec.maxNodes",
+        "spec.kvCache.contextLength",
+        "spec.kvCache.concurrentSequences",
+    ] {
+        assert!(errors.has_path(path), "{path}: {errors}");
+    }
+    let mut m = fixtures::model("m");
+    m.spec.max_context_length = Some(u32::MAX);
+    assert_rejects(
+        &m,
+        "spec.maxContextLength",
+        "more than the 16777216 allowed",
+    );
+}
+
+#[test]
 fn tier_and_parallelism_must_agree() {
     let d = fixtures::deployment("d", "m", "p", "s");
     let daily = fixtures::node_pool("p", Tier::Daily);

@@ -62,7 +62,53 @@ pub struct Unresolved {
 /// Bytes of KV cache one token takes in one layer, as the engines hold it (f32
 /// keys and values).
 pub fn kv_bytes_per_token_per_layer(kv_heads: u64, head_dim: u64) -> u64 {
-    2 * kv_heads * head_dim * 4
+    8u64.saturating_mul(kv_heads).saturating_mul(head_dim)
+}
+
+/// The most layers a model may claim (the largest models have about 130).
+pub const MAX_LAYERS: u64 = 4096;
+/// The widest hidden state, head count or head dimension a model may claim
+/// (the largest models are about 16k wide with 128 heads).
+pub const MAX_WIDTH: u64 = 1 << 20;
+
+/// Refuses a shape no real model has, before anything is sized by it.
+fn check_shape(layers: u64, widths: [(&str, u64); 4]) -> Result<(), shardplane_formats::Error> {
+    let too_large = |what: &str, found, limit| shardplane_formats::Error::TooLarge {
+        what: what.into(),
+        found,
+        limit,
+    };
+    if layers == 0 || layers > MAX_LAYERS {
+        return Err(too_large("the number of layers", layers, MAX_LAYERS));
+    }
+    match widths.into_iter().find(|(_, w)| *w > MAX_WIDTH) {
+        Some((what, found)) => Err(too_large(what, found, MAX_WIDTH)),
+        None => Ok(()),
+    }
+}
+
+/// Runs `read` (a header's parse, which a hostile file can make slow) on a
+/// blocking thread, off the async runtime, so no controller or lease renewal
+/// waits on it; a panic in it becomes a `CorruptModel` reason, never a
+/// stopped operator.
+pub async fn off_runtime<T: Send + 'static>(
+    origin: &str,
+    read: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Unresolved> {
+    tokio::task::spawn_blocking(read).await.map_err(|e| {
+        let why = match e.try_into_panic() {
+            Ok(panic) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into()),
+            Err(e) => e.to_string(),
+        };
+        Unresolved {
+            reason: "CorruptModel",
+            message: format!("{origin}: reading the header failed: {why}"),
+        }
+    })
 }
 
 /// Reads the model's metadata from a GGUF file at `path`.
@@ -77,6 +123,19 @@ pub fn resolve_gguf(path: &Path, spec: &ModelSpec) -> Result<ModelStatus, Unreso
         .map_err(|e| format_unresolved(&path.display().to_string(), e))?;
     status_from_gguf(&header, spec, Some(size))
         .map_err(|e| format_unresolved(&path.display().to_string(), e))
+}
+
+/// Reads the model at a local `path`: a GGUF file, or a safetensors directory.
+/// Blocking (run it with [`off_runtime`]).
+pub fn resolve_path(
+    path: &Path,
+    format: shardplane_crds::ModelFormat,
+    spec: &ModelSpec,
+) -> Result<ModelStatus, Unresolved> {
+    match format {
+        shardplane_crds::ModelFormat::Gguf => resolve_gguf(path, spec),
+        shardplane_crds::ModelFormat::Safetensors => safetensors::resolve_dir(path, spec),
+    }
 }
 
 fn format_unresolved(origin: &str, e: shardplane_formats::Error) -> Unresolved {
@@ -138,11 +197,13 @@ pub async fn resolve_gguf_url(
             }
         }
         let whole = total.is_some_and(|t| bytes.len() as u64 >= t);
-        match GgufHeader::read(&bytes[..]) {
-            Ok(header) => {
-                return status_from_gguf(&header, spec, total)
-                    .map_err(|e| format_unresolved(url, e));
-            }
+        let owned_spec = spec.clone();
+        let read = off_runtime(url, move || {
+            GgufHeader::read(&bytes[..]).map(|h| status_from_gguf(&h, &owned_spec, total))
+        })
+        .await?;
+        match read {
+            Ok(status) => return status.map_err(|e| format_unresolved(url, e)),
             // A header longer than the window: fetch more, unless that was all there is.
             Err(shardplane_formats::Error::Corrupt(_)) if !whole && window < LARGEST_WINDOW => {
                 window *= 4;
@@ -161,9 +222,6 @@ pub fn hugging_face_url(endpoint: &str, repo: &str, file: &str, revision: Option
     )
 }
 
-/// The most layers a model may claim (the largest models have about 130).
-const MAX_LAYERS: usize = 4096;
-
 /// What placement needs, from a GGUF header.
 fn status_from_gguf(
     header: &GgufHeader,
@@ -172,13 +230,15 @@ fn status_from_gguf(
 ) -> Result<ModelStatus, shardplane_formats::Error> {
     let c = ModelConfig::from_gguf(header)?;
     let layers = c.layers;
-    if layers == 0 || layers > MAX_LAYERS {
-        return Err(shardplane_formats::Error::TooLarge {
-            what: "block_count".into(),
-            found: layers as u64,
-            limit: MAX_LAYERS as u64,
-        });
-    }
+    check_shape(
+        layers as u64,
+        [
+            ("the hidden size", c.hidden_size as u64),
+            ("the number of attention heads", c.heads as u64),
+            ("the number of key/value heads", c.kv_heads as u64),
+            ("the head dimension", c.head_dim as u64),
+        ],
+    )?;
     // Tensors grouped by layer in one pass (`blk.<i>.…`).
     let mut layer_bytes = vec![0u64; layers];
     for (name, info) in &header.tensors {
@@ -187,7 +247,7 @@ fn status_from_gguf(
             .and_then(|rest| rest.split('.').next())
             .and_then(|i| i.parse::<usize>().ok());
         if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
-            *slot += info.bytes;
+            *slot = slot.saturating_add(info.bytes);
         }
     }
     let embedding = header.tensor_bytes("token_embd.weight");
@@ -199,7 +259,8 @@ fn status_from_gguf(
     // The weight type holding the most bytes names the quantization.
     let mut by_type: BTreeMap<&str, u64> = BTreeMap::new();
     for info in header.tensors.values() {
-        *by_type.entry(info.dtype.name()).or_default() += info.bytes;
+        let sum = by_type.entry(info.dtype.name()).or_default();
+        *sum = sum.saturating_add(info.bytes);
     }
     let quantization = by_type
         .into_iter()
@@ -222,8 +283,8 @@ fn status_from_gguf(
         context_length: Some(context),
         quantization,
         embedding_bytes: Some(embedding),
-        output_bytes: Some(head + header.tensor_bytes("output_norm.weight")),
-        kv_bytes_per_token: Some(kv_per_layer * layers as u64),
+        output_bytes: Some(head.saturating_add(header.tensor_bytes("output_norm.weight"))),
+        kv_bytes_per_token: Some(kv_per_layer.saturating_mul(layers as u64)),
         total_bytes,
         layer_bytes,
         ..Default::default()

@@ -9,7 +9,16 @@ use std::path::Path;
 use serde_json::Value;
 use shardplane_crds::{ModelSpec, ModelStatus};
 
-use crate::{Error, Unresolved, kv_bytes_per_token_per_layer};
+use crate::{
+    Error, MAX_LAYERS, Unresolved, check_shape, kv_bytes_per_token_per_layer, off_runtime,
+};
+
+/// The longest header accepted (the largest real ones are a few MB).
+pub const MAX_HEADER: u64 = 100 << 20;
+/// The longest `config.json` or index accepted.
+const MAX_JSON: u64 = 16 << 20;
+/// The most weight files one model may list.
+const MAX_FILES: usize = 4096;
 
 /// Bytes of each tensor named in a safetensors header.
 pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, Error> {
@@ -17,6 +26,9 @@ pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, Error> {
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
         .ok_or(Error::NoHeaderLength)?;
+    if len > MAX_HEADER {
+        return Err(Error::HeaderTooLarge(len));
+    }
     let json = bytes
         .get(8..8 + len as usize)
         .ok_or(Error::HeaderCutShort(len))?;
@@ -37,7 +49,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, Error> {
 
 /// Length of the header (with its 8-byte prefix) from the first 8 bytes.
 pub fn header_len(first8: &[u8]) -> Option<u64> {
-    Some(8 + u64::from_le_bytes(first8.get(..8)?.try_into().ok()?))
+    8u64.checked_add(u64::from_le_bytes(first8.get(..8)?.try_into().ok()?))
 }
 
 fn field(config: &Value, key: &str) -> Option<u64> {
@@ -78,17 +90,37 @@ pub fn status_from(
     let heads = need("num_attention_heads")?;
     let kv_heads = field(config, "num_key_value_heads").unwrap_or(heads);
     let head_dim = field(config, "head_dim").unwrap_or(hidden / heads.max(1));
-    let context = field(config, "max_position_embeddings").unwrap_or(4096) as u32;
+    check_shape(
+        layers,
+        [
+            ("hidden_size", hidden),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("head_dim", head_dim),
+        ],
+    )
+    .map_err(|e| bad(format!("config.json: {e}")))?;
+    let context = field(config, "max_position_embeddings")
+        .unwrap_or(4096)
+        .min(u32::MAX.into()) as u32;
     let sum = |prefix: &str| {
         tensors
             .iter()
             .filter(|(n, _)| n.starts_with(prefix))
-            .map(|(_, b)| b)
-            .sum::<u64>()
+            .fold(0u64, |sum, (_, b)| sum.saturating_add(*b))
     };
-    let layer_bytes: Vec<u64> = (0..layers)
-        .map(|i| sum(&format!("model.layers.{i}.")))
-        .collect();
+    // Tensors grouped by layer in one pass (`model.layers.<i>.…`).
+    debug_assert!(layers <= MAX_LAYERS);
+    let mut layer_bytes = vec![0u64; layers as usize];
+    for (name, bytes) in tensors {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok());
+        if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
+            *slot = slot.saturating_add(*bytes);
+        }
+    }
     let embedding = sum("model.embed_tokens.");
     let head = match sum("lm_head.") {
         0 => embedding, // tied embeddings
@@ -116,9 +148,11 @@ pub fn status_from(
         context_length: Some(spec.max_context_length.map_or(context, |m| m.min(context))),
         quantization,
         embedding_bytes: Some(embedding),
-        output_bytes: Some(head + sum("model.norm.")),
-        kv_bytes_per_token: Some(kv_bytes_per_token_per_layer(kv_heads, head_dim) * layers),
-        total_bytes: Some(tensors.values().sum()),
+        output_bytes: Some(head.saturating_add(sum("model.norm."))),
+        kv_bytes_per_token: Some(
+            kv_bytes_per_token_per_layer(kv_heads, head_dim).saturating_mul(layers),
+        ),
+        total_bytes: Some(sum("")),
         layer_bytes,
         ..Default::default()
     })
@@ -167,8 +201,8 @@ fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     let mut file = std::fs::File::open(path)?;
     let mut first = [0u8; 8];
     file.read_exact(&mut first)?;
-    let len = header_len(&first).ok_or(Error::NoHeaderLength)?;
-    if len > 100 << 20 {
+    let len = header_len(&first).ok_or(Error::HeaderTooLarge(u64::MAX))?;
+    if len > MAX_HEADER {
         return Err(Error::HeaderTooLarge(len));
     }
     let mut bytes = first.to_vec();
@@ -176,6 +210,19 @@ fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     file.read_exact(&mut bytes[8..])
         .map_err(|_| Error::HeaderCutShort(len))?;
     parse_header(&bytes)
+}
+
+/// A weights file's name as an index lists it: a relative path inside the
+/// repository, never `..`, an absolute path or a URL's query.
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b))
 }
 
 /// Reads a safetensors model in a Hugging Face repository at `base`
@@ -190,7 +237,9 @@ pub async fn resolve_repo(
         reason: "SourceUnreachable",
         message,
     };
-    let get = |path: &str, range: Option<(u64, u64)>| {
+    // Every answer is read up to a limit: a server that ignores the range
+    // (or lies about a length) cannot make the operator hold more.
+    let get = |path: &str, range: Option<(u64, u64)>, limit: u64| {
         let url = format!("{base}/{path}");
         let mut req = client.get(&url);
         if let Some((a, b)) = range {
@@ -199,11 +248,22 @@ pub async fn resolve_repo(
         async move {
             let resp = req.send().await.map_err(|e| format!("GET {url}: {e}"))?;
             let status = resp.status();
-            let bytes = resp.bytes().await.map_err(|e| format!("GET {url}: {e}"))?;
+            let mut bytes = Vec::new();
+            let mut stream = resp.bytes_stream();
+            while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+                let chunk = chunk.map_err(|e| format!("GET {url}: {e}"))?;
+                let room = (limit as usize).saturating_sub(bytes.len());
+                bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                if bytes.len() as u64 >= limit {
+                    break;
+                }
+            }
             Ok::<_, String>((status, bytes))
         }
     };
-    let (status, config) = get("config.json", None).await.map_err(unreachable)?;
+    let (status, config) = get("config.json", None, MAX_JSON)
+        .await
+        .map_err(unreachable)?;
     if !status.is_success() {
         return Err(unreachable(format!(
             "GET {base}/config.json: HTTP {status}"
@@ -213,7 +273,7 @@ pub async fn resolve_repo(
         reason: "CorruptModel",
         message: format!("config.json: {e}"),
     })?;
-    let (status, index) = get("model.safetensors.index.json", None)
+    let (status, index) = get("model.safetensors.index.json", None, MAX_JSON)
         .await
         .map_err(unreachable)?;
     let files: Vec<String> = if status.is_success() {
@@ -236,22 +296,37 @@ pub async fn resolve_repo(
     } else {
         vec!["model.safetensors".into()]
     };
+    let corrupt = |message: String| Unresolved {
+        reason: "CorruptModel",
+        message,
+    };
+    if files.len() > MAX_FILES {
+        return Err(corrupt(format!(
+            "model.safetensors.index.json lists {} weight files, more than the {MAX_FILES} accepted",
+            files.len()
+        )));
+    }
+    if let Some(odd) = files.iter().find(|f| !is_plain_file_name(f)) {
+        return Err(corrupt(format!(
+            "model.safetensors.index.json names {odd:?}, which is not a file of the repository"
+        )));
+    }
     let mut tensors = BTreeMap::new();
     for file in &files {
-        let (status, first) = get(file, Some((0, 7))).await.map_err(unreachable)?;
+        let (status, first) = get(file, Some((0, 7)), 8).await.map_err(unreachable)?;
         if !status.is_success() {
             return Err(unreachable(format!("GET {base}/{file}: HTTP {status}")));
         }
-        let len = header_len(&first).ok_or_else(|| Unresolved {
-            reason: "CorruptModel",
-            message: format!("{file}: no header length"),
-        })?;
-        let (_, header) = get(file, Some((0, len - 1))).await.map_err(unreachable)?;
-        let parsed =
-            parse_header(&header[..(len as usize).min(header.len())]).map_err(|e| Unresolved {
-                reason: "CorruptModel",
-                message: format!("{file}: {e}"),
-            })?;
+        let len = header_len(&first).ok_or_else(|| corrupt(format!("{file}: no header length")))?;
+        if len > MAX_HEADER {
+            return Err(corrupt(format!("{file}: {}", Error::HeaderTooLarge(len))));
+        }
+        let (_, header) = get(file, Some((0, len - 1)), len)
+            .await
+            .map_err(unreachable)?;
+        let parsed = off_runtime(file, move || parse_header(&header))
+            .await?
+            .map_err(|e| corrupt(format!("{file}: {e}")))?;
         tensors.extend(parsed);
     }
     status_from(&config, &tensors, spec)

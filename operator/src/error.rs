@@ -12,6 +12,9 @@ pub enum Error {
     /// The finalizer machinery failed.
     #[error("finalizer: {0}")]
     Finalizer(String),
+    /// The reconcile panicked (caught; the object is retried later).
+    #[error("the reconcile panicked: {0}")]
+    Panicked(String),
 }
 
 impl Error {
@@ -21,6 +24,7 @@ impl Error {
             Error::Kube(_) => "kube",
             Error::MissingField(..) => "missing_field",
             Error::Finalizer(_) => "finalizer",
+            Error::Panicked(_) => "panicked",
         }
     }
 }
@@ -47,6 +51,9 @@ pub enum RunError {
     /// An HTTP client for model sources cannot be built.
     #[error(transparent)]
     Http(#[from] shardplane_models::Error),
+    /// A controller stopped on its own (not at a signal).
+    #[error("a controller stopped: {0}")]
+    ControllerStopped(String),
     /// Another replica took the leader Lease.
     #[error("lost the leader lease")]
     LostLeadership,

@@ -4,10 +4,17 @@
 //!
 //! ```text
 //!  standby ──try_take every renew_every──► leader ──renew──► leader
-//!     │ ready while the API server answers     │ renewals fail for a whole
-//!     ▼                                        ▼ lease_duration
+//!     │ ready while the API server answers     │ no renewal succeeds within
+//!     ▼                                        ▼ the renew deadline (⅔ lease)
 //!  not ready (API server unreachable)       steps down (process exits)
 //! ```
+//!
+//! Time is the operator's own: a standby counts a Lease as expired when its
+//! record has not changed for a whole `lease_duration` on the standby's
+//! monotonic clock (as client-go does), never by comparing the holder's
+//! written `renewTime` with its own wall clock, so skewed clocks cannot make
+//! two leaders. The leader steps down at the renew deadline, a third of a
+//! lease before any standby may take over.
 //!
 //! Readiness does not depend on leadership: a standby that reaches the API
 //! server is ready to take over, so rollouts, `helm install --wait` and GitOps
@@ -17,10 +24,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
 
@@ -59,19 +68,47 @@ pub async fn ensure_namespace(client: &Client, name: &str) -> kube::Result<()> {
     Ok(())
 }
 
+/// The Lease's record as a standby last saw it, and when (on its own clock).
+#[derive(Debug, Default)]
+pub struct Observed {
+    record: Option<(Option<String>, Option<MicroTime>)>,
+    since: Option<Instant>,
+}
+
+impl Observed {
+    /// Notes the record read now; whether it has stood unchanged for `lease`.
+    fn stale_for(&mut self, record: (Option<String>, Option<MicroTime>), lease: Duration) -> bool {
+        let now = Instant::now();
+        if self.record.as_ref() != Some(&record) {
+            self.record = Some(record);
+            self.since = Some(now);
+        }
+        self.since
+            .is_some_and(|since| now.duration_since(since) >= lease)
+    }
+}
+
 impl Election {
+    /// How long the leader keeps trying to renew before it steps down: two
+    /// thirds of the lease, so it has stopped acting well before a standby
+    /// may take the Lease.
+    pub fn renew_deadline(&self) -> Duration {
+        self.lease_duration * 2 / 3
+    }
+
     /// Waits until this replica holds the Lease. `ready` says whether the
     /// last try reached the API server (a standby that does is ready to take
     /// over); a failed try is logged and tried again.
     pub async fn acquire(&self, client: &Client, ready: &AtomicBool) {
         let (mut failing, mut namespace_seen) = (false, false);
+        let mut observed = Observed::default();
         loop {
             let tried = match namespace_seen {
-                true => self.try_take(client).await,
+                true => self.try_take(client, &mut observed).await,
                 false => match ensure_namespace(client, &self.namespace).await {
                     Ok(()) => {
                         namespace_seen = true;
-                        self.try_take(client).await
+                        self.try_take(client, &mut observed).await
                     }
                     Err(e) => Err(e),
                 },
@@ -94,29 +131,67 @@ impl Election {
         }
     }
 
-    /// Renews the Lease until a renewal fails for longer than the Lease lasts;
-    /// returns then (leadership is lost).
+    /// Renews the Lease until no renewal succeeds within the renew deadline
+    /// (each call is cut off at it, so a hung API server cannot hold a
+    /// renewal past it); returns then (leadership is lost).
     pub async fn hold(&self, client: &Client) {
-        let mut last_renewed = tokio::time::Instant::now();
+        let deadline = self.renew_deadline();
+        let mut last_renewed = Instant::now();
+        let mut wait = self.renew_every;
         loop {
-            tokio::time::sleep(self.renew_every).await;
-            match self.try_take(client).await {
-                Ok(true) => last_renewed = tokio::time::Instant::now(),
-                Ok(false) => {
+            tokio::time::sleep(wait).await;
+            let left = deadline.saturating_sub(last_renewed.elapsed());
+            let mut observed = Observed::default();
+            match tokio::time::timeout(left, self.try_take(client, &mut observed)).await {
+                Ok(Ok(true)) => {
+                    last_renewed = Instant::now();
+                    wait = self.renew_every;
+                }
+                Ok(Ok(false)) => {
                     tracing::error!("another replica took the leader lease");
                     return;
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot renew the leader lease"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot renew the leader lease");
+                    // Try again sooner while the deadline runs.
+                    wait = self.renew_every / 3;
+                }
+                Err(_) => tracing::warn!("renewing the leader lease timed out"),
             }
-            if last_renewed.elapsed() >= self.lease_duration {
-                tracing::error!("could not renew the leader lease in time");
+            if last_renewed.elapsed() >= deadline {
+                tracing::error!(
+                    deadline_seconds = deadline.as_secs_f64(),
+                    "could not renew the leader lease before the renew deadline; stepping down"
+                );
                 return;
             }
         }
     }
 
+    /// Gives the Lease up at a clean stop, so a standby (or the next start)
+    /// leads at once instead of waiting a lease out.
+    pub async fn release(&self, client: &Client) {
+        let api: Api<Lease> = Api::namespaced(client.clone(), &self.namespace);
+        let Ok(Some(mut lease)) = api.get_opt(&self.name).await else {
+            return;
+        };
+        let spec = lease.spec.get_or_insert_with(Default::default);
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.renew_time = None;
+        match api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => tracing::info!(lease = %self.name, "gave up the leader lease"),
+            Err(e) => tracing::warn!(error = %e, "cannot give up the leader lease"),
+        }
+    }
+
     /// Takes or renews the Lease if it is free, expired or already ours.
-    async fn try_take(&self, client: &Client) -> kube::Result<bool> {
+    async fn try_take(&self, client: &Client, observed: &mut Observed) -> kube::Result<bool> {
         let api: Api<Lease> = Api::namespaced(client.clone(), &self.namespace);
         let now = Timestamp::now();
         let spec = |acquired: Option<MicroTime>, transitions: i32| LeaseSpec {
@@ -145,12 +220,16 @@ impl Election {
             Some(mut lease) => {
                 let current = lease.spec.clone().unwrap_or_default();
                 let ours = current.holder_identity.as_deref() == Some(self.identity.as_str());
-                let expired = match (&current.renew_time, current.lease_duration_seconds) {
-                    (Some(renewed), Some(secs)) => {
-                        renewed.0 + SignedDuration::from_secs(secs as i64) < now
-                    }
-                    _ => true,
-                };
+                // Unchanged for the holder's lease duration on this clock.
+                let lasts = current
+                    .lease_duration_seconds
+                    .map_or(
+                        self.lease_duration,
+                        |s| Duration::from_secs(s.max(0) as u64),
+                    );
+                let record = (current.holder_identity.clone(), current.renew_time.clone());
+                let expired =
+                    current.holder_identity.is_none() || observed.stale_for(record, lasts);
                 if !ours && !expired {
                     return Ok(false);
                 }

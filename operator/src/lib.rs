@@ -12,7 +12,9 @@
 //! One watch per kind fills the stores every controller reads (`caches`);
 //! a reconcile never LISTs.
 //!
-//! Only the replica holding the leader Lease runs controllers. Every replica
+//! Only the replica holding the leader Lease runs controllers, each in a task
+//! of its own beside the lease renewal (which steps down at its renew
+//! deadline, before the Lease can pass to another replica). Every replica
 //! serves `/metrics`, `/livez`, `/readyz` and the web view (`/ui`,
 //! `shardplane-view`) on its admin port; `/readyz` says
 //! the replica reaches the API server (leader or standby), the
@@ -122,16 +124,30 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         gateway_url: config.gateway_url.clone(),
         stores: caches.stores(),
     });
-    let controllers = futures::future::join4(
-        controllers::model::run(models, ctx.clone()),
-        controllers::node::run(nodes, ctx.clone()),
-        controllers::node_pool::run(pools, ctx.clone()),
-        controllers::deployment::run(deployments, ctx),
-    );
-    let outcome = tokio::select! {
-        _ = controllers => Ok(()),
-        _ = config.election.hold(&client) => Err(RunError::LostLeadership),
+    // Controllers run in tasks of their own, apart from the lease renewal:
+    // however long a reconcile takes, the renewal is never behind it.
+    let mut controllers = tokio::task::JoinSet::new();
+    controllers.spawn(controllers::model::run(models, ctx.clone()));
+    controllers.spawn(controllers::node::run(nodes, ctx.clone()));
+    controllers.spawn(controllers::node_pool::run(pools, ctx.clone()));
+    controllers.spawn(controllers::deployment::run(deployments, ctx));
+    let first_stopped = async {
+        match controllers.join_next().await {
+            Some(Err(e)) if e.is_panic() => Err(RunError::ControllerStopped(e.to_string())),
+            // They stop together at a signal.
+            _ => Ok(()),
+        }
     };
+    let outcome = tokio::select! {
+        stopped = first_stopped => stopped,
+        () = config.election.hold(&client) => Err(RunError::LostLeadership),
+    };
+    if outcome.is_ok() {
+        while controllers.join_next().await.is_some() {}
+        config.election.release(&client).await;
+    }
+    // A replica that lost the lease stops acting at once.
+    controllers.abort_all();
     metrics.leader.set(0);
     admin.abort();
     outcome

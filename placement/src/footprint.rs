@@ -32,29 +32,41 @@ impl Footprint {
 
     /// Bytes one layer needs: its weights and its KV cache for the budget.
     pub fn layer_cost(&self, layer: u32, kv: KvBudget) -> u64 {
-        self.layer_bytes[layer as usize]
-            + self.kv_bytes_per_token_per_layer * kv.context_length * kv.sequences
+        // Saturating: a hostile model or budget reads as "too big", never wraps.
+        self.layer_bytes[layer as usize].saturating_add(
+            self.kv_bytes_per_token_per_layer
+                .saturating_mul(kv.context_length)
+                .saturating_mul(kv.sequences),
+        )
     }
 
     /// Bytes a stage running `layers` needs, with `overhead` on top.
     pub fn stage_bytes(&self, layers: &Range<u32>, kv: KvBudget, overhead: u64) -> u64 {
-        let mut bytes = overhead + layers.clone().map(|l| self.layer_cost(l, kv)).sum::<u64>();
+        let mut bytes = layers.clone().fold(overhead, |sum, l| {
+            sum.saturating_add(self.layer_cost(l, kv))
+        });
         if layers.start == 0 {
-            bytes += self.embedding_bytes;
+            bytes = bytes.saturating_add(self.embedding_bytes);
         }
         if layers.end == self.layers() {
-            bytes += self.output_bytes;
+            bytes = bytes.saturating_add(self.output_bytes);
         }
         bytes
     }
 
     /// Bytes of weights of the whole model.
     pub fn weight_bytes(&self) -> u64 {
-        self.layer_bytes.iter().sum::<u64>() + self.embedding_bytes + self.output_bytes
+        self.layer_bytes
+            .iter()
+            .fold(self.embedding_bytes, |sum, b| sum.saturating_add(*b))
+            .saturating_add(self.output_bytes)
     }
 
     /// Bytes of KV cache of the whole model for the budget.
     pub fn kv_bytes(&self, kv: KvBudget) -> u64 {
-        self.kv_bytes_per_token_per_layer * kv.context_length * kv.sequences * self.layers() as u64
+        self.kv_bytes_per_token_per_layer
+            .saturating_mul(kv.context_length)
+            .saturating_mul(kv.sequences)
+            .saturating_mul(self.layers() as u64)
     }
 }

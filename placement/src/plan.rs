@@ -156,8 +156,8 @@ pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
             }),
         };
     }
-    let wanted: Vec<u32> = (0..request.replicas).collect();
-    let mut placed: Vec<Option<Instance>> = vec![None; wanted.len()];
+    // One slot per replica: the caller bounds `replicas` (a spec's bound).
+    let mut placed: Vec<Option<Instance>> = vec![None; request.replicas as usize];
 
     // Keep what still stands before placing anything new, so new instances do
     // not take the memory of existing ones.
@@ -185,7 +185,7 @@ pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
         }
     }
     let mut unplaced = None;
-    for index in wanted {
+    for index in 0..request.replicas {
         if placed[index as usize].is_some() {
             continue;
         }

@@ -49,7 +49,7 @@ pub struct ModelSpec {
     pub served_name: Option<String>,
     /// Caps the context length served, in tokens, below what the model supports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::limits::MAX_CONTEXT_LENGTH))]
     pub max_context_length: Option<u32>,
     /// A Jinja chat template used instead of the one the weights ship (as
     /// Hugging Face templates are written: `messages`, `tools`,

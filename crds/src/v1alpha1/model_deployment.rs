@@ -59,13 +59,15 @@ pub struct ModelDeploymentSpec {
     /// Number of instances (each a full copy of the model, possibly spread over
     /// several nodes).
     #[serde(default = "default_replicas")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = crate::limits::MAX_REPLICAS))]
     pub replicas: i32,
     /// More names clients may ask for besides the Model's served name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = crate::limits::MAX_ALIASES), inner(length(min = 1, max = 253)))]
     pub aliases: Vec<String>,
     /// Where requests go, in order, when no instance of this deployment is ready.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = crate::limits::MAX_FALLBACK))]
     pub fallback: Vec<FallbackTarget>,
 }
 

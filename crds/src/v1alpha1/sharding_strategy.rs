@@ -87,11 +87,11 @@ pub struct ShardingStrategySpec {
     pub placement: PlacementPolicy,
     /// The fewest nodes one instance may span.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::limits::MAX_NODES_PER_INSTANCE))]
     pub min_nodes: Option<u32>,
     /// The most nodes one instance may span.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::limits::MAX_NODES_PER_INSTANCE))]
     pub max_nodes: Option<u32>,
     /// The KV cache every instance must have room for.
     pub kv_cache: KvCacheBudget,
@@ -111,10 +111,10 @@ pub struct ShardingStrategySpec {
 #[schemars(transform = keep_field_docs)]
 pub struct KvCacheBudget {
     /// Tokens of context per sequence (prompt and generated).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::limits::MAX_CONTEXT_LENGTH))]
     pub context_length: u32,
     /// Sequences served at once by one instance.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = crate::limits::MAX_CONCURRENT_SEQUENCES))]
     pub concurrent_sequences: u32,
 }
 

@@ -51,7 +51,14 @@ where
     F: std::future::Future<Output = Result<Action, Error>>,
 {
     let start = Instant::now();
-    let result = reconcile.await;
+    // A reconcile that panics (a bug met by one odd object) fails that
+    // object's reconcile, retried later; the controller and every other
+    // object go on.
+    let result =
+        match futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(reconcile)).await {
+            Ok(result) => result,
+            Err(panic) => Err(Error::Panicked(panic_message(panic.as_ref()))),
+        };
     ctx.metrics
         .reconcile_duration
         .with_label_values(&[controller])
@@ -74,6 +81,14 @@ where
         }
     }
     result
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// Transient errors retry after a short wait; the watch brings spec changes.

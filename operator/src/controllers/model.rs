@@ -18,7 +18,7 @@ use crate::caches::Caches;
 use crate::conditions;
 use crate::error::{Error, Result};
 use shardplane_models::{
-    Unresolved, hub, hugging_face_url, resolve_gguf, resolve_gguf_url, safetensors,
+    Unresolved, hub, hugging_face_url, off_runtime, resolve_gguf_url, resolve_path, safetensors,
 };
 
 /// The Model controller.
@@ -48,11 +48,13 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
     }
     let spec = &model.spec;
     match (&spec.source, spec.format) {
-        (ModelSource::Path(p), ModelFormat::Gguf) if ctx.read_model_paths => {
-            resolve_gguf(Path::new(&p.path), spec)
-        }
-        (ModelSource::Path(p), ModelFormat::Safetensors) if ctx.read_model_paths => {
-            safetensors::resolve_dir(Path::new(&p.path), spec)
+        // Read on a blocking thread: a hostile file never stalls the others.
+        (ModelSource::Path(p), format) if ctx.read_model_paths => {
+            let (path, spec) = (p.path.clone(), spec.clone());
+            off_runtime(&p.path, move || {
+                resolve_path(Path::new(&path), format, &spec)
+            })
+            .await?
         }
         (ModelSource::Path(p), _) => match model.status.as_ref().filter(|s| reported(s)) {
             // An agent holding the file read its header: keep what it wrote.

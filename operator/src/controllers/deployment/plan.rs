@@ -69,7 +69,11 @@ pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
     let mine = o.mine(d);
     let current = cluster_view::current_instances(&mine);
     let strategy = cluster_view::strategy(&v.strategy.spec);
-    let replicas = d.spec.replicas.max(0) as u32;
+    // Validation refuses more; the clamp keeps placement bounded regardless.
+    let replicas = d
+        .spec
+        .replicas
+        .clamp(0, shardplane_crds::limits::MAX_REPLICAS) as u32;
     let request = placement::Request {
         deployment: &me,
         tier: match v.pool.spec.tier {
