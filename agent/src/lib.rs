@@ -36,6 +36,28 @@ pub use crate::error::{Error, Result};
 use crate::machine::Machine;
 use crate::registration::Registration;
 
+/// Arms the fault-injection points `FAILPOINTS` names (`point=actions;…`,
+/// the `fail` crate's syntax), for tests that make a stage crash; none are
+/// armed when it is unset. The one point is `stage-pass`, before each
+/// forward pass of a stage (e.g. `stage-pass=1*panic(injected)`).
+pub fn arm_fault_injection() -> std::result::Result<(), String> {
+    let Ok(points) = std::env::var("FAILPOINTS") else {
+        return Ok(());
+    };
+    for point in points.split(';').filter(|p| !p.trim().is_empty()) {
+        let (name, actions) = point
+            .split_once('=')
+            .ok_or_else(|| format!("FAILPOINTS: {point:?} is not point=actions"))?;
+        fail::cfg(name.trim(), actions.trim()).map_err(|e| format!("FAILPOINTS: {name}: {e}"))?;
+        tracing::warn!(
+            point = name.trim(),
+            actions = actions.trim(),
+            "fault injection armed"
+        );
+    }
+    Ok(())
+}
+
 /// The longest one step of draining may take.
 const DRAIN_STEP: Duration = Duration::from_secs(5);
 

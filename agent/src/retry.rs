@@ -66,7 +66,7 @@ impl Record {
 pub fn transient(reason: &str, again: bool) -> bool {
     match reason {
         "DownloadFailed" | "PeerCopyFailed" | "DiskFull" | "CacheUnwritable" | "LoadPanicked"
-        | "WeightsUnreadable" => true,
+        | "WeightsUnreadable" | "StageCrashed" => true,
         // The mismatching download was discarded: one fresh fetch may bring
         // the right file; the same mismatch twice is the source's.
         "ChecksumMismatch" => !again,

@@ -263,6 +263,8 @@ fn step(
     }
     let rows: usize = batch.iter().map(|(_, input)| input.len()).sum();
     let started = Instant::now();
+    // Fault injection for tests of a crashing stage (`FAILPOINTS=stage-pass=…`).
+    fail::fail_point!("stage-pass");
     let result = shard.forward_batch(batch);
     let seconds = started.elapsed().as_secs_f64();
     stats.record_pass(rows, seconds);
@@ -302,9 +304,14 @@ fn step(
             }
         }
         Err(e) => {
-            // The engine dropped these sequences' caches: every caller hears why.
+            // The engine dropped these sequences' caches: every caller hears
+            // why, as its own fault only when the input was at fault.
             let message = e.to_string();
-            let fail = || shardplane_engine::Error::InvalidInput(message.clone());
+            let callers = e.is_callers();
+            let fail = || match callers {
+                true => shardplane_engine::Error::InvalidInput(message.clone()),
+                false => shardplane_engine::Error::Unavailable(message.clone()),
+            };
             for part in parts {
                 match part {
                     Part::Decode(reply) => {

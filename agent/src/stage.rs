@@ -4,12 +4,18 @@
 //!
 //! ```text
 //!  Forward streams ──► queue ──► stage thread: steps of all decodes + prompt slices ─► replies
-//!  Release ───────────┘
+//!  Release ───────────┘                │ panics
+//!                                      ▼
+//!                      every waiting caller: Unavailable; on_crash(message)
 //! ```
+//!
+//! A thread that panics (a bug, or a backend that aborts a pass) is caught:
+//! the callers waiting on it and every later one hear `Unavailable` (the
+//! gateway then tries another instance), and `on_crash` tells the Shard's
+//! owner, which marks it Failed and loads it again later.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, OnceLock, mpsc};
 
 use shardplane_engine::{SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
@@ -70,6 +76,9 @@ impl StageStats {
 /// Observes each forward pass: (rows in the pass, seconds).
 pub type PassObserver = Arc<dyn Fn(usize, f64) + Send + Sync>;
 
+/// Told once, with the panic's message, when the stage's thread panics.
+pub type OnCrash = Box<dyn FnOnce(String) + Send>;
+
 /// A handle on a stage thread. The thread ends, and the weights are freed,
 /// when the last handle is dropped.
 #[derive(Clone)]
@@ -83,26 +92,54 @@ pub struct StageWorker {
     pub context_length: usize,
     /// Width of the hidden states.
     pub hidden: usize,
+    /// Why the thread stopped, once it panicked.
+    crashed: Arc<OnceLock<String>>,
 }
 
 impl StageWorker {
     /// Moves `shard` onto a new thread named after the stage, whose steps
-    /// are made up as `budget` says.
-    pub fn start(name: &str, shard: Box<dyn Stage>, observe: PassObserver, budget: Budget) -> Self {
+    /// are made up as `budget` says; `on_crash` hears if the thread panics.
+    pub fn start(
+        name: &str,
+        shard: Box<dyn Stage>,
+        observe: PassObserver,
+        budget: Budget,
+        on_crash: OnCrash,
+    ) -> Self {
         let (jobs, queue) = mpsc::channel();
         let stats = Arc::new(StageStats::default());
+        let crashed = Arc::new(OnceLock::new());
         let worker = StageWorker {
             jobs,
             stats: stats.clone(),
             weight_bytes: shard.weight_bytes(),
             context_length: shard.context_length(),
             hidden: shard.config().hidden_size,
+            crashed: crashed.clone(),
         };
+        let thread = format!("stage {name}");
         std::thread::Builder::new()
-            .name(format!("stage {name}"))
-            .spawn(move || scheduler::run(shard, queue, stats, observe, budget))
+            .name(thread.clone())
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| {
+                    scheduler::run(shard, queue, stats, observe, budget)
+                });
+                // Unwinding dropped the queue and every waiting reply: their
+                // callers already hear that the stage is gone.
+                if let Err(panic) = std::panic::catch_unwind(run) {
+                    let message = panic_message(panic.as_ref());
+                    tracing::error!(stage = %thread, panic = %message, "the stage's thread panicked");
+                    let _ = crashed.set(message.clone());
+                    on_crash(message);
+                }
+            })
             .expect("spawn a stage thread");
         worker
+    }
+
+    /// Why the stage's thread stopped, if it panicked.
+    pub fn crashed(&self) -> Option<&str> {
+        self.crashed.get().map(String::as_str)
     }
 
     /// Runs `input` for `seq` on the stage.
@@ -112,7 +149,13 @@ impl StageWorker {
         input: StageInput,
     ) -> shardplane_engine::Result<StageOutput> {
         let (reply, answer) = oneshot::channel();
-        let gone = || shardplane_engine::Error::InvalidInput("the stage was unloaded".into());
+        // Not the caller's fault: another instance may serve it.
+        let gone = || {
+            shardplane_engine::Error::Unavailable(match self.crashed() {
+                Some(why) => format!("the stage's thread panicked: {why}"),
+                None => "the stage was unloaded".into(),
+            })
+        };
         let tokens = input.len();
         self.stats.queue_tokens(tokens);
         if self.jobs.send(Job::Forward { seq, input, reply }).is_err() {
@@ -125,5 +168,52 @@ impl StageWorker {
     /// Frees `seq`'s KV cache (queued behind its pending steps).
     pub fn release(&self, seq: SequenceId) {
         let _ = self.jobs.send(Job::Release { seq });
+    }
+}
+
+/// The text of a caught panic.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use shardplane_engine::{Error, StageInput};
+
+    use super::*;
+    use crate::test_stage::Echo;
+
+    #[tokio::test]
+    async fn a_thread_that_panics_is_unavailable_to_every_caller_and_told_once() {
+        let (told, heard) = std::sync::mpsc::channel();
+        let (mut echo, _) = Echo::new(false);
+        echo.panics = true;
+        let worker = StageWorker::start(
+            "breaks",
+            Box::new(echo),
+            Arc::new(|_, _| {}),
+            Budget::default(),
+            Box::new(move |why| told.send(why).unwrap()),
+        );
+        // The caller in flight, and every later one, hear a server's fault.
+        let first = worker.forward(1, StageInput::Tokens(vec![1, 2])).await;
+        assert!(matches!(first, Err(Error::Unavailable(_))), "{first:?}");
+        let why = heard.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("the test stage broke"), "{why}");
+        assert_eq!(worker.crashed(), Some(why.as_str()));
+        let later = worker.forward(2, StageInput::Tokens(vec![1])).await;
+        match later {
+            Err(Error::Unavailable(m)) => {
+                assert!(m.contains("panicked: the test stage broke"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(heard.try_recv().is_err(), "told once");
     }
 }

@@ -19,6 +19,8 @@ pub(crate) struct Echo {
     held: HashMap<SequenceId, usize>,
     steps: Steps,
     last: bool,
+    /// Panic in every pass (a stage whose thread breaks).
+    pub(crate) panics: bool,
 }
 
 impl Echo {
@@ -51,6 +53,7 @@ impl Echo {
                 held: HashMap::new(),
                 steps: steps.clone(),
                 last,
+                panics: false,
             },
             steps,
         )
@@ -81,6 +84,7 @@ impl Stage for Echo {
         &mut self,
         batch: Vec<(SequenceId, StageInput)>,
     ) -> shardplane_engine::Result<Vec<StageOutput>> {
+        assert!(!self.panics, "the test stage broke");
         self.steps
             .lock()
             .unwrap()

@@ -86,6 +86,24 @@ pub enum Error {
     /// The compute backend failed.
     #[error("compute backend: {0}")]
     Backend(#[from] candle_core::Error),
+    /// The stage cannot run the sequence now (its thread stopped, or a
+    /// failed pass dropped the sequence's state): the fault is the
+    /// server's, and another instance may serve the request.
+    #[error("the stage is unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl Error {
+    /// Whether the error is the caller's (its input), not the stage's.
+    pub fn is_callers(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidInput(_)
+                | Error::ContextOverflow { .. }
+                | Error::Sampling(_)
+                | Error::ChatTemplate(_)
+        )
+    }
 }
 
 impl From<shardplane_formats::Error> for Error {

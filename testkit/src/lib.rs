@@ -358,12 +358,23 @@ pub fn spawn_component(bin: &str, args: &[&str]) -> ChildGuard {
 
 /// [`spawn_component`] with another identity's kubeconfig.
 pub fn spawn_component_as(bin: &str, args: &[&str], kubeconfig: &Path) -> ChildGuard {
+    spawn_component_with(bin, args, kubeconfig, &[])
+}
+
+/// [`spawn_component_as`] with more environment variables (e.g. `FAILPOINTS`).
+pub fn spawn_component_with(
+    bin: &str,
+    args: &[&str],
+    kubeconfig: &Path,
+    env: &[(&str, &str)],
+) -> ChildGuard {
     let child = Command::new("setpriv")
         .args(PARENT_DEATH)
         .arg(bin)
         .args(args)
         .arg("--kubeconfig")
         .arg(kubeconfig)
+        .envs(env.iter().copied())
         .env("RUST_LOG", component_log())
         // Several components share the machine's cores: one compute thread each.
         .env("RAYON_NUM_THREADS", "1")

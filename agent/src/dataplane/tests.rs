@@ -96,6 +96,7 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
         Box::new(Echo::middle()),
         Arc::new(|_, _| {}),
         Budget::default(),
+        Box::new(|_| {}),
     );
     let me = shard(1, None);
     let stage = ServedStage {

@@ -85,6 +85,7 @@ async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tem
         Box::new(echo),
         Arc::new(|_, _| {}),
         Budget::default(),
+        Box::new(|_| {}),
     );
     let me = shard(0, None);
     let stage = ServedStage {

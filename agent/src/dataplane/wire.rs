@@ -19,6 +19,8 @@ pub(super) fn engine_status(e: shardplane_engine::Error) -> Status {
         e @ shardplane_engine::Error::ContextOverflow { .. } => {
             Status::invalid_argument(e.to_string())
         }
+        // The gateway tries another instance.
+        e @ shardplane_engine::Error::Unavailable(_) => Status::unavailable(e.to_string()),
         e => Status::internal(e.to_string()),
     }
 }

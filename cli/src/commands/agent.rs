@@ -248,6 +248,7 @@ impl RunArgs {
 
 fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     super::threads::use_threads(args.threads)?;
+    shardplane_agent::arm_fault_injection().map_err(anyhow::Error::msg)?;
     let node = args.node()?;
     let engine = args.engine().parse()?;
     let mut labels = BTreeMap::new();

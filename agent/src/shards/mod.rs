@@ -4,6 +4,7 @@
 //!  watch Shards (label shardplane.dev/node=<me>)
 //!    Apply  ──► Pending ─► Downloading (check / verify weights) ─► Loading ─► Ready
 //!                                                         any failure ──► Failed + reason
+//!    Ready, its stage's thread panics ──► unloaded, Failed (StageCrashed) ──► retried
 //!    Delete ──► unload (free weights and KV cache)
 //! ```
 
@@ -12,8 +13,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::validation::Validate;
@@ -29,7 +28,10 @@ use tokio::sync::watch;
 use crate::cache::{Cache, Failure, verify_sha256};
 use crate::metrics::Metrics;
 use crate::retry;
-use crate::stage::StageWorker;
+use crate::stage::{OnCrash, StageWorker};
+
+mod healing;
+use healing::{fail_shard, stage_crashed};
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
@@ -350,53 +352,26 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     sources.cache.pin(&cache_key);
     let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
-        let result = bring_up(&client, &shard, &shards, &metrics, &sources).await;
-        let mut retry = None;
-        let status = match result {
-            Ok(bytes) => ShardStatus {
-                phase: Some(ShardPhase::Ready),
-                reason: Some("Loaded".into()),
-                message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
-                engine: Some(crd_engine(sources.engine)),
-                endpoint: Some(shards.endpoint.to_string()),
-                memory_bytes: Some(bytes as u64),
-                observed_generation: shard.metadata.generation,
-                ..Default::default()
-            },
+        match bring_up(&client, &shard, &shards, &metrics, &sources).await {
+            Ok(bytes) => {
+                let status = ShardStatus {
+                    phase: Some(ShardPhase::Ready),
+                    reason: Some("Loaded".into()),
+                    message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
+                    engine: Some(crd_engine(sources.engine)),
+                    endpoint: Some(shards.endpoint.to_string()),
+                    memory_bytes: Some(bytes as u64),
+                    observed_generation: shard.metadata.generation,
+                    ..Default::default()
+                };
+                set_phase(&shards, &metrics, &k, status.phase);
+                report(&client, &shards, &k, status);
+            }
             Err(f) => {
                 sources.cache.unpin(&cache_key);
-                let pause = shards
-                    .failures
-                    .lock()
-                    .expect("failure lock")
-                    .entry(k.clone())
-                    .or_default()
-                    .failed(f.reason, &f.message, shard.metadata.generation);
-                match pause {
-                    Some(p) => {
-                        tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed; trying again in {p:?}")
-                    }
-                    None => {
-                        tracing::warn!(shard = %k.1, reason = f.reason, message = %f.message, "shard failed; not trying again until its spec changes")
-                    }
-                }
-                retry = pause;
-                ShardStatus {
-                    phase: Some(ShardPhase::Failed),
-                    reason: Some(f.reason.into()),
-                    message: Some(f.message),
-                    observed_generation: shard.metadata.generation,
-                    next_retry_time: pause
-                        .and_then(|p| Timestamp::now().checked_add(p).ok())
-                        .map(Time),
-                    ..Default::default()
-                }
+                let generation = shard.metadata.generation;
+                fail_shard(&client, k, generation, f, &shards, &metrics, &sources);
             }
-        };
-        set_phase(&shards, &metrics, &k, status.phase);
-        report(&client, &shards, &k, status);
-        if let Some(pause) = retry {
-            retry_later(&client, k, pause, &shards, &metrics, &sources);
         }
     });
 }
@@ -414,45 +389,6 @@ fn owned(
         metrics.clone(),
         sources.clone(),
     )
-}
-
-/// Brings the Shard up again after `pause`, as it then is, unless it was
-/// deleted, moved or brought up otherwise meanwhile.
-fn retry_later(
-    client: &Client,
-    k: Key,
-    pause: std::time::Duration,
-    shards: &ShardSet,
-    metrics: &Metrics,
-    sources: &Sources,
-) {
-    let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
-    tokio::spawn(async move {
-        let api: Api<Shard> = Api::namespaced(client.clone(), &k.0);
-        let mut wait = pause;
-        loop {
-            tokio::time::sleep(wait).await;
-            if shards.phases.lock().expect("phase lock").get(&k) != Some(&ShardPhase::Failed) {
-                return;
-            }
-            match api.get_opt(&k.1).await {
-                Ok(Some(shard)) => {
-                    if let Some(r) = shards.failures.lock().expect("failure lock").get_mut(&k) {
-                        r.restarts += 1;
-                    }
-                    tracing::info!(shard = %k.1, "trying the failed shard again");
-                    set_phase(&shards, &metrics, &k, None);
-                    ensure(&client, shard, &shards, &metrics, &sources);
-                    return;
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::warn!(shard = %k.1, error = %e, "cannot read the shard to try it again");
-                    wait = retry::FIRST_PAUSE;
-                }
-            }
-        }
-    });
 }
 
 /// Sets the status Shard `k` should show. Its one writer applies the latest
@@ -587,7 +523,23 @@ async fn bring_up(
         message: e.to_string(),
     })?;
     let (engine, text) = loaded;
-    let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1), sources.budget);
+    let on_crash: OnCrash = {
+        let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
+        let (k, generation) = (k.clone(), shard.metadata.generation);
+        let runtime = tokio::runtime::Handle::current();
+        Box::new(move |message| {
+            // Called on the stage's thread: the handling needs the runtime.
+            let _inside = runtime.enter();
+            stage_crashed(&client, k, generation, message, &shards, &metrics, &sources);
+        })
+    };
+    let worker = StageWorker::start(
+        &k.1,
+        engine,
+        metrics.pass_observer(&k.1),
+        sources.budget,
+        on_crash,
+    );
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
     let replaced = shards.loaded.lock().expect("shard set lock").insert(
