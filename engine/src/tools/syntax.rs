@@ -140,13 +140,28 @@ impl CallSyntax {
     pub(super) fn take_calls(self, pending: &mut String) -> Result<Vec<ToolCall>> {
         let mut calls = Vec::new();
         match self {
+            // The call's JSON is read first and the closing tag expected
+            // after it: a string argument may itself hold `</tool_call>`.
             CallSyntax::Hermes => {
-                while let Some(start) = pending.find(OPEN)
-                    && let Some(len) = pending[start..].find(CLOSE)
-                {
-                    let body = pending[start + OPEN.len()..start + len].trim().to_string();
-                    pending.drain(..start + len + CLOSE.len());
-                    calls.push(self.call(&body)?);
+                while let Some(start) = pending.find(OPEN) {
+                    let body = start + OPEN.len();
+                    let Some((v, used)) = next_json(&pending[body..])? else {
+                        break;
+                    };
+                    let after = &pending[body + used..];
+                    let rest = after.trim_start();
+                    if rest.starts_with(CLOSE) {
+                        let end = body + used + (after.len() - rest.len()) + CLOSE.len();
+                        calls.push(self.call_value(&v)?);
+                        pending.drain(..end);
+                    } else if CLOSE.starts_with(rest) {
+                        break;
+                    } else {
+                        return Err(Error::InvalidInput(format!(
+                            "a tool call's JSON is not followed by {CLOSE}: {}",
+                            &pending[start..]
+                        )));
+                    }
                 }
             }
             CallSyntax::Llama3 => loop {
@@ -177,12 +192,6 @@ impl CallSyntax {
             }
         }
         Ok(calls)
-    }
-
-    fn call(self, body: &str) -> Result<ToolCall> {
-        let v: Value = serde_json::from_str(body)
-            .map_err(|e| Error::InvalidInput(format!("a tool call is not JSON ({e}): {body}")))?;
-        self.call_value(&v)
     }
 
     /// A call's JSON: its name and arguments (under either key), with a
@@ -378,6 +387,18 @@ mod tests {
         }
         let (text, calls, cut) = read(CallSyntax::Mistral, "[TOOL_CALLS][{\"name\": \"get_we");
         assert_eq!((text.as_str(), calls.len(), cut), ("", 0, true));
+        // A closing tag inside a string argument is the argument's.
+        let (text, calls, cut) = read(
+            CallSyntax::Hermes,
+            "<tool_call>\n{\"name\": \"write\", \"arguments\": {\"text\": \"]}</tool_call>\"}}\n</tool_call>",
+        );
+        assert_eq!((text.as_str(), calls.len(), cut), ("", 1, false));
+        assert_eq!(calls[0].arguments, r#"{"text":"]}</tool_call>"}"#);
+        let (_, calls, cut) = read(
+            CallSyntax::Hermes,
+            "<tool_call>\n{\"name\": \"write\", \"arguments\": {\"text\": \"]}</tool_call>",
+        );
+        assert_eq!((calls.len(), cut), (0, true), "cut inside the string");
         assert!(
             CallDetector::new(CallSyntax::Llama3)
                 .push("{\"name\": 1}")
