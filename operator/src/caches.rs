@@ -112,19 +112,6 @@ impl Caches {
         ];
     }
 
-    /// Waits until every store has its first full listing.
-    pub async fn ready(&self) {
-        let _ = futures::join!(
-            self.models.store.wait_until_ready(),
-            self.nodes.store.wait_until_ready(),
-            self.leases.store.wait_until_ready(),
-            self.pools.store.wait_until_ready(),
-            self.strategies.store.wait_until_ready(),
-            self.shards.store.wait_until_ready(),
-            self.deployments.store.wait_until_ready(),
-        );
-    }
-
     /// The stores only (what reconciles read).
     pub fn stores(&self) -> Stores {
         Stores {
@@ -170,6 +157,23 @@ pub struct Stores {
     pub shards: Store<Shard>,
     /// ModelDeployments.
     pub deployments: Store<ModelDeployment>,
+}
+
+impl Stores {
+    /// Waits until every store has its first full listing (at once after
+    /// that). A reconcile that read a store still filling would see, say,
+    /// a deployment's Shards but none of its nodes, and delete them.
+    pub async fn ready(&self) {
+        let _ = futures::join!(
+            self.models.wait_until_ready(),
+            self.nodes.wait_until_ready(),
+            self.leases.wait_until_ready(),
+            self.pools.wait_until_ready(),
+            self.strategies.wait_until_ready(),
+            self.shards.wait_until_ready(),
+            self.deployments.wait_until_ready(),
+        );
+    }
 }
 
 /// Every object in `store`, as references for a controller that reconciles

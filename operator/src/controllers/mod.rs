@@ -50,6 +50,12 @@ pub(crate) async fn instrumented<F>(
 where
     F: std::future::Future<Output = Result<Action, Error>>,
 {
+    // Never on a partial view: until every watch has listed its kind the
+    // object waits (a reconcile that saw, say, a deployment's Shards but
+    // none of its nodes would delete them).
+    if futures::FutureExt::now_or_never(ctx.stores.ready()).is_none() {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
     let start = Instant::now();
     // A reconcile that panics (a bug met by one odd object) fails that
     // object's reconcile, retried later; the controller and every other
