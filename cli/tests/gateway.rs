@@ -40,8 +40,8 @@ fn agent(node: &str) -> Process {
     ])
 }
 
-fn gateway(listen: &str, admin: &str, keys: &std::path::Path) -> Process {
-    shardplane(&[
+fn gateway(listen: &str, admin: &str, keys: &std::path::Path, extra: &[&str]) -> Process {
+    let mut args = vec![
         "gateway",
         "--listen",
         listen,
@@ -49,7 +49,9 @@ fn gateway(listen: &str, admin: &str, keys: &std::path::Path) -> Process {
         admin,
         "--api-keys-file",
         keys.to_str().unwrap(),
-    ])
+    ];
+    args.extend_from_slice(extra);
+    shardplane(&args)
 }
 
 fn deployment(name: &str, alias: &str, fallback: Vec<FallbackTarget>) -> ModelDeployment {
@@ -108,18 +110,40 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     }
     let names = |s: &str| format!("{tag}-{s}");
     let provider_listen = free_address().to_string();
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some("provider-key".into()),
+    // The provider's key, in a Secret that opts in to being sent out; the
+    // same key in one that does not.
+    for (name, opted_in) in [("provider-key", true), ("bare-key", false)] {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: opted_in.then(|| {
+                    [(
+                        shardplane_gateway::external::EXTERNAL_CREDENTIAL_LABEL.to_string(),
+                        "true".to_string(),
+                    )]
+                    .into()
+                }),
+                ..Default::default()
+            },
+            string_data: Some([("key".to_string(), "sk-provider".to_string())].into()),
             ..Default::default()
-        },
-        string_data: Some([("key".to_string(), "sk-provider".to_string())].into()),
-        ..Default::default()
+        };
+        Api::<Secret>::namespaced(client.clone(), &ns)
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+    }
+    let external = |secret: &str, base_url: String| {
+        vec![FallbackTarget::External(ExternalEndpoint {
+            base_url,
+            model: names("daily"),
+            api_key_secret_ref: Some(SecretKeySelector {
+                name: secret.into(),
+                key: "key".into(),
+                optional: None,
+            }),
+        })]
     };
-    Api::<Secret>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
     let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
     for d in [
         deployment("daily", &names("daily"), vec![]),
@@ -132,15 +156,18 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
         deployment(
             "burst",
             &names("burst"),
-            vec![FallbackTarget::External(ExternalEndpoint {
-                base_url: format!("http://{provider_listen}/v1"),
-                model: names("daily"),
-                api_key_secret_ref: Some(SecretKeySelector {
-                    name: "provider-key".into(),
-                    key: "key".into(),
-                    optional: None,
-                }),
-            })],
+            external("provider-key", format!("http://{provider_listen}/v1")),
+        ),
+        // Not on the gateway's allowlist; a key whose Secret does not opt in.
+        deployment(
+            "stray",
+            &names("stray"),
+            external("provider-key", "http://127.0.0.1:9/v1".into()),
+        ),
+        deployment(
+            "unlabelled",
+            &names("unlabelled"),
+            external("bare-key", format!("http://{provider_listen}/v1")),
         ),
         deployment("none", &names("none"), vec![]),
         {
@@ -201,11 +228,13 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     std::fs::write(&provider_keys, "provider: sk-provider\n").unwrap();
     let listen = free_address().to_string();
     let admin = free_address().to_string();
-    let _gateway = gateway(&listen, &admin, &keys);
+    let allowed = format!("http://{provider_listen}/v1");
+    let _gateway = gateway(&listen, &admin, &keys, &["--allow-external-url", &allowed]);
     let _provider = gateway(
         &provider_listen,
         &free_address().to_string(),
         &provider_keys,
+        &[],
     );
     let base = format!("http://{listen}");
     wait_http(&base).await;
@@ -260,6 +289,35 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     // once each has given text, replica A is killed. Every stream goes on to
     // its end: those on A resume on B after the tokens they gave.
     let http = shardplane_models::http_client().unwrap();
+
+    // External fallbacks send prompts only where the gateway allows, and
+    // keys only from Secrets that opt in: otherwise the step is skipped and
+    // the 503 says why.
+    for (model, says) in [
+        (names("stray"), "is not among the gateway's allowed URLs"),
+        (
+            names("unlabelled"),
+            "is not labelled shardplane.dev/external-credential=true",
+        ),
+    ] {
+        let r = http
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth("sk-test")
+            .header("content-type", "application/json")
+            .body(
+                serde_json::json!({"model": model, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                .to_string(),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 503, "{model}");
+        let body = r.text().await.unwrap();
+        assert!(body.contains(says), "{model}: {body}");
+        assert!(!body.contains("sk-provider"), "the key never shows: {body}");
+    }
+
     let story = |n: usize, stream: bool| {
         serde_json::json!({
             "model": names("daily"),

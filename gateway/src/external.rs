@@ -1,6 +1,13 @@
 //! An external OpenAI-compatible endpoint as a fallback: the request is sent
 //! as a streaming chat (or text) completion and its server-sent events are
 //! read back as this gateway's events.
+//!
+//! Prompts and keys leave the cluster only where the gateway's operator
+//! allows: a fallback's `baseUrl` must fall under one of the gateway's
+//! allowed URLs ([`Allowlist`], none by default), and the Secret holding its
+//! key must opt in with the label [`EXTERNAL_CREDENTIAL_LABEL`]` = "true"`.
+//! An error the endpoint sends mid-stream ends the answer with an error,
+//! never with a normal finish.
 
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -18,6 +25,51 @@ pub fn http_client() -> crate::Result<reqwest::Client> {
         .connect_timeout(std::time::Duration::from_secs(10))
         .build()
         .map_err(crate::Error::HttpClient)
+}
+
+/// The label a Secret carries to let the gateway send its key to an
+/// external endpoint.
+pub const EXTERNAL_CREDENTIAL_LABEL: &str = "shardplane.dev/external-credential";
+
+/// The URLs external fallbacks may use: a base URL is allowed when its
+/// scheme, host and port equal one entry's and its path lies under the
+/// entry's path (whole segments).
+#[derive(Debug, Clone, Default)]
+pub struct Allowlist(Vec<reqwest::Url>);
+
+impl Allowlist {
+    /// Reads the allowed URLs; a text that is not an http(s) URL is an error.
+    pub fn parse<S: AsRef<str>>(urls: &[S]) -> Result<Self, String> {
+        urls.iter()
+            .map(|u| {
+                let u = u.as_ref();
+                let url = reqwest::Url::parse(u).map_err(|e| format!("{u:?}: {e}"))?;
+                if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                    return Err(format!("{u:?} is not an http(s) URL with a host"));
+                }
+                Ok(url)
+            })
+            .collect::<Result<_, _>>()
+            .map(Allowlist)
+    }
+
+    /// Whether requests may go to `base_url`.
+    pub fn allows(&self, base_url: &str) -> bool {
+        let Ok(url) = reqwest::Url::parse(base_url) else {
+            return false;
+        };
+        let segments = |u: &reqwest::Url| -> Vec<String> {
+            u.path_segments()
+                .map(|s| s.filter(|p| !p.is_empty()).map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        self.0.iter().any(|allowed| {
+            allowed.scheme() == url.scheme()
+                && allowed.host_str() == url.host_str()
+                && allowed.port_or_known_default() == url.port_or_known_default()
+                && segments(&url).starts_with(&segments(allowed))
+        })
+    }
 }
 
 /// Why the endpoint did not answer.
@@ -231,6 +283,19 @@ fn sse_events(
                 let Ok(v) = serde_json::from_str::<Value>(data) else {
                     continue;
                 };
+                // The endpoint failed mid-answer (OpenAI's and vLLM's shape).
+                if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
+                    st.ended = true;
+                    let message = error["message"]
+                        .as_str()
+                        .map_or_else(|| error.to_string(), str::to_string);
+                    return Some((
+                        Err(ApiError::upstream(format!(
+                            "the external endpoint failed mid-answer: {message}"
+                        ))),
+                        st,
+                    ));
+                }
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     st.usage = Some((
                         u["prompt_tokens"].as_u64().unwrap_or(0) as u32,
@@ -279,4 +344,64 @@ fn sse_events(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_allowlist_matches_scheme_host_port_and_whole_path_segments() {
+        let list =
+            Allowlist::parse(&["https://api.example.com/v1", "http://10.0.0.5:8000"]).unwrap();
+        for ok in [
+            "https://api.example.com/v1",
+            "https://api.example.com/v1/",
+            "https://api.example.com:443/v1/chat",
+            "http://10.0.0.5:8000/v1",
+        ] {
+            assert!(list.allows(ok), "{ok}");
+        }
+        for refused in [
+            "http://api.example.com/v1",
+            "https://api.example.com/v10",
+            "https://api.example.com/",
+            "https://api.example.com.evil.net/v1",
+            "https://evil.net/api.example.com/v1",
+            "http://10.0.0.5:8001/v1",
+            "not a url",
+        ] {
+            assert!(!list.allows(refused), "{refused}");
+        }
+        assert!(!Allowlist::default().allows("https://api.example.com/v1"));
+        assert!(Allowlist::parse(&["ftp://host/x"]).is_err());
+        assert!(Allowlist::parse(&["api.example.com"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_error_event_mid_stream_ends_the_answer_with_an_error() {
+        let body = "data: {\"choices\": [{\"delta\": {\"content\": \"Hel\"}}]}\n\n\
+                    data: {\"error\": {\"message\": \"the provider's GPU fell over\"}}\n\n\
+                    data: [DONE]\n\n";
+        let app = axum::Router::new().route("/", axum::routing::get(move || async move { body }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let response = http_client()
+            .unwrap()
+            .get(format!("http://{address}/"))
+            .send()
+            .await
+            .unwrap();
+        let events: Vec<_> = sse_events(response, true).collect().await;
+        assert!(
+            matches!(&events[0], Ok(Event::Text(t)) if t == "Hel"),
+            "{events:?}"
+        );
+        match &events[1] {
+            Err(e) => assert!(e.message.contains("the provider's GPU fell over"), "{e:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(events.len(), 2, "no normal finish after it: {events:?}");
+    }
 }

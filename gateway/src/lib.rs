@@ -50,6 +50,8 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// Connections, header deadline and drain of the HTTP server.
     pub limits: server::Limits,
+    /// Where external fallbacks may send requests.
+    pub external_allowlist: external::Allowlist,
 }
 
 /// The largest body of the routes that are not generation requests.
@@ -138,7 +140,8 @@ pub async fn run(
         http,
         metrics.clone(),
     )
-    .with_busy_wait(config.busy_wait);
+    .with_busy_wait(config.busy_wait)
+    .with_external_allowlist(config.external_allowlist.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| Error::Serve {

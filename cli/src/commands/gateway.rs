@@ -69,6 +69,12 @@ pub struct GatewayArgs {
     #[arg(long, env = "SHARDPLANE_HEADER_TIMEOUT_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(1..=3600))]
     header_timeout_seconds: u32,
+    /// A URL external fallbacks may use: a fallback's baseUrl must fall
+    /// under one of these (same scheme, host and port; path beneath). None
+    /// by default, so no prompt leaves the cluster unless allowed here.
+    /// Repeat, or separate with commas.
+    #[arg(long, env = "SHARDPLANE_ALLOW_EXTERNAL_URLS", value_delimiter = ',')]
+    allow_external_url: Vec<String>,
 }
 
 /// Runs the gateway until Ctrl-C or SIGTERM.
@@ -106,6 +112,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
             header_timeout: std::time::Duration::from_secs(args.header_timeout_seconds.into()),
             ..Default::default()
         },
+        external_allowlist: shardplane_gateway::external::Allowlist::parse(
+            &args.allow_external_url,
+        )
+        .map_err(|e| anyhow::anyhow!("--allow-external-url {e}"))?,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

@@ -90,13 +90,17 @@ pub enum FallbackTarget {
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = keep_field_docs)]
 pub struct ExternalEndpoint {
-    /// Base URL of the API, e.g. `https://api.example.com/v1`.
+    /// Base URL of the API, e.g. `https://api.example.com/v1`. The gateway
+    /// uses it only when it falls under one of its allowed URLs
+    /// (`--allow-external-url`; none by default).
     #[schemars(regex(pattern = r"^https?://.+"))]
     pub base_url: String,
     /// The model name to ask the endpoint for.
     #[schemars(length(min = 1))]
     pub model: String,
-    /// The Secret key holding the endpoint's API key.
+    /// The Secret key holding the endpoint's API key. The Secret must carry
+    /// the label `shardplane.dev/external-credential: "true"`, or the
+    /// gateway does not send its value out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret_ref: Option<SecretKeySelector>,
 }

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use shardplane_crds::{
     DEPLOYMENT_LABEL, ExternalEndpoint, FallbackTarget, Model, ModelDeployment, Shard, ShardPhase,
 };
@@ -81,6 +81,7 @@ pub struct Router {
     http: reqwest::Client,
     metrics: Metrics,
     busy_wait: Duration,
+    external: Arc<crate::external::Allowlist>,
 }
 
 /// What one walk through a deployment's instances and fallbacks ended with.
@@ -136,7 +137,14 @@ impl Router {
             http,
             metrics,
             busy_wait: Duration::from_secs(60),
+            external: Arc::default(),
         }
+    }
+
+    /// Where external fallbacks may send requests (nowhere by default).
+    pub fn with_external_allowlist(mut self, allowed: crate::external::Allowlist) -> Self {
+        self.external = Arc::new(allowed);
+        self
     }
 
     /// How long a request waits, retrying, while every instance that could
@@ -475,6 +483,14 @@ impl Router {
                 name: r.name.clone(),
                 source,
             })?;
+        let label = crate::external::EXTERNAL_CREDENTIAL_LABEL;
+        if secret.labels().get(label).map(String::as_str) != Some("true") {
+            return Err(crate::Error::SecretNotOptedIn {
+                namespace: ns.to_string(),
+                name: r.name.clone(),
+                label,
+            });
+        }
         let value = secret
             .data
             .and_then(|d| d.get(&r.key).cloned())
@@ -494,6 +510,12 @@ impl Router {
         ext: &ExternalEndpoint,
         prompt: &Prompt,
     ) -> Result<Answer, Attempt> {
+        if !self.external.allows(&ext.base_url) {
+            return Err(Attempt::Next(format!(
+                "{name}'s external endpoint {} is not among the gateway's allowed URLs (--allow-external-url)",
+                ext.base_url
+            )));
+        }
         let key = self
             .api_key(ns, ext)
             .await
