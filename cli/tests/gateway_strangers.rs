@@ -27,6 +27,8 @@ fn gateway(listen: &str, admin: &str, keys: &std::path::Path) -> Process {
             keys.to_str().unwrap(),
             "--header-timeout-seconds",
             "2",
+            "--body-timeout-seconds",
+            "2",
             "--max-body-mib",
             "1",
         ],
@@ -165,6 +167,22 @@ async fn strangers_cannot_make_the_gateway_read_grow_or_wait() {
             );
         }
     }
+    // A body that stops coming: 408 in the API's shape once the body
+    // deadline (2 s here) passes, and the connection is not held.
+    let mut s = TcpStream::connect(&listen).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /v1/messages HTTP/1.1\r\nHost: gw\r\nx-api-key: {KEY}\r\n\
+             content-type: application/json\r\ncontent-length: 1000\r\n\r\n{{\"model\": "
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (answer, _) = read_all(&mut s, Duration::from_secs(6)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+
     let small = http
         .post(format!("{base}/api/show"))
         .bearer_auth(KEY)

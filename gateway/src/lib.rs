@@ -48,6 +48,8 @@ pub struct GatewayConfig {
     pub busy_wait: std::time::Duration,
     /// The largest generation request body, in bytes (larger: 413).
     pub max_body_bytes: usize,
+    /// How long a request's body may take to arrive (longer: 408).
+    pub body_timeout: std::time::Duration,
     /// Connections, header deadline and drain of the HTTP server.
     pub limits: server::Limits,
     /// Where external fallbacks may send requests.
@@ -65,6 +67,7 @@ pub struct App {
     metrics: metrics::Metrics,
     responses: Responses,
     max_body_bytes: usize,
+    body_timeout: std::time::Duration,
 }
 
 /// The HTTP routes.
@@ -161,6 +164,7 @@ pub async fn run(
         metrics,
         responses: Responses::default(),
         max_body_bytes: config.max_body_bytes,
+        body_timeout: config.body_timeout,
     };
     let served = server::serve(listener, routes(app), config.limits, shutdown).await;
     admin.stop(std::time::Duration::from_secs(5)).await;

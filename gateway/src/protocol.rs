@@ -89,6 +89,8 @@ pub enum Kind {
     Internal,
     /// The body is larger than the route allows (413).
     TooLarge,
+    /// The body did not arrive in time (408).
+    Timeout,
 }
 
 /// An error for the client.
@@ -121,6 +123,16 @@ impl ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
             kind: Kind::TooLarge,
             message: format!("the request body is larger than this route allows ({limit} bytes)"),
+            retry_after: None,
+        }
+    }
+
+    /// A 408: the body did not arrive within `seconds`.
+    pub fn body_timeout(seconds: u64) -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            kind: Kind::Timeout,
+            message: format!("the request body did not arrive within {seconds} s"),
             retry_after: None,
         }
     }

@@ -69,6 +69,11 @@ pub struct GatewayArgs {
     #[arg(long, env = "SHARDPLANE_HEADER_TIMEOUT_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(1..=3600))]
     header_timeout_seconds: u32,
+    /// Seconds a client has to send a request's body once its headers came
+    /// (longer: 408 in the API's shape).
+    #[arg(long, env = "SHARDPLANE_BODY_TIMEOUT_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    body_timeout_seconds: u32,
     /// A URL external fallbacks may use: a fallback's baseUrl must fall
     /// under one of these (same scheme, host and port; path beneath). None
     /// by default, so no prompt leaves the cluster unless allowed here.
@@ -107,6 +112,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         keys,
         rate_limit_per_minute: args.rate_limit_per_minute,
         max_body_bytes: (args.max_body_mib as usize) << 20,
+        body_timeout: std::time::Duration::from_secs(args.body_timeout_seconds.into()),
         limits: shardplane_gateway::server::Limits {
             max_connections: args.max_connections as usize,
             header_timeout: std::time::Duration::from_secs(args.header_timeout_seconds.into()),

@@ -168,6 +168,7 @@ fn error_type(kind: Kind) -> &'static str {
         Kind::Unavailable => "service_unavailable",
         Kind::Internal => "api_error",
         Kind::TooLarge => "request_too_large",
+        Kind::Timeout => "request_timeout",
     }
 }
 
@@ -261,7 +262,12 @@ fn stream_response(
 
 /// Reads a body of at most `limit` bytes; one declared or found larger is
 /// a 413 (and is not read further).
-pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+pub async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+    deadline: std::time::Duration,
+) -> Result<Bytes, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -269,7 +275,13 @@ pub async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
-    match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await {
+    // A body that trickles in is cut off: a connection cannot be held for
+    // longer than `deadline` by a request it never finishes sending.
+    let collect = http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit));
+    let Ok(collected) = tokio::time::timeout(deadline, collect).await else {
+        return Err(ApiError::body_timeout(deadline.as_secs()));
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::too_large(limit)),
         Err(e) => Err(ApiError::invalid(format!(
@@ -284,7 +296,7 @@ pub async fn handle<D: Dialect>(app: App, api: D, headers: HeaderMap, body: Body
     let start = Instant::now();
     let outcome = async {
         app.keys.check(&headers)?;
-        let body = read_body(&headers, body, app.max_body_bytes).await?;
+        let body = read_body(&headers, body, app.max_body_bytes, app.body_timeout).await?;
         api.parse(&fields::object(&body)?)
     }
     .await;

@@ -331,7 +331,7 @@ fn find<'a>(served: &'a [Served], name: &str) -> Option<&'a Served> {
 /// hyper-parameters its clients read, such as the context length).
 pub async fn show(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
     // A small body (64 KiB at most) read before `listing` checks the key.
-    let body = match read_body(&headers, body, crate::SMALL_BODY_BYTES).await {
+    let body = match read_body(&headers, body, crate::SMALL_BODY_BYTES, app.body_timeout).await {
         Ok(b) => b,
         Err(e) => return error_response(&Ollama::Chat, &e),
     };
