@@ -100,6 +100,9 @@ pub struct AgentConfig {
     pub max_queue_wait: Duration,
     /// How a stage's steps are made up (prompt tokens per step).
     pub budget: scheduler::Budget,
+    /// Bytes of prompts' KV each whole-model stage keeps so that requests
+    /// starting with the same tokens skip them (0: no prefix cache).
+    pub prefix_cache_bytes: usize,
 }
 
 /// Runs the agent until `shutdown` resolves, then drains.
@@ -212,6 +215,7 @@ fn serve(
         }),
         engine: config.engine,
         budget: config.budget,
+        prefix_cache_bytes: config.prefix_cache_bytes,
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

@@ -44,6 +44,16 @@ pub struct Metrics {
     pub cache_bytes: IntGauge,
     /// Sequences with a KV cache, by shard.
     pub sequences: IntGaugeVec,
+    /// Prompt tokens looked up in each shard's prefix cache.
+    pub prefix_lookup_tokens: IntCounterVec,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub prefix_hit_tokens: IntCounterVec,
+    /// Blocks the prefix cache evicted.
+    pub prefix_evicted_blocks: IntCounterVec,
+    /// Bytes the prefix cache holds.
+    pub prefix_bytes: IntGaugeVec,
+    /// Bytes the prefix cache may hold.
+    pub prefix_budget_bytes: IntGaugeVec,
     /// Measured round trip to each peer's data plane.
     pub link_latency_seconds: prometheus::GaugeVec,
     /// Measured throughput to each peer's data plane.
@@ -151,6 +161,32 @@ impl Metrics {
             &["shard"],
         )
         .expect("valid metric");
+        let counter = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["shard"]).expect("valid metric")
+        };
+        let prefix_lookup_tokens = counter(
+            "shardplane_agent_prefix_cache_lookup_tokens_total",
+            "Prompt tokens of new sequences looked up in the prefix cache, by shard.",
+        );
+        let prefix_hit_tokens = counter(
+            "shardplane_agent_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache (not computed), by shard.",
+        );
+        let prefix_evicted_blocks = counter(
+            "shardplane_agent_prefix_cache_evicted_blocks_total",
+            "Blocks the prefix cache evicted to stay within its budget, by shard.",
+        );
+        let gauge = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["shard"]).expect("valid metric")
+        };
+        let prefix_bytes = gauge(
+            "shardplane_agent_prefix_cache_bytes",
+            "Bytes of prompts' KV the prefix cache holds, by shard.",
+        );
+        let prefix_budget_bytes = gauge(
+            "shardplane_agent_prefix_cache_budget_bytes",
+            "Bytes of prompts' KV the prefix cache may hold, by shard (0: off).",
+        );
         let link_latency_seconds = prometheus::GaugeVec::new(
             Opts::new(
                 "shardplane_agent_link_latency_seconds",
@@ -187,6 +223,11 @@ impl Metrics {
                 Box::new(download_bytes.clone()),
                 Box::new(cache_bytes.clone()),
                 Box::new(sequences.clone()),
+                Box::new(prefix_lookup_tokens.clone()),
+                Box::new(prefix_hit_tokens.clone()),
+                Box::new(prefix_evicted_blocks.clone()),
+                Box::new(prefix_bytes.clone()),
+                Box::new(prefix_budget_bytes.clone()),
                 Box::new(link_latency_seconds.clone()),
                 Box::new(link_bandwidth_bytes.clone()),
                 Box::new(shards.clone()),
@@ -214,18 +255,39 @@ impl Metrics {
             download_bytes,
             cache_bytes,
             sequences,
+            prefix_lookup_tokens,
+            prefix_hit_tokens,
+            prefix_evicted_blocks,
+            prefix_bytes,
+            prefix_budget_bytes,
             link_latency_seconds,
             link_bandwidth_bytes,
         }
     }
 
-    /// Records a shard's forward passes.
+    /// Records a shard's forward passes and its prefix cache.
     pub fn pass_observer(&self, shard: &str) -> crate::stage::PassObserver {
         let seconds = self.forward_seconds.with_label_values(&[shard]);
         let tokens = self.forward_tokens.with_label_values(&[shard]);
-        Arc::new(move |rows, secs| {
-            seconds.observe(secs);
-            tokens.inc_by(rows as u64);
+        let lookups = self.prefix_lookup_tokens.with_label_values(&[shard]);
+        let hits = self.prefix_hit_tokens.with_label_values(&[shard]);
+        let evicted = self.prefix_evicted_blocks.with_label_values(&[shard]);
+        let used = self.prefix_bytes.with_label_values(&[shard]);
+        let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
+        // The stage counts from its load; the counters follow its totals.
+        let follow = |counter: &prometheus::IntCounter, total: u64| {
+            counter.inc_by(total.saturating_sub(counter.get()));
+        };
+        Arc::new(move |pass| {
+            if pass.rows > 0 {
+                seconds.observe(pass.seconds);
+                tokens.inc_by(pass.rows as u64);
+            }
+            follow(&lookups, pass.prefix.lookup_tokens);
+            follow(&hits, pass.prefix.hit_tokens);
+            follow(&evicted, pass.prefix.evicted_blocks);
+            used.set(pass.prefix.bytes as i64);
+            budget.set(pass.prefix.budget_bytes as i64);
         })
     }
 
@@ -235,6 +297,11 @@ impl Metrics {
         let _ = self.forward_tokens.remove_label_values(&[shard]);
         let _ = self.downstream_step_seconds.remove_label_values(&[shard]);
         let _ = self.sequences.remove_label_values(&[shard]);
+        let _ = self.prefix_lookup_tokens.remove_label_values(&[shard]);
+        let _ = self.prefix_hit_tokens.remove_label_values(&[shard]);
+        let _ = self.prefix_evicted_blocks.remove_label_values(&[shard]);
+        let _ = self.prefix_bytes.remove_label_values(&[shard]);
+        let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }
 }
 

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use shardplane_engine::{Activations, SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
 
-use crate::stage::{PassObserver, StageStats};
+use crate::stage::{Pass, PassObserver, StageStats};
 
 /// A reply to one forward job.
 pub type Reply = oneshot::Sender<shardplane_engine::Result<StageOutput>>;
@@ -120,7 +120,7 @@ pub fn run(
         for job in first.into_iter().chain(queued) {
             take(
                 job,
-                &*shard,
+                &mut *shard,
                 &mut decodes,
                 &mut prefills,
                 &mut releases,
@@ -131,38 +131,55 @@ pub fn run(
             shard.release(seq);
         }
         drop_abandoned(&mut decodes, &mut prefills, &stats);
-        step(
-            &mut *shard,
-            &mut decodes,
-            &mut prefills,
-            budget,
-            &stats,
-            &observe,
-        );
+        let (rows, seconds) = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
         stats
             .sequences
             .store(shard.sequences() as u64, Ordering::Relaxed);
         stats
             .kv_cache_bytes
             .store(shard.kv_cache_bytes() as u64, Ordering::Relaxed);
+        let prefix = shard.prefix_cache();
+        *stats.prefix.lock().unwrap_or_else(|p| p.into_inner()) = prefix;
+        observe(&Pass {
+            rows,
+            seconds,
+            prefix,
+        });
     }
 }
 
 /// Files a job: a single token for a sequence the stage holds is a decode
-/// step; anything else is a prefill, run in slices.
+/// step; anything else is a prefill, run in slices. A new sequence's prompt
+/// first takes what the prefix cache holds of it.
 fn take(
     job: Job,
-    shard: &dyn Stage,
+    shard: &mut dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     releases: &mut Vec<SequenceId>,
     stats: &StageStats,
 ) {
     match job {
-        Job::Forward { seq, input, reply } => {
+        Job::Forward {
+            seq,
+            mut input,
+            reply,
+        } => {
             let busy =
                 decodes.iter().any(|(s, _, _)| *s == seq) || prefills.iter().any(|p| p.seq == seq);
-            if input.len() == 1 && shard.sequence_len(seq) > 0 && !busy {
+            let mut new_prompt = false;
+            if let StageInput::Tokens(ids) = &input
+                && !busy
+                && shard.sequence_len(seq) == 0
+            {
+                new_prompt = true;
+                let cached = shard.reuse_prefix(seq, ids);
+                if cached > 0 {
+                    split_front(&mut input, cached);
+                    stats.unqueue_tokens(cached);
+                }
+            }
+            if input.len() == 1 && shard.sequence_len(seq) > 0 && !busy && !new_prompt {
                 decodes.push((seq, input, reply));
             } else {
                 prefills.push_back(Prefill {
@@ -232,15 +249,15 @@ fn split_front(input: &mut StageInput, n: usize) -> StageInput {
     }
 }
 
-/// One step: every decode, then prompt slices up to the budget.
+/// One step: every decode, then prompt slices up to the budget; gives the
+/// rows it ran and the seconds they took.
 fn step(
     shard: &mut dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     budget: Budget,
     stats: &StageStats,
-    observe: &PassObserver,
-) {
+) -> (usize, f64) {
     let mut batch: Vec<(SequenceId, StageInput)> = Vec::new();
     let mut parts: Vec<Part> = Vec::new();
     for (seq, input, reply) in decodes.drain(..) {
@@ -259,7 +276,7 @@ fn step(
         parts.push(Part::Slice { prefill: i, last });
     }
     if batch.is_empty() {
-        return;
+        return (0, 0.0);
     }
     let rows: usize = batch.iter().map(|(_, input)| input.len()).sum();
     let started = Instant::now();
@@ -269,8 +286,9 @@ fn step(
     let seconds = started.elapsed().as_secs_f64();
     stats.record_pass(rows, seconds);
     stats.unqueue_tokens(rows);
-    observe(rows, seconds);
     let mut finished: Vec<usize> = Vec::new();
+    // Prompts that ran to their end: kept for the sequences that share them.
+    let mut ran: Vec<SequenceId> = Vec::new();
     match result {
         Ok(outputs) => {
             for (part, out) in parts.into_iter().zip(outputs) {
@@ -295,6 +313,7 @@ fn step(
                                     out => Ok(out),
                                 };
                                 finished.push(prefill);
+                                ran.push(p.seq);
                                 let (_, reply) = take_reply(p);
                                 let _ = reply.send(out);
                             }
@@ -332,6 +351,10 @@ fn step(
     for i in finished.into_iter().rev() {
         prefills.remove(i);
     }
+    for seq in ran {
+        shard.retain_prefix(seq);
+    }
+    (rows, seconds)
 }
 
 /// Swaps the reply out of a finished prefill (it is removed afterwards).
@@ -380,7 +403,7 @@ mod tests {
             Box::new(shard),
             queue,
             stats.clone(),
-            Arc::new(|_, _| {}),
+            Arc::new(|_| {}),
             Budget {
                 prefill_tokens: budget,
                 ..Budget::default()
@@ -444,6 +467,26 @@ mod tests {
         );
         assert_eq!(*steps.lock().unwrap(), vec![vec![(3, 2)]]);
         assert!(matches!(kept_answer.blocking_recv(), Ok(Ok(_))));
+        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_prompt_runs_only_what_the_prefix_cache_lacks_and_is_kept_when_it_has_run() {
+        let (mut shard, steps) = Echo::new(true);
+        shard.cached = 8;
+        let retained = shard.retained.clone();
+        // A new prompt of 10 tokens: 8 cached, 2 to run, in slices of 4.
+        let (prompt, answer) = forward(1, tokens(10));
+        // A prompt of 3 tokens: 2 cached, its last token runs.
+        let (short, short_answer) = forward(2, tokens(3));
+        let stats = run_jobs(shard, vec![prompt, short], 4);
+        assert_eq!(*steps.lock().unwrap(), vec![vec![(1, 2), (2, 1)]]);
+        let Ok(Ok(StageOutput::Logits(l))) = answer.blocking_recv() else {
+            panic!("logits");
+        };
+        assert_eq!(l, vec![9.0], "the logits at the prompt's last position");
+        assert!(matches!(short_answer.blocking_recv(), Ok(Ok(_))));
+        assert_eq!(*retained.lock().unwrap(), vec![1, 2]);
         assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
     }
 

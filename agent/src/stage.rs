@@ -34,6 +34,8 @@ pub struct StageStats {
     /// Recent nanoseconds per token of a pass (a moving average; 0 before
     /// the first pass).
     pub nanos_per_token: AtomicU64,
+    /// What the stage's prefix cache did and holds (after the last step).
+    pub prefix: std::sync::Mutex<shardplane_engine::prefix::PrefixCacheStats>,
 }
 
 impl StageStats {
@@ -73,8 +75,20 @@ impl StageStats {
     }
 }
 
-/// Observes each forward pass: (rows in the pass, seconds).
-pub type PassObserver = Arc<dyn Fn(usize, f64) + Send + Sync>;
+/// What a turn of the stage's loop did: a forward pass (`rows` > 0) and
+/// the prefix cache as it stands after it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pass {
+    /// Rows in the pass (0: no pass this turn).
+    pub rows: usize,
+    /// Seconds the pass took.
+    pub seconds: f64,
+    /// The prefix cache's counts.
+    pub prefix: shardplane_engine::prefix::PrefixCacheStats,
+}
+
+/// Observes each turn of a stage's loop.
+pub type PassObserver = Arc<dyn Fn(&Pass) + Send + Sync>;
 
 /// Told once, with the panic's message, when the stage's thread panics.
 pub type OnCrash = Box<dyn FnOnce(String) + Send>;
@@ -197,7 +211,7 @@ mod tests {
         let worker = StageWorker::start(
             "breaks",
             Box::new(echo),
-            Arc::new(|_, _| {}),
+            Arc::new(|_| {}),
             Budget::default(),
             Box::new(move |why| told.send(why).unwrap()),
         );

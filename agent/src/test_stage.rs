@@ -21,6 +21,11 @@ pub(crate) struct Echo {
     last: bool,
     /// Panic in every pass (a stage whose thread breaks).
     pub(crate) panics: bool,
+    /// Tokens a new sequence's prompt finds in the prefix cache (all but its
+    /// last at most).
+    pub(crate) cached: usize,
+    /// Sequences whose tokens were offered to the prefix cache, in order.
+    pub(crate) retained: Arc<Mutex<Vec<SequenceId>>>,
 }
 
 impl Echo {
@@ -54,6 +59,8 @@ impl Echo {
                 steps: steps.clone(),
                 last,
                 panics: false,
+                cached: 0,
+                retained: Arc::default(),
             },
             steps,
         )
@@ -106,6 +113,16 @@ impl Stage for Echo {
     }
     fn release(&mut self, seq: SequenceId) -> bool {
         self.held.remove(&seq).is_some()
+    }
+    fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
+        let n = self.cached.min(tokens.len().saturating_sub(1));
+        if n > 0 {
+            self.held.insert(seq, n);
+        }
+        n
+    }
+    fn retain_prefix(&mut self, seq: SequenceId) {
+        self.retained.lock().unwrap().push(seq);
     }
     fn sequence_len(&self, seq: SequenceId) -> usize {
         *self.held.get(&seq).unwrap_or(&0)

@@ -252,7 +252,8 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         .await
         .unwrap();
     let (a, b) = (unique_name("dp-a"), unique_name("dp-b"));
-    let _agents = (agent(&a), agent(&b));
+    let admin_b = free_address().to_string();
+    let _agents = (agent(&a), agent_with_admin(&b, &admin_b));
     let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
     for s in [
         fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 13 }),
@@ -306,6 +307,21 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             assert!(finished.prompt_tokens > 5);
         }
     }
+
+    // The same prompts again on the whole-model stage: each starts from the
+    // blocks its first run left in the prefix cache, and answers alike.
+    let hits = "shardplane_agent_prefix_cache_hit_tokens_total";
+    let before = metric(&admin_b, hits).await;
+    for (p, (tokens, _)) in prompts.iter().zip(&expected) {
+        let (got, ..) = run(client(&whole), request("whole-0-0", p)).await.unwrap();
+        assert_eq!(&got, tokens, "again, from the prefix cache: {p}");
+    }
+    let reused = metric(&admin_b, hits).await - before;
+    assert!(
+        reused >= (prompts.len() * 32) as f64,
+        "each prompt reused at least its first block: {reused} tokens"
+    );
+    assert!(metric(&admin_b, "shardplane_agent_prefix_cache_bytes").await > 0.0);
 
     // Resumed after the first k tokens of an answer (as the gateway does when
     // an instance fails mid-answer): exactly what the model gives when it

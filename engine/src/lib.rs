@@ -12,7 +12,8 @@
 //!   [`text_output`] (tokens to the text a client
 //!   sees), [`generation`] (the one generation loop and the request it
 //!   trusts, used by the CLI and by head stages), and [`pipeline`], which
-//!   drives stages to generate text in one process.
+//!   drives stages to generate text in one process; [`prefix`]: the cache of
+//!   prompts' KV that a backend keeps in blocks.
 //!
 //! This crate knows nothing of Kubernetes or the network.
 
@@ -28,6 +29,7 @@ pub mod gguf;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod pipeline;
+pub mod prefix;
 pub mod reasoning;
 pub mod sampler;
 pub mod stage;

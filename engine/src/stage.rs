@@ -140,6 +140,10 @@ pub struct LoadOptions {
     /// through BLAS instead of its slow quantized CPU kernel (30× the prefill
     /// speed here); on Metal, leave it off.
     pub dequantize: bool,
+    /// Bytes of KV the stage keeps for prompts it has run, so a sequence that
+    /// starts with the same tokens skips them (0: no prefix cache). Only a
+    /// stage that runs the whole model uses it.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for LoadOptions {
@@ -148,6 +152,7 @@ impl Default for LoadOptions {
             context_length: None,
             requantize_slow_types: true,
             dequantize: false,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -176,8 +181,28 @@ pub trait Stage: Send {
     /// Outputs are in input order, as [`Stage::forward`] gives them.
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>>;
 
-    /// Frees a sequence's KV cache; returns whether it existed.
+    /// Frees a sequence's KV cache (keeping its whole blocks of tokens in the
+    /// prefix cache, when there is one); returns whether it existed.
     fn release(&mut self, seq: SequenceId) -> bool;
+
+    /// Starts the new sequence `seq` from the longest cached prefix of its
+    /// prompt `tokens`, always leaving the last token to run; returns the
+    /// tokens it now holds, which the caller no longer sends (0: nothing
+    /// cached, a sequence that exists already, or a stage without a prefix
+    /// cache). Only a stage that runs the whole model reuses prefixes: the
+    /// stages of a pipeline would have to agree on what each holds.
+    fn reuse_prefix(&mut self, _seq: SequenceId, _tokens: &[u32]) -> usize {
+        0
+    }
+
+    /// Keeps the whole blocks of tokens `seq` holds in the prefix cache (a
+    /// prompt, once run, is there for the sequences that follow it).
+    fn retain_prefix(&mut self, _seq: SequenceId) {}
+
+    /// What the prefix cache did and holds.
+    fn prefix_cache(&self) -> crate::prefix::PrefixCacheStats {
+        crate::prefix::PrefixCacheStats::default()
+    }
 
     /// Tokens held for `seq` (0 for an unknown sequence).
     fn sequence_len(&self, seq: SequenceId) -> usize;

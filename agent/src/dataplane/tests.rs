@@ -94,7 +94,7 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
     let worker = StageWorker::start(
         "d-0-1",
         Box::new(Echo::middle()),
-        Arc::new(|_, _| {}),
+        Arc::new(|_| {}),
         Budget::default(),
         Box::new(|_| {}),
     );

@@ -83,7 +83,7 @@ async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tem
     let worker = StageWorker::start(
         "d-0-0",
         Box::new(echo),
-        Arc::new(|_, _| {}),
+        Arc::new(|_| {}),
         Budget::default(),
         Box::new(|_| {}),
     );

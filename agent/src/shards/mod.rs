@@ -133,6 +133,8 @@ pub struct Sources {
     pub engine: EngineKind,
     /// How the stages' steps are made up.
     pub budget: crate::scheduler::Budget,
+    /// Bytes of prompts' KV each whole-model stage keeps for reuse.
+    pub prefix_cache_bytes: usize,
 }
 
 /// The API's name for an engine.
@@ -482,6 +484,7 @@ async fn bring_up(
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
     let engine_kind = sources.engine;
+    let prefix_cache_bytes = sources.prefix_cache_bytes;
     let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
             spec.layers.start as usize..spec.layers.end as usize,
@@ -489,6 +492,7 @@ async fn bring_up(
         )?;
         let options = LoadOptions {
             context_length: Some(spec.kv_cache.context_length as usize),
+            prefix_cache_bytes,
             ..Default::default()
         };
         let file = GgufFile::open(&path)?;

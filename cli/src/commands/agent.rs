@@ -136,6 +136,14 @@ pub struct RunArgs {
     #[arg(long, env = "SHARDPLANE_DECODE_STEP_MILLIS", default_value_t = 200,
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     decode_step_millis: u64,
+    /// Memory for the KV of recent prompts, kept in blocks of 32 tokens by
+    /// each stage that runs a whole model, so a request that starts with the
+    /// same tokens (a system prompt, a conversation so far, an agent's
+    /// context) skips computing them. Least recently used blocks go first;
+    /// 0 turns the cache off. Count it beside the weights: it is held on top
+    /// of the sequences' own KV.
+    #[arg(long, env = "SHARDPLANE_PREFIX_CACHE", default_value = "512Mi")]
+    prefix_cache: String,
 }
 
 /// Runs the agent until Ctrl-C or SIGTERM, then drains; or installs it.
@@ -242,6 +250,7 @@ impl RunArgs {
             self.prefill_tokens_per_step.to_string(),
         );
         put("decode-step-millis", self.decode_step_millis.to_string());
+        put("prefix-cache", self.prefix_cache.clone());
         a
     }
 }
@@ -294,6 +303,10 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
             prefill_tokens: args.prefill_tokens_per_step as usize,
             decode_step: Duration::from_millis(args.decode_step_millis),
         },
+        prefix_cache_bytes: usize::try_from(
+            parse_bytes_str(&args.prefix_cache).context("--prefix-cache")?,
+        )
+        .context("--prefix-cache is larger than this machine can address")?,
         engine,
     };
     tokio::runtime::Runtime::new()?.block_on(async {

@@ -51,6 +51,8 @@ impl ModelArgs {
             context_length: self.context,
             requantize_slow_types: !self.keep_quantization,
             dequantize: self.dequantize,
+            // One request at a time: nothing to share.
+            prefix_cache_bytes: 0,
         };
         if path.is_dir() {
             return self.load_dir(path, engine, &options);

@@ -18,6 +18,7 @@ use candle_nn::kv_cache::KvCache;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
 use crate::stage::{
     Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
@@ -40,6 +41,8 @@ pub struct CandleStage {
     sin: Tensor,
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
+    /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
+    prefix: PrefixCache<Vec<(Tensor, Tensor)>>,
 }
 
 impl std::fmt::Debug for CandleStage {
@@ -58,6 +61,18 @@ impl std::fmt::Debug for CandleStage {
 struct SequenceCache {
     position: usize,
     layers: Vec<KvCache>,
+    /// The token ids it holds, when it came as tokens (a first stage).
+    tokens: Vec<u32>,
+}
+
+impl SequenceCache {
+    fn new(layers: usize) -> Self {
+        SequenceCache {
+            position: 0,
+            layers: (0..layers).map(|_| KvCache::new(2, KV_CHUNK)).collect(),
+            tokens: Vec::new(),
+        }
+    }
 }
 
 impl CandleStage {
@@ -128,6 +143,7 @@ impl CandleStage {
             cos,
             sin,
             sequences: HashMap::new(),
+            prefix: PrefixCache::new(DEFAULT_BLOCK_TOKENS, options.prefix_cache_bytes),
         })
     }
 
@@ -176,10 +192,7 @@ impl CandleStage {
             let layers = self.layers.len();
             self.sequences
                 .entry(item.seq)
-                .or_insert_with(|| SequenceCache {
-                    position: 0,
-                    layers: (0..layers).map(|_| KvCache::new(2, KV_CHUNK)).collect(),
-                });
+                .or_insert_with(|| SequenceCache::new(layers));
         }
         let result = (|| {
             for l in 0..self.layers.len() {
@@ -189,9 +202,12 @@ impl CandleStage {
         })();
         match result {
             Ok(outputs) => {
-                for item in &items {
+                for (item, (_, input)) in items.iter().zip(&batch) {
                     if let Some(cache) = self.sequences.get_mut(&item.seq) {
                         cache.position += item.len;
+                        if let StageInput::Tokens(ids) = input {
+                            cache.tokens.extend_from_slice(ids);
+                        }
                     }
                 }
                 Ok(outputs)
@@ -369,7 +385,73 @@ impl Stage for CandleStage {
     }
 
     fn release(&mut self, seq: SequenceId) -> bool {
+        self.retain_prefix(seq);
         self.sequences.remove(&seq).is_some()
+    }
+
+    fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
+        let whole = self.layout.is_first() && self.layout.is_last();
+        if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
+            return 0;
+        }
+        let block_tokens = self.prefix.block_tokens();
+        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if blocks.is_empty() {
+            return 0;
+        }
+        let seeded = (|| -> Result<SequenceCache> {
+            let mut cache = SequenceCache::new(self.layers.len());
+            for (l, kv) in cache.layers.iter_mut().enumerate() {
+                let k: Vec<&Tensor> = blocks.iter().map(|b| &b[l].0).collect();
+                let v: Vec<&Tensor> = blocks.iter().map(|b| &b[l].1).collect();
+                kv.append(&Tensor::cat(&k, 2)?, &Tensor::cat(&v, 2)?)?;
+            }
+            cache.position = blocks.len() * block_tokens;
+            cache.tokens = tokens[..cache.position].to_vec();
+            Ok(cache)
+        })();
+        match seeded {
+            Ok(cache) => {
+                let n = cache.position;
+                self.sequences.insert(seq, cache);
+                n
+            }
+            // Out of memory or the like: the sequence runs its whole prompt.
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a sequence from the prefix cache");
+                0
+            }
+        }
+    }
+
+    fn retain_prefix(&mut self, seq: SequenceId) {
+        let Some(cache) = self.sequences.get(&seq) else {
+            return;
+        };
+        if cache.tokens.len() != cache.position {
+            return;
+        }
+        let stored = self.prefix.insert(&cache.tokens, |range| {
+            let mut layers = Vec::with_capacity(cache.layers.len());
+            let mut bytes = 0;
+            for kv in &cache.layers {
+                let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
+                    return Err(Error::InvalidInput("an empty KV cache".into()));
+                };
+                let k = k.narrow(2, range.start, range.len())?.contiguous()?;
+                let v = v.narrow(2, range.start, range.len())?.contiguous()?;
+                bytes += (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes();
+                layers.push((k, v));
+            }
+            Ok((layers, bytes))
+        });
+        if let Err(e) = stored {
+            tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");
+        }
+    }
+
+    fn prefix_cache(&self) -> PrefixCacheStats {
+        self.prefix.stats()
     }
 
     fn sequence_len(&self, seq: SequenceId) -> usize {

@@ -42,6 +42,7 @@ use weights::{LayerWeights, Linear, Loader};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
 use crate::stage::{
     Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
@@ -67,6 +68,8 @@ struct SequenceCache {
     position: usize,
     capacity: usize,
     layers: Vec<Option<LayerCache>>,
+    /// The token ids it holds, when it came as tokens (a first stage).
+    tokens: Vec<u32>,
 }
 
 /// A stage of a model computed with MLX.
@@ -80,6 +83,9 @@ pub struct MlxStage {
     head: Option<(Array, Linear)>,
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
+    /// Blocks of prompts' KV: per layer, `[1, kv_heads, block, head_dim]`
+    /// keys and values (copies, not views of a sequence's cache).
+    prefix: PrefixCache<Vec<LayerCache>>,
 }
 
 impl std::fmt::Debug for MlxStage {
@@ -98,6 +104,7 @@ impl Drop for MlxStage {
     fn drop(&mut self) {
         let _guard = lock();
         drop(std::mem::take(&mut self.sequences));
+        self.prefix.clear();
         drop(std::mem::take(&mut self.layers));
         drop(self.embedding.take());
         drop(self.head.take());
@@ -230,6 +237,7 @@ impl MlxStage {
             layers,
             head,
             sequences: HashMap::new(),
+            prefix: PrefixCache::new(DEFAULT_BLOCK_TOKENS, options.prefix_cache_bytes),
         })
     }
 
@@ -277,6 +285,13 @@ impl MlxStage {
             self.context_length,
             |seq| self.sequence_len(seq),
         )?;
+        let ids: Vec<Option<Vec<u32>>> = batch
+            .iter()
+            .map(|(_, input)| match input {
+                StageInput::Tokens(t) => Some(t.clone()),
+                StageInput::Hidden(_) => None,
+            })
+            .collect();
         let _guard = lock();
         let result = (|| {
             let mut x = self.stack(&batch)?;
@@ -291,9 +306,10 @@ impl MlxStage {
         })();
         match result {
             Ok(outputs) => {
-                for item in &items {
+                for (item, ids) in items.iter().zip(ids) {
                     if let Some(cache) = self.sequences.get_mut(&item.seq) {
                         cache.position += item.len;
+                        cache.tokens.extend(ids.unwrap_or_default());
                     }
                 }
                 Ok(outputs)
@@ -319,6 +335,7 @@ impl MlxStage {
                 position: 0,
                 capacity: 0,
                 layers: (0..layers).map(|_| None).collect(),
+                tokens: Vec::new(),
             });
         let needed = item.position + item.len;
         if needed <= cache.capacity {
@@ -459,8 +476,101 @@ impl Stage for MlxStage {
     }
 
     fn release(&mut self, seq: SequenceId) -> bool {
+        self.retain_prefix(seq);
         let _guard = lock();
         self.sequences.remove(&seq).is_some()
+    }
+
+    fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
+        let whole = self.layout.is_first() && self.layout.is_last();
+        if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
+            return 0;
+        }
+        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let block_tokens = self.prefix.block_tokens();
+        let _guard = lock();
+        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if blocks.is_empty() {
+            return 0;
+        }
+        let held = blocks.len() * block_tokens;
+        let capacity = held.div_ceil(KV_CHUNK) * KV_CHUNK;
+        let seeded = (|| -> Result<Vec<Option<LayerCache>>> {
+            let mut layers = Vec::with_capacity(self.layers.len());
+            for l in 0..self.layers.len() {
+                let fill = |part: fn(&LayerCache) -> &Array| -> Result<Array> {
+                    let parts: Vec<&Array> = blocks.iter().map(|b| part(&b[l])).collect();
+                    let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
+                    fresh.slice_update(
+                        &Array::concatenate(&parts, 2)?,
+                        &[0, 0, 0, 0],
+                        &[1, kvh, held, hd],
+                    )
+                };
+                let (k, v) = (fill(|c| &c.k)?, fill(|c| &c.v)?);
+                Array::eval(&[&k, &v])?;
+                layers.push(Some(LayerCache { k, v }));
+            }
+            Ok(layers)
+        })();
+        match seeded {
+            Ok(layers) => {
+                self.sequences.insert(
+                    seq,
+                    SequenceCache {
+                        position: held,
+                        capacity,
+                        layers,
+                        tokens: tokens[..held].to_vec(),
+                    },
+                );
+                held
+            }
+            // Out of memory or the like: the sequence runs its whole prompt.
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a sequence from the prefix cache");
+                0
+            }
+        }
+    }
+
+    fn retain_prefix(&mut self, seq: SequenceId) {
+        let Some(cache) = self.sequences.get(&seq) else {
+            return;
+        };
+        if cache.tokens.len() != cache.position {
+            return;
+        }
+        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let _guard = lock();
+        let stored = self.prefix.insert(&cache.tokens, |range| {
+            let n = range.len();
+            // A copy of the block, so the sequence's whole cache is not kept.
+            let copy = |a: &Array| -> Result<Array> {
+                let part = a.slice(&[0, 0, range.start, 0], &[1, kvh, range.end, hd])?;
+                Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
+                    &part,
+                    &[0, 0, 0, 0],
+                    &[1, kvh, n, hd],
+                )
+            };
+            let mut layers = Vec::with_capacity(cache.layers.len());
+            let mut bytes = 0;
+            for c in cache.layers.iter().flatten() {
+                let (k, v) = (copy(&c.k)?, copy(&c.v)?);
+                Array::eval(&[&k, &v])?;
+                bytes += k.nbytes() + v.nbytes();
+                layers.push(LayerCache { k, v });
+            }
+            Ok::<_, Error>((layers, bytes))
+        });
+        if let Err(e) = stored {
+            tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");
+        }
+    }
+
+    fn prefix_cache(&self) -> PrefixCacheStats {
+        self.prefix.stats()
     }
 
     fn sequence_len(&self, seq: SequenceId) -> usize {

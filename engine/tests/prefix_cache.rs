@@ -1,0 +1,278 @@
+//! The prefix cache on the real test model (SmolLM2-135M-Instruct, GGUF
+//! Q4_1): sequences that start from cached blocks give the same greedy
+//! tokens as sequences that compute their whole prompt, also when they run
+//! batched beside others, join at different steps and take their prompts in
+//! slices; and the cache skips what it says it skips.
+
+use shardplane_engine::chat::ChatMessage;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::{EngineKind, TextModel, load_stage};
+use shardplane_engine::{LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput};
+
+const SYSTEM: &str = "You are a careful assistant for a team of software engineers. \
+    Answer in plain English, briefly and precisely. When a question is about code, \
+    name the language first, then give the answer in one or two sentences. Never \
+    invent facts: when you do not know, say so. Prefer short words to long ones, \
+    and do not repeat the question. Units are metric. Dates are written as year, \
+    month and day. Lists have at most five items.";
+
+fn stage(file: &GgufFile, engine: EngineKind, prefix_cache_bytes: usize) -> Box<dyn Stage> {
+    let options = LoadOptions {
+        prefix_cache_bytes,
+        // MLX's quantized kernels are slow on a CPU; its BLAS path is not.
+        dequantize: engine == EngineKind::Mlx,
+        ..Default::default()
+    };
+    load_stage(file, StageLayout::whole(30), engine, &options).unwrap()
+}
+
+fn prompt(text: &TextModel, question: &str) -> Vec<u32> {
+    text.chat_prompt(&[
+        ChatMessage::new("system", SYSTEM),
+        ChatMessage::new("user", question),
+    ])
+    .unwrap()
+}
+
+/// The greedy choice and its lead over the runner-up.
+fn argmax(logits: &[f32]) -> (u32, f32) {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    let mut second = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best.1 {
+            second = best.1;
+            best = (i, l);
+        } else if l > second {
+            second = l;
+        }
+    }
+    (best.0 as u32, best.1 - second)
+}
+
+/// A sequence driven step by step: its prompt still to run, its tokens.
+struct Run {
+    seq: SequenceId,
+    start_step: usize,
+    rest: Vec<u32>,
+    out: Vec<u32>,
+    reused: usize,
+    /// Each token's lead over the runner-up.
+    margins: Vec<f32>,
+}
+
+impl Run {
+    /// Tokens before the first near-tie (a lead under 0.05): the ones any
+    /// correct computation must choose alike.
+    fn clear_tokens(&self) -> &[u32] {
+        let k = self
+            .margins
+            .iter()
+            .position(|&m| m < 0.05)
+            .unwrap_or(self.out.len());
+        &self.out[..k]
+    }
+}
+
+/// Runs `prompts` (each joining at its step) together through `stage`:
+/// every step carries the next `slice` prompt tokens of each sequence still
+/// in its prompt and one token of each decoding one, until each has `n`
+/// tokens. A joining sequence first takes what the prefix cache holds.
+fn run_together(
+    stage: &mut dyn Stage,
+    prompts: &[(SequenceId, usize, Vec<u32>)],
+    n: usize,
+    slice: usize,
+) -> Vec<Run> {
+    let mut runs: Vec<Run> = prompts
+        .iter()
+        .map(|(seq, start_step, p)| Run {
+            seq: *seq,
+            start_step: *start_step,
+            rest: p.clone(),
+            out: Vec::new(),
+            reused: 0,
+            margins: Vec::new(),
+        })
+        .collect();
+    for step in 0.. {
+        let mut batch = Vec::new();
+        let mut who = Vec::new();
+        for (i, r) in runs.iter_mut().enumerate() {
+            if step < r.start_step || r.out.len() == n {
+                continue;
+            }
+            if step == r.start_step {
+                r.reused = stage.reuse_prefix(r.seq, &r.rest);
+                r.rest.drain(..r.reused);
+            }
+            let input = if r.rest.is_empty() {
+                vec![*r.out.last().expect("a decoding sequence has a token")]
+            } else {
+                let k = slice.min(r.rest.len());
+                r.rest.drain(..k).collect()
+            };
+            batch.push((r.seq, StageInput::Tokens(input)));
+            who.push(i);
+        }
+        if batch.is_empty() {
+            if runs.iter().all(|r| r.out.len() == n) {
+                break;
+            }
+            continue;
+        }
+        let outs = stage.forward_batch(batch).unwrap();
+        for (i, out) in who.into_iter().zip(outs) {
+            let r = &mut runs[i];
+            let StageOutput::Logits(logits) = out else {
+                panic!("a whole model gives logits");
+            };
+            if r.rest.is_empty() {
+                let (token, margin) = argmax(&logits);
+                r.out.push(token);
+                r.margins.push(margin);
+            }
+        }
+    }
+    for r in &runs {
+        stage.release(r.seq);
+    }
+    runs
+}
+
+#[test]
+fn cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts_candle() {
+    cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts(EngineKind::Candle);
+}
+
+#[cfg(feature = "mlx")]
+#[test]
+fn cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts_mlx() {
+    cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts(EngineKind::Mlx);
+}
+
+#[test]
+fn a_small_cache_evicts_and_stays_within_its_budget_candle() {
+    a_small_cache_evicts_and_stays_within_its_budget(EngineKind::Candle);
+}
+
+#[cfg(feature = "mlx")]
+#[test]
+fn a_small_cache_evicts_and_stays_within_its_budget_mlx() {
+    a_small_cache_evicts_and_stays_within_its_budget(EngineKind::Mlx);
+}
+
+fn cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts(engine: EngineKind) {
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    let a = prompt(&text, "What is the capital of France?");
+    let b = prompt(&text, "Which programming language uses Cargo?");
+    let c = prompt(&text, "How many days are in a week?");
+    let n = 12;
+
+    // Each prompt alone, whole, on a stage without a cache: the reference.
+    let mut plain = stage(&file, engine, 0);
+    let reference: Vec<Run> = [&a, &b, &c]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            run_together(
+                &mut *plain,
+                &[(i as u64 + 1, 0, (*p).clone())],
+                n,
+                usize::MAX,
+            )
+            .pop()
+            .unwrap()
+        })
+        .collect();
+    for r in &reference {
+        assert_eq!(r.reused, 0, "no cache, nothing reused");
+        assert!(
+            r.clear_tokens().len() >= 6,
+            "a near-tie early in prompt {}'s reference (leads {:?}): pick other prompts",
+            r.seq,
+            r.margins
+        );
+    }
+    assert_eq!(plain.prefix_cache().hit_tokens, 0);
+
+    let mut cached = stage(&file, engine, 256 << 20);
+    let block = shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS;
+    // A first, alone: nothing cached yet; its prompt and answer are kept.
+    let first = run_together(&mut *cached, &[(1, 0, a.clone())], n, 40)
+        .pop()
+        .unwrap();
+    assert_eq!(first.reused, 0);
+    assert!(first.out.starts_with(reference[0].clear_tokens()));
+    let kept = cached.prefix_cache();
+    assert_eq!(
+        kept.blocks as usize,
+        (a.len() + n - 1) / block,
+        "every whole block of the prompt and the answer it ran"
+    );
+    assert!(kept.bytes > 0 && kept.bytes <= kept.budget_bytes);
+
+    // Then B, A again and C together, joining at steps 0, 1 and 3, prompts
+    // in slices of 40 tokens, decoding beside each other.
+    let runs = run_together(
+        &mut *cached,
+        &[(2, 0, b.clone()), (3, 1, a.clone()), (4, 3, c.clone())],
+        n,
+        40,
+    );
+    let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    assert!(shared > 2 * block, "the prompts share the system prompt");
+    // B and C share A's whole blocks of the system prompt; A shares all its
+    // whole blocks but the last token.
+    assert_eq!(runs[0].reused, shared / block * block);
+    assert_eq!(runs[1].reused, (a.len() - 1) / block * block);
+    assert_eq!(runs[2].reused, shared / block * block);
+    for (run, reference) in runs
+        .iter()
+        .zip([&reference[1], &reference[0], &reference[2]])
+    {
+        assert!(
+            run.out.starts_with(reference.clear_tokens()),
+            "sequence {}: {:?} where the whole prompt gave {:?}",
+            run.seq,
+            run.out,
+            reference.out
+        );
+    }
+    let stats = cached.prefix_cache();
+    assert_eq!(
+        stats.hit_tokens as usize,
+        runs.iter().map(|r| r.reused).sum::<usize>()
+    );
+    assert_eq!(
+        stats.lookup_tokens as usize,
+        a.len() * 2 + b.len() + c.len()
+    );
+    assert_eq!(cached.sequences(), 0, "released sequences hold no KV");
+    assert!(cached.kv_cache_bytes() == 0);
+}
+
+fn a_small_cache_evicts_and_stays_within_its_budget(engine: EngineKind) {
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    // One block of this model: 30 layers × (K + V) × 3 KV heads × 32 tokens
+    // × 64 dims × 4 bytes.
+    let block_bytes = 30 * 2 * 3 * 32 * 64 * 4;
+    let mut s = stage(&file, engine, 2 * block_bytes);
+    let a = prompt(&text, "What is the capital of France?");
+    let b = prompt(&text, "Name a prime number.");
+    assert!(
+        (a.len() + 1) / 32 > 2,
+        "the prompt has more blocks than fit"
+    );
+    run_together(&mut *s, &[(1, 0, a.clone())], 2, usize::MAX);
+    let stats = s.prefix_cache();
+    assert_eq!((stats.blocks, stats.bytes), (2, 2 * block_bytes as u64));
+    assert!(stats.evicted_blocks > 0, "{stats:?}");
+    // The head of the chain stayed: B reuses its 2 blocks.
+    let r = run_together(&mut *s, &[(2, 0, b)], 2, usize::MAX)
+        .pop()
+        .unwrap();
+    assert_eq!(r.reused, 2 * 32);
+    assert!(s.prefix_cache().bytes <= 2 * block_bytes as u64);
+}
