@@ -23,7 +23,7 @@ fn shardplane(args: &[&str]) -> Process {
     shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
 }
 
-fn agent(node: &str) -> Process {
+fn agent(node: &str, admin: &str) -> Process {
     let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("agent-cache")
         .join(node);
@@ -32,7 +32,7 @@ fn agent(node: &str) -> Process {
         "--node-name",
         node,
         "--admin-address",
-        &free_address().to_string(),
+        admin,
         "--lease-seconds",
         "3",
         "--cache-dir",
@@ -87,8 +87,9 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     let ns = control_plane().namespace(&client, "gateway").await.unwrap();
     let tag = unique_name("gw");
     let (a, b) = (format!("{tag}-a"), format!("{tag}-b"));
-    let mut agent_a = Some(agent(&a));
-    let _agent_b = agent(&b);
+    let admins = [free_address().to_string(), free_address().to_string()];
+    let mut agent_a = Some(agent(&a, &admins[0]));
+    let _agent_b = agent(&b, &admins[1]);
 
     // The model (and the same weights with a chat template that opens
     // reasoning), six deployments (names are unique to this test: served
@@ -285,10 +286,72 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
     )
     .await;
 
+    // A conversation keeps to the replica that holds its beginning: the
+    // second turn of each of four conversations (long, distinct first
+    // messages) starts from the blocks its first turn left in that replica's
+    // prefix cache. Were turns routed by load alone, about half would land
+    // on the other replica and recompute their first message.
+    let http = shardplane_models::http_client().unwrap();
+    let hits = || async {
+        let mut total = 0.0;
+        for admin in &admins {
+            total += shardplane_testkit::metrics::sum(
+                &shardplane_testkit::metrics::scrape(admin).await,
+                "shardplane_agent_prefix_cache_hit_tokens_total",
+            );
+        }
+        total
+    };
+    let chat = |messages: serde_json::Value| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let body = serde_json::json!({"model": names("daily"), "messages": messages,
+                "max_tokens": 6, "temperature": 0});
+            let r = http
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth("sk-test")
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            serde_json::from_str::<serde_json::Value>(&r.text().await.unwrap()).unwrap()
+        }
+    };
+    let before = hits().await;
+    let mut expected = 0;
+    for topic in ["rivers", "bridges", "comets", "forests"] {
+        let first = format!(
+            "Here are my notes on {topic}. {}Summarise them.",
+            format!("The {topic} in my notes are long, old and well known. ").repeat(12)
+        );
+        let turn1 = serde_json::json!([{"role": "user", "content": first}]);
+        let answer = chat(turn1.clone()).await;
+        let said = answer["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        // The whole blocks of the first turn's prompt, all but its last token.
+        expected += (prompt_tokens - 1) / 32 * 32;
+        let turn2 = serde_json::json!([
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": said},
+            {"role": "user", "content": "Shorter, please."}
+        ]);
+        chat(turn2).await;
+    }
+    let reused = hits().await - before;
+    eprintln!("second turns reused {reused} prompt tokens; their first turns' blocks: {expected}");
+    assert!(
+        reused >= expected as f64,
+        "second turns reused {reused} tokens; their first turns' blocks hold {expected}"
+    );
+
     // A replica dies mid-answer. Six greedy streams run on both replicas;
     // once each has given text, replica A is killed. Every stream goes on to
     // its end: those on A resume on B after the tokens they gave.
-    let http = shardplane_models::http_client().unwrap();
 
     // External fallbacks send prompts only where the gateway allows, and
     // keys only from Secrets that opt in: otherwise the step is skipped and

@@ -14,9 +14,12 @@
 //! # Layout
 //! - this module: the router, its view of deployments and instances, and the
 //!   walk through instances and fallbacks up to an answer's first token;
+//! - [`affinity`]: which instance a prompt prefers (the one likely to hold
+//!   its beginning in its prefix cache), within a load bound;
 //! - [`resume`]: an answer after its first token, resumed on another instance
 //!   when its own fails.
 
+mod affinity;
 mod resume;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -212,6 +215,13 @@ impl Router {
     /// The ready instances of `d`, least outstanding requests first (ties
     /// broken at random, so equal replicas share the load).
     pub fn instances(&self, d: &ModelDeployment) -> Vec<Instance> {
+        self.instances_for(d, None)
+    }
+
+    /// The ready instances of `d` in the order a prompt with the affinity
+    /// `key` tries them (see [`affinity`]); without a key, least outstanding
+    /// requests first.
+    fn instances_for(&self, d: &ModelDeployment, key: Option<u64>) -> Vec<Instance> {
         let ns = d.metadata.namespace.clone().unwrap_or_default();
         let name = d.metadata.name.clone().unwrap_or_default();
         let mut by_instance: BTreeMap<u32, Vec<Arc<Shard>>> = BTreeMap::new();
@@ -255,6 +265,13 @@ impl Router {
                 ))
             })
             .collect();
+        if let Some(key) = key {
+            let candidates = ready
+                .into_iter()
+                .map(|(load, _, i)| (load, i.key.clone(), i))
+                .collect();
+            return affinity::order(key, candidates);
+        }
         ready.sort_by_key(|(load, tie, _)| (*load, *tie));
         ready.into_iter().map(|(_, _, i)| i).collect()
     }
@@ -287,6 +304,7 @@ impl Router {
                 busy: false,
             });
         };
+        let key = affinity::key(prompt);
         let mut tried = Vec::new();
         let (mut busy, mut failed) = (0, 0);
         let mut seen = HashSet::new();
@@ -306,7 +324,7 @@ impl Router {
                         tried.push(format!("deployment {dep_name} does not exist"));
                         continue;
                     };
-                    let instances = self.instances(&d);
+                    let instances = self.instances_for(&d, Some(key));
                     if instances.is_empty() {
                         tried.push(format!("deployment {dep_name} has no ready instance"));
                     }
