@@ -50,6 +50,12 @@ pub struct Metrics {
     pub prefix_hit_tokens: IntCounterVec,
     /// Blocks the prefix cache evicted.
     pub prefix_evicted_blocks: IntCounterVec,
+    /// Sequences in each step, summed (over the step count: the mean batch).
+    pub step_sequences: IntCounterVec,
+    /// Prompts waiting for or part-way through their prefill.
+    pub waiting_prompts: IntGaugeVec,
+    /// How long prompts waited at a stage before their first slice ran.
+    pub queue_wait_seconds: HistogramVec,
     /// Bytes the prefix cache holds.
     pub prefix_bytes: IntGaugeVec,
     /// Bytes the prefix cache may hold.
@@ -179,6 +185,25 @@ impl Metrics {
         let gauge = |name: &str, help: &str| {
             IntGaugeVec::new(Opts::new(name, help), &["shard"]).expect("valid metric")
         };
+        let step_sequences = counter(
+            "shardplane_agent_step_sequences_total",
+            "Sequences in each forward pass, summed, by shard (over the passes: the mean batch).",
+        );
+        let waiting_prompts = gauge(
+            "shardplane_agent_waiting_prompts",
+            "Prompts waiting for their first slice or part-way through their prefill, by shard.",
+        );
+        let queue_wait_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "shardplane_agent_queue_wait_seconds",
+                "Seconds a prompt waited at a stage before its first slice ran, by shard.",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ]),
+            &["shard"],
+        )
+        .expect("valid metric");
         let prefix_bytes = gauge(
             "shardplane_agent_prefix_cache_bytes",
             "Bytes of prompts' KV the prefix cache holds, by shard.",
@@ -226,6 +251,9 @@ impl Metrics {
                 Box::new(prefix_lookup_tokens.clone()),
                 Box::new(prefix_hit_tokens.clone()),
                 Box::new(prefix_evicted_blocks.clone()),
+                Box::new(step_sequences.clone()),
+                Box::new(waiting_prompts.clone()),
+                Box::new(queue_wait_seconds.clone()),
                 Box::new(prefix_bytes.clone()),
                 Box::new(prefix_budget_bytes.clone()),
                 Box::new(link_latency_seconds.clone()),
@@ -258,6 +286,9 @@ impl Metrics {
             prefix_lookup_tokens,
             prefix_hit_tokens,
             prefix_evicted_blocks,
+            step_sequences,
+            waiting_prompts,
+            queue_wait_seconds,
             prefix_bytes,
             prefix_budget_bytes,
             link_latency_seconds,
@@ -272,6 +303,9 @@ impl Metrics {
         let lookups = self.prefix_lookup_tokens.with_label_values(&[shard]);
         let hits = self.prefix_hit_tokens.with_label_values(&[shard]);
         let evicted = self.prefix_evicted_blocks.with_label_values(&[shard]);
+        let batch = self.step_sequences.with_label_values(&[shard]);
+        let waiting = self.waiting_prompts.with_label_values(&[shard]);
+        let queue_wait = self.queue_wait_seconds.with_label_values(&[shard]);
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
         // The stage counts from its load; the counters follow its totals.
@@ -282,6 +316,11 @@ impl Metrics {
             if pass.rows > 0 {
                 seconds.observe(pass.seconds);
                 tokens.inc_by(pass.rows as u64);
+                batch.inc_by(pass.sequences as u64);
+            }
+            waiting.set(pass.waiting as i64);
+            for &wait in &pass.queue_waits {
+                queue_wait.observe(wait);
             }
             follow(&lookups, pass.prefix.lookup_tokens);
             follow(&hits, pass.prefix.hit_tokens);
@@ -300,6 +339,9 @@ impl Metrics {
         let _ = self.prefix_lookup_tokens.remove_label_values(&[shard]);
         let _ = self.prefix_hit_tokens.remove_label_values(&[shard]);
         let _ = self.prefix_evicted_blocks.remove_label_values(&[shard]);
+        let _ = self.step_sequences.remove_label_values(&[shard]);
+        let _ = self.waiting_prompts.remove_label_values(&[shard]);
+        let _ = self.queue_wait_seconds.remove_label_values(&[shard]);
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }

@@ -87,6 +87,8 @@ struct Prefill {
     /// Hidden rows of the slices already run (stages that pass them on).
     rows: Vec<f32>,
     reply: Reply,
+    /// When it reached the stage, until its first slice runs.
+    queued: Option<Instant>,
 }
 
 /// One sequence's part in a step.
@@ -131,7 +133,7 @@ pub fn run(
             shard.release(seq);
         }
         drop_abandoned(&mut decodes, &mut prefills, &stats);
-        let (rows, seconds) = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
+        let ran = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
         stats
             .sequences
             .store(shard.sequences() as u64, Ordering::Relaxed);
@@ -141,8 +143,11 @@ pub fn run(
         let prefix = shard.prefix_cache();
         *stats.prefix.lock().unwrap_or_else(|p| p.into_inner()) = prefix;
         observe(&Pass {
-            rows,
-            seconds,
+            rows: ran.rows,
+            seconds: ran.seconds,
+            sequences: ran.sequences,
+            waiting: prefills.len(),
+            queue_waits: ran.queue_waits,
             prefix,
         });
     }
@@ -187,6 +192,7 @@ fn take(
                     rest: input,
                     rows: Vec::new(),
                     reply,
+                    queued: Some(Instant::now()),
                 });
             }
         }
@@ -249,21 +255,31 @@ fn split_front(input: &mut StageInput, n: usize) -> StageInput {
     }
 }
 
-/// One step: every decode, then prompt slices up to the budget; gives the
-/// rows it ran and the seconds they took.
+/// What one step ran.
+#[derive(Default)]
+struct Ran {
+    rows: usize,
+    seconds: f64,
+    sequences: usize,
+    /// Seconds each prompt whose first slice ran had waited for it.
+    queue_waits: Vec<f64>,
+}
+
+/// One step: every decode, then prompt slices up to the budget.
 fn step(
     shard: &mut dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     budget: Budget,
     stats: &StageStats,
-) -> (usize, f64) {
+) -> Ran {
     let mut batch: Vec<(SequenceId, StageInput)> = Vec::new();
     let mut parts: Vec<Part> = Vec::new();
     for (seq, input, reply) in decodes.drain(..) {
         batch.push((seq, input));
         parts.push(Part::Decode(reply));
     }
+    let mut queue_waits = Vec::new();
     let mut room = budget.prefill_room(batch.len(), stats.nanos_per_token.load(Ordering::Relaxed));
     for (i, p) in prefills.iter_mut().enumerate() {
         if room == 0 {
@@ -271,13 +287,17 @@ fn step(
         }
         let n = p.rest.len().min(room);
         room -= n;
+        if let Some(queued) = p.queued.take() {
+            queue_waits.push(queued.elapsed().as_secs_f64());
+        }
         let last = n == p.rest.len();
         batch.push((p.seq, split_front(&mut p.rest, n)));
         parts.push(Part::Slice { prefill: i, last });
     }
     if batch.is_empty() {
-        return (0, 0.0);
+        return Ran::default();
     }
+    let sequences = batch.len();
     let rows: usize = batch.iter().map(|(_, input)| input.len()).sum();
     let started = Instant::now();
     // Fault injection for tests of a crashing stage (`FAILPOINTS=stage-pass=…`).
@@ -354,7 +374,12 @@ fn step(
     for seq in ran {
         shard.retain_prefix(seq);
     }
-    (rows, seconds)
+    Ran {
+        rows,
+        seconds,
+        sequences,
+        queue_waits,
+    }
 }
 
 /// Swaps the reply out of a finished prefill (it is removed afterwards).
@@ -388,6 +413,16 @@ mod tests {
     /// Runs `jobs` through a scheduler over `shard` (all queued before it
     /// starts, as a burst arrives) and returns the answers.
     fn run_jobs(shard: Echo, jobs: Vec<Job>, budget: usize) -> Arc<StageStats> {
+        run_jobs_observed(shard, jobs, budget, Arc::new(|_| {}))
+    }
+
+    /// [`run_jobs`], telling `observe` of every turn.
+    fn run_jobs_observed(
+        shard: Echo,
+        jobs: Vec<Job>,
+        budget: usize,
+        observe: PassObserver,
+    ) -> Arc<StageStats> {
         let (send, queue) = mpsc::channel();
         let stats = Arc::new(StageStats::default());
         for job in jobs {
@@ -403,7 +438,7 @@ mod tests {
             Box::new(shard),
             queue,
             stats.clone(),
-            Arc::new(|_| {}),
+            observe,
             Budget {
                 prefill_tokens: budget,
                 ..Budget::default()
@@ -420,7 +455,14 @@ mod tests {
         steps.lock().unwrap().clear();
         let (prompt, prompt_answer) = forward(2, tokens(10));
         let (decode, decode_answer) = forward(1, tokens(1));
-        let stats = run_jobs(shard, vec![prompt, decode], 4);
+        let passes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = passes.clone();
+        let stats = run_jobs_observed(
+            shard,
+            vec![prompt, decode],
+            4,
+            Arc::new(move |p: &Pass| seen.lock().unwrap().push(p.clone())),
+        );
         // The decode step went in the first step, beside the first slice.
         assert_eq!(
             *steps.lock().unwrap(),
@@ -436,6 +478,21 @@ mod tests {
         assert_eq!(d.data, vec![3.0]);
         assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
         assert!(stats.estimated_wait().is_zero());
+        // What the metrics hear: 2, 1 and 1 sequences in the passes; the
+        // prompt waited once (before its first slice), then no prompt waits.
+        let passes = passes.lock().unwrap();
+        let ran: Vec<_> = passes.iter().filter(|p| p.rows > 0).collect();
+        assert_eq!(
+            ran.iter()
+                .map(|p| (p.rows, p.sequences))
+                .collect::<Vec<_>>(),
+            vec![(5, 2), (4, 1), (2, 1)]
+        );
+        assert_eq!(ran.iter().map(|p| p.queue_waits.len()).sum::<usize>(), 1);
+        assert_eq!(
+            ran.iter().map(|p| p.waiting).collect::<Vec<_>>(),
+            vec![1, 1, 0]
+        );
     }
 
     #[test]

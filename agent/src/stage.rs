@@ -75,14 +75,20 @@ impl StageStats {
     }
 }
 
-/// What a turn of the stage's loop did: a forward pass (`rows` > 0) and
-/// the prefix cache as it stands after it.
-#[derive(Debug, Clone, Copy, Default)]
+/// What a turn of the stage's loop did: a forward pass (`rows` > 0), the
+/// queue, and the prefix cache as it stands after it.
+#[derive(Debug, Clone, Default)]
 pub struct Pass {
     /// Rows in the pass (0: no pass this turn).
     pub rows: usize,
     /// Seconds the pass took.
     pub seconds: f64,
+    /// Sequences in the pass (decoding ones and prompt slices).
+    pub sequences: usize,
+    /// Prompts waiting for their first slice or part-way through.
+    pub waiting: usize,
+    /// Seconds each prompt that started in this pass had waited.
+    pub queue_waits: Vec<f64>,
     /// The prefix cache's counts.
     pub prefix: shardplane_engine::prefix::PrefixCacheStats,
 }
