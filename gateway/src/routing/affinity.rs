@@ -93,7 +93,7 @@ pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, String, T)>) -> Vec<T> 
             (over, load_rank, std::cmp::Reverse(score(key, &name)), item)
         })
         .collect();
-    ranked.sort_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+    ranked.sort_by_key(|a| (a.0, a.1, a.2));
     ranked.into_iter().map(|(_, _, _, item)| item).collect()
 }
 
