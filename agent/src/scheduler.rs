@@ -21,8 +21,17 @@ use tokio::sync::oneshot;
 
 use crate::stage::{Pass, PassObserver, StageStats};
 
+/// What a forward job gives back.
+#[derive(Debug)]
+pub struct Forwarded {
+    /// The stage's output.
+    pub output: StageOutput,
+    /// Tokens of the input that came from the prefix cache (not computed).
+    pub cached: usize,
+}
+
 /// A reply to one forward job.
-pub type Reply = oneshot::Sender<shardplane_engine::Result<StageOutput>>;
+pub type Reply = oneshot::Sender<shardplane_engine::Result<Forwarded>>;
 
 /// What the stage thread is asked to do.
 pub enum Job {
@@ -89,6 +98,8 @@ struct Prefill {
     reply: Reply,
     /// When it reached the stage, until its first slice runs.
     queued: Option<Instant>,
+    /// Its tokens that came from the prefix cache.
+    cached: usize,
 }
 
 /// One sequence's part in a step.
@@ -172,13 +183,13 @@ fn take(
         } => {
             let busy =
                 decodes.iter().any(|(s, _, _)| *s == seq) || prefills.iter().any(|p| p.seq == seq);
-            let mut new_prompt = false;
+            let (mut new_prompt, mut cached) = (false, 0);
             if let StageInput::Tokens(ids) = &input
                 && !busy
                 && shard.sequence_len(seq) == 0
             {
                 new_prompt = true;
-                let cached = shard.reuse_prefix(seq, ids);
+                cached = shard.reuse_prefix(seq, ids);
                 if cached > 0 {
                     split_front(&mut input, cached);
                     stats.unqueue_tokens(cached);
@@ -193,6 +204,7 @@ fn take(
                     rows: Vec::new(),
                     reply,
                     queued: Some(Instant::now()),
+                    cached,
                 });
             }
         }
@@ -314,7 +326,10 @@ fn step(
             for (part, out) in parts.into_iter().zip(outputs) {
                 match part {
                     Part::Decode(reply) => {
-                        let _ = reply.send(Ok(out));
+                        let _ = reply.send(Ok(Forwarded {
+                            output: out,
+                            cached: 0,
+                        }));
                     }
                     Part::Slice { prefill, last } => {
                         let p = &mut prefills[prefill];
@@ -334,8 +349,9 @@ fn step(
                                 };
                                 finished.push(prefill);
                                 ran.push(p.seq);
+                                let cached = p.cached;
                                 let (_, reply) = take_reply(p);
-                                let _ = reply.send(out);
+                                let _ = reply.send(out.map(|output| Forwarded { output, cached }));
                             }
                         }
                     }
@@ -395,15 +411,26 @@ mod tests {
     use super::*;
     use crate::test_stage::Echo;
 
-    fn forward(
-        seq: SequenceId,
-        input: StageInput,
-    ) -> (
-        Job,
-        oneshot::Receiver<shardplane_engine::Result<StageOutput>>,
-    ) {
+    /// Where a job's answer arrives.
+    struct Answer(oneshot::Receiver<shardplane_engine::Result<Forwarded>>);
+
+    impl Answer {
+        /// The output alone.
+        fn blocking_recv(
+            self,
+        ) -> Result<shardplane_engine::Result<StageOutput>, oneshot::error::RecvError> {
+            Ok(self.0.blocking_recv()?.map(|f| f.output))
+        }
+
+        /// The output and its cached tokens.
+        fn counted(self) -> Forwarded {
+            self.0.blocking_recv().unwrap().unwrap()
+        }
+    }
+
+    fn forward(seq: SequenceId, input: StageInput) -> (Job, Answer) {
         let (reply, answer) = oneshot::channel();
-        (Job::Forward { seq, input, reply }, answer)
+        (Job::Forward { seq, input, reply }, Answer(answer))
     }
 
     fn tokens(n: usize) -> StageInput {
@@ -538,11 +565,15 @@ mod tests {
         let (short, short_answer) = forward(2, tokens(3));
         let stats = run_jobs(shard, vec![prompt, short], 4);
         assert_eq!(*steps.lock().unwrap(), vec![vec![(1, 2), (2, 1)]]);
-        let Ok(Ok(StageOutput::Logits(l))) = answer.blocking_recv() else {
-            panic!("logits");
+        let Forwarded {
+            output: StageOutput::Logits(l),
+            cached: 8,
+        } = answer.counted()
+        else {
+            panic!("logits, 8 tokens cached");
         };
         assert_eq!(l, vec![9.0], "the logits at the prompt's last position");
-        assert!(matches!(short_answer.blocking_recv(), Ok(Ok(_))));
+        assert_eq!(short_answer.counted().cached, 2);
         assert_eq!(*retained.lock().unwrap(), vec![1, 2]);
         assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
     }

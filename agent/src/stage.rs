@@ -168,6 +168,16 @@ impl StageWorker {
         seq: SequenceId,
         input: StageInput,
     ) -> shardplane_engine::Result<StageOutput> {
+        Ok(self.forward_counted(seq, input).await?.output)
+    }
+
+    /// [`StageWorker::forward`], also telling how many of the input's tokens
+    /// came from the prefix cache.
+    pub async fn forward_counted(
+        &self,
+        seq: SequenceId,
+        input: StageInput,
+    ) -> shardplane_engine::Result<crate::scheduler::Forwarded> {
         let (reply, answer) = oneshot::channel();
         // Not the caller's fault: another instance may serve it.
         let gone = || {

@@ -313,8 +313,14 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     let hits = "shardplane_agent_prefix_cache_hit_tokens_total";
     let before = metric(&admin_b, hits).await;
     for (p, (tokens, _)) in prompts.iter().zip(&expected) {
-        let (got, ..) = run(client(&whole), request("whole-0-0", p)).await.unwrap();
+        let (got, _, finished) = run(client(&whole), request("whole-0-0", p)).await.unwrap();
         assert_eq!(&got, tokens, "again, from the prefix cache: {p}");
+        assert!(
+            finished.cached_tokens >= 32 && finished.cached_tokens < finished.prompt_tokens,
+            "{p}: {} of {} prompt tokens cached",
+            finished.cached_tokens,
+            finished.prompt_tokens
+        );
     }
     let reused = metric(&admin_b, hits).await - before;
     assert!(

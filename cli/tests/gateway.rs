@@ -340,7 +340,15 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
             {"role": "assistant", "content": said},
             {"role": "user", "content": "Shorter, please."}
         ]);
-        chat(turn2).await;
+        let second = chat(turn2).await;
+        // The client hears it too, as OpenAI says it: cached prompt tokens.
+        let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize;
+        assert!(
+            cached >= (prompt_tokens - 1) / 32 * 32,
+            "{topic}: {cached} cached tokens of a {prompt_tokens}-token first turn"
+        );
     }
     let reused = hits().await - before;
     eprintln!("second turns reused {reused} prompt tokens; their first turns' blocks: {expected}");

@@ -276,6 +276,7 @@ fn sse_events(
                             finish: st.finish.unwrap_or(Finish::Stop),
                             prompt_tokens: p,
                             completion_tokens: c,
+                            cached_tokens: 0,
                         }),
                         st,
                     ));

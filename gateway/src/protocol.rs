@@ -69,6 +69,8 @@ pub enum Event {
         prompt_tokens: u32,
         /// Tokens generated.
         completion_tokens: u32,
+        /// Prompt tokens the instance took from its prefix cache.
+        cached_tokens: u32,
     },
 }
 

@@ -151,6 +151,7 @@ impl Service {
             events: events.clone(),
             received,
             metrics: self.metrics.clone(),
+            cached_tokens: 0,
         };
         tokio::spawn(async move {
             let outcome = generation.run().await;
@@ -186,6 +187,8 @@ struct Generation {
     events: mpsc::Sender<Result<dp::GenerateResponse, Status>>,
     received: Instant,
     metrics: Metrics,
+    /// Prompt tokens the head stage took from its prefix cache.
+    cached_tokens: usize,
 }
 
 impl Generation {
@@ -223,10 +226,11 @@ impl Generation {
             None => {
                 let out = stage
                     .worker
-                    .forward(self.seq.id, StageInput::Tokens(tokens))
+                    .forward_counted(self.seq.id, StageInput::Tokens(tokens))
                     .await
                     .map_err(engine_status)?;
-                let StageOutput::Logits(mut logits) = out else {
+                self.cached_tokens += out.cached;
+                let StageOutput::Logits(mut logits) = out.output else {
                     return Err(Status::internal("a whole-model stage gave hidden states"));
                 };
                 ban(&mut logits, &self.banned);
@@ -449,6 +453,7 @@ impl Generation {
             completion_tokens: generated as u32,
             time_to_first_token_us: (first_token_at - self.received).as_micros() as u64,
             decode_us: (done - first_token_at).as_micros() as u64,
+            cached_tokens: self.cached_tokens as u32,
         }))
         .await?;
         Ok(())

@@ -336,7 +336,7 @@ impl Dialect for Anthropic {
             "content": content,
             "stop_reason": stop_reason(c.finish),
             "stop_sequence": null,
-            "usage": {"input_tokens": c.prompt_tokens, "output_tokens": c.completion_tokens},
+            "usage": usage(c.prompt_tokens, c.cached_tokens, c.completion_tokens),
         })
     }
 
@@ -387,8 +387,9 @@ impl Dialect for Anthropic {
             }
             Ok(Event::Done {
                 finish,
+                prompt_tokens,
                 completion_tokens,
-                ..
+                cached_tokens,
             }) => {
                 // An answer always has a text or tool_use block, if only
                 // an empty text one.
@@ -400,7 +401,10 @@ impl Dialect for Anthropic {
                 out.extend(blocks.close());
                 out.push(sse(
                     Some("message_delta"),
-                    &json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(finish), "stop_sequence": null}, "usage": {"output_tokens": completion_tokens}}),
+                    // The final counts (cumulative, as Anthropic's are): the
+                    // cached share is known once the prompt has run.
+                    &json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(finish), "stop_sequence": null},
+                            "usage": usage(prompt_tokens, cached_tokens, completion_tokens)}),
                 ));
                 out.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
                 out
@@ -476,6 +480,18 @@ impl Blocks {
             &json!({"type": "content_block_stop", "index": self.next - 1}),
         )]
     }
+}
+
+/// Token counts as Anthropic gives them: `input_tokens` are the prompt's
+/// tokens after what was read from the cache (`cache_read_input_tokens`, the
+/// instance's prefix cache); nothing is ever written to a cache on request.
+fn usage(prompt: u32, cached: u32, completion: u32) -> Value {
+    json!({
+        "input_tokens": prompt.saturating_sub(cached),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": completion,
+    })
 }
 
 #[cfg(test)]
@@ -598,7 +614,14 @@ mod tests {
                 finish: Finish::ToolCalls,
                 prompt_tokens: 3,
                 completion_tokens: 9,
+                cached_tokens: 2,
             },
+        );
+        assert_eq!(
+            whole["usage"],
+            json!({"input_tokens": 1, "cache_creation_input_tokens": 0,
+                   "cache_read_input_tokens": 2, "output_tokens": 9}),
+            "the prefix cache's share as a cache read"
         );
         assert_eq!(
             whole["content"],
@@ -616,9 +639,13 @@ mod tests {
                     finish: Finish::ToolCalls,
                     prompt_tokens: 3,
                     completion_tokens: 9,
+                    cached_tokens: 2,
                 },
             ],
         );
+        let delta = data.iter().find(|d| d["type"] == "message_delta").unwrap();
+        assert_eq!(delta["usage"]["cache_read_input_tokens"], 2);
+        assert_eq!(delta["usage"]["input_tokens"], 1);
         let shape: Vec<String> = data
             .iter()
             .map(|d| {

@@ -105,6 +105,8 @@ pub struct Collected {
     pub prompt_tokens: u32,
     /// Tokens generated.
     pub completion_tokens: u32,
+    /// Prompt tokens the instance took from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// A fresh answer id: `prefix` and 24 random hex digits.
@@ -219,6 +221,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             } => {
                 return Ok(Collected {
                     text,
@@ -228,6 +231,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                 });
             }
         }
@@ -596,6 +600,7 @@ mod tests {
                     finish: Finish::Stop,
                     prompt_tokens: 1,
                     completion_tokens: 3,
+                    cached_tokens: 0,
                 },
             ],
         );
@@ -619,9 +624,15 @@ mod tests {
                 tool_calls: Vec::new(),
                 logprobs: vec![lp(" ok", -0.1)],
                 finish: Finish::Stop,
-                prompt_tokens: 1,
+                prompt_tokens: 40,
                 completion_tokens: 1,
+                cached_tokens: 32,
             },
+        );
+        assert_eq!(
+            whole["usage"],
+            json!({"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+                   "prompt_tokens_details": {"cached_tokens": 32}})
         );
         let l = &whole["choices"][0]["logprobs"]["content"][0];
         assert_eq!(l["token"], " ok");
@@ -639,6 +650,7 @@ mod tests {
                 finish: Finish::Stop,
                 prompt_tokens: 1,
                 completion_tokens: 2,
+                cached_tokens: 0,
             },
         );
         let l = &whole["choices"][0]["logprobs"];
@@ -657,6 +669,7 @@ mod tests {
             finish: Finish::Stop,
             prompt_tokens: 1,
             completion_tokens: 9,
+            cached_tokens: 0,
         };
         let events = || {
             vec![
@@ -667,6 +680,7 @@ mod tests {
                     finish: Finish::Stop,
                     prompt_tokens: 1,
                     completion_tokens: 9,
+                    cached_tokens: 0,
                 },
             ]
         };

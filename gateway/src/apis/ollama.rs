@@ -298,6 +298,7 @@ impl Dialect for Ollama {
                     finish,
                     prompt_tokens,
                     completion_tokens,
+                    ..
                 }) => api.last_line(&model, "", finish, prompt_tokens, completion_tokens),
                 Err(e) => json!({"error": e.message}),
             };
@@ -452,6 +453,7 @@ mod tests {
                 finish: Finish::Stop,
                 prompt_tokens: 1,
                 completion_tokens: 3,
+                cached_tokens: 0,
             },
         ];
         let events: Events = Box::pin(futures::stream::iter(events.into_iter().map(Ok)));
@@ -486,6 +488,7 @@ mod tests {
                 finish: Finish::Stop,
                 prompt_tokens: 1,
                 completion_tokens: 3,
+                cached_tokens: 0,
             },
         );
         assert_eq!(whole["logprobs"].as_array().unwrap().len(), 3);

@@ -335,11 +335,7 @@ impl Dialect for OpenAi {
     fn answer(&self, req: &Request, c: &Collected) -> Value {
         let model = req.model.as_str();
         let asked = req.prompt.sampling.logprobs.is_some();
-        let usage = json!({
-            "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens,
-        });
+        let usage = usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens);
         let (object, choice) = match self {
             OpenAi::Chat => ("chat.completion", {
                 let mut message = json!({"role": "assistant", "content": c.text});
@@ -461,6 +457,7 @@ impl Dialect for OpenAi {
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             }) => {
                 let mut out = vec![chunk(
                     json!({}),
@@ -473,7 +470,7 @@ impl Dialect for OpenAi {
                         &json!({
                             "id": cid, "object": api.chunk_object(),
                             "created": created, "model": model, "choices": [],
-                            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+                            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                         }),
                     ));
                 }
@@ -514,5 +511,16 @@ pub async fn model_info(
             .find(|s| s.name == id)
             .map(model_object)
             .ok_or_else(|| ApiError::unknown_model(&id))
+    })
+}
+
+/// Token counts as OpenAI gives them: the prompt's cached share under
+/// `prompt_tokens_details` (tokens the instance's prefix cache held).
+fn usage(prompt: u32, completion: u32, cached: u32) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }

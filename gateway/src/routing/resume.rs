@@ -218,5 +218,6 @@ fn done(f: &dp::Finished) -> Event {
         },
         prompt_tokens: f.prompt_tokens,
         completion_tokens: f.completion_tokens,
+        cached_tokens: f.cached_tokens,
     }
 }

@@ -422,8 +422,8 @@ fn response(
     r
 }
 
-fn usage(prompt: u32, completion: u32) -> Value {
-    json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+fn usage(prompt: u32, completion: u32, cached: u32) -> Value {
+    json!({"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
            "total_tokens": prompt + completion})
 }
@@ -533,7 +533,7 @@ impl Dialect for Responses {
             now_secs(),
             status(c.finish),
             output,
-            usage(c.prompt_tokens, c.completion_tokens),
+            usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens),
         );
         self.keep(req, &rid, &c.text, &c.tool_calls, &whole);
         whole
@@ -580,6 +580,7 @@ mod tests {
             logprobs: Vec::new(),
             prompt_tokens: 7,
             completion_tokens: 5,
+            cached_tokens: 0,
         }
     }
 
@@ -671,6 +672,7 @@ mod tests {
                     finish: Finish::Stop,
                     prompt_tokens: 1,
                     completion_tokens: 1,
+                    cached_tokens: 0,
                 },
             ],
         );
@@ -771,6 +773,7 @@ mod tests {
                     finish: Finish::Stop,
                     prompt_tokens: 1,
                     completion_tokens: 3,
+                    cached_tokens: 0,
                 },
             ],
         );
@@ -808,6 +811,7 @@ mod tests {
                     finish: Finish::ToolCalls,
                     prompt_tokens: 7,
                     completion_tokens: 5,
+                    cached_tokens: 0,
                 },
             ],
         );

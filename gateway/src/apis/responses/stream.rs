@@ -63,7 +63,8 @@ pub(super) fn stream(api: &Responses, req: &Request, events: Events) -> BoxStrea
             finish,
             prompt_tokens,
             completion_tokens,
-        }) => s.done(finish, prompt_tokens, completion_tokens),
+            cached_tokens,
+        }) => s.done(finish, (prompt_tokens, completion_tokens, cached_tokens)),
         Err(e) => vec![s.event(
             "error",
             json!({"code": null, "message": e.message, "param": null}),
@@ -251,7 +252,9 @@ impl Streamed {
         out
     }
 
-    fn done(&mut self, finish: Finish, prompt: u32, completion: u32) -> Vec<String> {
+    /// The end: `tokens` are the prompt's, the answer's and the prompt's cached ones.
+    fn done(&mut self, finish: Finish, tokens: (u32, u32, u32)) -> Vec<String> {
+        let (prompt, completion, cached) = tokens;
         // An answer always has a message or a call, if only an empty
         // message.
         let mut out = if self.open.is_none() && self.text.is_empty() && self.calls.is_empty() {
@@ -272,7 +275,7 @@ impl Streamed {
             self.created,
             state,
             self.output.clone(),
-            usage(prompt, completion),
+            usage(prompt, completion, cached),
         );
         self.api
             .keep(&self.req, &self.id, &self.text, &self.calls, &whole);
