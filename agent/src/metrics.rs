@@ -56,6 +56,8 @@ pub struct Metrics {
     pub waiting_prompts: IntGaugeVec,
     /// How long prompts waited at a stage before their first slice ran.
     pub queue_wait_seconds: HistogramVec,
+    /// KV tokens reserved by admitted generations, and the budget.
+    pub kv_tokens: IntGaugeVec,
     /// Bytes the prefix cache holds.
     pub prefix_bytes: IntGaugeVec,
     /// Bytes the prefix cache may hold.
@@ -204,6 +206,15 @@ impl Metrics {
             &["shard"],
         )
         .expect("valid metric");
+        let kv_tokens = IntGaugeVec::new(
+            Opts::new(
+                "shardplane_agent_kv_tokens",
+                "KV tokens of a head stage: reserved by the generations it admitted (kind=reserved) \
+                 and its budget, context length x concurrent sequences (kind=budget), by shard.",
+            ),
+            &["shard", "kind"],
+        )
+        .expect("valid metric");
         let prefix_bytes = gauge(
             "shardplane_agent_prefix_cache_bytes",
             "Bytes of prompts' KV the prefix cache holds, by shard.",
@@ -254,6 +265,7 @@ impl Metrics {
                 Box::new(step_sequences.clone()),
                 Box::new(waiting_prompts.clone()),
                 Box::new(queue_wait_seconds.clone()),
+                Box::new(kv_tokens.clone()),
                 Box::new(prefix_bytes.clone()),
                 Box::new(prefix_budget_bytes.clone()),
                 Box::new(link_latency_seconds.clone()),
@@ -289,6 +301,7 @@ impl Metrics {
             step_sequences,
             waiting_prompts,
             queue_wait_seconds,
+            kv_tokens,
             prefix_bytes,
             prefix_budget_bytes,
             link_latency_seconds,
@@ -306,6 +319,8 @@ impl Metrics {
         let batch = self.step_sequences.with_label_values(&[shard]);
         let waiting = self.waiting_prompts.with_label_values(&[shard]);
         let queue_wait = self.queue_wait_seconds.with_label_values(&[shard]);
+        let kv_reserved = self.kv_tokens.with_label_values(&[shard, "reserved"]);
+        let kv_budget = self.kv_tokens.with_label_values(&[shard, "budget"]);
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
         // The stage counts from its load; the counters follow its totals.
@@ -319,6 +334,8 @@ impl Metrics {
                 batch.inc_by(pass.sequences as u64);
             }
             waiting.set(pass.waiting as i64);
+            kv_reserved.set(pass.kv_tokens.0 as i64);
+            kv_budget.set(pass.kv_tokens.1 as i64);
             for &wait in &pass.queue_waits {
                 queue_wait.observe(wait);
             }
@@ -342,6 +359,8 @@ impl Metrics {
         let _ = self.step_sequences.remove_label_values(&[shard]);
         let _ = self.waiting_prompts.remove_label_values(&[shard]);
         let _ = self.queue_wait_seconds.remove_label_values(&[shard]);
+        let _ = self.kv_tokens.remove_label_values(&[shard, "reserved"]);
+        let _ = self.kv_tokens.remove_label_values(&[shard, "budget"]);
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }

@@ -159,6 +159,10 @@ pub fn run(
             sequences: ran.sequences,
             waiting: prefills.len(),
             queue_waits: ran.queue_waits,
+            kv_tokens: (
+                stats.kv_reserved_tokens.load(Ordering::Relaxed),
+                stats.kv_budget_tokens.load(Ordering::Relaxed),
+            ),
             prefix,
         });
     }

@@ -36,6 +36,47 @@ pub struct StageStats {
     pub nanos_per_token: AtomicU64,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: std::sync::Mutex<shardplane_engine::prefix::PrefixCacheStats>,
+    /// Tokens of KV the generations admitted here may come to hold, at most.
+    pub kv_reserved_tokens: AtomicU64,
+    /// Tokens of KV the stage admits at most (its Shard's context length ×
+    /// concurrent sequences; 0: not set, nothing is refused).
+    pub kv_budget_tokens: AtomicU64,
+}
+
+/// A generation's share of a stage's KV budget, given back when dropped.
+#[derive(Debug)]
+pub struct KvReservation {
+    stats: Arc<StageStats>,
+    tokens: u64,
+}
+
+impl KvReservation {
+    /// Reserves `tokens` of `stats`'s budget, or says how much is taken.
+    pub fn take(stats: &Arc<StageStats>, tokens: u64) -> Result<Self, (u64, u64)> {
+        let budget = stats.kv_budget_tokens.load(Ordering::Relaxed);
+        let taken = stats.kv_reserved_tokens.fetch_update(
+            Ordering::AcqRel,
+            Ordering::Acquire,
+            |reserved| (budget == 0 || reserved + tokens <= budget).then_some(reserved + tokens),
+        );
+        match taken {
+            Ok(_) => Ok(KvReservation {
+                stats: stats.clone(),
+                tokens,
+            }),
+            Err(reserved) => Err((reserved, budget)),
+        }
+    }
+}
+
+impl Drop for KvReservation {
+    fn drop(&mut self) {
+        let _ = self.stats.kv_reserved_tokens.fetch_update(
+            Ordering::AcqRel,
+            Ordering::Acquire,
+            |reserved| Some(reserved.saturating_sub(self.tokens)),
+        );
+    }
 }
 
 impl StageStats {
@@ -89,6 +130,8 @@ pub struct Pass {
     pub waiting: usize,
     /// Seconds each prompt that started in this pass had waited.
     pub queue_waits: Vec<f64>,
+    /// KV tokens reserved by admitted generations, and the budget.
+    pub kv_tokens: (u64, u64),
     /// The prefix cache's counts.
     pub prefix: shardplane_engine::prefix::PrefixCacheStats,
 }

@@ -28,6 +28,7 @@ use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
 use crate::metrics::Metrics;
+use crate::stage::KvReservation;
 
 /// Prompt tokens sent down the pipeline in one step; longer prompts go in
 /// several steps, which later stages work on while earlier ones go on.
@@ -115,6 +116,29 @@ impl Service {
                 self.max_queue_wait.as_secs_f64()
             )));
         }
+        // The KV this generation may come to hold (its prompt and its whole
+        // answer) must fit beside what the generations admitted before may
+        // hold: the Shard's budget, context length × concurrent sequences,
+        // is what placement made room for. Refused, the gateway tries another
+        // instance or waits; admitted, the stage never runs out of room.
+        let need = (request.prompt().len() + request.params().max_tokens) as u64;
+        let reservation = KvReservation::take(&stage.worker.stats, need).map_err(
+            |(reserved, budget)| {
+                self.metrics
+                    .generations
+                    .with_label_values(&["refused"])
+                    .inc();
+                Status::resource_exhausted(format!(
+                    "shard {} on node {} has no room for this sequence's KV: it may need {need} tokens \
+                     (prompt and max_tokens), and {reserved} of the {budget} the shard holds \
+                     ({} sequences of {}) are reserved by the sequences it runs",
+                    stage.name,
+                    self.node,
+                    stage.spec.kv_cache.concurrent_sequences,
+                    stage.spec.kv_cache.context_length,
+                ))
+            },
+        )?;
         let id: SequenceId = rand::random();
         let context = request.context();
         let (downstream, local_sampler) = if stage.is_last() {
@@ -152,6 +176,7 @@ impl Service {
             received,
             metrics: self.metrics.clone(),
             cached_tokens: 0,
+            _reservation: reservation,
         };
         tokio::spawn(async move {
             let outcome = generation.run().await;
@@ -189,6 +214,8 @@ struct Generation {
     metrics: Metrics,
     /// Prompt tokens the head stage took from its prefix cache.
     cached_tokens: usize,
+    /// Its share of the stage's KV budget, until it ends.
+    _reservation: KvReservation,
 }
 
 impl Generation {

@@ -438,3 +438,63 @@ async fn a_reasoning_budget_closes_the_reasoning_and_the_answer_follows() {
     assert_eq!(forced, close.len());
     sequences_become(&worker, 0).await;
 }
+
+#[tokio::test]
+async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_waits_for_them_to_end() {
+    let text = text_model();
+    // The last stage answers with a long script: the first generation stays
+    // open while its client does not read.
+    let (next, _) = scripted_last(vec![100; 400]).await;
+    let (mut client, worker, _dir) = head(&next, text).await;
+    worker
+        .stats
+        .kv_budget_tokens
+        .store(100, std::sync::atomic::Ordering::Relaxed);
+    // 3 prompt tokens and up to 90 more: 93 of the 100 reserved.
+    let held = client
+        .generate(request(vec![100; 3], 90))
+        .await
+        .unwrap()
+        .into_inner();
+    // 3 + 10 more do not fit beside them.
+    let refused = client
+        .generate(request(vec![100; 3], 10))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        refused
+            .message()
+            .contains("it may need 13 tokens (prompt and max_tokens), and 93 of the 100"),
+        "{}",
+        refused.message()
+    );
+    // 3 + 4 do.
+    collect(&mut client, request(vec![100; 3], 4))
+        .await
+        .unwrap();
+    // Once the first ends (its client went away), the second is admitted.
+    drop(held);
+    let mut admitted = None;
+    for _ in 0..100 {
+        match collect(&mut client, request(vec![100; 3], 10)).await {
+            Ok(answer) => {
+                admitted = Some(answer);
+                break;
+            }
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(admitted.is_some(), "the budget came back");
+    assert_eq!(
+        worker
+            .stats
+            .kv_reserved_tokens
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "every generation gave its share back"
+    );
+}

@@ -483,6 +483,7 @@ async fn bring_up(
     );
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
+    let spec_kv = shard.spec.kv_cache;
     let engine_kind = sources.engine;
     let prefix_cache_bytes = sources.prefix_cache_bytes;
     let loaded = tokio::task::spawn_blocking(move || {
@@ -544,6 +545,13 @@ async fn bring_up(
         sources.budget,
         on_crash,
     );
+    if shard.spec.layers.start == 0 {
+        // Heads admit generations (see `dataplane::head`).
+        worker.stats.kv_budget_tokens.store(
+            u64::from(spec_kv.context_length) * u64::from(spec_kv.concurrent_sequences),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
     let replaced = shards.loaded.lock().expect("shard set lock").insert(
