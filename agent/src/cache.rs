@@ -10,6 +10,10 @@ use std::sync::{Arc, Mutex};
 use sha2::{Digest, Sha256};
 use shardplane_crds::CachedModel;
 
+/// How long a download may go without a byte before it counts as stalled
+/// (there is no total deadline).
+pub const DOWNLOAD_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Where downloaded weights live, and what is there.
 #[derive(Clone)]
 pub struct Cache {
@@ -141,10 +145,17 @@ impl Cache {
         self
     }
 
-    /// The client for `url`: the hub's (with its token) on the hub only.
-    fn client_for(&self, url: &str) -> &reqwest::Client {
+    /// The client for `url`: on the hub only, the hub's (with the node's
+    /// token), or `own` (with a Model's token) when given.
+    fn client_for<'a>(
+        &'a self,
+        url: &str,
+        own: Option<&'a reqwest::Client>,
+    ) -> &'a reqwest::Client {
         match &self.hub {
-            Some((endpoint, client)) if shardplane_models::hub::is_on(endpoint, url) => client,
+            Some((endpoint, client)) if shardplane_models::hub::is_on(endpoint, url) => {
+                own.unwrap_or(client)
+            }
             _ => &self.http,
         }
     }
@@ -326,11 +337,14 @@ impl Cache {
     /// Makes sure the file at `url` is in the cache under `key`; returns its
     /// path. An interrupted download resumes where it stopped; `sha256`, when
     /// given, must match. `progress(done, total)` follows the download.
+    /// `hub_client`, when given, replaces the node's hub client for a URL on
+    /// the hub (it carries the Model's own token).
     pub async fn fetch(
         &self,
         key: &str,
         url: &str,
         sha256: Option<&str>,
+        hub_client: Option<&reqwest::Client>,
         mut progress: impl FnMut(u64, Option<u64>),
     ) -> Result<PathBuf, Failure> {
         let path = self.file_for(key);
@@ -343,7 +357,7 @@ impl Cache {
             // A peer copy left pieces here: keep what runs on from the start.
             crate::peer_copy::contiguous_prefix(&partial).map_err(io)?;
             let room = |size, remaining| self.room(size, remaining);
-            let http = self.client_for(url);
+            let http = self.client_for(url, hub_client);
             crate::download::download(http, url, &partial, room, &mut progress).await?;
             std::fs::rename(&partial, &path).map_err(io)?;
         }

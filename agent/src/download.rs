@@ -465,7 +465,10 @@ mod tests {
         let cache = crate::cache::Cache::new(dir.path().into(), http)
             .unwrap()
             .with_budget(Some(1000));
-        let failure = cache.fetch("k", &url, None, |_, _| {}).await.unwrap_err();
+        let failure = cache
+            .fetch("k", &url, None, None, |_, _| {})
+            .await
+            .unwrap_err();
         assert_eq!(failure.reason, "ModelTooLarge");
         assert!(
             failure.message.contains("5000 bytes") && failure.message.contains("1000 bytes"),

@@ -190,7 +190,7 @@ fn serve(
     let (client, metrics) = (client.clone(), metrics.clone());
     let shard_set = shards::ShardSet::new(endpoint);
     // Weights: no total deadline, but 30 s without a byte is a stall.
-    let idle = std::time::Duration::from_secs(30);
+    let idle = cache::DOWNLOAD_IDLE;
     let http = shardplane_models::download_client(idle)?;
     let hub = shardplane_models::hub::download_client(idle, config.hugging_face_token.as_deref())?;
     let cache = cache::Cache::new(config.cache_dir.clone(), http)

@@ -535,6 +535,14 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
     };
     let values_dir = tempfile::tempdir().unwrap();
     let shared = shared_cluster_values(values_dir.path());
+    // Models in this namespace may name their own hub token's Secret.
+    let models_ns = cp.namespace(&client, "helm-models").await.unwrap();
+    let tokens = values_dir.path().join("model-tokens.yaml");
+    std::fs::write(
+        &tokens,
+        format!("modelTokenSecrets:\n  namespaces: [{models_ns}]\n"),
+    )
+    .unwrap();
     let chart = chart();
     let kubeconfig = cp.kubeconfig().to_str().unwrap();
     let status = helm_ok(&[
@@ -544,6 +552,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         &ns,
         &release.name,
         shared.to_str().unwrap(),
+        tokens.to_str().unwrap(),
     ]);
     assert_eq!(status.trim(), "deployed");
     let full = format!("{}-shardplane", release.name);
@@ -598,6 +607,8 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         (&agent, "watch", "models.shardplane.dev", None),
         (&agent, "patch", "leases.coordination.k8s.io", lease_ns),
         (&agent, "delete", "leases.coordination.k8s.io", lease_ns),
+        (&operator, "get", "secrets", Some(models_ns.as_str())),
+        (&agent, "get", "secrets", Some(models_ns.as_str())),
     ] {
         assert!(
             can(who, verb, resource, namespace),
@@ -638,6 +649,9 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             None,
         ),
         (&agent, "patch", "leases.coordination.k8s.io", own),
+        (&operator, "list", "secrets", Some(models_ns.as_str())),
+        (&agent, "list", "secrets", Some(models_ns.as_str())),
+        (&gateway, "get", "secrets", Some(models_ns.as_str())),
     ] {
         assert!(
             !can(who, verb, resource, namespace),

@@ -4,15 +4,20 @@
 //! makes name that commit and the file's LFS SHA-256; a real agent downloads
 //! that commit with its own token and serves the shard; neither token shows in
 //! any status or event. A revision that does not exist says so in the
-//! Model's conditions.
+//! Model's conditions. A Model that names its own token in a Secret is
+//! resolved and fetched with that token instead of the nodes', and a Secret
+//! that does not opt in is not read.
 
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use shardplane_crds::*;
-use shardplane_testkit::hub::{HUB_COMMIT, HUB_FILE, HUB_REPO, HUB_TOKEN, serve_hub};
+use shardplane_testkit::hub::{
+    HUB_COMMIT, HUB_FILE, HUB_MODEL_TOKEN, HUB_PRIVATE_REPO, HUB_REPO, HUB_TOKEN, serve_hub,
+};
 use shardplane_testkit::{
     ChildGuard, control_plane, eventually, fixtures, free_address, unique_name,
 };
@@ -29,7 +34,34 @@ fn hugging_face(revision: Option<&str>) -> ModelSource {
         file: Some(HUB_FILE.into()),
         revision: revision.map(str::to_string),
         sha256: None,
+        token_secret_ref: None,
     })
+}
+
+/// The private repository, with its token in the Secret `secret`.
+fn private(secret: &str) -> ModelSource {
+    ModelSource::HuggingFace(HuggingFaceSource {
+        repo: HUB_PRIVATE_REPO.into(),
+        file: Some(HUB_FILE.into()),
+        revision: None,
+        sha256: None,
+        token_secret_ref: Some(SecretKeyRef {
+            name: secret.into(),
+            key: "token".into(),
+        }),
+    })
+}
+
+/// A Secret holding `token` under `token`, labelled to be read when `opted_in`.
+fn token_secret(name: &str, token: &str, opted_in: bool) -> Secret {
+    let mut secret = Secret::default();
+    secret.metadata.name = Some(name.into());
+    if opted_in {
+        secret.metadata.labels =
+            Some([(HUGGING_FACE_TOKEN_LABEL.to_string(), "true".to_string())].into());
+    }
+    secret.string_data = Some([("token".to_string(), token.to_string())].into());
+    secret
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,6 +119,19 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
     let mut model = fixtures::model("gated");
     model.spec.source = hugging_face(None);
     models.create(&PostParams::default(), &model).await.unwrap();
+    // A Model with its own token, and one whose Secret does not opt in.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    for (name, opted_in) in [("hub-token", true), ("plain", false)] {
+        let secret = token_secret(name, HUB_MODEL_TOKEN, opted_in);
+        secrets.create(&pp, &secret).await.unwrap();
+    }
+    let mut own = fixtures::model("private");
+    own.spec.source = private("hub-token");
+    models.create(&pp, &own).await.unwrap();
+    let mut unlabelled = fixtures::model("unlabelled");
+    unlabelled.spec.source = private("plain");
+    models.create(&pp, &unlabelled).await.unwrap();
     let mut missing = fixtures::model("missing-revision");
     missing.spec.source = hugging_face(Some("v9"));
     models
@@ -119,6 +164,29 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
         unresolved.message
     );
     assert!(unresolved.message.contains("v9"), "{}", unresolved.message);
+    let own = eventually("the model with its own token resolves", WAIT, || async {
+        models
+            .get("private")
+            .await
+            .ok()?
+            .status
+            .filter(|s| s.layers.is_some())
+    })
+    .await;
+    assert_eq!(own.resolved_revision.as_deref(), Some(HUB_COMMIT));
+    let refused = eventually("the unlabelled Secret is refused", WAIT, || async {
+        let st = models.get("unlabelled").await.ok()?.status?;
+        st.conditions
+            .into_iter()
+            .find(|c| c.type_ == CONDITION_RESOLVED && c.status == "False")
+    })
+    .await;
+    assert_eq!(refused.reason, "SecretNotOptedIn", "{}", refused.message);
+    assert!(
+        refused.message.contains(HUGGING_FACE_TOKEN_LABEL),
+        "{}",
+        refused.message
+    );
 
     let pool = fixtures::node_pool_selecting(&format!("pool-{tag}"), Tier::Daily, ("hf", &tag));
     let mut strategy = fixtures::strategy(&format!("whole-{tag}"), Parallelism::None);
@@ -149,7 +217,7 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
     let requests = hub.requests.lock().unwrap().clone();
     let downloads: Vec<_> = requests
         .iter()
-        .filter(|(path, _)| path.contains("/resolve/"))
+        .filter(|(path, _)| path.contains(&format!("/{HUB_REPO}/resolve/")))
         .collect();
     assert!(!downloads.is_empty(), "{requests:?}");
     for (path, auth) in &downloads {
@@ -160,10 +228,55 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
         );
     }
 
-    // The token is nowhere to be read.
+    // Moved to the Model with its own token, the agent fetches the private
+    // repository with that token, not its own.
+    deployments
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"model": "private"}})),
+        )
+        .await
+        .unwrap();
+    let shards_api = Api::<Shard>::namespaced(client.clone(), &ns);
+    let moved = eventually("the private model's Shard is Ready", WAIT, || async {
+        let shards = shards_api.list(&ListParams::default()).await.ok()?.items;
+        let [shard] = &shards[..] else { return None };
+        let ModelSource::HuggingFace(hf) = &shard.spec.source else {
+            return None;
+        };
+        let status = shard.status.as_ref()?;
+        let ready = status.phase == Some(ShardPhase::Ready)
+            && status.observed_generation == shard.metadata.generation;
+        (hf.repo == HUB_PRIVATE_REPO && ready).then(|| shard.clone())
+    })
+    .await;
+    let ModelSource::HuggingFace(pinned) = &moved.spec.source else {
+        unreachable!()
+    };
+    assert_eq!(pinned.revision.as_deref(), Some(HUB_COMMIT));
+    let requests = hub.requests.lock().unwrap().clone();
+    let private: Vec<_> = requests
+        .iter()
+        .filter(|(path, _)| path.contains(&format!("/{HUB_PRIVATE_REPO}/")))
+        .collect();
+    assert!(
+        private.iter().any(|(path, _)| path.contains("/resolve/")),
+        "{requests:?}"
+    );
+    for (path, auth) in &private {
+        assert_eq!(
+            auth.as_deref(),
+            Some(format!("Bearer {HUB_MODEL_TOKEN}").as_str()),
+            "{path}"
+        );
+    }
+
+    // The tokens are nowhere to be read.
     let mut written =
         serde_json::to_string(&models.list(&ListParams::default()).await.unwrap()).unwrap();
     written += &serde_json::to_string(&shards).unwrap();
+    written += &serde_json::to_string(&moved).unwrap();
     written += &serde_json::to_string(&deployments.get("chat").await.unwrap()).unwrap();
     written += &serde_json::to_string(
         &Api::<Event>::namespaced(client.clone(), &ns)
@@ -174,4 +287,6 @@ async fn a_gated_model_is_pinned_to_a_commit_downloaded_with_the_token_and_verif
     .unwrap();
     assert!(!written.contains(HUB_TOKEN));
     assert!(!written.contains("hf_test_token"));
+    assert!(!written.contains(HUB_MODEL_TOKEN));
+    assert!(!written.contains("hf_model_token"));
 }

@@ -7,8 +7,10 @@
 //! ```
 //!
 //! Layout: [`status`] writes an object's status the one way every component
-//! does; [`stores`] keeps watch-fed caches of cluster objects.
+//! does; [`stores`] keeps watch-fed caches of cluster objects; [`secrets`]
+//! reads credentials from Secrets that opt in.
 
+pub mod secrets;
 pub mod status;
 pub mod stores;
 

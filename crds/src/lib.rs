@@ -39,6 +39,8 @@ pub const NODE_LABEL: &str = "shardplane.dev/node";
 pub const DEPLOYMENT_LABEL: &str = "shardplane.dev/deployment";
 /// The label on a `Shard` giving the index of the instance it belongs to.
 pub const INSTANCE_LABEL: &str = "shardplane.dev/instance";
+/// The label a Secret named by a Model's `tokenSecretRef` must carry (`"true"`).
+pub const HUGGING_FACE_TOKEN_LABEL: &str = "shardplane.dev/hugging-face-token";
 /// The field manager every shardplane component writes with (server-side apply).
 pub const FIELD_MANAGER: &str = "shardplane";
 /// The field manager of the operator (status of Models, pools, deployments,

@@ -119,6 +119,18 @@ fn check_source(c: &mut Collector, source: &ModelSource, format: ModelFormat, pa
                     "must be 64 lowercase hex digits".into()
                 });
             }
+            if let Some(r) = &hf.token_secret_ref {
+                c.check(
+                    is_dns_subdomain(&r.name),
+                    &format!("{p}.tokenSecretRef.name"),
+                    || format!("{:?} is not a Secret's name", r.name),
+                );
+                c.check(
+                    !r.key.is_empty(),
+                    &format!("{p}.tokenSecretRef.key"),
+                    || "name the Secret's key that holds the token".into(),
+                );
+            }
         }
         ModelSource::Url(u) => {
             let p = format!("{path}.url");

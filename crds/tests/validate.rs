@@ -81,6 +81,7 @@ fn model_source_must_fit_the_format() {
         file: None,
         revision: None,
         sha256: None,
+        token_secret_ref: None,
     });
     assert_rejects(&m, "spec.source.huggingFace.file", "name the one to serve");
     m.spec.format = ModelFormat::Safetensors;
@@ -92,6 +93,23 @@ fn model_source_must_fit_the_format() {
         &m,
         "spec.source.huggingFace.sha256",
         "64 lowercase hex digits",
+    );
+    if let ModelSource::HuggingFace(hf) = &mut m.spec.source {
+        hf.sha256 = None;
+        hf.token_secret_ref = Some(SecretKeyRef {
+            name: "Hub_Token".into(),
+            key: String::new(),
+        });
+    }
+    assert_rejects(
+        &m,
+        "spec.source.huggingFace.tokenSecretRef.name",
+        "not a Secret's name",
+    );
+    assert_rejects(
+        &m,
+        "spec.source.huggingFace.tokenSecretRef.key",
+        "the Secret's key that holds the token",
     );
     if let ModelSource::HuggingFace(hf) = &mut m.spec.source {
         hf.sha256 = None;

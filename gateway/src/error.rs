@@ -39,28 +39,9 @@ pub enum Error {
         /// The API's answer.
         source: kube::Error,
     },
-    /// A Secret named as an external endpoint's key without opting in.
-    #[error(
-        "Secret {namespace}/{name} is not labelled {label}=true: the gateway sends only keys whose Secret opts in"
-    )]
-    SecretNotOptedIn {
-        /// Its namespace.
-        namespace: String,
-        /// Its name.
-        name: String,
-        /// The label it lacks.
-        label: &'static str,
-    },
-    /// A Secret lacks the key named, or holds something other than text there.
-    #[error("Secret {namespace}/{name} has no text under key {key}")]
-    SecretKeyMissing {
-        /// Its namespace.
-        namespace: String,
-        /// Its name.
-        name: String,
-        /// The key.
-        key: String,
-    },
+    /// A Secret named as an external endpoint's key cannot be used.
+    #[error(transparent)]
+    Secret(#[from] shardplane_cluster::secrets::SecretError),
 }
 
 /// The gateway's result type.

@@ -2,11 +2,13 @@
 //! shardplane makes of it (the real hub is not reachable from the tests):
 //!
 //! ```text
-//!  GET /api/models/org/gated/revision/{main|<commit>}?blobs=true
+//!  GET /api/models/<repo>/revision/{main|<commit>}?blobs=true
 //!      ─► {"sha": HUB_COMMIT, "siblings": [m.gguf with lfs {sha256, size}, README.md]}
 //!      other revisions ─► 404, X-Error-Code: RevisionNotFound
-//!  GET /org/gated/resolve/HUB_COMMIT/m.gguf   the real test model (Range works)
-//!  without `Authorization: Bearer HUB_TOKEN` ─► 401, X-Error-Code: GatedRepo
+//!  GET /<repo>/resolve/HUB_COMMIT/m.gguf   the real test model (Range works)
+//!  repos: org/gated    wants `Authorization: Bearer HUB_TOKEN`
+//!         org/private  wants `Authorization: Bearer HUB_MODEL_TOKEN`
+//!         else ─► 401, X-Error-Code: GatedRepo
 //! ```
 //!
 //! Every request's path and Authorization header is recorded.
@@ -24,8 +26,12 @@ use tower_http::services::ServeFile;
 
 /// The token the stand-in hub wants.
 pub const HUB_TOKEN: &str = "hf_test_token_0123456789abcdef";
-/// The gated repository it serves.
+/// The gated repository it serves (with [`HUB_TOKEN`]).
 pub const HUB_REPO: &str = "org/gated";
+/// A second repository, opened by another token only (a Model's own).
+pub const HUB_PRIVATE_REPO: &str = "org/private";
+/// The token [`HUB_PRIVATE_REPO`] wants.
+pub const HUB_MODEL_TOKEN: &str = "hf_model_token_fedcba9876543210";
 /// The file in it (the real test model).
 pub const HUB_FILE: &str = "m.gguf";
 /// The commit `main` resolves to.
@@ -57,28 +63,37 @@ pub async fn serve_hub() -> Hub {
     let requests: Seen = Arc::new(Mutex::new(Vec::new()));
     let seen = requests.clone();
     let sum = sha256.clone();
-    let app = Router::new()
-        .route(
-            &format!("/api/models/{HUB_REPO}/revision/{{revision}}"),
-            get(move |Path(revision): Path<String>| async move {
-                if revision != "main" && revision != HUB_COMMIT {
-                    return refusal(StatusCode::NOT_FOUND, "RevisionNotFound", "Invalid rev id");
-                }
-                json(serde_json::json!({
-                    "id": HUB_REPO,
-                    "sha": HUB_COMMIT,
-                    "siblings": [
-                        {"rfilename": "README.md", "size": 120},
-                        {"rfilename": HUB_FILE, "size": 134,
-                         "lfs": {"sha256": sum, "size": size, "pointerSize": 134}},
-                    ],
-                }))
-            }),
-        )
-        .route_service(
-            &format!("/{HUB_REPO}/resolve/{HUB_COMMIT}/{HUB_FILE}"),
-            ServeFile::new(&model),
-        )
+    let mut app = Router::new();
+    for repo in [HUB_REPO, HUB_PRIVATE_REPO] {
+        let sum = sum.clone();
+        app = app
+            .route(
+                &format!("/api/models/{repo}/revision/{{revision}}"),
+                get(move |Path(revision): Path<String>| async move {
+                    if revision != "main" && revision != HUB_COMMIT {
+                        return refusal(
+                            StatusCode::NOT_FOUND,
+                            "RevisionNotFound",
+                            "Invalid rev id",
+                        );
+                    }
+                    json(serde_json::json!({
+                        "id": repo,
+                        "sha": HUB_COMMIT,
+                        "siblings": [
+                            {"rfilename": "README.md", "size": 120},
+                            {"rfilename": HUB_FILE, "size": 134,
+                             "lfs": {"sha256": sum, "size": size, "pointerSize": 134}},
+                        ],
+                    }))
+                }),
+            )
+            .route_service(
+                &format!("/{repo}/resolve/{HUB_COMMIT}/{HUB_FILE}"),
+                ServeFile::new(&model),
+            );
+    }
+    let app = app
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             let seen = seen.clone();
             async move {
@@ -92,12 +107,17 @@ pub async fn serve_hub() -> Hub {
                     .path_and_query()
                     .map(|p| p.to_string())
                     .unwrap_or_default();
-                seen.lock().unwrap().push((path, auth.clone()));
-                if auth.as_deref() != Some(&format!("Bearer {HUB_TOKEN}")) {
+                seen.lock().unwrap().push((path.clone(), auth.clone()));
+                let token = if path.contains(&format!("/{HUB_PRIVATE_REPO}/")) {
+                    HUB_MODEL_TOKEN
+                } else {
+                    HUB_TOKEN
+                };
+                if auth.as_deref() != Some(&format!("Bearer {token}")) {
                     return refusal(
                         StatusCode::UNAUTHORIZED,
                         "GatedRepo",
-                        "Access to model org/gated is restricted. You must have access to it and be authenticated to access it. Please log in.",
+                        "Access to this model is restricted. You must have access to it and be authenticated to access it. Please log in.",
                     );
                 }
                 next.run(req).await

@@ -326,9 +326,14 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
 fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, sources: &Sources) {
     let k = key(&shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
+    // A loaded stage is kept while what it loaded is what the spec names:
+    // the same weights (a deployment moved to another Model changes the
+    // source in place), layers and template.
     if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
         && (l.spec.layers.start, l.spec.layers.end) == layers
         && l.spec.chat_template == shard.spec.chat_template
+        && l.spec.source == shard.spec.source
+        && l.spec.format == shard.spec.format
     {
         return;
     }
@@ -587,9 +592,9 @@ async fn fetch(
             message: "this agent loads GGUF models; safetensors needs the MLX engine".into(),
         });
     }
-    let (url, sha256) = match &shard.spec.source {
+    let (url, sha256, hub_client) = match &shard.spec.source {
         ModelSource::Path(p) => return local(p).await,
-        ModelSource::Url(u) => (u.url.clone(), u.sha256.clone()),
+        ModelSource::Url(u) => (u.url.clone(), u.sha256.clone(), None),
         ModelSource::HuggingFace(hf) => (
             shardplane_models::hugging_face_url(
                 &sources.hugging_face_endpoint,
@@ -599,6 +604,7 @@ async fn fetch(
             ),
             // The operator fills it from the hub's LFS metadata.
             hf.sha256.clone(),
+            model_hub_client(client, shard, hf).await?,
         ),
     };
     // Progress goes to the Shard's status once a second while the download runs.
@@ -685,6 +691,7 @@ async fn fetch(
             &shard.spec.source.cache_key(),
             &url,
             sha256.as_deref(),
+            hub_client.as_ref(),
             |d, t| {
                 use std::sync::atomic::Ordering::Relaxed;
                 done.store(d, Relaxed);
@@ -697,6 +704,32 @@ async fn fetch(
     reporter.abort();
     sources.cache.make_room(0);
     result
+}
+
+/// A hub client carrying the Model's own token, when its source names a
+/// Secret holding one (read from the Shard's namespace, the Model's).
+async fn model_hub_client(
+    client: &Client,
+    shard: &Shard,
+    hf: &shardplane_crds::HuggingFaceSource,
+) -> Result<Option<reqwest::Client>, Failure> {
+    let Some(r) = &hf.token_secret_ref else {
+        return Ok(None);
+    };
+    let ns = shard.namespace().unwrap_or_default();
+    let label = shardplane_crds::HUGGING_FACE_TOKEN_LABEL;
+    let token = shardplane_cluster::secrets::read_opted_in(client, &ns, &r.name, &r.key, label)
+        .await
+        .map_err(|e| Failure {
+            reason: e.reason(),
+            message: format!("the Model's tokenSecretRef: {e}"),
+        })?;
+    shardplane_models::hub::download_client(crate::cache::DOWNLOAD_IDLE, Some(&token))
+        .map(Some)
+        .map_err(|e| Failure {
+            reason: "InvalidToken",
+            message: format!("the Model's tokenSecretRef: {e}"),
+        })
 }
 
 /// A model file already on the node, checked against its SHA-256 when given.

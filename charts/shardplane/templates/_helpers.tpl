@@ -140,3 +140,60 @@ spec:
       {{- include "shardplane.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+Reading the Secrets that Models name for their own Hugging Face token
+(tokenSecretRef): a ClusterRole rule when modelTokenSecrets.allNamespaces,
+else nothing here (see shardplane.modelTokenRoles).
+*/}}
+{{- define "shardplane.modelTokenRule" -}}
+{{- if .Values.modelTokenSecrets.allNamespaces }}
+  # Hugging Face tokens that Models name (tokenSecretRef), read by name;
+  # only Secrets labelled shardplane.dev/hugging-face-token=true are used.
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["get"]
+{{- end }}
+{{- end }}
+
+{{/*
+The same, per namespace of modelTokenSecrets.namespaces: a Role and a
+RoleBinding for the ServiceAccount `name`. Call with (list $ $name).
+*/}}
+{{- define "shardplane.modelTokenRoles" -}}
+{{- $root := index . 0 }}
+{{- $name := index . 1 }}
+{{- if not $root.Values.modelTokenSecrets.allNamespaces }}
+{{- range $ns := $root.Values.modelTokenSecrets.namespaces }}
+---
+# Hugging Face tokens that Models in {{ $ns }} name, read by name.
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: {{ $name }}-model-tokens
+  namespace: {{ $ns }}
+  labels:
+    {{- include "shardplane.labels" $root | nindent 4 }}
+rules:
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["get"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: {{ $name }}-model-tokens
+  namespace: {{ $ns }}
+  labels:
+    {{- include "shardplane.labels" $root | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: {{ $name }}-model-tokens
+subjects:
+  - kind: ServiceAccount
+    name: {{ $name }}
+    namespace: {{ $root.Release.Namespace }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -97,6 +97,27 @@ pub struct HuggingFaceSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
     pub sha256: Option<String>,
+    /// The key of a Secret in the Model's namespace that holds a token for
+    /// this repository (gated or private), used instead of the operator's
+    /// and agents' `--hugging-face-token-file`. The Secret must carry the
+    /// label `shardplane.dev/hugging-face-token: "true"`, or it is not read.
+    /// The token goes only to the hub and is never written to status,
+    /// events or logs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret_ref: Option<SecretKeyRef>,
+}
+
+/// A key of a Secret in the namespace of the object that names it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct SecretKeyRef {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key in its data.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
 }
 
 /// A model file at an HTTP(S) URL.

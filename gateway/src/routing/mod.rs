@@ -26,9 +26,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Secret;
+use kube::Client;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Client, ResourceExt};
 use shardplane_crds::{
     DEPLOYMENT_LABEL, ExternalEndpoint, FallbackTarget, Model, ModelDeployment, Shard, ShardPhase,
 };
@@ -493,32 +492,11 @@ impl Router {
         let Some(r) = &ext.api_key_secret_ref else {
             return Ok(None);
         };
-        let secret = Api::<Secret>::namespaced(self.client.clone(), ns)
-            .get(&r.name)
-            .await
-            .map_err(|source| crate::Error::SecretUnreadable {
-                namespace: ns.to_string(),
-                name: r.name.clone(),
-                source,
-            })?;
         let label = crate::external::EXTERNAL_CREDENTIAL_LABEL;
-        if secret.labels().get(label).map(String::as_str) != Some("true") {
-            return Err(crate::Error::SecretNotOptedIn {
-                namespace: ns.to_string(),
-                name: r.name.clone(),
-                label,
-            });
-        }
-        let value = secret
-            .data
-            .and_then(|d| d.get(&r.key).cloned())
-            .and_then(|v| String::from_utf8(v.0).ok())
-            .ok_or_else(|| crate::Error::SecretKeyMissing {
-                namespace: ns.to_string(),
-                name: r.name.clone(),
-                key: r.key.clone(),
-            })?;
-        Ok(Some(value.trim().to_string()))
+        let value =
+            shardplane_cluster::secrets::read_opted_in(&self.client, ns, &r.name, &r.key, label)
+                .await?;
+        Ok(Some(value))
     }
 
     async fn try_external(

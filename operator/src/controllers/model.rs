@@ -9,8 +9,8 @@ use kube::runtime::controller::{Action, Controller};
 use kube::{Api, ResourceExt};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    CONDITION_READY, CONDITION_RESOLVED, Model, ModelFormat, ModelSource, ModelStatus,
-    OPERATOR_MANAGER,
+    CONDITION_READY, CONDITION_RESOLVED, HUGGING_FACE_TOKEN_LABEL, Model, ModelFormat, ModelSource,
+    ModelStatus, OPERATOR_MANAGER,
 };
 
 use super::{Context, instrumented, retry_after_error};
@@ -75,7 +75,32 @@ async fn resolve(model: &Model, ctx: &Context) -> Result<ModelStatus, Unresolved
             // Resolved once per spec: the commit goes into status and every
             // node fetches that commit (`Model::pinned_source`).
             let endpoint = &ctx.hugging_face_endpoint;
-            let http = &ctx.hub_http;
+            // The Model's own token, when it names one, else the operator's.
+            let own;
+            let http = match &hf.token_secret_ref {
+                Some(r) => {
+                    let ns = model.namespace().unwrap_or_default();
+                    let label = HUGGING_FACE_TOKEN_LABEL;
+                    let token = shardplane_cluster::secrets::read_opted_in(
+                        &ctx.client,
+                        &ns,
+                        &r.name,
+                        &r.key,
+                        label,
+                    )
+                    .await
+                    .map_err(|e| Unresolved {
+                        reason: e.reason(),
+                        message: format!("the Model's tokenSecretRef: {e}"),
+                    })?;
+                    own = hub::api_client(Some(&token)).map_err(|e| Unresolved {
+                        reason: "InvalidToken",
+                        message: format!("the Model's tokenSecretRef: {e}"),
+                    })?;
+                    &own
+                }
+                None => &ctx.hub_http,
+            };
             // Once: the commit recorded for this spec stays (an operator
             // restart does not follow a branch that moved since).
             let recorded = model
