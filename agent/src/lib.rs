@@ -85,9 +85,11 @@ pub struct AgentConfig {
     /// Where the gRPC data plane listens (port 0 picks a free one).
     pub data_plane_address: SocketAddr,
     /// The `host:port` peers reach the data plane at; derived from the
-    /// listening address (or, when that is unspecified, the first address on
-    /// the fastest link) when unset.
+    /// listening address when unset (see [`links::advertised`]).
     pub advertise_address: Option<String>,
+    /// The API server's `host:port`: the advertised address of a data plane
+    /// listening on every interface is the one on the route toward it.
+    pub control_plane: Option<String>,
     /// The cluster's data-plane token.
     pub token: shardplane_dataplane::Token,
     /// How often the links to the other nodes are measured.
@@ -129,7 +131,18 @@ pub async fn run(
     let bound = data_listener.local_addr().map_err(listen)?;
     let endpoint = match &config.advertise_address {
         Some(a) => a.clone(),
-        None => advertised(bound, &Machine::read()),
+        None => {
+            let toward = match &config.control_plane {
+                Some(host) => tokio::net::lookup_host(host.as_str())
+                    .await
+                    .ok()
+                    .and_then(|mut all| all.find(|a| a.is_ipv4() == bound.is_ipv4()))
+                    .and_then(links::source_toward),
+                None => None,
+            };
+            let default_route = links::default_route_source(bound.is_ipv4());
+            links::advertised(bound, &Machine::read().addresses, toward, default_route)
+        }
     };
     let reg = register(&client, &config, &endpoint, &metrics).await?;
     admin.set_ready(true);
@@ -375,39 +388,6 @@ async fn drain(
     bounded("give up the Lease")(tokio::time::timeout(DRAIN_STEP, reg.release(client)).await);
     admin.stop(DRAIN_STEP).await;
     tracing::info!(node = %reg.node, "stopped");
-}
-
-/// The endpoint peers reach a data plane bound to `bound` at: the bound
-/// address itself, or, when it is unspecified (`0.0.0.0`), the machine's
-/// address on its fastest link.
-pub fn advertised(bound: SocketAddr, machine: &Machine) -> String {
-    if !bound.ip().is_unspecified() {
-        return bound.to_string();
-    }
-    let best = machine
-        .addresses
-        .iter()
-        .filter(|a| a.kind != shardplane_crds::LinkKind::Loopback)
-        .filter(|a| {
-            a.address
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_ipv4() == bound.is_ipv4())
-        })
-        .max_by_key(|a| machine::link_rank(a.kind));
-    match best {
-        Some(a) => {
-            SocketAddr::new(a.address.parse().expect("checked above"), bound.port()).to_string()
-        }
-        None => SocketAddr::new(
-            if bound.is_ipv4() {
-                std::net::Ipv4Addr::LOCALHOST.into()
-            } else {
-                std::net::Ipv6Addr::LOCALHOST.into()
-            },
-            bound.port(),
-        )
-        .to_string(),
-    }
 }
 
 /// Creates the node-lease namespace if the operator has not yet.

@@ -107,6 +107,97 @@ pub fn route(mine: &[NodeAddress], peer: &InferenceNodeStatus) -> Option<Route> 
     }
 }
 
+/// The address peers and gateways reach a data plane bound to `bound` at.
+///
+/// A specified bound address is itself. An unspecified one (`0.0.0.0`) is
+/// the machine's address on the route toward the control plane (`toward`,
+/// the source address the kernel picks for the API server), because every
+/// component of the cluster reaches the control plane's network: a gateway
+/// off a Thunderbolt bridge must not be handed the bridge address. Peers
+/// that share a faster link find it themselves ([`route`]). Without such a
+/// route (an API server on this machine's loopback), the address of the
+/// default route, then the first general-purpose address (Ethernet, Wi-Fi,
+/// other, and only then a point-to-point Thunderbolt bridge), then loopback.
+pub fn advertised(
+    bound: SocketAddr,
+    addresses: &[NodeAddress],
+    toward: Option<IpAddr>,
+    default_route: Option<IpAddr>,
+) -> String {
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let family = |ip: &IpAddr| ip.is_ipv4() == bound.is_ipv4();
+    let mine = |ip: &IpAddr| {
+        !ip.is_loopback()
+            && family(ip)
+            && addresses
+                .iter()
+                .any(|a| a.address.parse::<IpAddr>().is_ok_and(|a| a == *ip))
+    };
+    let general = |kind: LinkKind| match kind {
+        LinkKind::Ethernet => 4,
+        LinkKind::Wifi => 3,
+        LinkKind::Other => 2,
+        LinkKind::Thunderbolt => 1,
+        LinkKind::Loopback => 0,
+    };
+    let ip = toward
+        .filter(mine)
+        .or(default_route.filter(mine))
+        .or_else(|| {
+            addresses
+                .iter()
+                .filter(|a| a.kind != LinkKind::Loopback)
+                .filter_map(|a| Some((general(a.kind), a.address.parse::<IpAddr>().ok()?)))
+                .filter(|(_, ip)| family(ip))
+                // The first of the best kind, in the order the system lists them.
+                .fold(None, |best: Option<(u8, IpAddr)>, (rank, ip)| match best {
+                    Some((b, _)) if b >= rank => best,
+                    _ => Some((rank, ip)),
+                })
+                .map(|(_, ip)| ip)
+        })
+        .unwrap_or(if bound.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        });
+    SocketAddr::new(ip, bound.port()).to_string()
+}
+
+/// The source address this machine's routing table picks to reach
+/// `target`, or None when it has no route there. Nothing is sent: a UDP
+/// socket's `connect` only looks the route up.
+pub fn source_toward(target: SocketAddr) -> Option<IpAddr> {
+    let any: SocketAddr = if target.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(any).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip()).filter(|ip| !ip.is_unspecified())
+}
+
+/// The source address of this machine's default route (looked up toward a
+/// documentation address, TEST-NET-1 or 2001:db8::, which no network
+/// routes specially), or None without a default route.
+pub fn default_route_source(ipv4: bool) -> Option<IpAddr> {
+    let target: SocketAddr = if ipv4 {
+        (std::net::Ipv4Addr::new(192, 0, 2, 1), 9).into()
+    } else {
+        (
+            "2001:db8::1"
+                .parse::<std::net::Ipv6Addr>()
+                .expect("an address"),
+            9,
+        )
+            .into()
+    };
+    source_toward(target)
+}
+
 /// One link measurement.
 #[derive(Debug, Clone, Copy)]
 pub struct Measurement {
@@ -237,6 +328,56 @@ mod tests {
             interface: "x".into(),
             kind,
         }
+    }
+
+    #[test]
+    fn the_advertised_address_is_on_the_route_to_the_control_plane() {
+        let mine = vec![
+            addr("127.0.0.1", LinkKind::Loopback),
+            addr("169.254.7.1", LinkKind::Thunderbolt),
+            addr("192.168.1.10", LinkKind::Wifi),
+            addr("10.0.5.1", LinkKind::Ethernet),
+            addr("10.0.6.1", LinkKind::Ethernet),
+        ];
+        let any: SocketAddr = "0.0.0.0:7070".parse().unwrap();
+        let ip = |s: &str| Some(s.parse::<IpAddr>().unwrap());
+        // The route toward the API server decides, even over a faster link.
+        assert_eq!(
+            advertised(any, &mine, ip("192.168.1.10"), ip("10.0.5.1")),
+            "192.168.1.10:7070"
+        );
+        // An API server on loopback: the default route's address.
+        assert_eq!(
+            advertised(any, &mine, ip("127.0.0.1"), ip("10.0.6.1")),
+            "10.0.6.1:7070"
+        );
+        // An address that is not this machine's (a NAT'd route) is ignored.
+        assert_eq!(
+            advertised(any, &mine, ip("172.16.0.9"), None),
+            "10.0.5.1:7070"
+        );
+        // No route at all: Ethernet first, the Thunderbolt bridge last.
+        let bridge_and_wifi = &mine[..3];
+        assert_eq!(
+            advertised(any, bridge_and_wifi, None, None),
+            "192.168.1.10:7070"
+        );
+        assert_eq!(advertised(any, &mine[..2], None, None), "169.254.7.1:7070");
+        assert_eq!(advertised(any, &mine[..1], None, None), "127.0.0.1:7070");
+        // A specified address is kept; another family's addresses are not used.
+        let bound: SocketAddr = "10.0.6.1:9000".parse().unwrap();
+        assert_eq!(
+            advertised(bound, &mine, ip("10.0.5.1"), None),
+            "10.0.6.1:9000"
+        );
+        let v6: SocketAddr = "[::]:7070".parse().unwrap();
+        assert_eq!(advertised(v6, &mine, ip("10.0.5.1"), None), "[::1]:7070");
+    }
+
+    #[test]
+    fn the_kernel_names_the_source_toward_loopback() {
+        let lo = source_toward("127.0.0.1:6443".parse().unwrap());
+        assert_eq!(lo, Some(IpAddr::from([127, 0, 0, 1])));
     }
 
     #[test]

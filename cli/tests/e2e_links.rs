@@ -18,6 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use e2e::{WAIT, agent_status, create_model, start};
+
+/// One short chat through the gateway, given 5 s.
+async fn chat(http: &reqwest::Client, gateway: &str, model: &str) -> Result<(), String> {
+    e2e::chat(http, gateway, model, Duration::from_secs(5)).await
+}
 use kube::Api;
 use kube::api::{ListParams, PostParams};
 use shardplane_crds::*;
@@ -28,30 +33,6 @@ mod e2e;
 
 /// When a request was sent, and how it ended.
 type Probe = (Instant, Result<(), String>);
-
-/// One short chat through the gateway; Ok(()) on 200 with text.
-async fn chat(http: &reqwest::Client, gateway: &str, model: &str) -> Result<(), String> {
-    let body = serde_json::json!({
-        "model": model,
-        "messages": [{"role": "user", "content": "Say hi."}],
-        "max_tokens": 4,
-    });
-    let r = http
-        .post(format!("http://{gateway}/v1/chat/completions"))
-        .bearer_auth("sk-test")
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .map_err(|e| format!("{e:?}"))?;
-    let status = r.status();
-    let text = r.text().await.map_err(|e| e.to_string())?;
-    if status != 200 {
-        return Err(format!("{status}: {text}"));
-    }
-    Ok(())
-}
 
 async fn ready(api: &Api<ModelDeployment>, name: &str) -> Option<ModelDeployment> {
     let d = api.get(name).await.ok()?;

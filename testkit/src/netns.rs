@@ -290,6 +290,66 @@ impl Network {
         .concat())
     }
 
+    /// A second, private network between hosts `a` and `b` only: a veth
+    /// pair named `interface` on both sides (a name such as `thunderbolt0`
+    /// sets the kind of link agents see), subnet `10.<net>.0.0/24`, each
+    /// host at `10.<net>.0.<10+i>`. Neither the machine nor any other host
+    /// can reach it. Removed with the hosts' namespaces.
+    pub fn private_link(&self, a: usize, b: usize, net: u8, interface: &str) -> [Ipv4Addr; 2] {
+        let pid = std::process::id();
+        let (ends, addrs) = (
+            [format!("spp{pid}{a}{b}a"), format!("spp{pid}{a}{b}b")],
+            [
+                Ipv4Addr::new(10, net, 0, 10 + a as u8),
+                Ipv4Addr::new(10, net, 0, 10 + b as u8),
+            ],
+        );
+        let namespaces = [&self.hosts[a].netns, &self.hosts[b].netns];
+        ip(&[
+            "link",
+            "add",
+            &ends[0],
+            "netns",
+            namespaces[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &ends[1],
+            "netns",
+            namespaces[1],
+        ]);
+        for i in 0..2 {
+            let inside = |args: &[&str]| {
+                let mut all = vec!["-n", namespaces[i].as_str()];
+                all.extend(args);
+                ip(&all);
+            };
+            inside(&["link", "set", &ends[i], "name", interface]);
+            inside(&["addr", "add", &format!("{}/24", addrs[i]), "dev", interface]);
+            inside(&["link", "set", interface, "up"]);
+        }
+        addrs
+    }
+
+    /// Runs `ss -Htn state established` in host `i`: its TCP connections,
+    /// one per line (local address, then peer address).
+    pub fn connections(&self, i: usize) -> String {
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.hosts[i].netns,
+                "ss",
+                "-Htn",
+                "state",
+                "established",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e} (install iproute2 for ss)"))
+    }
+
     /// Cuts host `i` off (its veth goes down) or reconnects it.
     pub fn set_connected(&self, i: usize, connected: bool) {
         let state = if connected { "up" } else { "down" };

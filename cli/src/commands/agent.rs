@@ -13,8 +13,6 @@ use shardplane_agent::machine;
 use shardplane_agent::registration::Registration;
 use shardplane_crds::quantity::parse_bytes_str;
 
-use super::kube_client::client;
-
 /// `shardplane agent [OPTIONS]` runs the agent; `shardplane agent install
 /// [OPTIONS]` installs it as a service with those options.
 #[derive(Args, Debug)]
@@ -290,6 +288,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         hugging_face_endpoint: args.hugging_face_endpoint,
         data_plane_address: args.data_plane_address,
         advertise_address: args.advertise_address,
+        control_plane: None,
         token,
         cache_budget: args
             .cache_budget
@@ -310,7 +309,12 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         engine,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
-        let client = client(args.kubeconfig.as_deref()).await?;
+        let kube = super::kube_client::config(args.kubeconfig.as_deref()).await?;
+        let config = AgentConfig {
+            control_plane: super::kube_client::api_server(&kube),
+            ..config
+        };
+        let client = kube::Client::try_from(kube)?;
         shardplane_agent::run(client, config, shutdown_signal())
             .await
             .map_err(anyhow::Error::msg)

@@ -36,9 +36,25 @@ pub struct Cluster {
 /// `pools`, each running an agent (node `<name>-n<i>`, label `pool=<pool>`,
 /// Lease 4 s, plus `agent_args`); the operator (leader Lease in namespace
 /// `name`) and the gateway on the machine.
+#[allow(dead_code)] // not every test that shares this module calls it
 pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&str]) -> Cluster {
+    start_with(tag, subnet, pools, name, agent_args, |_| ())
+}
+
+/// [`start`], with `before_agents` shaping the network before any agent
+/// starts (an agent reads its addresses as it starts). An agent argument
+/// `--data-plane-address` replaces the default, the host's address.
+pub fn start_with(
+    tag: char,
+    subnet: u8,
+    pools: &[&str],
+    name: &str,
+    agent_args: &[&str],
+    before_agents: impl FnOnce(&Network),
+) -> Cluster {
     shardplane_testkit::install_quickstart_model();
     let net = Network::new(tag, subnet, pools.len());
+    before_agents(&net);
     let dir = tempfile::tempdir().unwrap();
     let nodes: Vec<String> = (0..pools.len()).map(|i| format!("{name}-n{i}")).collect();
     let agents = pools
@@ -60,8 +76,6 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
                 &label,
                 "--admin-address",
                 &admin,
-                "--data-plane-address",
-                &data_plane,
                 "--lease-seconds",
                 "4",
                 "--memory-reserve",
@@ -69,6 +83,9 @@ pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&s
                 "--cache-dir",
                 cache.to_str().unwrap(),
             ];
+            if !agent_args.contains(&"--data-plane-address") {
+                args.extend(["--data-plane-address", &data_plane]);
+            }
             args.extend(agent_args);
             Some(net.spawn(i, BIN, &args))
         })
@@ -135,8 +152,40 @@ pub async fn create_model(client: &kube::Client, ns: &str, served: &str) {
 }
 
 /// What the agent at `endpoint` serves, or None when it does not answer.
+#[allow(dead_code)] // not every test that shares this module calls it
 pub async fn agent_status(endpoint: &str) -> Option<dp::StatusResponse> {
     let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
     let mut c = dp::client(dp::channel(endpoint).unwrap(), token);
     Some(c.status(dp::StatusRequest {}).await.ok()?.into_inner())
+}
+
+/// One short chat through the gateway (API key `sk-test`), given `timeout`:
+/// Ok(()) on 200.
+#[allow(dead_code)] // not every test that shares this module calls it
+pub async fn chat(
+    http: &reqwest::Client,
+    gateway: &str,
+    model: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 4,
+    });
+    let r = http
+        .post(format!("http://{gateway}/v1/chat/completions"))
+        .bearer_auth("sk-test")
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let status = r.status();
+    let text = r.text().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("{status}: {text}"));
+    }
+    Ok(())
 }
