@@ -46,6 +46,7 @@ async fn nodes_on_two_networks_advertise_the_one_the_gateway_reaches_and_talk_ov
             "--probe-links-seconds",
             "2",
         ],
+        &[],
         |net| bridge = net.private_link(0, 1, 79, "thunderbolt0"),
     );
     let lan: Vec<String> = cluster.net.hosts.iter().map(|h| h.ip.to_string()).collect();

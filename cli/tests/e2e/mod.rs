@@ -25,6 +25,7 @@ pub struct Cluster {
     pub operator: Option<ChildGuard>,
     _gateway: ChildGuard,
     /// Where the gateway listens; its API key is `sk-test`.
+    #[allow(dead_code)] // not every test that shares this module reads it
     pub gateway: String,
     /// The gateway's admin address (`/metrics`).
     #[allow(dead_code)] // not every test that shares this module reads it
@@ -38,18 +39,21 @@ pub struct Cluster {
 /// `name`) and the gateway on the machine.
 #[allow(dead_code)] // not every test that shares this module calls it
 pub fn start(tag: char, subnet: u8, pools: &[&str], name: &str, agent_args: &[&str]) -> Cluster {
-    start_with(tag, subnet, pools, name, agent_args, |_| ())
+    start_with(tag, subnet, pools, name, agent_args, &[], |_| ())
 }
 
-/// [`start`], with `before_agents` shaping the network before any agent
-/// starts (an agent reads its addresses as it starts). An agent argument
+/// [`start`], with `gateway_args` added to the gateway's and
+/// `before_agents` shaping the network before any agent starts (an agent
+/// reads its addresses as it starts). An agent argument
 /// `--data-plane-address` replaces the default, the host's address.
+#[allow(dead_code)] // not every test that shares this module calls it
 pub fn start_with(
     tag: char,
     subnet: u8,
     pools: &[&str],
     name: &str,
     agent_args: &[&str],
+    gateway_args: &[&str],
     before_agents: impl FnOnce(&Network),
 ) -> Cluster {
     shardplane_testkit::install_quickstart_model();
@@ -94,18 +98,17 @@ pub fn start_with(
     std::fs::write(&keys, "test: sk-test\n").unwrap();
     let gateway = free_address().to_string();
     let gateway_admin = free_address().to_string();
-    let gateway_guard = spawn_component(
-        BIN,
-        &[
-            "gateway",
-            "--listen",
-            &gateway,
-            "--admin-address",
-            &gateway_admin,
-            "--api-keys-file",
-            keys.to_str().unwrap(),
-        ],
-    );
+    let mut args = vec![
+        "gateway",
+        "--listen",
+        &gateway,
+        "--admin-address",
+        &gateway_admin,
+        "--api-keys-file",
+        keys.to_str().unwrap(),
+    ];
+    args.extend(gateway_args);
+    let gateway_guard = spawn_component(BIN, &args);
     Cluster {
         net,
         nodes,
