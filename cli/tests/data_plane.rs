@@ -664,9 +664,11 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
     let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
     let nodes: Api<InferenceNode> = Api::all(client_k.clone());
     let (base, log) = shardplane_testkit::serve_test_model().await;
+    // Peers are trusted for what the Model pins only.
+    let pinned = shardplane_agent::cache::sha256_file(&shardplane_testkit::test_model()).unwrap();
     let source = ModelSource::Url(UrlSource {
         url: format!("{base}/m.gguf"),
-        sha256: None,
+        sha256: Some(pinned),
     });
     let key = source.cache_key();
     let ready = |name: &'static str| {
@@ -745,4 +747,42 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
     })
     .await;
     assert_eq!(listed.bytes as usize, model.len());
+
+    // A model no hash pins: B fetches it from its source, not from A, whose
+    // copy could be checked only against A's own word.
+    let unpinned = ModelSource::Url(UrlSource {
+        url: format!("{base}/m.gguf?unpinned"),
+        sha256: None,
+    });
+    let unpinned_key = unpinned.cache_key();
+    let mut third = fixtures::shard("third", &a, 0, 1, LayerRange { start: 0, end: 30 });
+    third.spec.source = unpinned.clone();
+    shards.create(&PostParams::default(), &third).await.unwrap();
+    ready("third-0-0").await;
+    shardplane_testkit::eventually("A lists the unpinned model", WAIT, || async {
+        let st = nodes.get(&a).await.ok()?.status?;
+        st.cached_models
+            .iter()
+            .any(|m| m.key == unpinned_key)
+            .then_some(())
+    })
+    .await;
+    let (from_url, from_peers) = (log.lock().unwrap().len(), fetched);
+    let mut fourth = fixtures::shard("fourth", &b, 0, 1, LayerRange { start: 0, end: 30 });
+    fourth.spec.source = unpinned;
+    shards
+        .create(&PostParams::default(), &fourth)
+        .await
+        .unwrap();
+    ready("fourth-0-0").await;
+    assert!(
+        log.lock().unwrap().len() > from_url,
+        "B fetched the unpinned model from its URL"
+    );
+    let fetched = metric(
+        &admin_b,
+        "shardplane_agent_download_bytes_total{source=\"peer\"}",
+    )
+    .await;
+    assert_eq!(fetched, from_peers, "nothing came from a peer");
 }

@@ -635,8 +635,12 @@ async fn fetch(
         })
     };
     let key = shard.spec.source.cache_key();
+    // A peer's copy is checked against the SHA-256 the Model pins (its
+    // `sha256`, or the hub's LFS hash the operator resolved), never against
+    // what the peer says of its own file: without a pin, the source.
     if sources.cache.complete_file(&key).is_none()
         && let Some(peers) = &sources.peers
+        && let Some(pinned) = sha256.as_deref()
     {
         // Right after a start the list of nodes may still be loading.
         let _ = tokio::time::timeout(
@@ -644,7 +648,13 @@ async fn fetch(
             peers.nodes.wait_until_ready(),
         )
         .await;
-        for holder in peers.holders(&key) {
+        // A peer that lists another hash holds other bytes: not worth a copy.
+        let holders = peers.holders(&key).into_iter().filter(|h| {
+            h.sha256
+                .as_deref()
+                .is_none_or(|theirs| theirs.eq_ignore_ascii_case(pinned))
+        });
+        for holder in holders {
             let Ok(client) = peers.peers.client(&holder.endpoint) else {
                 continue;
             };
@@ -657,17 +667,10 @@ async fn fetch(
             let from = format!("node {} ({})", holder.node, holder.endpoint);
             let copied = sources
                 .cache
-                .fetch_from_peer(
-                    &client,
-                    &from,
-                    &key,
-                    holder.bytes,
-                    sha256.as_deref().or(holder.sha256.as_deref()),
-                    move |n| {
-                        done_bytes.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                        counter.inc_by(n);
-                    },
-                )
+                .fetch_from_peer(&client, &from, &key, holder.bytes, Some(pinned), move |n| {
+                    done_bytes.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                    counter.inc_by(n);
+                })
                 .await;
             match copied {
                 Ok(path) => {
