@@ -23,20 +23,24 @@ echo "== cargo test" >&2
 # build). The MLX engine is built in (libmlx from scripts/mlx.sh, run by setup).
 cargo test --workspace --locked --release --features shardplane/mlx "$@"
 
-# The data-plane message decoders under libFuzzer for a short while (a crash
-# fails the run and leaves its input in fuzz/artifacts/). Sanitizer builds go
-# to their own target directory; RUSTC_BOOTSTRAP lets stable rustc take the
-# sanitizer flags cargo-fuzz passes.
+# The decoders of what strangers send under libFuzzer for a short while each
+# (a crash fails the run and leaves its input in fuzz/artifacts/): data-plane
+# messages, and model-file headers (GGUF, safetensors, config.json), whose
+# single allocations must stay under 64 MiB for inputs of a few KiB. Sanitizer
+# builds go to their own target directory; RUSTC_BOOTSTRAP lets stable rustc
+# take the sanitizer flags cargo-fuzz passes.
 if [ $# -eq 0 ]; then
-  echo "== cargo fuzz (data-plane messages, ${SHARDPLANE_FUZZ_SECONDS:-30} s)" >&2
-  log="$state/fuzz.log"
-  if (cd fuzz && CARGO_TARGET_DIR="$HOME/.cache/shardplane/fuzz-target" RUSTC_BOOTSTRAP=1 \
-    cargo fuzz run dataplane_messages --fuzz-dir . -- \
-    -max_total_time="${SHARDPLANE_FUZZ_SECONDS:-30}" -print_final_stats=1) >"$log" 2>&1; then
-    grep -E "^Done|stat::number_of_executed_units" "$log" >&2 || tail -3 "$log" >&2
-  else
-    cat "$log" >&2
-    echo "== cargo fuzz found a crash (input saved under fuzz/artifacts/)" >&2
-    exit 1
-  fi
+  for target in dataplane_messages model_headers; do
+    echo "== cargo fuzz ($target, ${SHARDPLANE_FUZZ_SECONDS:-30} s)" >&2
+    log="$state/fuzz-$target.log"
+    if (cd fuzz && CARGO_TARGET_DIR="$HOME/.cache/shardplane/fuzz-target" RUSTC_BOOTSTRAP=1 \
+      cargo fuzz run "$target" --fuzz-dir . -- \
+      -max_total_time="${SHARDPLANE_FUZZ_SECONDS:-30}" -malloc_limit_mb=64 -print_final_stats=1) >"$log" 2>&1; then
+      grep -E "^Done|stat::number_of_executed_units" "$log" >&2 || tail -3 "$log" >&2
+    else
+      cat "$log" >&2
+      echo "== cargo fuzz found a crash in $target (input saved under fuzz/artifacts/)" >&2
+      exit 1
+    fi
+  done
 fi

@@ -4,16 +4,20 @@
 //! ```text
 //!  GGUF file ──► gguf::GgufHeader (metadata, tensor directory; bounded) ──► ModelConfig
 //!  config.json ──────────────────────────────────────────────────────────► ModelConfig
+//!  *.safetensors header ──► safetensors::parse_header (bounded) ──► tensor sizes
 //! ```
 //!
 //! Layout: [`gguf`] reads (and, for tests, writes) GGUF headers; [`ggml`]
 //! knows ggml's tensor types and their block sizes; [`config`] turns either
-//! format's metadata into a [`ModelConfig`]. Nothing here reads tensor data.
+//! format's metadata into a [`ModelConfig`]; [`safetensors`] reads a
+//! safetensors header. Nothing here reads tensor data. Every reader is
+//! fuzzed (`fuzz/fuzz_targets/model_headers.rs`).
 
 pub mod config;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
+pub mod safetensors;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};

@@ -29,21 +29,9 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
-    /// A safetensors file too short to hold its header's length.
-    #[error("shorter than the 8-byte header length")]
-    NoHeaderLength,
-    /// A safetensors header longer than any real one.
-    #[error("header of {0} bytes is implausibly large")]
-    HeaderTooLarge(u64),
-    /// A safetensors header that ends before its stated length.
-    #[error("header of {0} bytes is cut short")]
-    HeaderCutShort(u64),
-    /// A safetensors header that is not JSON.
-    #[error("header is not JSON: {0}")]
-    HeaderNotJson(#[source] serde_json::Error),
-    /// A tensor without its place in the file.
-    #[error("tensor {0} has no data_offsets")]
-    NoDataOffsets(String),
+    /// A safetensors header that cannot be read.
+    #[error(transparent)]
+    Header(#[from] shardplane_formats::safetensors::HeaderError),
     /// A weights file that cannot be read.
     #[error("{0}")]
     Io(#[from] std::io::Error),

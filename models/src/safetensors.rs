@@ -8,49 +8,17 @@ use std::path::Path;
 
 use serde_json::Value;
 use shardplane_crds::{ModelSpec, ModelStatus};
+use shardplane_formats::safetensors::HeaderError;
+pub use shardplane_formats::safetensors::{MAX_HEADER, header_len, parse_header};
 
 use crate::{
     Error, MAX_LAYERS, Unresolved, check_shape, kv_bytes_per_token_per_layer, off_runtime,
 };
 
-/// The longest header accepted (the largest real ones are a few MB).
-pub const MAX_HEADER: u64 = 100 << 20;
 /// The longest `config.json` or index accepted.
 const MAX_JSON: u64 = 16 << 20;
 /// The most weight files one model may list.
 const MAX_FILES: usize = 4096;
-
-/// Bytes of each tensor named in a safetensors header.
-pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, Error> {
-    let len = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .ok_or(Error::NoHeaderLength)?;
-    if len > MAX_HEADER {
-        return Err(Error::HeaderTooLarge(len));
-    }
-    let json = bytes
-        .get(8..8 + len as usize)
-        .ok_or(Error::HeaderCutShort(len))?;
-    let header: BTreeMap<String, Value> =
-        serde_json::from_slice(json).map_err(Error::HeaderNotJson)?;
-    header
-        .into_iter()
-        .filter(|(name, _)| name != "__metadata__")
-        .map(|(name, info)| {
-            let offsets = info["data_offsets"].as_array().filter(|o| o.len() == 2);
-            let (start, end) = offsets
-                .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-                .ok_or_else(|| Error::NoDataOffsets(name.clone()))?;
-            Ok((name, end.saturating_sub(start)))
-        })
-        .collect()
-}
-
-/// Length of the header (with its 8-byte prefix) from the first 8 bytes.
-pub fn header_len(first8: &[u8]) -> Option<u64> {
-    8u64.checked_add(u64::from_le_bytes(first8.get(..8)?.try_into().ok()?))
-}
 
 fn field(config: &Value, key: &str) -> Option<u64> {
     config.get(key).and_then(Value::as_u64)
@@ -201,15 +169,15 @@ fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     let mut file = std::fs::File::open(path)?;
     let mut first = [0u8; 8];
     file.read_exact(&mut first)?;
-    let len = header_len(&first).ok_or(Error::HeaderTooLarge(u64::MAX))?;
+    let len = header_len(&first).ok_or(HeaderError::HeaderTooLarge(u64::MAX))?;
     if len > MAX_HEADER {
-        return Err(Error::HeaderTooLarge(len));
+        return Err(HeaderError::HeaderTooLarge(len).into());
     }
     let mut bytes = first.to_vec();
     bytes.resize(len as usize, 0);
     file.read_exact(&mut bytes[8..])
-        .map_err(|_| Error::HeaderCutShort(len))?;
-    parse_header(&bytes)
+        .map_err(|_| HeaderError::HeaderCutShort(len))?;
+    Ok(parse_header(&bytes)?)
 }
 
 /// A weights file's name as an index lists it: a relative path inside the
@@ -319,7 +287,10 @@ pub async fn resolve_repo(
         }
         let len = header_len(&first).ok_or_else(|| corrupt(format!("{file}: no header length")))?;
         if len > MAX_HEADER {
-            return Err(corrupt(format!("{file}: {}", Error::HeaderTooLarge(len))));
+            return Err(corrupt(format!(
+                "{file}: {}",
+                HeaderError::HeaderTooLarge(len)
+            )));
         }
         let (_, header) = get(file, Some((0, len - 1)), len)
             .await
