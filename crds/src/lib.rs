@@ -21,6 +21,7 @@
 #![allow(clippy::duplicated_attributes)]
 
 pub mod limits;
+pub mod names;
 pub mod quantity;
 pub mod v1alpha1;
 pub mod validation;

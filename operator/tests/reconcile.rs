@@ -541,3 +541,58 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_another_namespace_claimed_first_is_reported_as_a_conflict() {
+    let client = control_plane().client().await.unwrap();
+    start_operator(&client).await;
+    let (first_ns, second_ns) = (
+        control_plane().namespace(&client, "names-a").await.unwrap(),
+        control_plane().namespace(&client, "names-b").await.unwrap(),
+    );
+    let shared = unique_name("shared");
+    let claim = |alias: &str, own: &str| {
+        let mut d = fixtures::deployment("d", "no-model", "no-pool", "no-strategy");
+        d.spec.aliases = vec![alias.to_string(), own.to_string()];
+        d
+    };
+    let first: Api<ModelDeployment> = Api::namespaced(client.clone(), &first_ns);
+    let second: Api<ModelDeployment> = Api::namespaced(client.clone(), &second_ns);
+    first
+        .create(&PostParams::default(), &claim(&shared, &unique_name("own")))
+        .await
+        .unwrap();
+    // Creation times have a resolution of a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    second
+        .create(&PostParams::default(), &claim(&shared, &unique_name("own")))
+        .await
+        .unwrap();
+    let conflicted = |api: Api<ModelDeployment>, want: bool| async move {
+        let d = api.get("d").await.ok()?;
+        let c = condition(&d, CONDITION_CONFLICTED)?.clone();
+        ((c.status == "True") == want).then_some(c)
+    };
+    let c = eventually("the later claimant reports the conflict", || {
+        conflicted(second.clone(), true)
+    })
+    .await;
+    assert_eq!(c.reason, "NameConflict");
+    assert!(
+        c.message
+            .contains(&format!("{shared:?} is served by {first_ns}/d")),
+        "{}",
+        c.message
+    );
+    let c = eventually("the first claimant has none", || {
+        conflicted(first.clone(), false)
+    })
+    .await;
+    assert_eq!(c.reason, "NoConflicts");
+    // The owner goes: the name is free.
+    first.delete("d", &DeleteParams::default()).await.unwrap();
+    eventually("the conflict ends with its owner", || {
+        conflicted(second.clone(), false)
+    })
+    .await;
+}

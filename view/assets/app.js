@@ -248,7 +248,7 @@ function drawDeployments(state) {
     const conditions = el("div", { class: "conditions" });
     for (const c of d.conditions) {
       // Progressing says what is under way, neither good nor bad.
-      const good = c.type === "Degraded" ? c.status !== "True" : c.status === "True";
+      const good = (c.type === "Degraded" || c.type === "Conflicted") ? c.status !== "True" : c.status === "True";
       const kind = c.type === "Progressing" ? "" : good ? " good" : " bad";
       conditions.append(el("span", {
         class: "condition" + kind, title: `${c.reason}: ${c.message}`,

@@ -344,15 +344,50 @@ impl Snapshot {
 }
 
 /// Conditions that say something is wrong: Ready or Placed not true,
-/// Degraded true.
+/// Degraded or Conflicted true.
 fn problems(conditions: &[Condition]) -> Vec<String> {
     conditions
         .iter()
         .filter(|c| match c.type_.as_str() {
-            "Degraded" => c.status == "True",
+            "Degraded" | "Conflicted" => c.status == "True",
             "Progressing" => false,
             _ => c.status != "True",
         })
         .map(|c| format!("{}: {}: {}", c.type_, c.reason, c.message))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn condition(type_: &str, status: &str) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: "R".into(),
+            message: "m".into(),
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+            observed_generation: None,
+        }
+    }
+
+    #[test]
+    fn problems_are_conditions_in_their_bad_state() {
+        let all = [
+            condition("Ready", "True"),
+            condition("Placed", "False"),
+            condition("Progressing", "True"),
+            condition("Degraded", "False"),
+            condition("Conflicted", "False"),
+        ];
+        assert_eq!(problems(&all), ["Placed: R: m"]);
+        let bad = [
+            condition("Degraded", "True"),
+            condition("Conflicted", "True"),
+        ];
+        assert_eq!(problems(&bad).len(), 2);
+    }
 }

@@ -193,6 +193,10 @@ pub const CONDITION_PLACED: &str = "Placed";
 pub const CONDITION_PROGRESSING: &str = "Progressing";
 /// Condition type (ModelDeployment): fewer instances are ready than requested.
 pub const CONDITION_DEGRADED: &str = "Degraded";
+/// Condition type (ModelDeployment): another namespace owns a name (served
+/// name or alias) the deployment claims; it is not served under that name
+/// (see `crate::names`).
+pub const CONDITION_CONFLICTED: &str = "Conflicted";
 /// Condition type (Model): the model's metadata was read from its source.
 pub const CONDITION_RESOLVED: &str = "Resolved";
 

@@ -30,6 +30,7 @@ use kube::Client;
 use kube::runtime::reflector::{ObjectRef, Store};
 use shardplane_crds::{
     DEPLOYMENT_LABEL, ExternalEndpoint, FallbackTarget, Model, ModelDeployment, Shard, ShardPhase,
+    names,
 };
 use shardplane_dataplane as dp;
 use shardplane_dataplane::tonic::Code;
@@ -161,11 +162,12 @@ impl Router {
         self.models.get(&ObjectRef::new(&d.spec.model).within(&ns))
     }
 
-    /// Every served name (served names first, then aliases), sorted.
+    /// Every served name (served names first, then aliases), sorted; each
+    /// by the deployment that owns it (see `shardplane_crds::names`).
     pub fn served(&self) -> Vec<Served> {
         let mut out = BTreeMap::new();
         let mut deployments = self.deployments.state();
-        deployments.sort_by_key(|d| (d.metadata.namespace.clone(), d.metadata.name.clone()));
+        deployments.sort_by_key(|d| names::age(d));
         for d in deployments {
             let model = self.model_of(&d);
             let key = format!(
@@ -191,10 +193,12 @@ impl Router {
     }
 
     /// The deployment serving `name` (served name or alias; `name:latest`
-    /// is `name` when nothing is served under the tagged name, as in Ollama).
+    /// is `name` when nothing is served under the tagged name, as in Ollama):
+    /// the oldest that claims it, so a deployment created later in another
+    /// namespace can never take a name over (`shardplane_crds::names`).
     pub fn deployment_for(&self, name: &str) -> Option<Arc<ModelDeployment>> {
         let mut deployments = self.deployments.state();
-        deployments.sort_by_key(|d| (d.metadata.namespace.clone(), d.metadata.name.clone()));
+        deployments.sort_by_key(|d| names::age(d));
         let serves = |d: &ModelDeployment, name: &str| {
             d.spec.aliases.iter().any(|a| a == name)
                 || self.model_of(d).is_some_and(|m| m.served_name() == name)
@@ -561,3 +565,6 @@ impl BusyWait {
         true
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -125,6 +125,21 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
+    let taken = validate::name_conflicts(d, &observed);
+    if !taken.is_empty() {
+        let message = taken
+            .iter()
+            .map(|(name, owner)| format!("{name:?} is served by {owner}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let before = previous
+            .iter()
+            .find(|c| c.type_ == CONDITION_CONFLICTED && c.status == "True")
+            .is_some_and(|c| c.message.starts_with(&message));
+        if !before {
+            apply::event(ctx, d, true, status::NAME_CONFLICT, "Validate", &message).await?;
+        }
+    }
     let valid = match validate::validate(d, &observed) {
         Ok(v) => v,
         Err(blocked) => {
@@ -133,6 +148,7 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
                 apply::event(ctx, d, true, blocked.reason, "Validate", &blocked.message).await?;
             }
             let mut status = status::blocked(d, &mine, &blocked);
+            status::conflicts(&mut status, d, &taken);
             // Kept as written before (see `place` below).
             status.endpoint = ctx
                 .gateway_url
@@ -140,8 +156,10 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
                 .and(d.status.as_ref())
                 .and_then(|s| s.endpoint.clone());
             write_status(ctx, d, status).await?;
-            // A missing Model, pool or strategy may be created any moment; watches bring it.
-            return Ok(Action::requeue(Duration::from_secs(60)));
+            // A missing Model, pool or strategy may be created any moment;
+            // watches bring it. A conflict's owner may go, which they do not.
+            let again = if taken.is_empty() { 60 } else { 10 };
+            return Ok(Action::requeue(Duration::from_secs(again)));
         }
     };
 
@@ -192,12 +210,15 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
             .cloned()
             .unwrap_or_else(|| valid.model.served_name().to_string()),
     });
-    let status = status::planned(d, &mine, &planned, changed, endpoint);
+    let mut status = status::planned(d, &mine, &planned, changed, endpoint);
+    status::conflicts(&mut status, d, &taken);
     let settled = status.ready_replicas >= planned.replicas as i32 && plan.unplaced.is_none();
     write_status(ctx, d, status).await?;
-    Ok(if settled {
+    Ok(if settled && taken.is_empty() {
         Action::requeue(Duration::from_secs(300))
     } else {
+        // A conflict ends when the owner goes, which no watch of this
+        // deployment sees.
         Action::requeue(Duration::from_secs(10))
     })
 }

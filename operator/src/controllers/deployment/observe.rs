@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
-use shardplane_crds::{InferenceNode, Model, ModelDeployment, NodePool, Shard, ShardingStrategy};
+use shardplane_crds::{
+    InferenceNode, Model, ModelDeployment, NodePool, Shard, ShardingStrategy, names,
+};
 
 use crate::caches::Stores;
 
@@ -24,6 +26,9 @@ pub struct Observed {
     pub shards: Vec<Arc<Shard>>,
     /// Every Model, by `(namespace, name)` (to size other deployments' Shards).
     pub models: BTreeMap<(String, String), Arc<Model>>,
+    /// Every other deployment, with the names it claims (served name and
+    /// aliases; see `shardplane_crds::names`).
+    pub claims: Vec<(Arc<ModelDeployment>, Vec<String>)>,
 }
 
 impl Observed {
@@ -47,6 +52,21 @@ pub fn observe(d: &ModelDeployment, stores: &Stores) -> Observed {
         .into_iter()
         .map(|m| ((m.namespace().unwrap_or_default(), m.name_any()), m))
         .collect();
+    let served_name = |o: &ModelDeployment| {
+        models
+            .get(&(o.namespace().unwrap_or_default(), o.spec.model.clone()))
+            .map(|m| m.served_name().to_string())
+    };
+    let claims = stores
+        .deployments
+        .state()
+        .into_iter()
+        .filter(|o| o.namespace() != d.namespace() || o.name_any() != d.name_any())
+        .map(|o| {
+            let names = names::claims(&o, served_name(&o).as_deref());
+            (o, names)
+        })
+        .collect();
     Observed {
         model: models.get(&(ns, d.spec.model.clone())).cloned(),
         pool: stores.pools.get(&ObjectRef::new(&d.spec.node_pool)),
@@ -54,5 +74,6 @@ pub fn observe(d: &ModelDeployment, stores: &Stores) -> Observed {
         nodes: stores.nodes.state(),
         shards: stores.shards.state(),
         models,
+        claims,
     }
 }

@@ -11,6 +11,10 @@ use super::plan::{Planned, describe, shard_name};
 use super::validate::Blocked;
 use crate::conditions;
 
+/// The `Conflicted` reason while another namespace owns a name this
+/// deployment claims.
+pub const NAME_CONFLICT: &str = "NameConflict";
+
 /// The `Progressing` reason while a stage moved off a failing node starts.
 pub const STAGE_MOVED: &str = "StageMoved";
 
@@ -212,4 +216,39 @@ pub fn planned(
         },
     );
     status
+}
+
+/// The `Conflicted` condition: True (reason `NameConflict`) while another
+/// namespace owns names this deployment claims, naming each and its owner.
+pub fn conflicts(
+    status: &mut ModelDeploymentStatus,
+    d: &ModelDeployment,
+    taken: &[(String, String)],
+) {
+    let (reason, message) = if taken.is_empty() {
+        ("NoConflicts", String::new())
+    } else {
+        (
+            NAME_CONFLICT,
+            format!(
+                "{}: a name belongs to the namespace whose deployment claimed it first, and \
+                 this deployment is not served under it; choose other aliases (or another \
+                 servedName on the Model)",
+                taken
+                    .iter()
+                    .map(|(name, owner)| format!("{name:?} is served by {owner}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+    };
+    conditions::set(
+        &mut status.conditions,
+        &previous(d),
+        CONDITION_CONFLICTED,
+        !taken.is_empty(),
+        reason,
+        message,
+        d.metadata.generation,
+    );
 }

@@ -93,3 +93,17 @@ pub fn validate<'a>(d: &ModelDeployment, o: &'a Observed) -> Result<Valid<'a>, B
         footprint,
     })
 }
+
+/// The names `d` claims that a deployment of another namespace owns, each
+/// with its owner (`shardplane_crds::names`). Not a reason to stop placing
+/// it: the deployment serves under its other names, and the gateway never
+/// routes a name to it that another namespace owns.
+pub fn name_conflicts(d: &ModelDeployment, o: &Observed) -> Vec<(String, String)> {
+    let mine = names::claims(d, o.model.as_deref().map(Model::served_name));
+    let all: Vec<(&ModelDeployment, Vec<String>)> = o
+        .claims
+        .iter()
+        .map(|(other, names)| (other.as_ref(), names.clone()))
+        .collect();
+    names::conflicts(d, &mine, &all)
+}
