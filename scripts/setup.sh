@@ -13,6 +13,8 @@
 #   - Debian's Chromium and ChromeDriver, and Selenium (in the venv), for the
 #     web view's browser test
 #   - cargo-fuzz (crates.io), for the data-plane fuzz target
+#   - mlx-lm, the mlx CPU wheel and the gguf writer (PyPI, in a venv of their
+#     own): the reference implementations the model-family tests compare with
 #
 # SHARDPLANE_SETUP=check checks instead what a cold machine's first run depends
 # on and the cache cannot show: that no cargo build variable reached this
@@ -57,17 +59,25 @@ fi
 bash scripts/model.sh >/dev/null
 # MLX (the mlx-cpu wheel) and OpenBLAS for the `mlx` feature the tests build.
 bash scripts/mlx.sh >/dev/null
-# The official API clients the gateway is tested with, and Helm's SDK for the
-# chart test, pinned, in a venv.
-VENV="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/venv"
-CLIENTS="openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0 selenium==4.40.0"
-if [ "$(cat "$VENV/.clients" 2>/dev/null)" != "$CLIENTS" ]; then
-  python3 -m venv "$VENV" >&2 || { echo "[setup] error: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+# A venv at $1 holding exactly the pinned packages $2 (made anew when the
+# list changes).
+pinned_venv() {
+  local venv=$1 packages=$2
+  [ "$(cat "$venv/.packages" 2>/dev/null)" = "$packages" ] && return 0
+  python3 -m venv "$venv" >&2 || { echo "[setup] error: python3 -m venv failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
   # shellcheck disable=SC2086
-  "$VENV/bin/pip" install --quiet $CLIENTS >&2 ||
-    { echo "[setup] error: pip could not install $CLIENTS" >&2; exit 1; }
-  echo "$CLIENTS" >"$VENV/.clients"
-fi
+  "$venv/bin/pip" install --quiet $packages >&2 ||
+    { echo "[setup] error: pip could not install $packages" >&2; exit 1; }
+  echo "$packages" >"$venv/.packages"
+}
+CACHE="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}"
+# The official API clients the gateway is tested with, Helm's SDK for the
+# chart test, and Selenium for the web view's browser test.
+pinned_venv "$CACHE/venv" "openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0 selenium==4.40.0"
+# The model families' reference implementations: mlx-lm's model classes on
+# the MLX CPU wheel, the gguf writer, and SentencePiece (engine/tests/families.rs
+# and sentencepiece.rs compare the engines and tokenizers with them).
+pinned_venv "$CACHE/reference" "mlx-lm==0.32.2 mlx[cpu]==0.32.4 gguf==0.19.0 sentencepiece==0.2.3"
 # cargo-fuzz runs the data-plane decoders under libFuzzer in the test command.
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --quiet --locked cargo-fuzz@0.13.2 >&2 ||

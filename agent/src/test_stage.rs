@@ -45,6 +45,10 @@ impl Echo {
             context_length: 4096,
             rope_theta: 1.0,
             rms_eps: 1e-5,
+            attention_scale: 1.0,
+            embedding_scale: 1.0,
+            sliding: None,
+            rope_scale: 1.0,
         };
         let layout = if last {
             StageLayout::new(1..2, 2).unwrap()

@@ -191,13 +191,52 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     ] {
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
-    let endpoints = ready_endpoints(&shards, &["mixed-0-0", "mixed-0-1", "mlxwhole-0-0"]).await;
+    // The MLX-community layout from a path on the node loads with MLX, even on
+    // an agent whose own engine is candle; a directory without config.json
+    // fails the Shard, naming what is missing.
+    let dir = tempfile::tempdir().unwrap();
+    let mlx_dir = dir.path().join("smollm2-mlx");
+    shardplane_engine::mlx::convert::gguf_to_mlx(&shardplane_testkit::test_model(), &mlx_dir)
+        .unwrap();
+    for (name, path) in [("mlxdir", &mlx_dir), ("nodir", &dir.path().to_path_buf())] {
+        let mut s = fixtures::shard(name, &b, 0, 1, LayerRange { start: 0, end: 30 });
+        s.spec.format = ModelFormat::Safetensors;
+        s.spec.source = ModelSource::Path(PathSource {
+            path: path.display().to_string(),
+            sha256: None,
+        });
+        shards.create(&PostParams::default(), &s).await.unwrap();
+    }
+    let failed = shardplane_testkit::eventually("nodir-0-0 fails", WAIT, || async {
+        let st = shards.get("nodir-0-0").await.ok()?.status?;
+        (st.phase == Some(ShardPhase::Failed)).then_some(st)
+    })
+    .await;
+    assert_eq!(
+        failed.reason.as_deref(),
+        Some("WeightsNotFound"),
+        "{failed:?}"
+    );
+    assert!(
+        failed
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("no config.json"),
+        "{failed:?}"
+    );
+    let endpoints = ready_endpoints(
+        &shards,
+        &["mixed-0-0", "mixed-0-1", "mlxwhole-0-0", "mlxdir-0-0"],
+    )
+    .await;
     // Each Shard reports the engine it runs on, and each node its engines,
     // the one it loads into first.
     for (shard, engine) in [
         ("mixed-0-0", Engine::Mlx),
         ("mixed-0-1", Engine::Candle),
         ("mlxwhole-0-0", Engine::Mlx),
+        ("mlxdir-0-0", Engine::Mlx),
     ] {
         let st = shards.get(shard).await.unwrap().status.unwrap();
         assert_eq!(st.engine, Some(engine), "{shard}");
@@ -226,22 +265,39 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
         (&endpoints[0], "mixed-0-0", &mut mixed),
         (&endpoints[2], "mlxwhole-0-0", &mut mlx),
     ] {
-        let (tokens, words) = reference(&text, local, prompt, 12);
-        let request = dp::GenerateRequest {
-            shard: shard_ref(&ns, shard),
-            input: conversation(prompt),
-            sampling: Some(dp::Sampling {
-                max_tokens: 12,
-                ..Default::default()
-            }),
-            resume: None,
-            grammar: None,
-            tools: None,
-        };
-        let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
-        assert_eq!(got, tokens, "{shard}");
-        assert_eq!(got_text, words, "{shard}");
+        run_against_local(&ns, endpoint, shard, &text, local, prompt).await;
     }
+    // The directory's stage answers with MLX's tokens on the GGUF (the
+    // conversion keeps the weights bit for bit).
+    run_against_local(&ns, &endpoints[3], "mlxdir-0-0", &text, &mut mlx, prompt).await;
+}
+
+/// Generates 12 tokens for `prompt` through the agent at `endpoint` and
+/// checks them (and their text) against `local`.
+#[cfg(feature = "mlx")]
+async fn run_against_local(
+    ns: &str,
+    endpoint: &str,
+    shard: &str,
+    text: &TextModel,
+    local: &mut LocalPipeline,
+    prompt: &str,
+) {
+    let (tokens, words) = reference(text, local, prompt, 12);
+    let request = dp::GenerateRequest {
+        shard: shard_ref(ns, shard),
+        input: conversation(prompt),
+        sampling: Some(dp::Sampling {
+            max_tokens: 12,
+            ..Default::default()
+        }),
+        resume: None,
+        grammar: None,
+        tools: None,
+    };
+    let (got, got_text, _) = run(client(endpoint), request).await.unwrap();
+    assert_eq!(got, tokens, "{shard}");
+    assert_eq!(got_text, words, "{shard}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -209,6 +209,19 @@ int spx_silu(const spx_array* a, spx_array** out) {
   return guard([&] { *out = wrap(mx::multiply(a->a, mx::sigmoid(a->a))); });
 }
 
+// GELU, tanh approximation, as mlx.nn.gelu_approx computes it.
+int spx_gelu_tanh(const spx_array* a, spx_array** out) {
+  return guard([&] {
+    const auto& x = a->a;
+    auto cube = mx::power(x, mx::array(3.0f));
+    auto inner = mx::multiply(mx::array(0.7978845608028654f)  // sqrt(2 / pi)
+,
+                              mx::add(x, mx::multiply(mx::array(0.044715f), cube)));
+    *out = wrap(mx::multiply(mx::multiply(mx::array(0.5f), x),
+                             mx::add(mx::array(1.0f), mx::tanh(inner))));
+  });
+}
+
 int spx_matmul(const spx_array* a, const spx_array* b, spx_array** out) {
   return guard([&] { *out = wrap(mx::matmul(a->a, b->a)); });
 }

@@ -23,9 +23,7 @@ pub enum Error {
         reason: String,
     },
     /// The model's architecture is not one this engine runs.
-    #[error(
-        "architecture {0:?} is not supported: supported are llama (SmolLM, Llama 2/3, Mistral), qwen2 and qwen3"
-    )]
+    #[error("architecture {0:?} is not supported: supported are {SUPPORTED}", SUPPORTED = shardplane_formats::error::SUPPORTED)]
     UnsupportedArchitecture(String),
     /// A tensor's type is not one this engine can compute with.
     #[error(

@@ -132,6 +132,40 @@ pub fn load_stage(
     })
 }
 
+/// Loads one stage of the model at `path` — a GGUF file, or a directory in
+/// the MLX-community layout (MLX only) — with the model's tokenizer and chat
+/// template when the stage is the first.
+pub fn load_model_stage(
+    path: &std::path::Path,
+    layout: StageLayout,
+    engine: EngineKind,
+    options: &LoadOptions,
+) -> Result<(Box<dyn Stage>, Option<TextModel>)> {
+    if path.is_dir() {
+        let text = layout
+            .is_first()
+            .then(|| TextModel::from_dir(path))
+            .transpose()?;
+        let stage: Box<dyn Stage> = match engine {
+            #[cfg(feature = "mlx")]
+            EngineKind::Mlx => Box::new(crate::mlx::MlxStage::load(path, layout, options)?),
+            EngineKind::Candle => {
+                return Err(Error::InvalidInput(format!(
+                    "{} is a safetensors directory: candle loads GGUF files; use the MLX engine",
+                    path.display()
+                )));
+            }
+        };
+        return Ok((stage, text));
+    }
+    let file = GgufFile::open(path)?;
+    let text = layout
+        .is_first()
+        .then(|| TextModel::from_gguf(&file))
+        .transpose()?;
+    Ok((load_stage(&file, layout, engine, options)?, text))
+}
+
 /// The stages of one model, run in order in this process.
 pub struct LocalPipeline {
     stages: Vec<Box<dyn Stage>>,

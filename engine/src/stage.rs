@@ -230,6 +230,35 @@ pub(crate) struct Item {
     pub position: usize,
 }
 
+impl Item {
+    /// The first cached position any of this step's queries may see: 0, or
+    /// later in a sliding-window layer of `window` positions.
+    pub fn first_key(&self, window: Option<usize>) -> usize {
+        window.map_or(0, |w| (self.position + 1).saturating_sub(w))
+    }
+
+    /// The additive attention mask `[len, keys]` of this step's queries
+    /// over keys `first..position + len`: causal, and within `window`
+    /// positions (the query's own included) when the layer slides. `None`
+    /// when nothing is masked (one query whose window covers every key).
+    pub fn mask(&self, first: usize, window: Option<usize>) -> Option<Vec<f32>> {
+        let total = self.position + self.len;
+        if self.len == 1 && window.is_none_or(|w| total - first <= w) {
+            return None;
+        }
+        let mask = (0..self.len)
+            .flat_map(|i| {
+                let query = self.position + i;
+                (first..total).map(move |key| {
+                    let hidden = key > query || window.is_some_and(|w| query - key >= w);
+                    if hidden { f32::NEG_INFINITY } else { 0.0 }
+                })
+            })
+            .collect();
+        Some(mask)
+    }
+}
+
 /// Checks a step for a stage and plans each sequence's rows: every input
 /// non-empty and of the kind the stage takes (token ids inside the vocabulary
 /// for a first stage, hidden states of the model's width otherwise), each

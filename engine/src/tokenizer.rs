@@ -5,8 +5,16 @@
 use std::path::Path;
 
 use shardplane_formats::gguf::{Array, GgufHeader};
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::{
+    NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence,
+};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -24,9 +32,15 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// Qwen2's split (every digit alone).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// GGUF token types that are control or user-defined tokens, matched whole in text.
+/// GGUF token types (llama.cpp's): control and user-defined tokens are
+/// matched whole in text; unknown and byte tokens never come from merges.
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+/// SentencePiece's visible space.
+const SPM_SPACE: &str = "\u{2581}";
 
 /// A tokenizer and the model's special tokens.
 #[derive(Clone)]
@@ -91,45 +105,149 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     })
 }
 
+/// Byte-level BPE from GGUF's vocabulary and merges, split first as the
+/// file's pre-tokenizer type says.
+fn byte_level_bpe(header: &GgufHeader, tokens: &[String]) -> Result<tokenizers::Tokenizer> {
+    let merges = header.get_strings("tokenizer.ggml.merges")?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let merges = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| Error::Tokenizer(format!("merge {m:?} is not two tokens")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let pre = header.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
+}
+
+/// SentencePiece BPE as llama.cpp runs it from GGUF: spaces become `▁` (one
+/// is put before the text, and after each special token, when the file asks
+/// for the space prefix); adjacent pieces merge best score first; a
+/// character outside the vocabulary falls back to its `<0xXX>` byte tokens.
+/// Expressed as a BPE whose merges are every split of every piece into two
+/// pieces, ordered by the whole piece's score (ties by ids, as Hugging
+/// Face's converter orders them).
+fn sentencepiece_bpe(
+    header: &GgufHeader,
+    tokens: &[String],
+    types: &[i64],
+) -> Result<tokenizers::Tokenizer> {
+    let scores: Vec<f64> = match header.get("tokenizer.ggml.scores") {
+        Ok(v) => match v.as_array() {
+            Some(Array::Float(f)) if f.len() == tokens.len() => f.clone(),
+            _ => {
+                return Err(Error::Tokenizer(format!(
+                    "tokenizer.ggml.scores is not {} numbers, one per token",
+                    tokens.len()
+                )));
+            }
+        },
+        // No scores: earlier pieces first, as SentencePiece numbers them.
+        Err(_) => (0..tokens.len()).map(|i| -(i as f64)).collect(),
+    };
+    let mut vocab = tokenizers::models::bpe::Vocab::default();
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.entry(t.clone()).or_insert(i as u32);
+    }
+    let mut merges: Vec<(f64, u32, u32, u32)> = Vec::new();
+    for (id, piece) in tokens.iter().enumerate() {
+        let kind = types.get(id).copied().unwrap_or(1);
+        if matches!(
+            kind,
+            TOKEN_TYPE_UNKNOWN | TOKEN_TYPE_CONTROL | TOKEN_TYPE_BYTE
+        ) {
+            continue;
+        }
+        for (k, _) in piece.char_indices().skip(1) {
+            if let (Some(&l), Some(&r)) = (vocab.get(&piece[..k]), vocab.get(&piece[k..])) {
+                merges.push((scores[id], id as u32, l, r));
+            }
+        }
+    }
+    merges.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then(a.1.cmp(&b.1))
+            .then(a.2.cmp(&b.2))
+            .then(a.3.cmp(&b.3))
+    });
+    let merges = merges
+        .into_iter()
+        .map(|(_, _, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
+        .collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    let unk = types
+        .iter()
+        .position(|&t| t == TOKEN_TYPE_UNKNOWN)
+        .and_then(|i| tokens.get(i));
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk.clone());
+    }
+    let mut inner = tokenizers::Tokenizer::new(builder.build().map_err(tok_err)?);
+    let space_prefix = header
+        .get("tokenizer.ggml.add_space_prefix")
+        .ok()
+        .and_then(|v| v.as_bool())
+        .unwrap_or(true);
+    let escape = NormalizerWrapper::from(Replace::new(" ", SPM_SPACE).map_err(tok_err)?);
+    let normalizer = if space_prefix {
+        let prepend = NormalizerWrapper::from(Prepend::new(SPM_SPACE.into()));
+        NormalizerWrapper::from(NormalizerSequence::new(vec![prepend, escape]))
+    } else {
+        escape
+    };
+    inner.with_normalizer(Some(normalizer));
+    let mut decoders = vec![
+        DecoderWrapper::from(Replace::new(SPM_SPACE, " ").map_err(tok_err)?),
+        DecoderWrapper::from(ByteFallback::new()),
+        DecoderWrapper::from(Fuse::new()),
+    ];
+    if space_prefix {
+        decoders.push(DecoderWrapper::from(Strip::new(' ', 1, 0)));
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
 impl Tokenizer {
-    /// Builds the tokenizer a GGUF file describes.
+    /// Builds the tokenizer a GGUF file describes: byte-level BPE
+    /// (`tokenizer.ggml.model = gpt2`: SmolLM, Llama 3, Qwen) or
+    /// SentencePiece BPE (`llama`: Llama 2, Mistral, Gemma).
     pub fn from_gguf(header: &GgufHeader) -> Result<Self> {
         let model = header.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(Error::Tokenizer(format!(
-                "tokenizer model {model:?} is not supported: supported is the BPE model GGUF calls gpt2 (SmolLM, Llama 3, Qwen)"
-            )));
-        }
         let tokens = header.get_strings("tokenizer.ggml.tokens")?;
-        let merges = header.get_strings("tokenizer.ggml.merges")?;
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.to_string(), i as u32))
-            .collect();
-        let merges = merges
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| Error::Tokenizer(format!("merge {m:?} is not two tokens")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = header.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-
         let types: Vec<i64> = header
             .get("tokenizer.ggml.token_type")
             .ok()
             .and_then(|v| v.as_array())
             .and_then(Array::to_i64s)
             .unwrap_or_default();
+        let (mut inner, add_bos_default) = match model {
+            "gpt2" => (byte_level_bpe(header, tokens)?, false),
+            "llama" => (sentencepiece_bpe(header, tokens, &types)?, true),
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "tokenizer model {other:?} is not supported: supported are the byte-level BPE GGUF \
+                     calls gpt2 (SmolLM, Llama 3, Qwen) and the SentencePiece BPE it calls llama \
+                     (Llama 2, Mistral, Gemma)"
+                )));
+            }
+        };
         let specials: Vec<AddedToken> = types
             .iter()
             .enumerate()
@@ -140,9 +258,13 @@ impl Tokenizer {
         inner.add_special_tokens(&specials);
 
         let bos = header.get_u32("tokenizer.ggml.bos_token_id").ok();
+        // As llama.cpp: SentencePiece models start with BOS unless the file says not to.
         let add_bos = header
             .get("tokenizer.ggml.add_bos_token")
-            .is_ok_and(|v| v.as_bool() == Some(true));
+            .ok()
+            .and_then(|v| v.as_bool())
+            .unwrap_or(add_bos_default)
+            && bos.is_some();
         let mut stop_tokens: Vec<u32> =
             ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
                 .iter()
@@ -155,6 +277,7 @@ impl Tokenizer {
             "<|end_of_text|>",
             "<|endoftext|>",
             "</s>",
+            "<end_of_turn>",
         ] {
             if let Some(id) = inner.token_to_id(marker) {
                 stop_tokens.push(id);

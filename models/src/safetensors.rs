@@ -42,11 +42,13 @@ pub fn status_from(
         "llama" | "mistral" => "llama",
         "qwen2" => "qwen2",
         "qwen3" => "qwen3",
+        "gemma3_text" => "gemma3",
         other => {
             return Err(Unresolved {
                 reason: "UnsupportedArchitecture",
                 message: format!(
-                    "architecture {other:?} is not supported: supported are llama (SmolLM, Llama 2/3, Mistral), qwen2 and qwen3"
+                    "architecture {other:?} is not supported: supported are {}",
+                    shardplane_formats::error::SUPPORTED
                 ),
             });
         }

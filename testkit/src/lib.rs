@@ -459,17 +459,46 @@ pub fn install_quickstart_model() {
     );
 }
 
-/// The Python of the test venv (the official API clients, Helm's SDK).
-pub fn venv_python() -> PathBuf {
+/// The Python of the venv `name` under the cache, which `scripts/setup.sh`
+/// fills with `what`.
+fn cached_python(name: &str, what: &str) -> PathBuf {
     let venv = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_default()
-        .join(".cache/shardplane/venv/bin/python");
+        .join(".cache/shardplane")
+        .join(name)
+        .join("bin/python");
     assert!(
         venv.exists(),
-        "the test venv is missing: run `bash scripts/setup.sh` (it installs openai, anthropic, \
-         ollama and helm-python-sdk into {})",
+        "the {name} venv is missing: run `bash scripts/setup.sh` (it installs {what} into {})",
         venv.display()
     );
     venv
+}
+
+/// The Python of the reference venv (mlx-lm on the MLX CPU wheel, the `gguf`
+/// writer, SentencePiece): the model families' reference implementations.
+pub fn reference_python() -> PathBuf {
+    cached_python("reference", "mlx-lm, mlx[cpu], gguf and sentencepiece")
+}
+
+/// Runs the reference script `script` with `args` in the reference venv and
+/// fails, with its error output, when it fails.
+pub fn run_reference(script: &Path, args: &[&std::ffi::OsStr]) {
+    let out = Command::new(reference_python())
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("the reference Python runs");
+    assert!(
+        out.status.success(),
+        "{} failed: {}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The Python of the test venv (the official API clients, Helm's SDK).
+pub fn venv_python() -> PathBuf {
+    cached_python("venv", "openai, anthropic, ollama and helm-python-sdk")
 }

@@ -20,8 +20,7 @@ use shardplane_crds::{
     AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardSpec,
     ShardStatus,
 };
-use shardplane_engine::gguf::GgufFile;
-use shardplane_engine::pipeline::{EngineKind, TextModel, load_stage};
+use shardplane_engine::pipeline::{EngineKind, TextModel, load_model_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
 use tokio::sync::watch;
 
@@ -360,12 +359,12 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
         match bring_up(&client, &shard, &shards, &metrics, &sources).await {
-            Ok(bytes) => {
+            Ok((bytes, engine)) => {
                 let status = ShardStatus {
                     phase: Some(ShardPhase::Ready),
                     reason: Some("Loaded".into()),
                     message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
-                    engine: Some(crd_engine(sources.engine)),
+                    engine: Some(crd_engine(engine)),
                     endpoint: Some(shards.endpoint.to_string()),
                     memory_bytes: Some(bytes as u64),
                     observed_generation: shard.metadata.generation,
@@ -457,7 +456,7 @@ async fn bring_up(
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
-) -> Result<usize, Failure> {
+) -> Result<(usize, EngineKind), Failure> {
     let k = key(shard);
     shard.validate().map_err(|e| Failure {
         reason: "InvalidSpec",
@@ -489,7 +488,7 @@ async fn bring_up(
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
     let spec_kv = shard.spec.kv_cache;
-    let engine_kind = sources.engine;
+    let engine_kind = engine_for(spec.format, sources.engine)?;
     let prefix_cache_bytes = sources.prefix_cache_bytes;
     let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
@@ -501,18 +500,14 @@ async fn bring_up(
             prefix_cache_bytes,
             ..Default::default()
         };
-        let file = GgufFile::open(&path)?;
-        let text = if layout.is_first() {
-            let text = TextModel::from_gguf(&file)?;
-            Some(Arc::new(match &spec.chat_template {
-                Some(source) => text.with_template(text.template.with_source(source)?),
-                None => text,
-            }))
-        } else {
-            None
+        let (engine, text) = load_model_stage(&path, layout, engine_kind, &options)?;
+        let text = match (text, &spec.chat_template) {
+            (Some(text), Some(source)) => {
+                Some(text.with_template(text.template.with_source(source)?))
+            }
+            (text, _) => text,
         };
-        let engine = load_stage(&file, layout, engine_kind, &options)?;
-        Ok::<_, shardplane_engine::Error>((engine, text))
+        Ok::<_, shardplane_engine::Error>((engine, text.map(Arc::new)))
     })
     .await
     .map_err(|e| Failure {
@@ -575,7 +570,7 @@ async fn bring_up(
         metrics.weight_bytes.sub(old.worker.weight_bytes as i64);
         sources.cache.unpin(&old.spec.source.cache_key());
     }
-    Ok(bytes)
+    Ok((bytes, engine_kind))
 }
 
 /// Makes sure the weights are on this node; returns their path.
@@ -586,11 +581,18 @@ async fn fetch(
     sources: &Sources,
     metrics: &Metrics,
 ) -> Result<PathBuf, Failure> {
-    if shard.spec.format != ModelFormat::Gguf {
-        return Err(Failure {
-            reason: "FormatNotSupported",
-            message: "this agent loads GGUF models; safetensors needs the MLX engine".into(),
-        });
+    if shard.spec.format == ModelFormat::Safetensors {
+        engine_for(shard.spec.format, sources.engine)?;
+        return match &shard.spec.source {
+            ModelSource::Path(p) => local_directory(p),
+            ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Failure {
+                reason: "FormatNotSupported",
+                message: "agents do not download safetensors repositories yet: put the \
+                          directory (config.json, tokenizer files, *.safetensors) on the nodes \
+                          and give the Model a path source, or serve the model's GGUF form"
+                    .into(),
+            }),
+        };
     }
     let (url, sha256, hub_client) = match &shard.spec.source {
         ModelSource::Path(p) => return local(p).await,
@@ -733,6 +735,46 @@ async fn model_hub_client(
             reason: "InvalidToken",
             message: format!("the Model's tokenSecretRef: {e}"),
         })
+}
+
+/// The engine a Shard of `format` loads into: the agent's own for GGUF;
+/// MLX for safetensors (the MLX-community layout), when it is built in.
+fn engine_for(format: ModelFormat, preferred: EngineKind) -> Result<EngineKind, Failure> {
+    match format {
+        ModelFormat::Gguf => Ok(preferred),
+        ModelFormat::Safetensors => "mlx".parse().map_err(|_| Failure {
+            reason: "FormatNotSupported",
+            message: "safetensors models (the MLX-community layout) load with the MLX engine, \
+                      which this agent was built without: serve the model's GGUF form, or run \
+                      an agent built with the mlx feature"
+                .into(),
+        }),
+    }
+}
+
+/// A safetensors model directory already on the node (its `config.json`
+/// present; the engine names any weight file that is missing).
+fn local_directory(p: &shardplane_crds::PathSource) -> Result<PathBuf, Failure> {
+    let path = PathBuf::from(&p.path);
+    if !path.join("config.json").is_file() {
+        return Err(Failure {
+            reason: "WeightsNotFound",
+            message: format!(
+                "{} is not a model directory on this node (no config.json): copy the model \
+                 there or fix the Model's path",
+                p.path
+            ),
+        });
+    }
+    if p.sha256.is_some() {
+        return Err(Failure {
+            reason: "InvalidSpec",
+            message: "a sha256 pins one file; a safetensors directory cannot be checked \
+                      against it: remove the Model's sha256"
+                .into(),
+        });
+    }
+    Ok(path)
 }
 
 /// A model file already on the node, checked against its SHA-256 when given.

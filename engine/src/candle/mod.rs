@@ -15,7 +15,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::kv_cache::KvCache;
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, LayerAttention, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -37,8 +37,9 @@ pub struct CandleStage {
     embedding: Option<QTensor>,
     layers: Vec<LayerWeights>,
     head: Option<(Tensor, QMatMul)>,
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE tables (cos, sin) of the global layers, and of the sliding ones
+    /// when they use another base.
+    rope: RopeTables,
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
@@ -130,7 +131,7 @@ impl CandleStage {
         } else {
             None
         };
-        let (cos, sin) = rope_tables(&config, context_length, &device)?;
+        let rope = RopeTables::new(&config, context_length, &device)?;
         Ok(CandleStage {
             weight_bytes: loader.bytes,
             config,
@@ -140,8 +141,7 @@ impl CandleStage {
             embedding,
             layers,
             head,
-            cos,
-            sin,
+            rope,
             sequences: HashMap::new(),
             prefix: PrefixCache::new(DEFAULT_BLOCK_TOKENS, options.prefix_cache_bytes),
         })
@@ -173,7 +173,11 @@ impl CandleStage {
         match (input, &self.embedding) {
             (StageInput::Tokens(ids), Some(embedding)) => {
                 let ids = Tensor::new(ids.as_slice(), &self.device)?;
-                Ok(embedding.embedding(&ids)?.to_dtype(DType::F32)?)
+                let rows = embedding.embedding(&ids)?.to_dtype(DType::F32)?;
+                match self.config.embedding_scale {
+                    1.0 => Ok(rows),
+                    scale => Ok((rows * f64::from(scale))?),
+                }
             }
             (StageInput::Tokens(_), None) => Err(Error::InvalidInput(
                 "token ids for a stage without the embedding".into(),
@@ -225,7 +229,17 @@ impl CandleStage {
     fn layer(&mut self, l: usize, x: &Tensor, items: &[Item]) -> Result<Tensor> {
         let cfg = &self.config;
         let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let eps = cfg.rms_eps as f32;
         let w = &self.layers[l];
+        let shape = cfg.layer_attention(self.layout.layers.start + l);
+        let (cos, sin) = self.rope.for_layer(&shape);
+        let heads_shape = AttentionShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            scale: f64::from(cfg.attention_scale),
+            window: shape.window,
+        };
         let h = candle_nn::ops::rms_norm(x, &w.attn_norm, cfg.rms_eps as f32)?;
         let q = w.q.forward(&h)?;
         let k = w.k.forward(&h)?;
@@ -242,11 +256,11 @@ impl CandleStage {
             let mut ki = split(&k, kv_heads)?;
             let vi = split(&v, kv_heads)?;
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                qi = candle_nn::ops::rms_norm(&qi, qn, cfg.rms_eps as f32)?;
-                ki = candle_nn::ops::rms_norm(&ki, kn, cfg.rms_eps as f32)?;
+                qi = candle_nn::ops::rms_norm(&qi, qn, eps)?;
+                ki = candle_nn::ops::rms_norm(&ki, kn, eps)?;
             }
-            let cos = self.cos.narrow(0, item.position, item.len)?;
-            let sin = self.sin.narrow(0, item.position, item.len)?;
+            let cos = cos.narrow(0, item.position, item.len)?;
+            let sin = sin.narrow(0, item.position, item.len)?;
             let rope = if cfg.architecture.interleaved_rope() {
                 candle_nn::rotary_emb::rope_i
             } else {
@@ -260,17 +274,28 @@ impl CandleStage {
                 .expect("cache made in run")
                 .layers[l];
             let (k_all, v_all) = cache.append(&ki, &vi)?;
-            ys.push(attention(&qi, &k_all, &v_all, item, heads, kv_heads, hd)?);
+            ys.push(attention(&qi, &k_all, &v_all, item, &heads_shape)?);
         }
         let y = if ys.len() == 1 {
             ys.pop().expect("one item")
         } else {
             Tensor::cat(&ys, 0)?
         };
-        let x = (x + w.o.forward(&y)?)?;
-        let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, cfg.rms_eps as f32)?;
-        let mlp = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
-        Ok((x + w.down.forward(&mlp)?)?)
+        let post = |t: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
+            match norm {
+                Some(n) => Ok(candle_nn::ops::rms_norm(&t, n, eps)?),
+                None => Ok(t),
+            }
+        };
+        let x = (x + post(w.o.forward(&y)?, &w.post_attn_norm)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
+        let gate = w.gate.forward(&h)?;
+        let gate = match cfg.architecture.activation() {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
+        let mlp = (gate * w.up.forward(&h)?)?;
+        Ok((x + post(w.down.forward(&mlp)?, &w.post_ffn_norm)?)?)
     }
 
     fn outputs(&self, x: &Tensor, items: &[Item]) -> Result<Vec<StageOutput>> {
@@ -307,42 +332,51 @@ impl CandleStage {
     }
 }
 
-/// Grouped-query attention of one sequence's queries against its whole cache,
+/// The attention of one layer: head counts, score scale and window.
+struct AttentionShape {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    /// Positions a query sees, itself included (sliding layers).
+    window: Option<usize>,
+}
+
+/// Grouped-query attention of one sequence's queries against its cache,
 /// without copying keys and values per query head: the query heads sharing a
-/// KV head are laid out as extra rows.
+/// KV head are laid out as extra rows. A sliding layer reads only the keys
+/// its window can reach.
 fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     item: &Item,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
+    s: &AttentionShape,
 ) -> Result<Tensor> {
+    let (heads, kv_heads, hd) = (s.heads, s.kv_heads, s.head_dim);
     let rep = heads / kv_heads;
     let n = item.len;
     let total = item.position + n;
-    let q = q.reshape((1, kv_heads, rep * n, hd))?;
-    let scale = 1.0 / (hd as f64).sqrt();
-    let att = (q.matmul(&k.t()?)? * scale)?;
-    let att = if n > 1 {
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| {
-                (0..total).map(move |j| {
-                    if j > item.position + i {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (n, total), q.device())?;
-        att.reshape((1, kv_heads, rep, n, total))?
-            .broadcast_add(&mask)?
-            .reshape((1, kv_heads, rep * n, total))?
+    let first = item.first_key(s.window);
+    let (k, v) = if first > 0 {
+        (
+            k.narrow(2, first, total - first)?,
+            v.narrow(2, first, total - first)?,
+        )
     } else {
-        att
+        (k.clone(), v.clone())
+    };
+    let keys = total - first;
+    let q = q.reshape((1, kv_heads, rep * n, hd))?;
+    let att = (q.matmul(&k.t()?)? * s.scale)?;
+    let att = match item.mask(first, s.window) {
+        Some(mask) => {
+            let mask = Tensor::from_vec(mask, (n, keys), q.device())?;
+            att.reshape((1, kv_heads, rep, n, keys))?
+                .broadcast_add(&mask)?
+                .reshape((1, kv_heads, rep * n, keys))?
+        }
+        None => att,
     };
     let att = candle_nn::ops::softmax_last_dim(&att)?;
     let y = att.matmul(&v.contiguous()?)?;
@@ -351,10 +385,47 @@ fn attention(
         .reshape((n, heads * hd))?)
 }
 
-fn rope_tables(cfg: &ModelConfig, context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-    let half = cfg.head_dim / 2;
+/// RoPE tables: the global layers', and the sliding layers' when their
+/// base differs.
+struct RopeTables {
+    global: (Tensor, Tensor),
+    sliding: Option<(Tensor, Tensor)>,
+}
+
+impl RopeTables {
+    fn new(cfg: &ModelConfig, context: usize, device: &Device) -> Result<Self> {
+        let table =
+            |theta: f32, scale: f32| rope_table(cfg.head_dim, theta, scale, context, device);
+        let sliding = match cfg.sliding {
+            Some(s) => Some(table(s.rope_theta, 1.0)?),
+            None => None,
+        };
+        Ok(RopeTables {
+            global: table(cfg.rope_theta, cfg.rope_scale)?,
+            sliding,
+        })
+    }
+
+    fn for_layer(&self, shape: &LayerAttention) -> (&Tensor, &Tensor) {
+        let (cos, sin) = match (&self.sliding, shape.window) {
+            (Some(t), Some(_)) => t,
+            _ => &self.global,
+        };
+        (cos, sin)
+    }
+}
+
+/// cos and sin of `position / scale * theta^(-2i/head_dim)`.
+fn rope_table(
+    head_dim: usize,
+    theta: f32,
+    scale: f32,
+    context: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = head_dim / 2;
     let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32) / scale)
         .collect();
     let inv = Tensor::from_vec(inv, (1, half), device)?;
     let positions = Tensor::arange(0u32, context as u32, device)?

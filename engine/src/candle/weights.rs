@@ -99,6 +99,9 @@ pub(super) struct LayerWeights {
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
     pub ffn_norm: Tensor,
+    /// Norms of the attention and feed-forward outputs (Gemma).
+    pub post_attn_norm: Option<Tensor>,
+    pub post_ffn_norm: Option<Tensor>,
     pub gate: QMatMul,
     pub up: QMatMul,
     pub down: QMatMul,
@@ -126,12 +129,21 @@ impl LayerWeights {
         let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias)?;
         let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias)?;
         let o = linear(l, "attn_output.weight", "attn_output.bias", false)?;
-        let (q_norm, k_norm) = match arch {
-            Architecture::Qwen3 => (
+        let (q_norm, k_norm) = if arch.qk_norm() {
+            (
                 Some(l.vector(&name("attn_q_norm.weight"))?),
                 Some(l.vector(&name("attn_k_norm.weight"))?),
-            ),
-            _ => (None, None),
+            )
+        } else {
+            (None, None)
+        };
+        let (post_attn_norm, post_ffn_norm) = if arch.post_norms() {
+            (
+                Some(l.vector(&name("post_attention_norm.weight"))?),
+                Some(l.vector(&name("post_ffw_norm.weight"))?),
+            )
+        } else {
+            (None, None)
         };
         Ok(LayerWeights {
             attn_norm: l.vector(&name("attn_norm.weight"))?,
@@ -142,6 +154,8 @@ impl LayerWeights {
             q_norm,
             k_norm,
             ffn_norm: l.vector(&name("ffn_norm.weight"))?,
+            post_attn_norm,
+            post_ffn_norm,
             gate: l.matrix(&name("ffn_gate.weight"))?,
             up: l.matrix(&name("ffn_up.weight"))?,
             down: l.matrix(&name("ffn_down.weight"))?,

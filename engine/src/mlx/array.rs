@@ -316,6 +316,19 @@ impl Array {
         make("silu", |out| unsafe { ffi::spx_silu(self.ptr(), out) })
     }
 
+    /// GELU, tanh approximation.
+    pub fn gelu_tanh(&self) -> Result<Array> {
+        // SAFETY: live handle for the call.
+        make("gelu_tanh", |out| unsafe {
+            ffi::spx_gelu_tanh(self.ptr(), out)
+        })
+    }
+
+    /// Every element times `factor`.
+    pub fn scale(&self, factor: f32) -> Result<Array> {
+        self.multiply(&Array::from_f32(&[factor], &[1])?)
+    }
+
     /// Matrix product.
     pub fn matmul(&self, other: &Array) -> Result<Array> {
         // SAFETY: live handles for the call.
@@ -380,8 +393,16 @@ pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
 }
 
 /// Rotary embedding of `x` (`[batch, heads, tokens, head_dim]`) for positions
-/// `offset..`; `traditional` rotates interleaved pairs, else the two halves.
-pub fn rope(x: &Array, dims: usize, traditional: bool, base: f32, offset: usize) -> Result<Array> {
+/// `offset..`, each multiplied by `scale`; `traditional` rotates interleaved
+/// pairs, else the two halves.
+pub fn rope(
+    x: &Array,
+    dims: usize,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+    offset: usize,
+) -> Result<Array> {
     let offset = c_int::try_from(offset)
         .map_err(|_| Error::InvalidInput(format!("position {offset} is too large")))?;
     // SAFETY: live handle for the call.
@@ -391,7 +412,7 @@ pub fn rope(x: &Array, dims: usize, traditional: bool, base: f32, offset: usize)
             dims as c_int,
             c_int::from(traditional),
             base,
-            1.0,
+            scale,
             offset,
             out,
         )

@@ -88,7 +88,11 @@ pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
                 _ => {}
             }
         }
-        let target = weight.prefix(Layout::Mlx);
+        // Gemma's Hugging Face norms are offsets from one; GGUF stores `1 + w`.
+        if weight.is_norm() && config.architecture.hf_norm_offset() {
+            a = a.add(&Array::from_f32(&[-1.0], &[1])?)?;
+        }
+        let target = weight.prefix(Layout::Mlx, config.architecture);
         if suffix == "scales" {
             let w = map.get(&format!("{prefix}.weight"))?;
             let (packed, groups) = (w.shape()[1], a.shape()[1]);

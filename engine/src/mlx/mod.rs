@@ -39,7 +39,7 @@ pub use array::{
 use names::{Layout, Weight};
 use weights::{LayerWeights, Linear, Loader};
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -198,6 +198,7 @@ impl MlxStage {
         let mut loader = Loader {
             maps,
             layout: file_layout,
+            architecture: config.architecture,
             origin: origin.to_path_buf(),
             bytes: 0,
             dequantize: options.dequantize,
@@ -257,7 +258,11 @@ impl MlxStage {
                 .embedding
                 .as_ref()
                 .expect("a first stage has the embedding (plan_step)");
-            return embedding.rows(&Array::from_u32(&tokens, &[tokens.len()])?);
+            let rows = embedding.rows(&Array::from_u32(&tokens, &[tokens.len()])?)?;
+            return match self.config.embedding_scale {
+                1.0 => Ok(rows),
+                scale => rows.scale(scale),
+            };
         }
         let mut data = Vec::new();
         let mut rows = 0;
@@ -366,11 +371,13 @@ impl MlxStage {
         let (heads, kvh, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
         let eps = cfg.rms_eps as f32;
         let w = &self.layers[l];
+        let shape = cfg.layer_attention(self.layout.layers.start + l);
         let h = rms_norm(x, &w.attn_norm, eps)?;
         let q = w.q.forward(&h)?;
         let k = w.k.forward(&h)?;
         let v = w.v.forward(&h)?;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = cfg.attention_scale;
+        let rope_scale = 1.0 / shape.rope_scale;
         let mut ys = Vec::with_capacity(items.len());
         for item in items {
             let (n, pos) = (item.len, item.position);
@@ -386,8 +393,9 @@ impl MlxStage {
             let qi = split(&q, heads, w.q_norm.as_ref())?;
             let ki = split(&k, kvh, w.k_norm.as_ref())?;
             let vi = split(&v, kvh, None)?;
-            let qi = rope(&qi, hd, self.traditional_rope, cfg.rope_theta, pos)?;
-            let ki = rope(&ki, hd, self.traditional_rope, cfg.rope_theta, pos)?;
+            let theta = shape.rope_theta;
+            let qi = rope(&qi, hd, self.traditional_rope, theta, rope_scale, pos)?;
+            let ki = rope(&ki, hd, self.traditional_rope, theta, rope_scale, pos)?;
             let cache = self
                 .sequences
                 .get_mut(&item.seq)
@@ -396,9 +404,22 @@ impl MlxStage {
             let (start, stop) = ([0, 0, pos, 0], [1, kvh, pos + n, hd]);
             cache.k = cache.k.slice_update(&ki, &start, &stop)?;
             cache.v = cache.v.slice_update(&vi, &start, &stop)?;
-            let keys = cache.k.slice(&[0, 0, 0, 0], &[1, kvh, pos + n, hd])?;
-            let values = cache.v.slice(&[0, 0, 0, 0], &[1, kvh, pos + n, hd])?;
-            let mask = if n > 1 { Mask::Causal } else { Mask::None };
+            // A sliding layer reads only the keys its window reaches.
+            let first = item.first_key(shape.window);
+            let keys = cache.k.slice(&[0, 0, first, 0], &[1, kvh, pos + n, hd])?;
+            let values = cache.v.slice(&[0, 0, first, 0], &[1, kvh, pos + n, hd])?;
+            let window_mask = match shape.window {
+                Some(_) => item
+                    .mask(first, shape.window)
+                    .map(|m| Array::from_f32(&m, &[n, pos + n - first]))
+                    .transpose()?,
+                None => None,
+            };
+            let mask = match (&window_mask, n) {
+                (Some(m), _) => Mask::Array(m),
+                (None, 1) => Mask::None,
+                (None, _) => Mask::Causal,
+            };
             let y = attention(&qi, &keys, &values, scale, mask)?;
             ys.push(y.transpose(&[0, 2, 1, 3])?.reshape(&[n, heads * hd])?);
         }
@@ -407,10 +428,21 @@ impl MlxStage {
         } else {
             Array::concatenate(&ys.iter().collect::<Vec<_>>(), 0)?
         };
-        let x = x.add(&w.o.forward(&y)?)?;
+        let post = |t: Array, norm: &Option<Array>| -> Result<Array> {
+            match norm {
+                Some(n) => rms_norm(&t, n, eps),
+                None => Ok(t),
+            }
+        };
+        let x = x.add(&post(w.o.forward(&y)?, &w.post_attn_norm)?)?;
         let h = rms_norm(&x, &w.ffn_norm, eps)?;
-        let mlp = w.gate.forward(&h)?.silu()?.multiply(&w.up.forward(&h)?)?;
-        let out = x.add(&w.down.forward(&mlp)?)?;
+        let gate = w.gate.forward(&h)?;
+        let gate = match cfg.architecture.activation() {
+            Activation::Silu => gate.silu()?,
+            Activation::GeluTanh => gate.gelu_tanh()?,
+        };
+        let mlp = gate.multiply(&w.up.forward(&h)?)?;
+        let out = x.add(&post(w.down.forward(&mlp)?, &w.post_ffn_norm)?)?;
         // Evaluate layer by layer: the graph stays small and the caches are
         // written before the next step reads them.
         let mut arrays = vec![&out];

@@ -1,6 +1,11 @@
 //! Where each weight lives in the two layouts the MLX backend reads: GGUF
 //! (`blk.3.attn_q`) and the MLX-community safetensors layout, which uses the
-//! Hugging Face names (`model.layers.3.self_attn.q_proj`).
+//! Hugging Face names (`model.layers.3.self_attn.q_proj`). One Hugging Face
+//! name differs by family: `post_attention_layernorm` is the norm before the
+//! feed-forward block in Llama and Qwen, but the norm of the attention output
+//! in Gemma, whose feed-forward norm is `pre_feedforward_layernorm`.
+
+use crate::config::Architecture;
 
 /// A weight of the model, by role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +39,10 @@ pub enum Part {
     KNorm,
     /// Norm before the feed-forward block.
     FfnNorm,
+    /// Norm of the attention output (Gemma).
+    PostAttnNorm,
+    /// Norm of the feed-forward output (Gemma).
+    PostFfnNorm,
     /// Feed-forward gate.
     Gate,
     /// Feed-forward up projection.
@@ -43,7 +52,7 @@ pub enum Part {
 }
 
 /// Every part of a layer, in file order.
-pub const PARTS: [Part; 11] = [
+pub const PARTS: [Part; 13] = [
     Part::AttnNorm,
     Part::Q,
     Part::K,
@@ -51,7 +60,9 @@ pub const PARTS: [Part; 11] = [
     Part::O,
     Part::QNorm,
     Part::KNorm,
+    Part::PostAttnNorm,
     Part::FfnNorm,
+    Part::PostFfnNorm,
     Part::Gate,
     Part::Up,
     Part::Down,
@@ -68,14 +79,20 @@ impl Part {
             Part::QNorm => "attn_q_norm",
             Part::KNorm => "attn_k_norm",
             Part::FfnNorm => "ffn_norm",
+            Part::PostAttnNorm => "post_attention_norm",
+            Part::PostFfnNorm => "post_ffw_norm",
             Part::Gate => "ffn_gate",
             Part::Up => "ffn_up",
             Part::Down => "ffn_down",
         }
     }
 
-    fn hf(self) -> &'static str {
+    fn hf(self, arch: Architecture) -> &'static str {
+        let sandwich = arch.post_norms();
         match self {
+            Part::FfnNorm if sandwich => "pre_feedforward_layernorm",
+            Part::PostAttnNorm => "post_attention_layernorm",
+            Part::PostFfnNorm => "post_feedforward_layernorm",
             Part::AttnNorm => "input_layernorm",
             Part::Q => "self_attn.q_proj",
             Part::K => "self_attn.k_proj",
@@ -101,9 +118,27 @@ pub enum Layout {
 }
 
 impl Weight {
-    /// The tensor-name prefix of the weight in `layout` (suffixes `.weight`,
-    /// `.bias`, and `.scales` / `.biases` for quantized weights).
-    pub fn prefix(self, layout: Layout) -> String {
+    /// Whether the weight is an RMS norm's.
+    pub fn is_norm(self) -> bool {
+        matches!(
+            self,
+            Weight::FinalNorm
+                | Weight::Layer(
+                    _,
+                    Part::AttnNorm
+                        | Part::QNorm
+                        | Part::KNorm
+                        | Part::FfnNorm
+                        | Part::PostAttnNorm
+                        | Part::PostFfnNorm
+                )
+        )
+    }
+
+    /// The tensor-name prefix of the weight in `layout` for a model of
+    /// `arch` (suffixes `.weight`, `.bias`, and `.scales` / `.biases` for
+    /// quantized weights).
+    pub fn prefix(self, layout: Layout, arch: Architecture) -> String {
         match (layout, self) {
             (Layout::Gguf, Weight::Embedding) => "token_embd".into(),
             (Layout::Gguf, Weight::Head) => "output".into(),
@@ -112,7 +147,7 @@ impl Weight {
             (Layout::Mlx, Weight::Embedding) => "model.embed_tokens".into(),
             (Layout::Mlx, Weight::Head) => "lm_head".into(),
             (Layout::Mlx, Weight::FinalNorm) => "model.norm".into(),
-            (Layout::Mlx, Weight::Layer(n, p)) => format!("model.layers.{n}.{}", p.hf()),
+            (Layout::Mlx, Weight::Layer(n, p)) => format!("model.layers.{n}.{}", p.hf(arch)),
         }
     }
 
@@ -144,11 +179,28 @@ mod tests {
             .into_iter()
             .chain(PARTS.iter().map(|&p| Weight::Layer(17, p)))
         {
-            assert_eq!(Weight::from_gguf_prefix(&w.prefix(Layout::Gguf)), Some(w));
+            let name = w.prefix(Layout::Gguf, Architecture::Gemma3);
+            assert_eq!(Weight::from_gguf_prefix(&name), Some(w));
         }
+        let llama = Architecture::Llama;
         assert_eq!(
-            Weight::Layer(3, Part::Down).prefix(Layout::Mlx),
+            Weight::Layer(3, Part::Down).prefix(Layout::Mlx, llama),
             "model.layers.3.mlp.down_proj"
+        );
+        // One Hugging Face name, two roles.
+        let hf = |p, arch| Weight::Layer(0, p).prefix(Layout::Mlx, arch);
+        assert_eq!(
+            hf(Part::FfnNorm, llama),
+            "model.layers.0.post_attention_layernorm"
+        );
+        let gemma = Architecture::Gemma3;
+        assert_eq!(
+            hf(Part::PostAttnNorm, gemma),
+            "model.layers.0.post_attention_layernorm"
+        );
+        assert_eq!(
+            hf(Part::FfnNorm, gemma),
+            "model.layers.0.pre_feedforward_layernorm"
         );
         assert_eq!(Weight::from_gguf_prefix("blk.x.attn_q"), None);
         assert_eq!(Weight::from_gguf_prefix("rope_freqs"), None);

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
 use super::names::{Layout, Part, Weight};
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 
 /// A weight matrix: MLX-quantized or dense.
@@ -83,6 +83,9 @@ pub(super) struct LayerWeights {
     pub(super) q_norm: Option<Array>,
     pub(super) k_norm: Option<Array>,
     pub(super) ffn_norm: Array,
+    /// Norms of the attention and feed-forward outputs (Gemma).
+    pub(super) post_attn_norm: Option<Array>,
+    pub(super) post_ffn_norm: Option<Array>,
     pub(super) gate: Linear,
     pub(super) up: Linear,
     pub(super) down: Linear,
@@ -92,6 +95,8 @@ pub(super) struct LayerWeights {
 pub(super) struct Loader {
     pub(super) maps: Vec<TensorMap>,
     pub(super) layout: Layout,
+    /// The family, for names and norm conventions.
+    pub(super) architecture: Architecture,
     pub(super) origin: PathBuf,
     pub(super) bytes: usize,
     /// Expand quantized matrices to f32 (dense products through BLAS).
@@ -115,18 +120,29 @@ impl Loader {
     }
 
     pub(super) fn has(&self, w: Weight) -> bool {
-        self.find(&format!("{}.weight", w.prefix(self.layout)))
-            .is_some()
+        self.find(&format!(
+            "{}.weight",
+            w.prefix(self.layout, self.architecture)
+        ))
+        .is_some()
     }
 
     /// A norm (or other vector) weight as f32, checked against `len`.
     pub(super) fn vector(&mut self, w: Weight, len: usize) -> Result<Array> {
-        let name = format!("{}.weight", w.prefix(self.layout));
+        let name = format!("{}.weight", w.prefix(self.layout, self.architecture));
         let a = self.get(&name)?;
         if a.shape() != [len] {
             return Err(self.bad_shape(&name, &a, &format!("[{len}]")));
         }
-        let a = a.astype(Dtype::F32)?;
+        let mut a = a.astype(Dtype::F32)?;
+        // Gemma's Hugging Face norms hold `w` for `x * (1 + w)`; GGUF holds `1 + w`.
+        if w.is_norm() && self.layout == Layout::Mlx && self.architecture.hf_norm_offset() {
+            a = a.add(&Array::from_f32(&[1.0], &[1])?)?;
+        }
+        // Read now, on the loading thread: safetensors arrays are lazy, and
+        // MLX binds an unevaluated array to the stream of the thread that
+        // made it, which the stage's own thread does not have.
+        Array::eval(&[&a])?;
         self.bytes += a.nbytes();
         Ok(a)
     }
@@ -144,7 +160,7 @@ impl Loader {
 
     /// A `[out, in]` matrix, quantized when the file has `scales` for it.
     pub(super) fn linear(&mut self, w: Weight, out: usize, inp: usize) -> Result<Linear> {
-        let prefix = w.prefix(self.layout);
+        let prefix = w.prefix(self.layout, self.architecture);
         let name = format!("{prefix}.weight");
         let weight = self.get(&name)?;
         let shape = weight.shape();
@@ -220,7 +236,8 @@ impl Loader {
     pub(super) fn layer(&mut self, n: usize, c: &ModelConfig) -> Result<LayerWeights> {
         let l = |p| Weight::Layer(n, p);
         let (h, q, kv) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let norms = self.has(l(Part::QNorm));
+        let norms = c.architecture.qk_norm() || self.has(l(Part::QNorm));
+        let sandwich = c.architecture.post_norms();
         Ok(LayerWeights {
             attn_norm: self.vector(l(Part::AttnNorm), h)?,
             q: self.linear(l(Part::Q), q, h)?,
@@ -234,6 +251,12 @@ impl Loader {
                 .then(|| self.vector(l(Part::KNorm), c.head_dim))
                 .transpose()?,
             ffn_norm: self.vector(l(Part::FfnNorm), h)?,
+            post_attn_norm: sandwich
+                .then(|| self.vector(l(Part::PostAttnNorm), h))
+                .transpose()?,
+            post_ffn_norm: sandwich
+                .then(|| self.vector(l(Part::PostFfnNorm), h))
+                .transpose()?,
             gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,
             up: self.linear(l(Part::Up), c.intermediate_size, h)?,
             down: self.linear(l(Part::Down), h, c.intermediate_size)?,

@@ -1,6 +1,8 @@
 //! What a model is, read from its GGUF metadata or its `config.json`: the
 //! numbers every backend and the placement planner need.
 
+mod gemma;
+
 use crate::error::{Error, Result};
 use crate::gguf::{Array, GgufHeader, Value};
 
@@ -13,6 +15,10 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: RMS norm on Q and K per head; NeoX RoPE.
     Qwen3,
+    /// Gemma 3 (text): Q/K norms, norms after attention and after the
+    /// feed-forward block too, a GELU feed-forward, scaled embeddings, and
+    /// sliding-window layers with their own RoPE base between global ones.
+    Gemma3,
 }
 
 impl Architecture {
@@ -22,6 +28,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
         }
     }
 
@@ -30,6 +37,7 @@ impl Architecture {
             "llama" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "gemma3" => Ok(Architecture::Gemma3),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -38,6 +46,40 @@ impl Architecture {
     pub fn interleaved_rope(self) -> bool {
         matches!(self, Architecture::Llama)
     }
+
+    /// Whether each layer has per-head RMS norms on queries and keys.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+    }
+
+    /// Whether the attention output and the feed-forward output are normed
+    /// before they join the residual stream (Gemma's "sandwich" norms).
+    pub fn post_norms(self) -> bool {
+        matches!(self, Architecture::Gemma3)
+    }
+
+    /// The feed-forward gate's activation.
+    pub fn activation(self) -> Activation {
+        match self {
+            Architecture::Gemma3 => Activation::GeluTanh,
+            _ => Activation::Silu,
+        }
+    }
+
+    /// Whether Hugging Face checkpoints store RMS-norm weights as offsets
+    /// from one (`x * (1 + w)`); GGUF files store `1 + w`.
+    pub fn hf_norm_offset(self) -> bool {
+        matches!(self, Architecture::Gemma3)
+    }
+}
+
+/// The activation of a gated feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation.
+    GeluTanh,
 }
 
 /// The hyper-parameters of a model.
@@ -65,6 +107,61 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Epsilon of the RMS norms.
     pub rms_eps: f64,
+    /// Scale of the attention scores (`1/sqrt(head_dim)` unless the family
+    /// says otherwise).
+    pub attention_scale: f32,
+    /// Factor the token embeddings are multiplied by (1 unless the family
+    /// scales them).
+    pub embedding_scale: f32,
+    /// Sliding-window attention, when the family has it.
+    pub sliding: Option<SlidingWindow>,
+    /// Linear RoPE scaling of the global layers: positions are divided by it.
+    pub rope_scale: f32,
+}
+
+/// Sliding-window attention: every `pattern`-th layer is global, the others
+/// let a query see only the last `window` positions (itself included), with
+/// RoPE base `rope_theta` and no scaling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, itself included.
+    pub window: usize,
+    /// Layer `i` is global when `(i + 1) % pattern == 0`.
+    pub pattern: usize,
+    /// RoPE base of the sliding layers.
+    pub rope_theta: f32,
+}
+
+/// How one layer attends: its window and RoPE.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Positions a query sees (itself included), or every earlier one.
+    pub window: Option<usize>,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Positions are divided by this before RoPE.
+    pub rope_scale: f32,
+}
+
+/// An error in `config.json`'s `key`.
+fn hf_bad(key: &str, detail: &str) -> Error {
+    Error::metadata(format!("config.json {key}"), detail)
+}
+
+/// `config.json`'s `key` as a non-negative integer.
+fn hf_int(v: &serde_json::Value, key: &str) -> Result<usize> {
+    v.get(key)
+        .and_then(serde_json::Value::as_u64)
+        .map(|x| x as usize)
+        .ok_or_else(|| hf_bad(key, "expected a non-negative integer"))
+}
+
+/// `config.json`'s `key` as a number, `default` when absent or null.
+fn hf_float(v: &serde_json::Value, key: &str, default: f64) -> Result<f64> {
+    match v.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(default),
+        Some(x) => x.as_f64().ok_or_else(|| hf_bad(key, "expected a number")),
+    }
 }
 
 impl ModelConfig {
@@ -99,9 +196,10 @@ impl ModelConfig {
                 .map(|&d| d as usize)
                 .unwrap_or(0),
         };
-        Ok(ModelConfig {
+        let layers = header.get_u32(&key("block_count"))? as usize;
+        let mut config = ModelConfig {
             architecture,
-            layers: header.get_u32(&key("block_count"))? as usize,
+            layers,
             hidden_size,
             intermediate_size: header.get_u32(&key("feed_forward_length"))? as usize,
             heads,
@@ -113,38 +211,42 @@ impl ModelConfig {
             rms_eps: header
                 .get_f32(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5) as f64,
-        })
+            attention_scale: 1.0 / (head_dim as f32).sqrt(),
+            embedding_scale: 1.0,
+            sliding: None,
+            rope_scale: 1.0,
+        };
+        if architecture == Architecture::Gemma3 {
+            gemma::from_gguf(&mut config, header, &key)?;
+        }
+        Ok(config)
     }
 
     /// Reads a Hugging Face `config.json` (the safetensors layouts, MLX-community
     /// included).
     pub fn from_hf_json(v: &serde_json::Value) -> Result<Self> {
-        let bad = |key: &str, detail: &str| Error::metadata(format!("config.json {key}"), detail);
-        let int = |key: &str| -> Result<usize> {
-            v.get(key)
-                .and_then(serde_json::Value::as_u64)
-                .map(|x| x as usize)
-                .ok_or_else(|| bad(key, "expected a non-negative integer"))
-        };
-        let float = |key: &str, default: f64| -> Result<f64> {
-            match v.get(key) {
-                None | Some(serde_json::Value::Null) => Ok(default),
-                Some(x) => x.as_f64().ok_or_else(|| bad(key, "expected a number")),
-            }
-        };
+        let int = |key: &str| hf_int(v, key);
+        let float = |key: &str, default: f64| hf_float(v, key, default);
         let model_type = v
             .get("model_type")
             .and_then(serde_json::Value::as_str)
-            .ok_or_else(|| bad("model_type", "expected a string"))?;
+            .ok_or_else(|| hf_bad("model_type", "expected a string"))?;
         let architecture = match model_type {
             "llama" | "mistral" => Architecture::Llama,
+            "gemma3_text" => Architecture::Gemma3,
+            // `gemma3` in config.json is the multimodal wrapper (`text_config`,
+            // `language_model.` weights).
+            "gemma3" => return Err(Error::UnsupportedArchitecture(
+                "gemma3 (the multimodal checkpoint; its text-only form, gemma3_text, is supported)"
+                    .into(),
+            )),
             other => Architecture::from_gguf_name(other)?,
         };
         let hidden_size = int("hidden_size")?;
         let heads = int("num_attention_heads")?;
         let kv_heads = int("num_key_value_heads").unwrap_or(heads);
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(bad(
+            return Err(hf_bad(
                 "num_key_value_heads",
                 &format!("{heads} heads cannot share {kv_heads} key/value heads"),
             ));
@@ -154,9 +256,10 @@ impl ModelConfig {
             Err(_) if hidden_size.is_multiple_of(heads) => hidden_size / heads,
             Err(e) => return Err(e),
         };
-        Ok(ModelConfig {
+        let layers = int("num_hidden_layers")?;
+        let mut config = ModelConfig {
             architecture,
-            layers: int("num_hidden_layers")?,
+            layers,
             hidden_size,
             intermediate_size: int("intermediate_size")?,
             heads,
@@ -166,7 +269,31 @@ impl ModelConfig {
             context_length: int("max_position_embeddings")?,
             rope_theta: float("rope_theta", 10_000.0)? as f32,
             rms_eps: float("rms_norm_eps", 1e-5)?,
-        })
+            attention_scale: 1.0 / (head_dim as f32).sqrt(),
+            embedding_scale: 1.0,
+            sliding: None,
+            rope_scale: 1.0,
+        };
+        if architecture == Architecture::Gemma3 {
+            gemma::from_hf(&mut config, v)?;
+        }
+        Ok(config)
+    }
+
+    /// How layer `layer` attends: its window and its RoPE.
+    pub fn layer_attention(&self, layer: usize) -> LayerAttention {
+        match self.sliding {
+            Some(s) if !(layer + 1).is_multiple_of(s.pattern) => LayerAttention {
+                window: Some(s.window),
+                rope_theta: s.rope_theta,
+                rope_scale: 1.0,
+            },
+            _ => LayerAttention {
+                window: None,
+                rope_theta: self.rope_theta,
+                rope_scale: self.rope_scale,
+            },
+        }
     }
 
     /// The configuration as a Hugging Face `config.json` (what
@@ -176,8 +303,9 @@ impl ModelConfig {
             Architecture::Llama => ("llama", "LlamaForCausalLM"),
             Architecture::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Architecture::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
         };
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "architectures": [class],
             "model_type": model_type,
             "num_hidden_layers": self.layers,
@@ -192,7 +320,23 @@ impl ModelConfig {
             "rms_norm_eps": self.rms_eps,
             "hidden_act": "silu",
             "tie_word_embeddings": tie_word_embeddings,
-        })
+        });
+        if self.architecture == Architecture::Gemma3 {
+            let gemma = serde_json::json!({
+                "hidden_act": "gelu_pytorch_tanh",
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 1.0 / (self.attention_scale as f64).powi(2),
+                "sliding_window": self.sliding.map_or(0, |s| s.window),
+                "sliding_window_pattern": self.sliding.map_or(1, |s| s.pattern),
+                "rope_local_base_freq": self.sliding.map_or(10_000.0, |s| s.rope_theta),
+                "rope_scaling": (self.rope_scale != 1.0)
+                    .then(|| serde_json::json!({"rope_type": "linear", "factor": self.rope_scale})),
+            });
+            if let (Some(json), serde_json::Value::Object(extra)) = (json.as_object_mut(), gemma) {
+                json.extend(extra);
+            }
+        }
+        json
     }
 
     /// Bytes of KV cache one token takes in one layer (keys and values, f32).
@@ -219,6 +363,10 @@ mod tests {
             context_length: 40_960,
             rope_theta: 1_000_000.0,
             rms_eps: 1e-6,
+            attention_scale: 1.0 / 128f32.sqrt(),
+            embedding_scale: 1.0,
+            sliding: None,
+            rope_scale: 1.0,
         };
         let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();
         assert_eq!(back.architecture, c.architecture);

@@ -1,0 +1,233 @@
+//! Model families against their reference implementation: a tiny model of
+//! each family with random weights is written by `reference/tiny_model.py`
+//! (mlx-lm's model class, in the MLX-community layout and as GGUF the way
+//! llama.cpp's converter writes it), with mlx-lm's logits for a prompt and 16
+//! greedy steps. Every engine, from every format it reads, whole and split at
+//! every kind of layer boundary, with the prompt whole or in slices beside
+//! another sequence, must give the same logits (within 1e-4 of the logit
+//! range) and the same greedy tokens.
+//!
+//! ```text
+//!  tiny_model.py ──► mlx/ (config.json, model.safetensors) ──► MLX stages
+//!                ──► model.gguf ───────────────────────────► candle / MLX stages
+//!                ──► reference.json (prompt, tokens, logits) ◄── compared
+//! ```
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use shardplane_engine::candle::CandleStage;
+use shardplane_engine::pipeline::LocalPipeline;
+use shardplane_engine::{LoadOptions, Stage, StageLayout};
+
+/// What the reference computed.
+#[derive(serde::Deserialize)]
+struct Reference {
+    prompt: Vec<u32>,
+    /// Greedy tokens after the prompt.
+    tokens: Vec<u32>,
+    /// The logits that chose each token, and those after the last one.
+    logits: Vec<Vec<f32>>,
+    /// Top-1 minus top-2 of each row.
+    margins: Vec<f32>,
+}
+
+/// A tiny model of `family` with its reference outputs.
+struct Tiny {
+    _dir: tempfile::TempDir,
+    gguf: PathBuf,
+    mlx: PathBuf,
+    layers: usize,
+    reference: Reference,
+}
+
+fn tiny(family: &str) -> Tiny {
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tiny_model.py");
+    shardplane_testkit::run_reference(&script, &[dir.path().as_os_str(), family.as_ref()]);
+    let text = std::fs::read_to_string(dir.path().join("reference.json")).unwrap();
+    let reference: Reference = serde_json::from_str(&text).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("mlx/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(reference.logits.len(), reference.tokens.len() + 1);
+    Tiny {
+        gguf: dir.path().join("model.gguf"),
+        mlx: dir.path().join("mlx"),
+        layers: config["num_hidden_layers"].as_u64().unwrap() as usize,
+        reference,
+        _dir: dir,
+    }
+}
+
+/// The largest difference between two logit rows, as a fraction of the
+/// reference row's range.
+fn gap(got: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(got.len(), reference.len(), "vocabulary sizes differ");
+    let max = reference.iter().cloned().fold(f32::MIN, f32::max);
+    let min = reference.iter().cloned().fold(f32::MAX, f32::min);
+    got.iter()
+        .zip(reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+        / (max - min)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .unwrap()
+}
+
+const TOLERANCE: f32 = 1e-4;
+
+/// Runs one sequence per schedule through `p` together: each feeds the
+/// prompt in slices of the schedule's sizes (one slice a step), then its own
+/// greedy tokens one a step. Every logit row is checked against the
+/// reference and every greedy token must be the reference's. Returns the
+/// largest gap seen.
+fn check(what: &str, p: &mut LocalPipeline, r: &Reference, schedules: &[&[usize]]) -> f32 {
+    for s in schedules {
+        assert_eq!(
+            s.iter().sum::<usize>(),
+            r.prompt.len(),
+            "{what}: a schedule covers the prompt"
+        );
+    }
+    // Per sequence: prompt slices fed, tokens generated, next input.
+    let mut fed = vec![0usize; schedules.len()];
+    let mut generated = vec![0usize; schedules.len()];
+    let mut next: Vec<Option<u32>> = vec![None; schedules.len()];
+    let mut worst = 0.0f32;
+    loop {
+        let mut batch = Vec::new();
+        for (i, schedule) in schedules.iter().enumerate() {
+            if generated[i] > r.tokens.len() {
+                continue;
+            }
+            let input = if fed[i] < schedule.len() {
+                let start: usize = schedule[..fed[i]].iter().sum();
+                r.prompt[start..start + schedule[fed[i]]].to_vec()
+            } else {
+                vec![next[i].expect("a token after the prompt")]
+            };
+            batch.push((i as u64 + 1, input));
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let seqs: Vec<usize> = batch.iter().map(|(s, _)| *s as usize - 1).collect();
+        let rows = p.step(batch).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (i, row) in seqs.into_iter().zip(rows) {
+            if fed[i] < schedules[i].len() {
+                fed[i] += 1;
+                if fed[i] < schedules[i].len() {
+                    continue; // the prompt is not complete yet: nothing to check
+                }
+            }
+            let k = generated[i];
+            let g = gap(&row, &r.logits[k]);
+            assert!(
+                g < TOLERANCE,
+                "{what}: sequence {i} row {k} differs from the reference by {g} of the logit range"
+            );
+            worst = worst.max(g);
+            if k < r.tokens.len() {
+                let token = argmax(&row);
+                assert_eq!(
+                    token, r.tokens[k],
+                    "{what}: sequence {i} greedy token {k} (reference margin {})",
+                    r.margins[k]
+                );
+                next[i] = Some(token);
+            }
+            generated[i] += 1;
+        }
+    }
+    for i in 0..schedules.len() {
+        p.release(i as u64 + 1);
+    }
+    worst
+}
+
+/// The split points worth checking for a model of `layers` layers with a
+/// global layer every `pattern`: inside a run of sliding layers, just before
+/// a global layer, just after it, and three stages around it.
+fn splits(layers: usize, pattern: usize) -> Vec<Vec<Range<usize>>> {
+    let global = pattern - 1;
+    vec![
+        vec![0..layers],
+        vec![0..2, 2..layers],
+        vec![0..global, global..layers],
+        vec![0..global + 1, global + 1..layers],
+        vec![0..1, 1..global + 1, global + 1..layers],
+    ]
+}
+
+/// The schedules: the prompt whole, and in slices beside a sequence that
+/// took it whole (prefill and decode mixed in one step, across a window).
+fn schedules(prompt: usize) -> [Vec<usize>; 2] {
+    [vec![prompt], vec![3, 3, prompt - 6]]
+}
+
+/// Loads one stage of a tiny model.
+type Loader<'a> = Box<dyn Fn(StageLayout) -> Box<dyn Stage> + 'a>;
+
+fn candle(path: &Path) -> Loader<'_> {
+    Box::new(move |layout| {
+        Box::new(CandleStage::load(path, layout, &LoadOptions::default()).unwrap())
+    })
+}
+
+#[cfg(feature = "mlx")]
+fn mlx(path: &Path) -> Loader<'_> {
+    use shardplane_engine::mlx::MlxStage;
+    Box::new(move |layout| Box::new(MlxStage::load(path, layout, &LoadOptions::default()).unwrap()))
+}
+
+/// Every engine and format, every split, both schedules.
+fn check_family(family: &str, pattern: usize) {
+    let t = tiny(family);
+    let r = &t.reference;
+    let [whole, sliced] = schedules(r.prompt.len());
+    #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
+    let mut engines = vec![("candle, GGUF", candle(&t.gguf))];
+    #[cfg(feature = "mlx")]
+    {
+        engines.push(("MLX, GGUF", mlx(&t.gguf)));
+        engines.push(("MLX, safetensors", mlx(&t.mlx)));
+    }
+    for (engine, load) in &engines {
+        for ranges in splits(t.layers, pattern) {
+            let what = format!("{family} on {engine}, stages {ranges:?}");
+            let stages = ranges
+                .iter()
+                .map(|r| load(StageLayout::new(r.clone(), t.layers).unwrap()))
+                .collect();
+            let mut p = LocalPipeline::from_stages(stages);
+            let worst = check(&what, &mut p, r, &[&whole, &sliced]);
+            eprintln!("{what}: largest gap {worst:.2e} of the logit range");
+        }
+    }
+}
+
+#[test]
+fn gemma3_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("gemma3_text", 6);
+}
+
+/// Activations are plain rows, so a pipeline may mix engines and formats:
+/// MLX on safetensors for the sliding layers, candle on GGUF from the global
+/// layer on.
+#[cfg(feature = "mlx")]
+#[test]
+fn a_gemma3_pipeline_of_mlx_then_candle_matches_mlx_lm() {
+    let t = tiny("gemma3_text");
+    let first = mlx(&t.mlx)(StageLayout::new(0..5, t.layers).unwrap());
+    let last = candle(&t.gguf)(StageLayout::new(5..t.layers, t.layers).unwrap());
+    let mut p = LocalPipeline::from_stages(vec![first, last]);
+    let [whole, sliced] = schedules(t.reference.prompt.len());
+    check("MLX then candle", &mut p, &t.reference, &[&whole, &sliced]);
+}
