@@ -175,7 +175,7 @@ async fn ready_endpoints(shards: &Api<Shard>, names: &[&str]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     use shardplane_engine::StageLayout;
-    use shardplane_engine::pipeline::load_stage;
+    use shardplane_engine::pipeline::{load_model_stage, load_stage};
     let client_k = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client_k, "mixed").await.unwrap();
     let (a, b) = (unique_name("mx-a"), unique_name("mx-b"));
@@ -191,15 +191,19 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     ] {
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
-    // The MLX-community layout from a path on the node loads with MLX, even on
-    // an agent whose own engine is candle; a directory without config.json
-    // fails the Shard, naming what is missing.
+    // The MLX-community layout from a path on the node, on each engine; a
+    // directory without config.json fails the Shard, naming what is missing.
     let dir = tempfile::tempdir().unwrap();
     let mlx_dir = dir.path().join("smollm2-mlx");
     shardplane_engine::mlx::convert::gguf_to_mlx(&shardplane_testkit::test_model(), &mlx_dir)
         .unwrap();
-    for (name, path) in [("mlxdir", &mlx_dir), ("nodir", &dir.path().to_path_buf())] {
-        let mut s = fixtures::shard(name, &b, 0, 1, LayerRange { start: 0, end: 30 });
+    let no_config = dir.path().to_path_buf();
+    for (name, node, path) in [
+        ("dira", &a, &mlx_dir),
+        ("dirb", &b, &mlx_dir),
+        ("nodir", &b, &no_config),
+    ] {
+        let mut s = fixtures::shard(name, node, 0, 1, LayerRange { start: 0, end: 30 });
         s.spec.format = ModelFormat::Safetensors;
         s.spec.source = ModelSource::Path(PathSource {
             path: path.display().to_string(),
@@ -227,7 +231,13 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     );
     let endpoints = ready_endpoints(
         &shards,
-        &["mixed-0-0", "mixed-0-1", "mlxwhole-0-0", "mlxdir-0-0"],
+        &[
+            "mixed-0-0",
+            "mixed-0-1",
+            "mlxwhole-0-0",
+            "dira-0-0",
+            "dirb-0-0",
+        ],
     )
     .await;
     // Each Shard reports the engine it runs on, and each node its engines,
@@ -236,7 +246,8 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
         ("mixed-0-0", Engine::Mlx),
         ("mixed-0-1", Engine::Candle),
         ("mlxwhole-0-0", Engine::Mlx),
-        ("mlxdir-0-0", Engine::Mlx),
+        ("dira-0-0", Engine::Mlx),
+        ("dirb-0-0", Engine::Candle),
     ] {
         let st = shards.get(shard).await.unwrap().status.unwrap();
         assert_eq!(st.engine, Some(engine), "{shard}");
@@ -267,9 +278,24 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     ] {
         run_against_local(&ns, endpoint, shard, &text, local, prompt).await;
     }
-    // The directory's stage answers with MLX's tokens on the GGUF (the
-    // conversion keeps the weights bit for bit).
-    run_against_local(&ns, &endpoints[3], "mlxdir-0-0", &text, &mut mlx, prompt).await;
+    // The directory's stages answer as the same engine on the same directory
+    // does in this process; MLX's also as MLX on the GGUF (the conversion
+    // keeps the weights bit for bit).
+    run_against_local(&ns, &endpoints[3], "dira-0-0", &text, &mut mlx, prompt).await;
+    let (mut candle_dir, dir_text) = {
+        let (stage, text) =
+            load_model_stage(&mlx_dir, stage(0..30), EngineKind::Candle, &options).unwrap();
+        (LocalPipeline::from_stages(vec![stage]), text.unwrap())
+    };
+    run_against_local(
+        &ns,
+        &endpoints[4],
+        "dirb-0-0",
+        &dir_text,
+        &mut candle_dir,
+        prompt,
+    )
+    .await;
 }
 
 /// Generates 12 tokens for `prompt` through the agent at `endpoint` and

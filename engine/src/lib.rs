@@ -28,6 +28,7 @@ pub mod generation;
 pub mod gguf;
 #[cfg(feature = "mlx")]
 pub mod mlx;
+pub mod names;
 pub mod pipeline;
 pub mod prefix;
 pub mod reasoning;

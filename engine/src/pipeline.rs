@@ -133,7 +133,7 @@ pub fn load_stage(
 }
 
 /// Loads one stage of the model at `path` — a GGUF file, or a directory in
-/// the MLX-community layout (MLX only) — with the model's tokenizer and chat
+/// the MLX-community layout — with the model's tokenizer and chat
 /// template when the stage is the first.
 pub fn load_model_stage(
     path: &std::path::Path,
@@ -149,12 +149,7 @@ pub fn load_model_stage(
         let stage: Box<dyn Stage> = match engine {
             #[cfg(feature = "mlx")]
             EngineKind::Mlx => Box::new(crate::mlx::MlxStage::load(path, layout, options)?),
-            EngineKind::Candle => {
-                return Err(Error::InvalidInput(format!(
-                    "{} is a safetensors directory: candle loads GGUF files; use the MLX engine",
-                    path.display()
-                )));
-            }
+            EngineKind::Candle => Box::new(CandleStage::load(path, layout, options)?),
         };
         return Ok((stage, text));
     }

@@ -175,10 +175,14 @@ fn schedules(prompt: usize) -> [Vec<usize>; 2] {
 /// Loads one stage of a tiny model.
 type Loader<'a> = Box<dyn Fn(StageLayout) -> Box<dyn Stage> + 'a>;
 
+/// candle multiplying in f32 (it would quantize safetensors matrices to
+/// Q8_0 otherwise; the GGUF's f32 weights stay f32 either way).
 fn candle(path: &Path) -> Loader<'_> {
-    Box::new(move |layout| {
-        Box::new(CandleStage::load(path, layout, &LoadOptions::default()).unwrap())
-    })
+    let options = LoadOptions {
+        dequantize: true,
+        ..Default::default()
+    };
+    Box::new(move |layout| Box::new(CandleStage::load(path, layout, &options).unwrap()))
 }
 
 #[cfg(feature = "mlx")]
@@ -193,7 +197,10 @@ fn check_family(family: &str, pattern: usize) {
     let r = &t.reference;
     let [whole, sliced] = schedules(r.prompt.len());
     #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
-    let mut engines = vec![("candle, GGUF", candle(&t.gguf))];
+    let mut engines = vec![
+        ("candle, GGUF", candle(&t.gguf)),
+        ("candle, safetensors", candle(&t.mlx)),
+    ];
     #[cfg(feature = "mlx")]
     {
         engines.push(("MLX, GGUF", mlx(&t.gguf)));

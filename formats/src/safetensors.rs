@@ -29,13 +29,24 @@ pub enum HeaderError {
     #[error("header is not JSON: {0}")]
     HeaderNotJson(#[source] serde_json::Error),
     /// A tensor without its place in the file.
-    #[error("tensor {0} has no data_offsets")]
+    #[error("tensor {0} has no valid data_offsets")]
     NoDataOffsets(String),
 }
 
-/// Bytes of each tensor named in a safetensors header (`bytes` starts with
-/// the 8-byte length).
-pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, HeaderError> {
+/// Where one tensor lies in a safetensors file, and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// The element type as the header spells it (`F32`, `BF16`, `U32`, …).
+    pub dtype: String,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u64>,
+    /// Byte range relative to the end of the header.
+    pub offsets: (u64, u64),
+}
+
+/// Every tensor named in a safetensors header (`bytes` starts with the
+/// 8-byte length).
+pub fn parse_tensors(bytes: &[u8]) -> Result<BTreeMap<String, TensorEntry>, HeaderError> {
     let len = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
@@ -53,12 +64,30 @@ pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, HeaderError> 
         .filter(|(name, _)| name != "__metadata__")
         .map(|(name, info)| {
             let offsets = info["data_offsets"].as_array().filter(|o| o.len() == 2);
-            let (start, end) = offsets
+            let offsets = offsets
                 .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
+                .filter(|(start, end)| start <= end)
                 .ok_or_else(|| HeaderError::NoDataOffsets(name.clone()))?;
-            Ok((name, end.saturating_sub(start)))
+            let entry = TensorEntry {
+                dtype: info["dtype"].as_str().unwrap_or_default().to_string(),
+                shape: info["shape"]
+                    .as_array()
+                    .map(|d| d.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default(),
+                offsets,
+            };
+            Ok((name, entry))
         })
         .collect()
+}
+
+/// Bytes of each tensor named in a safetensors header (`bytes` starts with
+/// the 8-byte length).
+pub fn parse_header(bytes: &[u8]) -> Result<BTreeMap<String, u64>, HeaderError> {
+    Ok(parse_tensors(bytes)?
+        .into_iter()
+        .map(|(name, t)| (name, t.offsets.1 - t.offsets.0))
+        .collect())
 }
 
 /// Length of the header (with its 8-byte prefix) from the first 8 bytes.
@@ -106,5 +135,20 @@ mod tests {
             Err(HeaderError::NoDataOffsets(n)) if n == "b"
         ));
         assert_eq!(header_len(&u64::MAX.to_le_bytes()), None);
+        let t = file(r#"{"w": {"dtype": "U32", "shape": [4, 2], "data_offsets": [64, 96]}}"#);
+        assert_eq!(
+            parse_tensors(&t).unwrap()["w"],
+            TensorEntry {
+                dtype: "U32".into(),
+                shape: vec![4, 2],
+                offsets: (64, 96),
+            }
+        );
+        // A range that ends before it starts is no place in the file.
+        let backwards = file(r#"{"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}"#);
+        assert!(matches!(
+            parse_tensors(&backwards),
+            Err(HeaderError::NoDataOffsets(n)) if n == "w"
+        ));
     }
 }

@@ -359,12 +359,12 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
         match bring_up(&client, &shard, &shards, &metrics, &sources).await {
-            Ok((bytes, engine)) => {
+            Ok(bytes) => {
                 let status = ShardStatus {
                     phase: Some(ShardPhase::Ready),
                     reason: Some("Loaded".into()),
                     message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
-                    engine: Some(crd_engine(engine)),
+                    engine: Some(crd_engine(sources.engine)),
                     endpoint: Some(shards.endpoint.to_string()),
                     memory_bytes: Some(bytes as u64),
                     observed_generation: shard.metadata.generation,
@@ -456,7 +456,7 @@ async fn bring_up(
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
-) -> Result<(usize, EngineKind), Failure> {
+) -> Result<usize, Failure> {
     let k = key(shard);
     shard.validate().map_err(|e| Failure {
         reason: "InvalidSpec",
@@ -488,7 +488,7 @@ async fn bring_up(
     set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
     let spec_kv = shard.spec.kv_cache;
-    let engine_kind = engine_for(spec.format, sources.engine)?;
+    let engine_kind = sources.engine;
     let prefix_cache_bytes = sources.prefix_cache_bytes;
     let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
@@ -570,7 +570,7 @@ async fn bring_up(
         metrics.weight_bytes.sub(old.worker.weight_bytes as i64);
         sources.cache.unpin(&old.spec.source.cache_key());
     }
-    Ok((bytes, engine_kind))
+    Ok(bytes)
 }
 
 /// Makes sure the weights are on this node; returns their path.
@@ -582,7 +582,6 @@ async fn fetch(
     metrics: &Metrics,
 ) -> Result<PathBuf, Failure> {
     if shard.spec.format == ModelFormat::Safetensors {
-        engine_for(shard.spec.format, sources.engine)?;
         return match &shard.spec.source {
             ModelSource::Path(p) => local_directory(p),
             ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Failure {
@@ -735,21 +734,6 @@ async fn model_hub_client(
             reason: "InvalidToken",
             message: format!("the Model's tokenSecretRef: {e}"),
         })
-}
-
-/// The engine a Shard of `format` loads into: the agent's own for GGUF;
-/// MLX for safetensors (the MLX-community layout), when it is built in.
-fn engine_for(format: ModelFormat, preferred: EngineKind) -> Result<EngineKind, Failure> {
-    match format {
-        ModelFormat::Gguf => Ok(preferred),
-        ModelFormat::Safetensors => "mlx".parse().map_err(|_| Failure {
-            reason: "FormatNotSupported",
-            message: "safetensors models (the MLX-community layout) load with the MLX engine, \
-                      which this agent was built without: serve the model's GGUF form, or run \
-                      an agent built with the mlx feature"
-                .into(),
-        }),
-    }
 }
 
 /// A safetensors model directory already on the node (its `config.json`

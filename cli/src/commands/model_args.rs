@@ -5,8 +5,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use shardplane_engine::LoadOptions;
+use shardplane_engine::StageLayout;
+use shardplane_engine::config::read_dir_config;
 use shardplane_engine::gguf::GgufFile;
-use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, parse_stages};
+use shardplane_engine::pipeline::{
+    EngineKind, LocalPipeline, TextModel, load_model_stage, parse_stages,
+};
 
 /// Which model, how to split it and which engine runs it.
 #[derive(Args, Debug, Clone)]
@@ -68,55 +72,30 @@ impl ModelArgs {
         Ok((pipeline, text))
     }
 
-    /// Loads a model directory in the MLX-community layout (`shardplane convert`).
-    #[cfg(feature = "mlx")]
+    /// Loads a safetensors model directory (the MLX-community layout, as
+    /// `shardplane convert` writes it) with either engine.
     fn load_dir(
         &self,
         dir: &std::path::Path,
         engine: EngineKind,
         options: &LoadOptions,
     ) -> anyhow::Result<(LocalPipeline, TextModel)> {
-        use shardplane_engine::mlx::{MlxStage, read_dir_config};
-        use shardplane_engine::{Stage, StageLayout};
-        if engine != EngineKind::Mlx {
-            anyhow::bail!(
-                "{} is a model directory (MLX-community layout): run it with --engine mlx",
-                dir.display()
-            );
-        }
         let (config, _) = read_dir_config(dir)?;
         let layers = config.layers;
         let splits = match &self.stages {
             Some(spec) => parse_stages(spec, layers)?,
             None => std::iter::once(0..layers).collect(),
         };
-        let stages = splits
-            .into_iter()
-            .map(|r| -> anyhow::Result<Box<dyn Stage>> {
-                let layout = StageLayout::new(r, layers)?;
-                Ok(Box::new(
-                    MlxStage::load(dir, layout, options)
-                        .with_context(|| format!("cannot load {}", dir.display()))?,
-                ))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok((
-            LocalPipeline::from_stages(stages),
-            TextModel::from_dir(dir)?,
-        ))
-    }
-
-    #[cfg(not(feature = "mlx"))]
-    fn load_dir(
-        &self,
-        dir: &std::path::Path,
-        _: EngineKind,
-        _: &LoadOptions,
-    ) -> anyhow::Result<(LocalPipeline, TextModel)> {
-        anyhow::bail!(
-            "{} is a model directory (MLX-community layout), which only the mlx engine reads; \
-             this binary is built without it (build with --features mlx)",
-            dir.display()
-        )
+        let mut text = None;
+        let mut stages = Vec::new();
+        for r in splits {
+            let layout = StageLayout::new(r, layers)?;
+            let (stage, first) = load_model_stage(dir, layout, engine, options)
+                .with_context(|| format!("cannot load {}", dir.display()))?;
+            text = text.or(first);
+            stages.push(stage);
+        }
+        let text = text.context("the first stage brings the tokenizer")?;
+        Ok((LocalPipeline::from_stages(stages), text))
     }
 }

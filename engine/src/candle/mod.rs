@@ -1,11 +1,13 @@
 //! The candle backend: a stage computed with candle's CPU (or CUDA / Metal)
-//! kernels on GGUF weights.
+//! kernels on GGUF weights, or on a safetensors directory's (dense or in
+//! MLX's group quantization, read back and quantized to Q8_0).
 //!
 //! One code path serves prefill and batched decode: the inputs of all
 //! sequences are stacked into rows, the matmuls run once over all rows (the
 //! weights are read once per step, whatever the batch), and attention runs per
 //! sequence against its own KV cache.
 
+mod safetensors;
 mod weights;
 
 use std::collections::HashMap;
@@ -23,7 +25,8 @@ use crate::stage::{
     Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
 };
-use weights::{LayerWeights, TensorLoader};
+use safetensors::SafetensorsDir;
+use weights::{LayerWeights, Source, TensorLoader};
 
 /// KV caches grow in steps of this many tokens.
 const KV_CHUNK: usize = 256;
@@ -40,6 +43,8 @@ pub struct CandleStage {
     /// RoPE tables (cos, sin) of the global layers, and of the sliding ones
     /// when they use another base.
     rope: RopeTables,
+    /// RoPE rotates interleaved pairs (GGUF Llama), else the two halves.
+    interleaved_rope: bool,
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
@@ -77,12 +82,25 @@ impl SequenceCache {
 }
 
 impl CandleStage {
-    /// Loads layers `layout.layers` of the GGUF model at `path` on the CPU.
+    /// Loads layers `layout.layers` of a model on the CPU: a GGUF file, or a
+    /// safetensors directory (the MLX-community layout, dense or quantized).
     pub fn load(
         path: impl AsRef<Path>,
         layout: StageLayout,
         options: &LoadOptions,
     ) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let (config, json) = crate::config::read_dir_config(path)?;
+            let dir = SafetensorsDir::open(path, config.architecture, &json)?;
+            return Self::build(
+                config,
+                Source::Safetensors(dir),
+                layout,
+                options,
+                Device::Cpu,
+            );
+        }
         let file = GgufFile::open(path)?;
         Self::load_from(&file, layout, options, Device::Cpu)
     }
@@ -94,16 +112,32 @@ impl CandleStage {
         options: &LoadOptions,
         device: Device,
     ) -> Result<Self> {
-        let config = file.config().clone();
+        let source = Source::Gguf {
+            file,
+            reader: file.reader()?,
+        };
+        Self::build(file.config().clone(), source, layout, options, device)
+    }
+
+    fn build(
+        config: ModelConfig,
+        source: Source<'_>,
+        layout: StageLayout,
+        options: &LoadOptions,
+        device: Device,
+    ) -> Result<Self> {
         // The layout was built for the model the caller expected; check it against this one.
         let layout = StageLayout::new(layout.layers, config.layers)?;
         let context_length = options
             .context_length
             .unwrap_or(config.context_length)
             .max(1);
+        // GGUF Llama permutes Q/K for interleaved RoPE; Hugging Face keeps
+        // the halves layout.
+        let interleaved_rope =
+            matches!(source, Source::Gguf { .. }) && config.architecture.interleaved_rope();
         let mut loader = TensorLoader {
-            file,
-            reader: file.reader()?,
+            source,
             device: device.clone(),
             requantize: options.requantize_slow_types,
             dequantize: options.dequantize,
@@ -122,7 +156,7 @@ impl CandleStage {
         let head = if layout.is_last() {
             let norm = loader.vector("output_norm.weight")?;
             // Tied embeddings: the output head is the embedding matrix.
-            let name = if file.has_tensor("output.weight") {
+            let name = if loader.has("output.weight") {
                 "output.weight"
             } else {
                 "token_embd.weight"
@@ -134,6 +168,7 @@ impl CandleStage {
         let rope = RopeTables::new(&config, context_length, &device)?;
         Ok(CandleStage {
             weight_bytes: loader.bytes,
+            interleaved_rope,
             config,
             layout,
             context_length,
@@ -261,7 +296,7 @@ impl CandleStage {
             }
             let cos = cos.narrow(0, item.position, item.len)?;
             let sin = sin.narrow(0, item.position, item.len)?;
-            let rope = if cfg.architecture.interleaved_rope() {
+            let rope = if self.interleaved_rope {
                 candle_nn::rotary_emb::rope_i
             } else {
                 candle_nn::rotary_emb::rope

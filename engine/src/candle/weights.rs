@@ -1,4 +1,6 @@
-//! Loading a stage's weights from GGUF into candle tensors.
+//! Loading a stage's weights into candle tensors, from GGUF or from a
+//! safetensors directory (see `safetensors.rs`); both are asked for weights
+//! by their GGUF names.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -6,14 +8,27 @@ use std::io::BufReader;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use super::safetensors::SafetensorsDir;
 use crate::config::Architecture;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
-/// Reads tensors of one file, re-quantizing slow types when asked.
+/// Where a stage's weights come from.
+pub(super) enum Source<'a> {
+    /// A GGUF file: tensors kept in their quantized types.
+    Gguf {
+        file: &'a GgufFile,
+        reader: BufReader<File>,
+    },
+    /// A safetensors directory: read as f32, matrices then quantized to
+    /// Q8_0 (candle's fast type, and no more memory than the file's bf16 or
+    /// 8-bit weights) unless the loader dequantizes.
+    Safetensors(SafetensorsDir),
+}
+
+/// Reads tensors of one model, re-quantizing slow types when asked.
 pub(super) struct TensorLoader<'a> {
-    pub file: &'a GgufFile,
-    pub reader: BufReader<File>,
+    pub source: Source<'a>,
     pub device: Device,
     pub requantize: bool,
     /// Expand matrices to f32.
@@ -23,22 +38,35 @@ pub(super) struct TensorLoader<'a> {
 }
 
 impl TensorLoader<'_> {
+    /// Whether the model has a tensor GGUF would call `name`.
+    pub fn has(&self, name: &str) -> bool {
+        match &self.source {
+            Source::Gguf { file, .. } => file.has_tensor(name),
+            Source::Safetensors(dir) => dir.has(name),
+        }
+    }
+
     fn qtensor(&mut self, name: &str) -> Result<QTensor> {
-        let t = self
-            .file
-            .read_tensor(&mut self.reader, name, &self.device)?;
-        let t = match t.dtype() {
-            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if self.requantize => {
-                // candle has no SIMD dot product for these types; Q8_0 has one.
-                QTensor::quantize(&t.dequantize(&self.device)?, GgmlDType::Q8_0)?
+        let t = match &mut self.source {
+            Source::Safetensors(dir) => {
+                safetensors_matrix(dir, name, &self.device, self.dequantize)?
             }
-            GgmlDType::Q8_1 => {
-                return Err(Error::UnsupportedTensorType {
-                    tensor: name.to_string(),
-                    dtype: format!("{:?}", t.dtype()),
-                });
+            Source::Gguf { file, reader } => {
+                let t = file.read_tensor(reader, name, &self.device)?;
+                match t.dtype() {
+                    GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if self.requantize => {
+                        // candle has no SIMD dot product for these types; Q8_0 has one.
+                        QTensor::quantize(&t.dequantize(&self.device)?, GgmlDType::Q8_0)?
+                    }
+                    GgmlDType::Q8_1 => {
+                        return Err(Error::UnsupportedTensorType {
+                            tensor: name.to_string(),
+                            dtype: format!("{:?}", t.dtype()),
+                        });
+                    }
+                    _ => t,
+                }
             }
-            _ => t,
         };
         self.bytes += t.storage_size_in_bytes();
         Ok(t)
@@ -46,14 +74,18 @@ impl TensorLoader<'_> {
 
     /// A weight matrix for matmuls.
     pub fn matrix(&mut self, name: &str) -> Result<QMatMul> {
-        if self.dequantize {
-            let t = self
-                .file
-                .read_tensor(&mut self.reader, name, &self.device)?
-                .dequantize(&self.device)?;
+        let dense = match &mut self.source {
+            Source::Gguf { file, reader } if self.dequantize => Some(
+                file.read_tensor(reader, name, &self.device)?
+                    .dequantize(&self.device)?,
+            ),
+            _ => None,
+        };
+        if let Some(t) = dense {
             self.bytes += t.elem_count() * 4;
             return Ok(QMatMul::Tensor(t));
         }
+        // An f32 QTensor (safetensors dequantized) becomes a plain f32 product.
         Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
     }
 
@@ -64,13 +96,34 @@ impl TensorLoader<'_> {
 
     /// A small vector (norm weights, biases) as f32.
     pub fn vector(&mut self, name: &str) -> Result<Tensor> {
-        let t = self
-            .file
-            .read_tensor(&mut self.reader, name, &self.device)?;
-        let t = t.dequantize(&self.device)?.to_dtype(DType::F32)?;
+        let t = match &mut self.source {
+            Source::Gguf { file, reader } => file
+                .read_tensor(reader, name, &self.device)?
+                .dequantize(&self.device)?
+                .to_dtype(DType::F32)?,
+            Source::Safetensors(dir) => dir.read(name, &self.device)?,
+        };
         self.bytes += t.elem_count() * 4;
         Ok(t)
     }
+}
+
+/// A safetensors matrix: Q8_0, or f32 when the loader dequantizes (or its
+/// rows do not fill Q8_0 blocks).
+fn safetensors_matrix(
+    dir: &SafetensorsDir,
+    name: &str,
+    device: &Device,
+    dequantize: bool,
+) -> Result<QTensor> {
+    let values = dir.read(name, device)?;
+    let cols = values.dims().last().copied().unwrap_or(0);
+    let dtype = if !dequantize && cols.is_multiple_of(32) {
+        GgmlDType::Q8_0
+    } else {
+        GgmlDType::F32
+    };
+    Ok(QTensor::quantize(&values, dtype)?)
 }
 
 /// A linear layer: quantized weight and optional bias.
@@ -114,7 +167,7 @@ impl LayerWeights {
         let linear =
             |l: &mut TensorLoader<'_>, w: &str, b: &str, required: bool| -> Result<Linear> {
                 let bias_name = name(b);
-                let bias = if required || l.file.has_tensor(&bias_name) {
+                let bias = if required || l.has(&bias_name) {
                     Some(l.vector(&bias_name)?)
                 } else {
                     None

@@ -15,11 +15,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::names::{Layout, Part, Weight};
 use super::{Array, TensorMap, lock};
 use crate::config::Architecture;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::names::{Layout, Part, Weight};
 use crate::pipeline::TextModel;
 
 /// What a conversion wrote.

@@ -25,21 +25,20 @@ mod array;
 pub mod convert;
 pub mod distributed;
 mod ffi;
-pub mod names;
 mod weights;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::names::{Layout, Weight};
 pub use array::{
     Array, Dtype, Mask, TensorMap, attention, blas, dequantize, quantized_matmul, rms_norm, rope,
     version,
 };
-use names::{Layout, Weight};
 use weights::{LayerWeights, Linear, Loader};
 
-use crate::config::{Activation, ModelConfig};
+use crate::config::{Activation, ModelConfig, read_dir_config, safetensors_files};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -111,20 +110,6 @@ impl Drop for MlxStage {
     }
 }
 
-/// Reads the configuration of an MLX-community model directory.
-pub fn read_dir_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-        path: path.clone(),
-        source,
-    })?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::CorruptModel {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    Ok((ModelConfig::from_hf_json(&json)?, json))
-}
-
 impl MlxStage {
     /// Loads layers `layout.layers` of a model: a GGUF file, or a directory in
     /// the MLX-community layout.
@@ -136,21 +121,7 @@ impl MlxStage {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, _) = read_dir_config(path)?;
-            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-                .map_err(|source| Error::Io {
-                    path: path.to_path_buf(),
-                    source,
-                })?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect();
-            files.sort();
-            if files.is_empty() {
-                return Err(Error::MissingMetadata {
-                    what: format!("weights in {}", path.display()),
-                    detail: "the directory holds no .safetensors file".into(),
-                });
-            }
+            let files = safetensors_files(path)?;
             let _guard = lock();
             let maps = files
                 .iter()

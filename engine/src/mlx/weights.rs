@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
-use super::names::{Layout, Part, Weight};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
+use crate::names::{Layout, Part, Weight};
 
 /// A weight matrix: MLX-quantized or dense.
 pub(super) struct Linear {

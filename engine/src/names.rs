@@ -1,4 +1,4 @@
-//! Where each weight lives in the two layouts the MLX backend reads: GGUF
+//! Where each weight lives in the two layouts the engines read: GGUF
 //! (`blk.3.attn_q`) and the MLX-community safetensors layout, which uses the
 //! Hugging Face names (`model.layers.3.self_attn.q_proj`). One Hugging Face
 //! name differs by family: `post_attention_layernorm` is the norm before the
