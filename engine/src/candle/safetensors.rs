@@ -81,7 +81,7 @@ impl SafetensorsDir {
                     file: index,
                     dtype: t.dtype,
                     shape: t.shape.iter().map(|&d| d as usize).collect(),
-                    start: len + t.offsets.0,
+                    start: len.saturating_add(t.offsets.0),
                     len: t.offsets.1 - t.offsets.0,
                 };
                 tensors.insert(name, entry);
@@ -157,6 +157,15 @@ impl SafetensorsDir {
             path: path.clone(),
             source,
         })?;
+        // A header may promise more than the file holds: check before
+        // allocating, so a hostile header is an error, not an abort.
+        let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if e.start.checked_add(e.len).is_none_or(|end| end > size) {
+            return Err(corrupt(format!(
+                "bytes {}..+{} lie past the file's {size} bytes",
+                e.start, e.len
+            )));
+        }
         let mut raw = vec![0u8; e.len as usize];
         f.seek(SeekFrom::Start(e.start))
             .and_then(|_| f.read_exact(&mut raw))
