@@ -235,6 +235,44 @@ int spx_quantized_matmul(const spx_array* x, const spx_array* w, const spx_array
   });
 }
 
+// Routing of a mixture of experts: the softmax over the last axis (in
+// float32), the k largest entries' indices (in no particular order) and
+// their probabilities, renormalised to sum to one when `normalize`.
+int spx_route(const spx_array* logits, int k, int normalize, spx_array** indices,
+              spx_array** scores) {
+  return guard([&] {
+    auto probs = mx::softmax(mx::astype(logits->a, mx::float32), -1, true);
+    int experts = probs.shape(-1);
+    auto part = mx::argpartition(probs, experts - k, -1);
+    mx::Shape stop = part.shape();
+    mx::Shape start = stop;
+    for (auto& d : start) d = 0;
+    start.back() = experts - k;
+    auto inds = mx::slice(part, start, stop);
+    auto s = mx::take_along_axis(probs, inds, -1);
+    if (normalize != 0) s = mx::divide(s, mx::sum(s, -1, true));
+    *indices = wrap(inds);
+    *scores = wrap(s);
+  });
+}
+
+// x @ w[rhs_indices]^T for quantized stacked matrices `w` ([experts, out,
+// in] packed, as mlx.nn's QuantizedSwitchLinear holds them).
+int spx_gather_qmm(const spx_array* x, const spx_array* w, const spx_array* scales,
+                   const spx_array* biases, const spx_array* rhs_indices, int group_size,
+                   int bits, spx_array** out) {
+  return guard([&] {
+    *out = wrap(mx::gather_qmm(x->a, w->a, scales->a, opt(biases), std::nullopt, rhs_indices->a,
+                               true, group_size, bits));
+  });
+}
+
+// x @ w[rhs_indices] for dense stacked matrices `w` ([experts, in, out]).
+int spx_gather_mm(const spx_array* x, const spx_array* w, const spx_array* rhs_indices,
+                  spx_array** out) {
+  return guard([&] { *out = wrap(mx::gather_mm(x->a, w->a, std::nullopt, rhs_indices->a)); });
+}
+
 int spx_dequantize(const spx_array* w, const spx_array* scales, const spx_array* biases,
                    int group_size, int bits, spx_array** out) {
   return guard(

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use shardplane_formats::config::{
-    Activation, Architecture, LayerAttention, ModelConfig, SlidingWindow,
+    Activation, Architecture, LayerAttention, ModelConfig, Moe, SlidingWindow,
 };
 
 /// Reads the configuration of a safetensors model directory (the

@@ -49,10 +49,18 @@ pub enum Part {
     Up,
     /// Feed-forward down projection.
     Down,
+    /// Router of a mixture of experts: hidden → expert logits.
+    Router,
+    /// Every expert's gate, stacked `[experts, width, hidden]`.
+    ExpertGate,
+    /// Every expert's up projection, stacked like the gates.
+    ExpertUp,
+    /// Every expert's down projection, `[experts, hidden, width]`.
+    ExpertDown,
 }
 
 /// Every part of a layer, in file order.
-pub const PARTS: [Part; 13] = [
+pub const PARTS: [Part; 17] = [
     Part::AttnNorm,
     Part::Q,
     Part::K,
@@ -66,6 +74,10 @@ pub const PARTS: [Part; 13] = [
     Part::Gate,
     Part::Up,
     Part::Down,
+    Part::Router,
+    Part::ExpertGate,
+    Part::ExpertUp,
+    Part::ExpertDown,
 ];
 
 impl Part {
@@ -84,12 +96,26 @@ impl Part {
             Part::Gate => "ffn_gate",
             Part::Up => "ffn_up",
             Part::Down => "ffn_down",
+            Part::Router => "ffn_gate_inp",
+            Part::ExpertGate => "ffn_gate_exps",
+            Part::ExpertUp => "ffn_up_exps",
+            Part::ExpertDown => "ffn_down_exps",
         }
     }
 
     fn hf(self, arch: Architecture) -> &'static str {
         let sandwich = arch.post_norms();
+        // MLX-community checkpoints hold the experts stacked (`switch_mlp`).
+        let mixtral = arch == Architecture::Mixtral;
         match self {
+            Part::Router if mixtral => "block_sparse_moe.gate",
+            Part::ExpertGate if mixtral => "block_sparse_moe.switch_mlp.gate_proj",
+            Part::ExpertUp if mixtral => "block_sparse_moe.switch_mlp.up_proj",
+            Part::ExpertDown if mixtral => "block_sparse_moe.switch_mlp.down_proj",
+            Part::Router => "mlp.gate",
+            Part::ExpertGate => "mlp.switch_mlp.gate_proj",
+            Part::ExpertUp => "mlp.switch_mlp.up_proj",
+            Part::ExpertDown => "mlp.switch_mlp.down_proj",
             Part::FfnNorm if sandwich => "pre_feedforward_layernorm",
             Part::PostAttnNorm => "post_attention_layernorm",
             Part::PostFfnNorm => "post_feedforward_layernorm",
@@ -201,6 +227,18 @@ mod tests {
         assert_eq!(
             hf(Part::FfnNorm, gemma),
             "model.layers.0.pre_feedforward_layernorm"
+        );
+        assert_eq!(
+            Weight::from_gguf_prefix("blk.2.ffn_down_exps"),
+            Some(Weight::Layer(2, Part::ExpertDown))
+        );
+        assert_eq!(
+            hf(Part::ExpertUp, Architecture::Mixtral),
+            "model.layers.0.block_sparse_moe.switch_mlp.up_proj"
+        );
+        assert_eq!(
+            hf(Part::Router, Architecture::Qwen3Moe),
+            "model.layers.0.mlp.gate"
         );
         assert_eq!(Weight::from_gguf_prefix("blk.x.attn_q"), None);
         assert_eq!(Weight::from_gguf_prefix("rope_freqs"), None);

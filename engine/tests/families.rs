@@ -42,9 +42,21 @@ struct Tiny {
 }
 
 fn tiny(family: &str) -> Tiny {
+    tiny_with(family, &[])
+}
+
+/// A tiny model quantized by mlx-lm to `bits` (MLX layout only; the
+/// reference is the quantized model's).
+fn tiny_quantized(family: &str, bits: u32) -> Tiny {
+    tiny_with(family, &["0", &bits.to_string()])
+}
+
+fn tiny_with(family: &str, extra: &[&str]) -> Tiny {
     let dir = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tiny_model.py");
-    shardplane_testkit::run_reference(&script, &[dir.path().as_os_str(), family.as_ref()]);
+    let mut args = vec![dir.path().as_os_str(), family.as_ref()];
+    args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+    shardplane_testkit::run_reference(&script, &args);
     let text = std::fs::read_to_string(dir.path().join("reference.json")).unwrap();
     let reference: Reference = serde_json::from_str(&text).unwrap();
     let config: serde_json::Value =
@@ -155,7 +167,7 @@ fn check(what: &str, p: &mut LocalPipeline, r: &Reference, schedules: &[&[usize]
 /// The split points worth checking for a model of `layers` layers with a
 /// global layer every `pattern`: inside a run of sliding layers, just before
 /// a global layer, just after it, and three stages around it.
-fn splits(layers: usize, pattern: usize) -> Vec<Vec<Range<usize>>> {
+fn sliding_splits(layers: usize, pattern: usize) -> Vec<Vec<Range<usize>>> {
     let global = pattern - 1;
     vec![
         vec![0..layers],
@@ -191,23 +203,30 @@ fn mlx(path: &Path) -> Loader<'_> {
     Box::new(move |layout| Box::new(MlxStage::load(path, layout, &LoadOptions::default()).unwrap()))
 }
 
-/// Every engine and format, every split, both schedules.
-fn check_family(family: &str, pattern: usize) {
-    let t = tiny(family);
+/// Every engine and format, every split (`splits` of the model's layer
+/// count), both schedules.
+fn check_family(family: &str, splits: fn(usize) -> Vec<Vec<Range<usize>>>) {
+    check_model(family, &tiny(family), splits);
+}
+
+/// Every engine on every format `t` has.
+fn check_model(family: &str, t: &Tiny, splits: fn(usize) -> Vec<Vec<Range<usize>>>) {
     let r = &t.reference;
     let [whole, sliced] = schedules(r.prompt.len());
-    #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
-    let mut engines = vec![
-        ("candle, GGUF", candle(&t.gguf)),
-        ("candle, safetensors", candle(&t.mlx)),
-    ];
+    let gguf = t.gguf.exists();
+    let mut engines = vec![("candle, safetensors", candle(&t.mlx))];
+    if gguf {
+        engines.push(("candle, GGUF", candle(&t.gguf)));
+    }
     #[cfg(feature = "mlx")]
     {
-        engines.push(("MLX, GGUF", mlx(&t.gguf)));
         engines.push(("MLX, safetensors", mlx(&t.mlx)));
+        if gguf {
+            engines.push(("MLX, GGUF", mlx(&t.gguf)));
+        }
     }
     for (engine, load) in &engines {
-        for ranges in splits(t.layers, pattern) {
+        for ranges in splits(t.layers) {
             let what = format!("{family} on {engine}, stages {ranges:?}");
             let stages = ranges
                 .iter()
@@ -222,7 +241,70 @@ fn check_family(family: &str, pattern: usize) {
 
 #[test]
 fn gemma3_matches_mlx_lm_on_every_engine_format_and_split() {
-    check_family("gemma3_text", 6);
+    check_family("gemma3_text", |layers| sliding_splits(layers, 6));
+}
+
+/// Every boundary of a small model, and three stages.
+fn every_boundary(layers: usize) -> Vec<Vec<Range<usize>>> {
+    let mut all = vec![vec![0..layers]];
+    all.extend((1..layers).map(|b| vec![0..b, b..layers]));
+    all.push(vec![0..1, 1..2, 2..layers]);
+    all
+}
+
+/// Qwen3-MoE with a dense second layer: split between routed and dense
+/// layers both ways.
+#[test]
+fn qwen3_moe_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("qwen3_moe", every_boundary);
+}
+
+/// Qwen3-MoE as mlx-lm quantizes it: 4-bit experts and attention in groups
+/// of 32, an 8-bit router in groups of 64; MLX multiplies the packed
+/// experts as they are (gather_qmm), candle reads them back to f32.
+#[test]
+fn a_4_bit_qwen3_moe_matches_mlx_lm_on_both_engines() {
+    check_model(
+        "qwen3_moe, 4-bit",
+        &tiny_quantized("qwen3_moe", 4),
+        every_boundary,
+    );
+}
+
+/// Qwen3-MoE in GGUF Q4_0 blocks (stacked experts of 32 × 64 and 64 × 32
+/// in one tensor each): the reference holds the values the blocks decode to.
+/// candle splits each stacked tensor into one block matrix per expert and,
+/// as the tests load it, decodes them (its own Q4_0 kernels round the
+/// activations to Q8_0, which moves this tiny model's logits by a few per
+/// cent of their range).
+#[test]
+fn a_q4_0_qwen3_moe_gguf_matches_mlx_lm_on_both_engines() {
+    let t = tiny_with("qwen3_moe", &["0", "q4_0"]);
+    check_model("qwen3_moe, Q4_0", &t, every_boundary);
+}
+
+/// Mixtral in GGUF Q8_0 blocks, Q/K permuted.
+#[test]
+fn a_q8_0_mixtral_gguf_matches_mlx_lm_on_both_engines() {
+    let t = tiny_with("mixtral", &["0", "q8_0"]);
+    check_model("mixtral, Q8_0", &t, every_boundary);
+}
+
+/// Mixtral's experts in 8 bits.
+#[test]
+fn an_8_bit_mixtral_matches_mlx_lm_on_both_engines() {
+    check_model(
+        "mixtral, 8-bit",
+        &tiny_quantized("mixtral", 8),
+        every_boundary,
+    );
+}
+
+/// Mixtral: GGUF names it llama (Q/K permuted for interleaved RoPE), the
+/// experts' weights a softmax over the chosen two.
+#[test]
+fn mixtral_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("mixtral", every_boundary);
 }
 
 /// Activations are plain rows, so a pipeline may mix engines and formats:

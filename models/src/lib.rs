@@ -126,7 +126,7 @@ pub fn resolve_path(
     }
 }
 
-fn format_unresolved(origin: &str, e: shardplane_formats::Error) -> Unresolved {
+pub(crate) fn format_unresolved(origin: &str, e: shardplane_formats::Error) -> Unresolved {
     Unresolved {
         reason: match e {
             shardplane_formats::Error::Io(_) => "SourceUnreadable",

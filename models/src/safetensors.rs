@@ -12,7 +12,8 @@ use shardplane_formats::safetensors::HeaderError;
 pub use shardplane_formats::safetensors::{MAX_HEADER, header_len, parse_header};
 
 use crate::{
-    Error, MAX_LAYERS, Unresolved, check_shape, kv_bytes_per_token_per_layer, off_runtime,
+    Error, MAX_LAYERS, Unresolved, check_shape, format_unresolved, kv_bytes_per_token_per_layer,
+    off_runtime,
 };
 
 /// The longest `config.json` or index accepted.
@@ -34,25 +35,12 @@ pub fn status_from(
         reason: "CorruptModel",
         message,
     };
-    let model_type = config
-        .get("model_type")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let architecture = match model_type {
-        "llama" | "mistral" => "llama",
-        "qwen2" => "qwen2",
-        "qwen3" => "qwen3",
-        "gemma3_text" => "gemma3",
-        other => {
-            return Err(Unresolved {
-                reason: "UnsupportedArchitecture",
-                message: format!(
-                    "architecture {other:?} is not supported: supported are {}",
-                    shardplane_formats::error::SUPPORTED
-                ),
-            });
-        }
-    };
+    // The engines' own reading of config.json: the same families, and the
+    // same refusals. An unknown family first, before any number is asked for.
+    let parsed = shardplane_formats::ModelConfig::from_hf_json(config);
+    if let Err(e @ shardplane_formats::Error::UnsupportedArchitecture(_)) = parsed {
+        return Err(format_unresolved("config.json", e));
+    }
     let need =
         |key: &str| field(config, key).ok_or_else(|| bad(format!("config.json has no {key}")));
     let layers = need("num_hidden_layers")?;
@@ -70,6 +58,11 @@ pub fn status_from(
         ],
     )
     .map_err(|e| bad(format!("config.json: {e}")))?;
+    // Then whatever else the engines would refuse (impossible routing, say).
+    let architecture = parsed
+        .map_err(|e| format_unresolved("config.json", e))?
+        .architecture
+        .gguf_name();
     let context = field(config, "max_position_embeddings")
         .unwrap_or(4096)
         .min(u32::MAX.into()) as u32;

@@ -11,7 +11,7 @@ use tower_http::services::ServeDir;
 
 const CONFIG: &str = r#"{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-    "max_position_embeddings": 2048, "quantization": {"group_size": 64, "bits": 4}}"#;
+    "intermediate_size": 128, "max_position_embeddings": 2048, "quantization": {"group_size": 64, "bits": 4}}"#;
 
 /// Tensors of a 2-layer model: (name, bytes). Tied embeddings (no lm_head).
 fn tensors() -> Vec<(String, u64)> {
@@ -144,6 +144,22 @@ fn broken_safetensors_models_are_named() {
     let e = safetensors::resolve_dir(dir.path(), &spec).unwrap_err();
     assert_eq!(e.reason, "UnsupportedArchitecture", "{}", e.message);
     assert!(e.message.contains("\"mamba\""));
+
+    // A mixture of experts that cannot route as it says.
+    let moe = CONFIG.replace(
+        r#""model_type": "llama""#,
+        r#""model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 32"#,
+    );
+    std::fs::write(dir.path().join("config.json"), moe).unwrap();
+    let e = safetensors::resolve_dir(dir.path(), &spec).unwrap_err();
+    assert_eq!(e.reason, "CorruptModel", "{}", e.message);
+    assert!(
+        e.message
+            .contains("8 experts per token, but only 4 experts"),
+        "{}",
+        e.message
+    );
 
     std::fs::write(dir.path().join("config.json"), CONFIG).unwrap();
     std::fs::write(

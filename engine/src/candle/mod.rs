@@ -7,6 +7,7 @@
 //! weights are read once per step, whatever the batch), and attention runs per
 //! sequence against its own KV cache.
 
+mod moe;
 mod safetensors;
 mod weights;
 
@@ -17,7 +18,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::kv_cache::KvCache;
 
-use crate::config::{Activation, LayerAttention, ModelConfig};
+use crate::config::{LayerAttention, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -151,7 +152,7 @@ impl CandleStage {
         let layers = layout
             .layers
             .clone()
-            .map(|i| LayerWeights::load(&mut loader, i, config.architecture))
+            .map(|i| LayerWeights::load(&mut loader, i, &config))
             .collect::<Result<Vec<_>>>()?;
         let head = if layout.is_last() {
             let norm = loader.vector("output_norm.weight")?;
@@ -324,13 +325,8 @@ impl CandleStage {
         };
         let x = (x + post(w.o.forward(&y)?, &w.post_attn_norm)?)?;
         let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
-        let gate = w.gate.forward(&h)?;
-        let gate = match cfg.architecture.activation() {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
-        };
-        let mlp = (gate * w.up.forward(&h)?)?;
-        Ok((x + post(w.down.forward(&mlp)?, &w.post_ffn_norm)?)?)
+        let ffn = w.ffn.forward(&h, cfg.architecture.activation())?;
+        Ok((x + post(ffn, &w.post_ffn_norm)?)?)
     }
 
     fn outputs(&self, x: &Tensor, items: &[Item]) -> Result<Vec<StageOutput>> {

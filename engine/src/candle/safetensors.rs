@@ -254,12 +254,19 @@ impl SafetensorsDir {
                 ),
             });
         }
-        let (rows, words) = packed.dims2().map_err(|e| bad(e.to_string()))?;
-        let (scale_rows, groups) = scales.dims2().map_err(|e| bad(e.to_string()))?;
+        // `[..., rows, words]`: a matrix, or stacked experts.
+        let split = |t: &Tensor| match t.dims() {
+            [lead @ .., last] if !lead.is_empty() => Ok((lead.to_vec(), *last)),
+            other => Err(bad(format!("a quantized weight of shape {other:?}"))),
+        };
+        let (lead, words) = split(packed)?;
+        let (scale_lead, groups) = split(scales)?;
+        let rows: usize = lead.iter().product();
         let cols = words * 32 / bits;
-        if scale_rows != rows || groups * group != cols || biases.dims() != scales.dims() {
+        if scale_lead != lead || groups * group != cols || biases.dims() != scales.dims() {
             return Err(bad(format!(
-                "{rows}×{words} packed words do not match scales {:?} and biases {:?} at {bits} bits in groups of {group}",
+                "{:?} packed words do not match scales {:?} and biases {:?} at {bits} bits in groups of {group}",
+                packed.dims(),
                 scales.dims(),
                 biases.dims()
             )));
@@ -281,6 +288,8 @@ impl SafetensorsDir {
                 values.push(scales[g] * q as f32 + biases[g]);
             }
         }
-        Ok(Tensor::from_vec(values, (rows, cols), packed.device())?)
+        let mut shape = lead;
+        shape.push(cols);
+        Ok(Tensor::from_vec(values, shape, packed.device())?)
     }
 }

@@ -5,11 +5,12 @@
 use std::fs::File;
 use std::io::BufReader;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use super::moe::{Experts, FeedForward};
 use super::safetensors::SafetensorsDir;
-use crate::config::Architecture;
+use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -89,6 +90,47 @@ impl TensorLoader<'_> {
         Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
     }
 
+    /// Stacked `[experts, out, in]` matrices, one product per expert.
+    pub fn experts(&mut self, name: &str, experts: usize) -> Result<Vec<QMatMul>> {
+        let dequantize = self.dequantize && matches!(self.source, Source::Gguf { .. });
+        let t = self.qtensor(name)?;
+        let dims = t.shape().dims().to_vec();
+        let bad = |detail: String| Error::UnsupportedTensorType {
+            tensor: name.to_string(),
+            dtype: detail,
+        };
+        let [count, out, inp] = dims[..] else {
+            return Err(bad(format!("shape {dims:?}, expected [experts, out, in]")));
+        };
+        if count != experts {
+            return Err(bad(format!(
+                "{count} experts stacked, the configuration says {experts}"
+            )));
+        }
+        // Quantized blocks run along rows, so each expert is one slab of bytes.
+        let data = t.data()?;
+        let slab = data.len() / experts.max(1);
+        let dtype = t.dtype();
+        let mut matrices = Vec::with_capacity(experts);
+        for e in 0..experts {
+            let bytes = std::borrow::Cow::Borrowed(&data[e * slab..(e + 1) * slab]);
+            let storage = QStorage::from_data(bytes, &self.device, dtype)?;
+            let q = QTensor::new(storage, (out, inp))?;
+            matrices.push(if dequantize {
+                let dense = q.dequantize(&self.device)?;
+                self.bytes += dense.elem_count() * 4;
+                QMatMul::Tensor(dense)
+            } else {
+                QMatMul::from_qtensor(q)?
+            });
+        }
+        if dequantize {
+            // Counted as f32 above instead.
+            self.bytes -= t.storage_size_in_bytes();
+        }
+        Ok(matrices)
+    }
+
     /// A weight kept quantized for row lookups (the token embedding).
     pub fn quantized(&mut self, name: &str) -> Result<QTensor> {
         self.qtensor(name)
@@ -155,13 +197,13 @@ pub(super) struct LayerWeights {
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub post_attn_norm: Option<Tensor>,
     pub post_ffn_norm: Option<Tensor>,
-    pub gate: QMatMul,
-    pub up: QMatMul,
-    pub down: QMatMul,
+    /// The feed-forward block: dense, or routed to experts.
+    pub ffn: FeedForward,
 }
 
 impl LayerWeights {
-    pub fn load(l: &mut TensorLoader<'_>, i: usize, arch: Architecture) -> Result<Self> {
+    pub fn load(l: &mut TensorLoader<'_>, i: usize, config: &ModelConfig) -> Result<Self> {
+        let arch = config.architecture;
         let name = |s: &str| format!("blk.{i}.{s}");
         // Qwen2 always has Q/K/V biases; elsewhere a bias is used when the file has one.
         let linear =
@@ -209,9 +251,21 @@ impl LayerWeights {
             ffn_norm: l.vector(&name("ffn_norm.weight"))?,
             post_attn_norm,
             post_ffn_norm,
-            gate: l.matrix(&name("ffn_gate.weight"))?,
-            up: l.matrix(&name("ffn_up.weight"))?,
-            down: l.matrix(&name("ffn_down.weight"))?,
+            ffn: match &config.moe {
+                Some(moe) if moe.routed(i) => FeedForward::Experts(Experts {
+                    router: l.matrix(&name("ffn_gate_inp.weight"))?,
+                    gate: l.experts(&name("ffn_gate_exps.weight"), moe.experts)?,
+                    up: l.experts(&name("ffn_up_exps.weight"), moe.experts)?,
+                    down: l.experts(&name("ffn_down_exps.weight"), moe.experts)?,
+                    per_token: moe.experts_per_token,
+                    normalize: moe.normalize,
+                }),
+                _ => FeedForward::Dense {
+                    gate: l.matrix(&name("ffn_gate.weight"))?,
+                    up: l.matrix(&name("ffn_up.weight"))?,
+                    down: l.matrix(&name("ffn_down.weight"))?,
+                },
+            },
         })
     }
 }

@@ -384,6 +384,67 @@ pub fn dequantize(
     })
 }
 
+/// A mixture of experts' routing of router logits `[tokens, experts]`: the
+/// `k` experts each token chooses (`[tokens, k]` u32, in no particular
+/// order) and their weights (the softmax over all experts, renormalised over
+/// the chosen when `normalize`).
+pub fn route(logits: &Array, k: usize, normalize: bool) -> Result<(Array, Array)> {
+    let mut indices: ffi::array = std::ptr::null_mut();
+    let mut scores: ffi::array = std::ptr::null_mut();
+    // SAFETY: a live handle, and two out-pointers the shim fills on success.
+    let rc = unsafe {
+        ffi::spx_route(
+            logits.ptr(),
+            k as c_int,
+            c_int::from(normalize),
+            &mut indices,
+            &mut scores,
+        )
+    };
+    check(rc, "route")?;
+    let take = |p: ffi::array| {
+        NonNull::new(p)
+            .map(Array)
+            .ok_or_else(|| Error::Mlx("route: no array returned".into()))
+    };
+    Ok((take(indices)?, take(scores)?))
+}
+
+/// `x @ w[e]ᵀ` for each expert `e` of `indices`, `w` stacked and quantized
+/// (`[experts, out, in × bits / 32]`).
+pub fn gather_quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    indices: &Array,
+    group_size: usize,
+    bits: usize,
+) -> Result<Array> {
+    // SAFETY: live handles (or null for no biases) for the call.
+    make("gather_qmm", |out| unsafe {
+        ffi::spx_gather_qmm(
+            x.ptr(),
+            w.ptr(),
+            scales.ptr(),
+            raw(biases),
+            indices.ptr(),
+            group_size as c_int,
+            bits as c_int,
+            out,
+        )
+    })
+}
+
+/// `x @ w[e]` for each expert `e` of `indices`, `w` stacked and dense
+/// (`[experts, in, out]`).
+pub fn gather_matmul(x: &Array, w: &Array, indices: &Array) -> Result<Array> {
+    // SAFETY: live handles for the call.
+    make("gather_mm", |out| unsafe {
+        ffi::spx_gather_mm(x.ptr(), w.ptr(), indices.ptr(), out)
+    })
+}
+
 /// RMS norm over the last axis (MLX's fused kernel).
 pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
     // SAFETY: live handles for the call.

@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::{Array, TensorMap, lock};
-use crate::config::Architecture;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::names::{Layout, Part, Weight};
@@ -71,7 +70,8 @@ pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
     let mut written = TensorMap::new();
     let mut quantization: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let mut tensors = 0;
-    let llama = config.architecture == Architecture::Llama;
+    // GGUF Llama (and Mixtral) permute Q/K for interleaved RoPE.
+    let llama = config.architecture.interleaved_rope();
     for name in map.names() {
         let Some((prefix, suffix)) = name.rsplit_once('.') else {
             continue;
@@ -95,13 +95,19 @@ pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
         let target = weight.prefix(Layout::Mlx, config.architecture);
         if suffix == "scales" {
             let w = map.get(&format!("{prefix}.weight"))?;
-            let (packed, groups) = (w.shape()[1], a.shape()[1]);
+            // Matrices are `[out, packed]`, stacked experts `[experts, out, packed]`.
+            let last = |s: Vec<usize>| s.last().copied().unwrap_or(0);
+            let (packed, groups) = (last(w.shape()), last(a.shape()));
             let inp = match weight {
                 Weight::Layer(_, Part::O) => config.heads * config.head_dim,
                 Weight::Layer(_, Part::Down) => config.intermediate_size,
+                Weight::Layer(_, Part::ExpertDown) => config
+                    .moe
+                    .as_ref()
+                    .map_or(0, |m| m.expert_intermediate_size),
                 _ => config.hidden_size,
             };
-            let bits = packed * 32 / inp;
+            let bits = packed * 32 / inp.max(1);
             quantization.insert(target.clone(), (bits, inp / groups.max(1)));
         }
         written.insert(&format!("{target}.{suffix}"), &a)?;

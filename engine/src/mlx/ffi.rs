@@ -92,6 +92,29 @@ unsafe extern "C" {
         bits: c_int,
         out: *mut array,
     ) -> c_int;
+    pub fn spx_route(
+        logits: *const spx_array,
+        k: c_int,
+        normalize: c_int,
+        indices: *mut array,
+        scores: *mut array,
+    ) -> c_int;
+    pub fn spx_gather_qmm(
+        x: *const spx_array,
+        w: *const spx_array,
+        scales: *const spx_array,
+        biases: *const spx_array,
+        rhs_indices: *const spx_array,
+        group_size: c_int,
+        bits: c_int,
+        out: *mut array,
+    ) -> c_int;
+    pub fn spx_gather_mm(
+        x: *const spx_array,
+        w: *const spx_array,
+        rhs_indices: *const spx_array,
+        out: *mut array,
+    ) -> c_int;
     pub fn spx_dequantize(
         w: *const spx_array,
         scales: *const spx_array,

@@ -25,6 +25,7 @@ mod array;
 pub mod convert;
 pub mod distributed;
 mod ffi;
+mod moe;
 mod weights;
 
 use std::collections::HashMap;
@@ -38,7 +39,7 @@ pub use array::{
 };
 use weights::{LayerWeights, Linear, Loader};
 
-use crate::config::{Activation, ModelConfig, read_dir_config, safetensors_files};
+use crate::config::{ModelConfig, read_dir_config, safetensors_files};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -407,13 +408,8 @@ impl MlxStage {
         };
         let x = x.add(&post(w.o.forward(&y)?, &w.post_attn_norm)?)?;
         let h = rms_norm(&x, &w.ffn_norm, eps)?;
-        let gate = w.gate.forward(&h)?;
-        let gate = match cfg.architecture.activation() {
-            Activation::Silu => gate.silu()?,
-            Activation::GeluTanh => gate.gelu_tanh()?,
-        };
-        let mlp = gate.multiply(&w.up.forward(&h)?)?;
-        let out = x.add(&post(w.down.forward(&mlp)?, &w.post_ffn_norm)?)?;
+        let ffn = w.ffn.forward(&h, cfg.architecture.activation())?;
+        let out = x.add(&post(ffn, &w.post_ffn_norm)?)?;
         // Evaluate layer by layer: the graph stays small and the caches are
         // written before the next step reads them.
         let mut arrays = vec![&out];

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
+use super::moe::{Experts, FeedForward, Stacked};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::names::{Layout, Part, Weight};
@@ -86,9 +87,8 @@ pub(super) struct LayerWeights {
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub(super) post_attn_norm: Option<Array>,
     pub(super) post_ffn_norm: Option<Array>,
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
-    pub(super) down: Linear,
+    /// The feed-forward block: dense, or routed to experts.
+    pub(super) ffn: FeedForward,
 }
 
 /// Reads weights by role from one or more tensor maps.
@@ -160,24 +160,77 @@ impl Loader {
 
     /// A `[out, in]` matrix, quantized when the file has `scales` for it.
     pub(super) fn linear(&mut self, w: Weight, out: usize, inp: usize) -> Result<Linear> {
+        let (w_, quant) = self.matrix(w, &[], out, inp)?;
+        let bias_name = format!("{}.bias", w.prefix(self.layout, self.architecture));
+        let bias = match self.find(&bias_name) {
+            Some(_) => Some(self.get(&bias_name)?.astype(Dtype::F32)?),
+            None => None,
+        };
+        let linear = Linear { w: w_, quant, bias };
+        // Materialize now: a lazy file read or conversion fails here, at load.
+        let mut arrays = vec![&linear.w];
+        if let Some(q) = &linear.quant {
+            arrays.push(&q.scales);
+            arrays.extend(q.biases.as_ref());
+        }
+        arrays.extend(linear.bias.as_ref());
+        Array::eval(&arrays)?;
+        self.bytes += linear.bytes();
+        Ok(linear)
+    }
+
+    /// `experts` stacked `[out, in]` matrices, quantized when the file has
+    /// `scales` for them.
+    pub(super) fn stacked(
+        &mut self,
+        w: Weight,
+        experts: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Stacked> {
+        let (w, quant) = self.matrix(w, &[experts], out, inp)?;
+        let stacked = Stacked { w, quant };
+        let mut arrays = vec![&stacked.w];
+        if let Some(q) = &stacked.quant {
+            arrays.push(&q.scales);
+            arrays.extend(q.biases.as_ref());
+        }
+        Array::eval(&arrays)?;
+        self.bytes += stacked.bytes();
+        Ok(stacked)
+    }
+
+    /// A weight of shape `lead + [out, in]`: MLX-quantized as the file holds
+    /// it (or expanded when the loader dequantizes), else f32 with its last
+    /// two axes swapped (`lead + [in, out]`) for plain products.
+    fn matrix(
+        &mut self,
+        w: Weight,
+        lead: &[usize],
+        out: usize,
+        inp: usize,
+    ) -> Result<(Array, Option<Quant>)> {
         let prefix = w.prefix(self.layout, self.architecture);
         let name = format!("{prefix}.weight");
         let weight = self.get(&name)?;
         let shape = weight.shape();
+        let n = lead.len();
         let scales_name = format!("{prefix}.scales");
         let quant = if self.find(&scales_name).is_some() {
             let scales = self.get(&scales_name)?;
             let s = scales.shape();
-            let packed = shape.get(1).copied().unwrap_or(0);
-            let groups = s.get(1).copied().unwrap_or(0);
+            let packed = shape.get(n + 1).copied().unwrap_or(0);
+            let groups = s.get(n + 1).copied().unwrap_or(0);
             let bits = packed * 32 / inp.max(1);
             let ok = weight.dtype() == Some(Dtype::U32)
-                && shape.len() == 2
-                && shape[0] == out
+                && shape.len() == n + 2
+                && shape[..n] == *lead
+                && shape[n] == out
                 && packed * 32 == bits * inp
                 && [2, 3, 4, 5, 6, 8].contains(&bits)
-                && s.len() == 2
-                && s[0] == out
+                && s.len() == n + 2
+                && s[..n] == *lead
+                && s[n] == out
                 && groups > 0
                 && inp.is_multiple_of(groups);
             if !ok {
@@ -185,7 +238,7 @@ impl Loader {
                     &name,
                     &weight,
                     &format!(
-                        "u32 [{out}, {inp} × bits / 32] with scales [{out}, groups] (scales {s:?})"
+                        "u32 {lead:?} + [{out}, {inp} × bits / 32] with scales {lead:?} + [{out}, groups] (scales {s:?})"
                     ),
                 ));
             }
@@ -201,36 +254,23 @@ impl Loader {
                 bits,
             })
         } else {
-            if shape != [out, inp] {
-                return Err(self.bad_shape(&name, &weight, &format!("[{out}, {inp}]")));
+            let expected: Vec<usize> = lead.iter().copied().chain([out, inp]).collect();
+            if shape != expected {
+                return Err(self.bad_shape(&name, &weight, &format!("{expected:?}")));
             }
             None
         };
-        let (w, quant) = match quant {
+        // The last two axes swapped.
+        let swap: Vec<usize> = (0..n).chain([n + 1, n]).collect();
+        Ok(match quant {
             Some(q) if self.dequantize => {
                 let dense =
                     dequantize(&weight, &q.scales, q.biases.as_ref(), q.group_size, q.bits)?;
-                (dense.astype(Dtype::F32)?.transpose(&[1, 0])?, None)
+                (dense.astype(Dtype::F32)?.transpose(&swap)?, None)
             }
             Some(q) => (weight, Some(q)),
-            None => (weight.astype(Dtype::F32)?.transpose(&[1, 0])?, None),
-        };
-        let bias_name = format!("{prefix}.bias");
-        let bias = match self.find(&bias_name) {
-            Some(_) => Some(self.get(&bias_name)?.astype(Dtype::F32)?),
-            None => None,
-        };
-        let linear = Linear { w, quant, bias };
-        // Materialize now: a lazy file read or conversion fails here, at load.
-        let mut arrays = vec![&linear.w];
-        if let Some(q) = &linear.quant {
-            arrays.push(&q.scales);
-            arrays.extend(q.biases.as_ref());
-        }
-        arrays.extend(linear.bias.as_ref());
-        Array::eval(&arrays)?;
-        self.bytes += linear.bytes();
-        Ok(linear)
+            None => (weight.astype(Dtype::F32)?.transpose(&swap)?, None),
+        })
     }
 
     pub(super) fn layer(&mut self, n: usize, c: &ModelConfig) -> Result<LayerWeights> {
@@ -257,9 +297,24 @@ impl Loader {
             post_ffn_norm: sandwich
                 .then(|| self.vector(l(Part::PostFfnNorm), h))
                 .transpose()?,
-            gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,
-            up: self.linear(l(Part::Up), c.intermediate_size, h)?,
-            down: self.linear(l(Part::Down), h, c.intermediate_size)?,
+            ffn: match &c.moe {
+                Some(moe) if moe.routed(n) => {
+                    let (e, width) = (moe.experts, moe.expert_intermediate_size);
+                    FeedForward::Experts(Experts {
+                        router: self.linear(l(Part::Router), e, h)?,
+                        gate: self.stacked(l(Part::ExpertGate), e, width, h)?,
+                        up: self.stacked(l(Part::ExpertUp), e, width, h)?,
+                        down: self.stacked(l(Part::ExpertDown), e, h, width)?,
+                        per_token: moe.experts_per_token,
+                        normalize: moe.normalize,
+                    })
+                }
+                _ => FeedForward::Dense {
+                    gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,
+                    up: self.linear(l(Part::Up), c.intermediate_size, h)?,
+                    down: self.linear(l(Part::Down), h, c.intermediate_size)?,
+                },
+            },
         })
     }
 }

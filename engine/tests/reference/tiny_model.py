@@ -1,10 +1,18 @@
 """Writes a tiny model of one family with random weights, in the
 MLX-community layout and as GGUF, with mlx-lm's logits as the reference.
 
-    python tiny_model.py OUT_DIR FAMILY [SEED]
+    python tiny_model.py OUT_DIR FAMILY [SEED] [BITS]
 
 OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names)
 OUT_DIR/model.gguf   the same weights as llama.cpp's converter writes them
+
+With BITS 4 or 8, the model is quantized first as mlx-lm's converter
+quantizes it (groups of 32, the family's own exceptions, such as Qwen3-MoE's
+8-bit router), the reference is the quantized model's, and only the MLX
+layout is written. With BITS q8_0 or q4_0, the GGUF's matrices (not the
+norms, nor the router, as llama.cpp's quantizer leaves them) are written in
+that block type, and the model (so the reference and the MLX layout) holds
+the values those blocks decode to.
 OUT_DIR/reference.json
     prompt   token ids
     tokens   16 greedy tokens after the prompt
@@ -52,6 +60,47 @@ FAMILIES = {
         "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,
     },
+    # Four layers, the second dense (mlp_only_layers), the others routed:
+    # eight experts, two per token, renormalised; an untied head.
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 256,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    },
+    # Three layers of four experts, two per token (a softmax over the two
+    # chosen logits); GGUF names it llama and permutes Q/K.
+    "mixtral": {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 256,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    },
 }
 
 PROMPT = [2, 17, 201, 5, 99, 64, 130, 7, 250, 33, 12]
@@ -68,8 +117,10 @@ def build(family, seed):
     params = {}
     for name, p in tree_flatten(model.parameters()):
         if name.endswith("norm.weight"):
-            # Norm offsets around zero (the model computes x * (1 + w)).
-            params[name] = 0.3 * mx.random.normal(p.shape)
+            # Gemma computes x * (1 + w): offsets around zero; the others
+            # x * w, around one.
+            offset = 0.0 if family.startswith("gemma") else 1.0
+            params[name] = offset + 0.3 * mx.random.normal(p.shape)
         elif name.endswith("embed_tokens.weight"):
             params[name] = mx.random.normal(p.shape) * 0.1
         else:
@@ -101,10 +152,11 @@ def write_mlx(config, model, out):
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {k: np.array(v, dtype=np.float32) for k, v in weights.items()}
+    return weights
 
 
-GEMMA3_LAYER = {
+# Hugging Face layer names → GGUF, as llama.cpp's converter maps them.
+COMMON_LAYER = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -112,47 +164,112 @@ GEMMA3_LAYER = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
+    "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.switch_mlp.gate_proj": "ffn_gate_exps",
+    "block_sparse_moe.switch_mlp.up_proj": "ffn_up_exps",
+    "block_sparse_moe.switch_mlp.down_proj": "ffn_down_exps",
 }
 
+# Gemma's sandwich norms: post_attention_layernorm is the attention output's.
+GEMMA3_LAYER = dict(
+    COMMON_LAYER,
+    **{
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+)
 
-def gguf_name(name):
+GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def gguf_name(family, name):
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
         return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
     parts = name.split(".")
     layer, role = parts[2], ".".join(parts[3:-1])
-    return f"blk.{layer}.{GEMMA3_LAYER[role]}.weight"
+    table = GEMMA3_LAYER if family.startswith("gemma") else COMMON_LAYER
+    return f"blk.{layer}.{table[role]}.weight"
 
 
-def write_gguf(config, weights, path):
+def permute(w, heads):
+    """Q/K rows reordered for interleaved RoPE, as llama.cpp's converter
+    does for the llama architecture."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def block_quantizable(name, a):
+    router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+    return a.ndim >= 2 and a.shape[-1] % 32 == 0 and not router
+
+
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+def round_trip_blocks(model, qtype):
+    """The model's matrices replaced by what `qtype` blocks decode them to."""
+    params = {}
+    for name, v in tree_flatten(model.parameters()):
+        a = np.array(v, dtype=np.float32)
+        if block_quantizable(name, a):
+            a = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
+        params[name] = mx.array(a)
+    model.load_weights(list(params.items()))
+    mx.eval(model.parameters())
+
+
+def write_gguf(family, config, weights, path, qtype=None):
     c = config
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    arch = GGUF_ARCH[family]
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
-    w.add_sliding_window(c["sliding_window"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+    if family == "gemma3_text":
+        w.add_sliding_window(c["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+    if family == "qwen3_moe":
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if family == "mixtral":
+        w.add_expert_count(c["num_local_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for name, a in weights.items():
-        if name.endswith("norm.weight"):
+        if family.startswith("gemma") and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as 1 + w.
             a = a + 1.0
-        w.add_tensor(gguf_name(name), a)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            a = permute(a, c["num_attention_heads"])
+        if arch == "llama" and name.endswith("k_proj.weight"):
+            a = permute(a, c["num_key_value_heads"])
+        a = np.ascontiguousarray(a)
+        if qtype is not None and block_quantizable(name, a):
+            w.add_tensor(gguf_name(family, name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(family, name), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -163,9 +280,20 @@ def main():
     out = Path(sys.argv[1])
     family = sys.argv[2]
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    quant = sys.argv[4] if len(sys.argv) > 4 else None
     config, model = build(family, seed)
-    weights = write_mlx(config, model, out / "mlx")
-    write_gguf(config, weights, out / "model.gguf")
+    qtype = GGUF_TYPES.get(quant)
+    if quant is not None and qtype is None:
+        from mlx_lm.utils import quantize_model
+
+        model, config = quantize_model(model, config, group_size=32, bits=int(quant))
+        mx.eval(model.parameters())
+    dense = {k: np.array(v, dtype=np.float32) for k, v in tree_flatten(model.parameters())}
+    if qtype is not None:
+        round_trip_blocks(model, qtype)
+    write_mlx(config, model, out / "mlx")
+    if quant is None or qtype is not None:
+        write_gguf(family, config, dense, out / "model.gguf", qtype)
     (out / "reference.json").write_text(json.dumps(reference(model)))
 
 

@@ -2,6 +2,9 @@
 //! numbers every backend and the placement planner need.
 
 mod gemma;
+mod moe;
+
+pub use moe::Moe;
 
 use crate::error::{Error, Result};
 use crate::gguf::{Array, GgufHeader, Value};
@@ -19,6 +22,10 @@ pub enum Architecture {
     /// feed-forward block too, a GELU feed-forward, scaled embeddings, and
     /// sliding-window layers with their own RoPE base between global ones.
     Gemma3,
+    /// Qwen3-MoE: Qwen3's attention, routed experts (softmax, top k).
+    Qwen3Moe,
+    /// Mixtral: Llama's attention (GGUF names it `llama`), routed experts.
+    Mixtral,
 }
 
 impl Architecture {
@@ -29,6 +36,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::Mixtral => "llama",
         }
     }
 
@@ -38,18 +47,22 @@ impl Architecture {
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
             "gemma3" => Ok(Architecture::Gemma3),
+            "qwen3moe" => Ok(Architecture::Qwen3Moe),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
 
     /// Whether RoPE rotates interleaved pairs (GGUF Llama) rather than halves (NeoX).
     pub fn interleaved_rope(self) -> bool {
-        matches!(self, Architecture::Llama)
+        matches!(self, Architecture::Llama | Architecture::Mixtral)
     }
 
     /// Whether each layer has per-head RMS norms on queries and keys.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+        matches!(
+            self,
+            Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3
+        )
     }
 
     /// Whether the attention output and the feed-forward output are normed
@@ -117,6 +130,8 @@ pub struct ModelConfig {
     pub sliding: Option<SlidingWindow>,
     /// Linear RoPE scaling of the global layers: positions are divided by it.
     pub rope_scale: f32,
+    /// Routed experts, when the family has them.
+    pub moe: Option<Moe>,
 }
 
 /// Sliding-window attention: every `pattern`-th layer is global, the others
@@ -215,9 +230,19 @@ impl ModelConfig {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            moe: None,
         };
         if architecture == Architecture::Gemma3 {
             gemma::from_gguf(&mut config, header, &key)?;
+        }
+        config.moe = moe::from_gguf(&config, header, &key)?;
+        if config.moe.is_some() && architecture == Architecture::Llama {
+            config.architecture = Architecture::Mixtral;
+        } else if config.moe.is_none() && architecture == Architecture::Qwen3Moe {
+            return Err(Error::metadata(
+                key("expert_count"),
+                "a qwen3moe model without experts",
+            ));
         }
         Ok(config)
     }
@@ -234,6 +259,8 @@ impl ModelConfig {
         let architecture = match model_type {
             "llama" | "mistral" => Architecture::Llama,
             "gemma3_text" => Architecture::Gemma3,
+            "qwen3_moe" => Architecture::Qwen3Moe,
+            "mixtral" => Architecture::Mixtral,
             // `gemma3` in config.json is the multimodal wrapper (`text_config`,
             // `language_model.` weights).
             "gemma3" => return Err(Error::UnsupportedArchitecture(
@@ -273,10 +300,12 @@ impl ModelConfig {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            moe: None,
         };
         if architecture == Architecture::Gemma3 {
             gemma::from_hf(&mut config, v)?;
         }
+        config.moe = moe::from_hf(architecture, &config, v)?;
         Ok(config)
     }
 
@@ -304,6 +333,8 @@ impl ModelConfig {
             Architecture::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
             Architecture::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
+            Architecture::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            Architecture::Mixtral => ("mixtral", "MixtralForCausalLM"),
         };
         let mut json = serde_json::json!({
             "architectures": [class],
@@ -321,6 +352,12 @@ impl ModelConfig {
             "hidden_act": "silu",
             "tie_word_embeddings": tie_word_embeddings,
         });
+        if let (Some(moe), Some(json)) = (&self.moe, json.as_object_mut())
+            && let serde_json::Value::Object(extra) =
+                moe::to_hf_json(self.architecture, moe, self.layers)
+        {
+            json.extend(extra);
+        }
         if self.architecture == Architecture::Gemma3 {
             let gemma = serde_json::json!({
                 "hidden_act": "gelu_pytorch_tanh",
@@ -337,6 +374,11 @@ impl ModelConfig {
             }
         }
         json
+    }
+
+    /// Whether layer `layer` routes its tokens to experts.
+    pub fn routed(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.routed(layer))
     }
 
     /// Bytes of KV cache one token takes in one layer (keys and values, f32).
@@ -367,6 +409,7 @@ mod tests {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            moe: None,
         };
         let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();
         assert_eq!(back.architecture, c.architecture);

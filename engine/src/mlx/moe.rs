@@ -1,0 +1,108 @@
+//! The feed-forward block of a layer on MLX: dense, or a mixture of experts
+//! whose routing and expert products stay in MLX's graph (no read-back).
+//!
+//! ```text
+//!  x [T, H] ──► router ──► route: ids [T, k], weights [T, k]
+//!  x [T, 1, 1, H] ──► gather (q)mm with w[ids]: gate, up ──► act(gate) · up
+//!                 ──► gather (q)mm: down [T, k, 1, H] ──► weights [T, 1, k] @ ──► [T, H]
+//! ```
+
+use super::array::{Array, gather_matmul, gather_quantized_matmul, route};
+use super::weights::{Linear, Quant};
+use crate::config::Activation;
+use crate::error::Result;
+
+/// A layer's feed-forward block.
+pub(super) enum FeedForward {
+    /// `down(act(gate x) · up x)`.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Routed experts.
+    Experts(Experts),
+}
+
+/// The routed experts of one layer.
+pub(super) struct Experts {
+    /// hidden → one logit per expert.
+    pub(super) router: Linear,
+    pub(super) gate: Stacked,
+    pub(super) up: Stacked,
+    pub(super) down: Stacked,
+    /// Experts each token uses.
+    pub(super) per_token: usize,
+    /// Whether the chosen experts' weights are renormalised to sum to one.
+    pub(super) normalize: bool,
+}
+
+/// Every expert's matrix of one projection: quantized as the file holds it
+/// (`[experts, out, packed]`), or dense f32 `[experts, in, out]`.
+pub(super) struct Stacked {
+    pub(super) w: Array,
+    pub(super) quant: Option<Quant>,
+}
+
+impl Stacked {
+    /// `x` (`[tokens, 1, 1, in]`) times each token's experts `ids`
+    /// (`[tokens, k]`): `[tokens, k, 1, out]`.
+    fn forward(&self, x: &Array, ids: &Array) -> Result<Array> {
+        match &self.quant {
+            Some(q) => gather_quantized_matmul(
+                x,
+                &self.w,
+                &q.scales,
+                q.biases.as_ref(),
+                ids,
+                q.group_size,
+                q.bits,
+            ),
+            None => gather_matmul(x, &self.w, ids),
+        }
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.w.nbytes()
+            + self.quant.as_ref().map_or(0, |q| {
+                q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
+            })
+    }
+}
+
+fn activate(x: &Array, activation: Activation) -> Result<Array> {
+    match activation {
+        Activation::Silu => x.silu(),
+        Activation::GeluTanh => x.gelu_tanh(),
+    }
+}
+
+impl FeedForward {
+    /// The block applied to rows `x` (`[tokens, hidden]`).
+    pub(super) fn forward(&self, x: &Array, activation: Activation) -> Result<Array> {
+        match self {
+            FeedForward::Dense { gate, up, down } => {
+                let g = activate(&gate.forward(x)?, activation)?;
+                down.forward(&g.multiply(&up.forward(x)?)?)
+            }
+            FeedForward::Experts(e) => e.forward(x, activation),
+        }
+    }
+}
+
+impl Experts {
+    fn forward(&self, x: &Array, activation: Activation) -> Result<Array> {
+        let shape = x.shape();
+        let (tokens, hidden, k) = (shape[0], shape[1], self.per_token);
+        let (ids, weights) = route(&self.router.forward(x)?, k, self.normalize)?;
+        let x = x.reshape(&[tokens, 1, 1, hidden])?;
+        let g = activate(&self.gate.forward(&x, &ids)?, activation)?;
+        let h = g.multiply(&self.up.forward(&x, &ids)?)?;
+        let y = self.down.forward(&h, &ids)?.reshape(&[tokens, k, hidden])?;
+        // Σ over the chosen experts: [T, 1, k] @ [T, k, H].
+        weights
+            .reshape(&[tokens, 1, k])?
+            .matmul(&y)?
+            .reshape(&[tokens, hidden])
+    }
+}
