@@ -290,6 +290,21 @@ fn a_q8_0_mixtral_gguf_matches_mlx_lm_on_both_engines() {
     check_model("mixtral, Q8_0", &t, every_boundary);
 }
 
+/// The widths that straddle u32 words: 3 and 6 bits (5 too, by the same code).
+#[test]
+fn a_3_bit_and_a_6_bit_qwen3_moe_match_mlx_lm_on_both_engines() {
+    check_model(
+        "qwen3_moe, 3-bit",
+        &tiny_quantized("qwen3_moe", 3),
+        every_boundary,
+    );
+    check_model(
+        "qwen3_moe, 6-bit",
+        &tiny_quantized("qwen3_moe", 6),
+        every_boundary,
+    );
+}
+
 /// Mixtral's experts in 8 bits.
 #[test]
 fn an_8_bit_mixtral_matches_mlx_lm_on_both_engines() {

@@ -230,8 +230,9 @@ impl SafetensorsDir {
         }
     }
 
-    /// MLX's affine quantization undone: each u32 holds `32 / bits` values,
-    /// lowest bits first; each group of `group` values along a row shares a
+    /// MLX's affine quantization undone: a row's codes are one little-endian
+    /// stream of `bits`-bit values (so a 3-, 5- or 6-bit code may straddle
+    /// two u32 words); each group of `group` values along a row shares a
     /// scale and a bias.
     fn dequantize(
         &self,
@@ -246,11 +247,11 @@ impl SafetensorsDir {
             path: self.origin.clone(),
             reason: format!("tensor {name}: {reason}"),
         };
-        if !matches!(bits, 2 | 4 | 8) || group == 0 {
+        if !matches!(bits, 2..=6 | 8) || group == 0 {
             return Err(Error::UnsupportedTensorType {
                 tensor: name.to_string(),
                 dtype: format!(
-                    "MLX {bits}-bit groups of {group} (candle reads 2-, 4- and 8-bit; the MLX engine reads every width)"
+                    "MLX {bits}-bit groups of {group} (MLX writes 2 to 6 and 8 bits, in groups)"
                 ),
             });
         }
@@ -263,7 +264,11 @@ impl SafetensorsDir {
         let (scale_lead, groups) = split(scales)?;
         let rows: usize = lead.iter().product();
         let cols = words * 32 / bits;
-        if scale_lead != lead || groups * group != cols || biases.dims() != scales.dims() {
+        if !(words * 32).is_multiple_of(bits)
+            || scale_lead != lead
+            || groups * group != cols
+            || biases.dims() != scales.dims()
+        {
             return Err(bad(format!(
                 "{:?} packed words do not match scales {:?} and biases {:?} at {bits} bits in groups of {group}",
                 packed.dims(),
@@ -277,15 +282,18 @@ impl SafetensorsDir {
             .map_err(|e| bad(e.to_string()))?;
         let scales: Vec<f32> = scales.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let biases: Vec<f32> = biases.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let mask = (1u32 << bits) - 1;
-        let per_word = 32 / bits;
+        let mask = (1u64 << bits) - 1;
         let mut values = Vec::with_capacity(rows * cols);
         for r in 0..rows {
+            let row = &codes[r * words..(r + 1) * words];
             for c in 0..cols {
-                let word = codes[r * words + c / per_word];
-                let q = (word >> ((c % per_word) * bits)) & mask;
+                let (word, shift) = ((c * bits) / 32, (c * bits) % 32);
+                let mut q = u64::from(row[word]) >> shift;
+                if shift + bits > 32 {
+                    q |= u64::from(row[word + 1]) << (32 - shift);
+                }
                 let g = r * groups + c / group;
-                values.push(scales[g] * q as f32 + biases[g]);
+                values.push(scales[g] * (q & mask) as f32 + biases[g]);
             }
         }
         let mut shape = lead;
