@@ -45,6 +45,20 @@ pub struct Failure {
     pub message: String,
 }
 
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -105,8 +119,13 @@ impl Cache {
                 continue;
             }
             let model = path.with_extension("gguf");
-            let (Ok(text), Ok(meta)) = (std::fs::read_to_string(&path), std::fs::metadata(&model))
-            else {
+            let repository = path.with_extension("safetensors");
+            let bytes = match std::fs::metadata(&model) {
+                Ok(meta) => meta.len(),
+                Err(_) if repository.is_dir() => dir_bytes(&repository),
+                Err(_) => continue,
+            };
+            let Ok(text) = std::fs::read_to_string(&path) else {
                 continue;
             };
             if let Ok(side) = serde_json::from_str::<Sidecar>(&text) {
@@ -114,7 +133,7 @@ impl Cache {
                     side.key.clone(),
                     CachedModel {
                         key: side.key,
-                        bytes: meta.len(),
+                        bytes,
                         sha256: side.sha256,
                     },
                 );
@@ -147,7 +166,7 @@ impl Cache {
 
     /// The client for `url`: on the hub only, the hub's (with the node's
     /// token), or `own` (with a Model's token) when given.
-    fn client_for<'a>(
+    pub(crate) fn client_for<'a>(
         &'a self,
         url: &str,
         own: Option<&'a reqwest::Client>,
@@ -206,6 +225,7 @@ impl Cache {
             .filter(|k| !pins.contains_key(*k))
             .map(|k| {
                 let used = std::fs::metadata(self.file_for(k))
+                    .or_else(|_| std::fs::metadata(self.repository_dir(k)))
                     .and_then(|m| m.modified())
                     .unwrap_or(std::time::UNIX_EPOCH);
                 (used, k.clone())
@@ -218,7 +238,13 @@ impl Cache {
                 break;
             }
             let path = self.file_for(&key);
-            if std::fs::remove_file(&path).is_ok() || !path.exists() {
+            let repository = self.repository_dir(&key);
+            let removed = if repository.is_dir() {
+                std::fs::remove_dir_all(&repository).is_ok()
+            } else {
+                std::fs::remove_file(&path).is_ok() || !path.exists()
+            };
+            if removed {
                 let _ = std::fs::remove_file(path.with_extension("json"));
                 if let Some(m) = entries.remove(&key) {
                     total -= m.bytes;
@@ -242,9 +268,10 @@ impl Cache {
         evicted
     }
 
-    /// Removes the partial downloads (and peer-copy records) of models
-    /// neither in `wanted` nor pinned: what an interrupted download left of a
-    /// model whose Shards are gone. Returns the removed files' names.
+    /// Removes the partial downloads (and peer-copy records, and repository
+    /// directories never completed) of models neither in `wanted` nor
+    /// pinned: what an interrupted download left of a model whose Shards are
+    /// gone. Returns the removed files' names.
     pub fn sweep_partials<'a>(&self, wanted: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         let mut keep: std::collections::BTreeSet<PathBuf> = wanted
             .into_iter()
@@ -253,11 +280,31 @@ impl Cache {
         for key in self.pins.lock().expect("pin lock").keys() {
             keep.insert(self.file_for(key).with_extension("gguf.partial"));
         }
+        // Repository directories no listed entry, wanted key or pin owns:
+        // a fetch that never completed.
+        let mut owned: std::collections::BTreeSet<PathBuf> = keep
+            .iter()
+            .map(|p| p.with_extension("").with_extension("safetensors"))
+            .collect();
+        for key in self.entries.lock().expect("cache lock").keys() {
+            owned.insert(self.repository_dir(key));
+        }
         let Ok(dir) = std::fs::read_dir(&self.dir) else {
             return Vec::new();
         };
         let mut removed = Vec::new();
         for path in dir.filter_map(|e| e.ok().map(|e| e.path())) {
+            if path.is_dir() {
+                if path.extension().is_some_and(|e| e == "safetensors")
+                    && !owned.contains(&path)
+                    && std::fs::remove_dir_all(&path).is_ok()
+                {
+                    let name = path.file_name().unwrap_or_default().to_string_lossy();
+                    tracing::info!(dir = %name, "removed an incomplete repository no Shard wants");
+                    removed.push(name.into_owned());
+                }
+                continue;
+            }
             let name = path.to_string_lossy();
             let partial = match name.strip_suffix(".pieces") {
                 Some(p) if p.ends_with(".gguf.partial") => PathBuf::from(p),
@@ -326,6 +373,33 @@ impl Cache {
             "{}.gguf",
             &hex(&Sha256::digest(key.as_bytes()))[..32]
         ))
+    }
+
+    /// The directory a safetensors repository's files are cached in.
+    pub fn repository_dir(&self, key: &str) -> PathBuf {
+        self.file_for(key).with_extension("safetensors")
+    }
+
+    /// Lists `key`'s repository directory (its bytes so far) once a stage's
+    /// files are all there.
+    pub(crate) fn admit_repository(&self, key: &str, dir: &Path) {
+        let side = Sidecar {
+            key: key.to_string(),
+            sha256: None,
+        };
+        let _ = std::fs::write(
+            self.file_for(key).with_extension("json"),
+            serde_json::to_vec(&side).unwrap_or_default(),
+        );
+        self.entries.lock().expect("cache lock").insert(
+            key.to_string(),
+            CachedModel {
+                key: key.to_string(),
+                bytes: dir_bytes(dir),
+                sha256: None,
+            },
+        );
+        self.changed.notify_waiters();
     }
 
     /// The cached file of `key`, when it is whole (not being downloaded).
@@ -502,12 +576,21 @@ mod tests {
         std::fs::write(pieces_file(&partial("abandoned-copy")), b"0\n").unwrap();
         put(&cache, "whole", 10, 0);
         cache.pin("pinned");
+        // Repository directories: one wanted, one pinned, one listed whole,
+        // one a fetch left behind.
+        for key in ["wanted", "pinned", "listed-repo", "abandoned-repo"] {
+            let dir = cache.repository_dir(key);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("config.json"), b"{}").unwrap();
+        }
+        cache.admit_repository("listed-repo", &cache.repository_dir("listed-repo"));
         let mut removed = cache.sweep_partials(["wanted"]);
         removed.sort();
         let mut expected = vec![
             partial("abandoned"),
             partial("abandoned-copy"),
             pieces_file(&partial("abandoned-copy")),
+            cache.repository_dir("abandoned-repo"),
         ]
         .into_iter()
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
@@ -516,6 +599,12 @@ mod tests {
         assert_eq!(removed, expected);
         assert!(partial("wanted").exists() && partial("pinned").exists());
         assert!(!partial("abandoned").exists());
+        for key in ["wanted", "pinned", "listed-repo"] {
+            assert!(
+                cache.repository_dir(key).join("config.json").exists(),
+                "{key}"
+            );
+        }
         // Whole models are the budget's business, not the sweep's.
         assert!(cache.complete_file("whole").is_some());
         assert!(cache.sweep_partials(["wanted"]).is_empty());

@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod models;
 pub mod peer_copy;
 pub mod registration;
+pub mod repository;
 pub mod retry;
 pub mod scheduler;
 pub mod shards;

@@ -179,9 +179,20 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     let client_k = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client_k, "mixed").await.unwrap();
     let (a, b) = (unique_name("mx-a"), unique_name("mx-b"));
+    // The MLX-community layout, converted from the test model: on the nodes
+    // as a path, and in a repository of the stand-in hub.
+    let dir = tempfile::tempdir().unwrap();
+    let mlx_dir = dir.path().join("smollm2-mlx");
+    shardplane_engine::mlx::convert::gguf_to_mlx(&shardplane_testkit::test_model(), &mlx_dir)
+        .unwrap();
+    let (hub, hub_requests) = shardplane_testkit::hub::serve_repository(&mlx_dir, &[]).await;
     let _agents = (
         agent_with(&a, &free_address().to_string(), &["--engine", "mlx"]),
-        agent(&b),
+        agent_with(
+            &b,
+            &free_address().to_string(),
+            &["--hugging-face-endpoint", &hub],
+        ),
     );
     let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
     for s in [
@@ -193,10 +204,6 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     }
     // The MLX-community layout from a path on the node, on each engine; a
     // directory without config.json fails the Shard, naming what is missing.
-    let dir = tempfile::tempdir().unwrap();
-    let mlx_dir = dir.path().join("smollm2-mlx");
-    shardplane_engine::mlx::convert::gguf_to_mlx(&shardplane_testkit::test_model(), &mlx_dir)
-        .unwrap();
     let no_config = dir.path().to_path_buf();
     for (name, node, path) in [
         ("dira", &a, &mlx_dir),
@@ -211,6 +218,18 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
         });
         shards.create(&PostParams::default(), &s).await.unwrap();
     }
+    // And from the hub, pinned to its commit: downloaded into the cache,
+    // each weight file checked against the hub's SHA-256.
+    let mut s = fixtures::shard("hubdir", &b, 0, 1, LayerRange { start: 0, end: 30 });
+    s.spec.format = ModelFormat::Safetensors;
+    s.spec.source = ModelSource::HuggingFace(HuggingFaceSource {
+        repo: shardplane_testkit::hub::HUB_MLX_REPO.into(),
+        file: None,
+        revision: Some(shardplane_testkit::hub::HUB_COMMIT.into()),
+        sha256: None,
+        token_secret_ref: None,
+    });
+    shards.create(&PostParams::default(), &s).await.unwrap();
     let failed = shardplane_testkit::eventually("nodir-0-0 fails", WAIT, || async {
         let st = shards.get("nodir-0-0").await.ok()?.status?;
         (st.phase == Some(ShardPhase::Failed)).then_some(st)
@@ -237,6 +256,7 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
             "mlxwhole-0-0",
             "dira-0-0",
             "dirb-0-0",
+            "hubdir-0-0",
         ],
     )
     .await;
@@ -296,6 +316,28 @@ async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
         prompt,
     )
     .await;
+    run_against_local(
+        &ns,
+        &endpoints[5],
+        "hubdir-0-0",
+        &dir_text,
+        &mut candle_dir,
+        prompt,
+    )
+    .await;
+    let fetched: Vec<String> = hub_requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(r, _)| r.clone())
+        .filter(|r| r.starts_with("GET "))
+        .collect();
+    for file in ["config.json", "tokenizer.json", "model.safetensors"] {
+        assert!(
+            fetched.iter().any(|r| r.ends_with(&format!("/{file}"))),
+            "{file} fetched: {fetched:?}"
+        );
+    }
 }
 
 /// Generates 12 tokens for `prompt` through the agent at `endpoint` and

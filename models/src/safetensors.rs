@@ -159,6 +159,19 @@ pub fn resolve_dir(dir: &Path, spec: &ModelSpec) -> Result<ModelStatus, Unresolv
     status_from(&config, &tensors, spec)
 }
 
+/// The size a safetensors file at `path` must have: its header and every
+/// tensor's bytes (the format leaves no holes), so a truncated download is
+/// told from a whole one.
+pub fn expected_file_size(path: &Path) -> Result<u64, Error> {
+    let tensors = read_header_file(path)?;
+    let mut first = [0u8; 8];
+    std::io::Read::read_exact(&mut std::fs::File::open(path)?, &mut first)?;
+    let header = header_len(&first).unwrap_or(0);
+    Ok(tensors
+        .values()
+        .fold(header, |sum, bytes| sum.saturating_add(*bytes)))
+}
+
 fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;
@@ -177,7 +190,7 @@ fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
 
 /// A weights file's name as an index lists it: a relative path inside the
 /// repository, never `..`, an absolute path or a URL's query.
-fn is_plain_file_name(name: &str) -> bool {
+pub fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 255
         && name

@@ -123,16 +123,84 @@ pub async fn serve_hub() -> Hub {
                 next.run(req).await
             }
         }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("a loopback port");
-    let base = format!("http://{}", listener.local_addr().expect("an address"));
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the hub serves") });
+    let base = listen(app).await;
     Hub {
         base,
         requests,
         sha256,
     }
+}
+
+/// A public safetensors repository of the stand-in hub ([`serve_repository`]).
+pub const HUB_MLX_REPO: &str = "org/mlx";
+
+/// Serves the files of `dir` as [`HUB_MLX_REPO`] at [`HUB_COMMIT`] (no
+/// token wanted): the listing gives every file's size and, for weight files
+/// (`*.safetensors`), the SHA-256 of its bytes now — or the one `lies` gives
+/// for its name. Files read later are served as they are then.
+pub async fn serve_repository(dir: &std::path::Path, lies: &[(&str, &str)]) -> (String, Seen) {
+    let mut siblings = Vec::new();
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .expect("the repository directory")
+        .map(|e| e.expect("an entry").path())
+        .collect();
+    names.sort();
+    for path in names {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let bytes = std::fs::read(&path).expect("a repository file");
+        let mut entry = serde_json::json!({"rfilename": name, "size": bytes.len()});
+        if name.ends_with(".safetensors") {
+            let sum = match lies.iter().find(|(n, _)| *n == name) {
+                Some((_, lie)) => lie.to_string(),
+                None => Sha256::digest(&bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect(),
+            };
+            entry["lfs"] =
+                serde_json::json!({"sha256": sum, "size": bytes.len(), "pointerSize": 134});
+        }
+        siblings.push(entry);
+    }
+    let listing = serde_json::json!({"id": HUB_MLX_REPO, "sha": HUB_COMMIT, "siblings": siblings});
+    let requests: Seen = Arc::new(Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    let app = Router::new()
+        .route(
+            &format!("/api/models/{HUB_MLX_REPO}/revision/{{revision}}"),
+            get(move |Path(revision): Path<String>| async move {
+                if revision != "main" && revision != HUB_COMMIT {
+                    return refusal(StatusCode::NOT_FOUND, "RevisionNotFound", "Invalid rev id");
+                }
+                json(listing)
+            }),
+        )
+        .nest_service(
+            &format!("/{HUB_MLX_REPO}/resolve/{HUB_COMMIT}"),
+            tower_http::services::ServeDir::new(dir),
+        )
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let seen = seen.clone();
+            async move {
+                let path = req.uri().path().to_string();
+                seen.lock()
+                    .unwrap()
+                    .push((format!("{} {path}", req.method()), None));
+                next.run(req).await
+            }
+        }));
+    let base = listen(app).await;
+    (base, requests)
+}
+
+/// Serves `app` on a loopback port; returns its base URL.
+async fn listen(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("an address"));
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the hub serves") });
+    base
 }
 
 /// A JSON answer.

@@ -9,7 +9,6 @@
 //! ```
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
@@ -17,18 +16,18 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    AGENT_MANAGER, Engine, ModelFormat, ModelSource, NODE_LABEL, Shard, ShardPhase, ShardSpec,
-    ShardStatus,
+    AGENT_MANAGER, Engine, NODE_LABEL, Shard, ShardPhase, ShardSpec, ShardStatus,
 };
 use shardplane_engine::pipeline::{EngineKind, TextModel, load_model_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
 use tokio::sync::watch;
 
-use crate::cache::{Cache, Failure, verify_sha256};
+use crate::cache::{Cache, Failure};
 use crate::metrics::Metrics;
 use crate::retry;
 use crate::stage::{OnCrash, StageWorker};
 
+mod fetch;
 mod healing;
 use healing::{fail_shard, stage_crashed};
 
@@ -474,7 +473,7 @@ async fn bring_up(
         &k,
         status(ShardPhase::Downloading, "checking the weights".into()),
     );
-    let path = fetch(client, shards, shard, sources, metrics).await?;
+    let path = fetch::fetch(client, shards, shard, sources, metrics).await?;
 
     report(
         client,
@@ -571,210 +570,4 @@ async fn bring_up(
         sources.cache.unpin(&old.spec.source.cache_key());
     }
     Ok(bytes)
-}
-
-/// Makes sure the weights are on this node; returns their path.
-async fn fetch(
-    client: &Client,
-    shards: &ShardSet,
-    shard: &Shard,
-    sources: &Sources,
-    metrics: &Metrics,
-) -> Result<PathBuf, Failure> {
-    if shard.spec.format == ModelFormat::Safetensors {
-        return match &shard.spec.source {
-            ModelSource::Path(p) => local_directory(p),
-            ModelSource::Url(_) | ModelSource::HuggingFace(_) => Err(Failure {
-                reason: "FormatNotSupported",
-                message: "agents do not download safetensors repositories yet: put the \
-                          directory (config.json, tokenizer files, *.safetensors) on the nodes \
-                          and give the Model a path source, or serve the model's GGUF form"
-                    .into(),
-            }),
-        };
-    }
-    let (url, sha256, hub_client) = match &shard.spec.source {
-        ModelSource::Path(p) => return local(p).await,
-        ModelSource::Url(u) => (u.url.clone(), u.sha256.clone(), None),
-        ModelSource::HuggingFace(hf) => (
-            shardplane_models::hugging_face_url(
-                &sources.hugging_face_endpoint,
-                &hf.repo,
-                hf.file.as_deref().unwrap_or_default(),
-                hf.revision.as_deref(),
-            ),
-            // The operator fills it from the hub's LFS metadata.
-            hf.sha256.clone(),
-            model_hub_client(client, shard, hf).await?,
-        ),
-    };
-    // Progress goes to the Shard's status once a second while the download runs.
-    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let total = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let reporter = {
-        let (client, shards, k, done, total, generation) = (
-            client.clone(),
-            shards.clone(),
-            key(shard),
-            done.clone(),
-            total.clone(),
-            shard.metadata.generation,
-        );
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                use std::sync::atomic::Ordering::Relaxed;
-                let status = ShardStatus {
-                    phase: Some(ShardPhase::Downloading),
-                    downloaded_bytes: Some(done.load(Relaxed)),
-                    total_bytes: Some(total.load(Relaxed)).filter(|t| *t > 0),
-                    observed_generation: generation,
-                    ..Default::default()
-                };
-                report(&client, &shards, &k, status);
-            }
-        })
-    };
-    let key = shard.spec.source.cache_key();
-    // A peer's copy is checked against the SHA-256 the Model pins (its
-    // `sha256`, or the hub's LFS hash the operator resolved), never against
-    // what the peer says of its own file: without a pin, the source.
-    if sources.cache.complete_file(&key).is_none()
-        && let Some(peers) = &sources.peers
-        && let Some(pinned) = sha256.as_deref()
-    {
-        // Right after a start the list of nodes may still be loading.
-        let _ = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            peers.nodes.wait_until_ready(),
-        )
-        .await;
-        // A peer that lists another hash holds other bytes: not worth a copy.
-        let holders = peers.holders(&key).into_iter().filter(|h| {
-            h.sha256
-                .as_deref()
-                .is_none_or(|theirs| theirs.eq_ignore_ascii_case(pinned))
-        });
-        for holder in holders {
-            let Ok(client) = peers.peers.client(&holder.endpoint) else {
-                continue;
-            };
-            sources.cache.make_room(holder.bytes);
-            let (done_bytes, counter) = (
-                done.clone(),
-                metrics.download_bytes.with_label_values(&["peer"]),
-            );
-            total.store(holder.bytes, std::sync::atomic::Ordering::Relaxed);
-            let from = format!("node {} ({})", holder.node, holder.endpoint);
-            let copied = sources
-                .cache
-                .fetch_from_peer(&client, &from, &key, holder.bytes, Some(pinned), move |n| {
-                    done_bytes.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                    counter.inc_by(n);
-                })
-                .await;
-            match copied {
-                Ok(path) => {
-                    reporter.abort();
-                    sources.cache.make_room(0);
-                    tracing::info!(%key, %from, "copied from a peer");
-                    return Ok(path);
-                }
-                Err(f) => {
-                    tracing::warn!(%key, %from, reason = f.reason, message = %f.message, "peer copy failed; trying the next source");
-                    done.store(0, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        }
-    }
-    let counter = metrics.download_bytes.with_label_values(&["url"]);
-    let counted = std::sync::atomic::AtomicU64::new(0);
-    let result = sources
-        .cache
-        .fetch(
-            &shard.spec.source.cache_key(),
-            &url,
-            sha256.as_deref(),
-            hub_client.as_ref(),
-            |d, t| {
-                use std::sync::atomic::Ordering::Relaxed;
-                done.store(d, Relaxed);
-                total.store(t.unwrap_or(0), Relaxed);
-                let before = counted.swap(d, Relaxed);
-                counter.inc_by(d.saturating_sub(before));
-            },
-        )
-        .await;
-    reporter.abort();
-    sources.cache.make_room(0);
-    result
-}
-
-/// A hub client carrying the Model's own token, when its source names a
-/// Secret holding one (read from the Shard's namespace, the Model's).
-async fn model_hub_client(
-    client: &Client,
-    shard: &Shard,
-    hf: &shardplane_crds::HuggingFaceSource,
-) -> Result<Option<reqwest::Client>, Failure> {
-    let Some(r) = &hf.token_secret_ref else {
-        return Ok(None);
-    };
-    let ns = shard.namespace().unwrap_or_default();
-    let label = shardplane_crds::HUGGING_FACE_TOKEN_LABEL;
-    let token = shardplane_cluster::secrets::read_opted_in(client, &ns, &r.name, &r.key, label)
-        .await
-        .map_err(|e| Failure {
-            reason: e.reason(),
-            message: format!("the Model's tokenSecretRef: {e}"),
-        })?;
-    shardplane_models::hub::download_client(crate::cache::DOWNLOAD_IDLE, Some(&token))
-        .map(Some)
-        .map_err(|e| Failure {
-            reason: "InvalidToken",
-            message: format!("the Model's tokenSecretRef: {e}"),
-        })
-}
-
-/// A safetensors model directory already on the node (its `config.json`
-/// present; the engine names any weight file that is missing).
-fn local_directory(p: &shardplane_crds::PathSource) -> Result<PathBuf, Failure> {
-    let path = PathBuf::from(&p.path);
-    if !path.join("config.json").is_file() {
-        return Err(Failure {
-            reason: "WeightsNotFound",
-            message: format!(
-                "{} is not a model directory on this node (no config.json): copy the model \
-                 there or fix the Model's path",
-                p.path
-            ),
-        });
-    }
-    if p.sha256.is_some() {
-        return Err(Failure {
-            reason: "InvalidSpec",
-            message: "a sha256 pins one file; a safetensors directory cannot be checked \
-                      against it: remove the Model's sha256"
-                .into(),
-        });
-    }
-    Ok(path)
-}
-
-/// A model file already on the node, checked against its SHA-256 when given.
-async fn local(p: &shardplane_crds::PathSource) -> Result<PathBuf, Failure> {
-    let path = PathBuf::from(&p.path);
-    if !path.is_file() {
-        return Err(Failure {
-            reason: "WeightsNotFound",
-            message: format!(
-                "{} is not a file on this node: copy the model there or fix the Model's path",
-                p.path
-            ),
-        });
-    }
-    if let Some(expected) = &p.sha256 {
-        verify_sha256(&path, Some(expected), &p.path).await?;
-    }
-    Ok(path)
 }

@@ -230,6 +230,30 @@ def round_trip_blocks(model, qtype):
     mx.eval(model.parameters())
 
 
+def add_byte_tokenizer(w, vocab):
+    """A byte-level BPE: token i is byte i (GPT-2's printable spelling),
+    except token 0, which is the one merge " t" (a merge list cannot be
+    empty); so tools that need a tokenizer (benchmarks, llama.cpp) can load
+    the file."""
+    assert vocab == 256, "one token per byte"
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    spelled, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            spelled[b] = chr(b)
+        else:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    tokens = [spelled[b] for b in range(256)]
+    tokens[0] = spelled[32] + "t"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * 256)
+    w.add_token_merges([f"{spelled[32]} t"])
+    w.add_eos_token_id(1)
+
+
 def write_gguf(family, config, weights, path, qtype=None):
     c = config
     arch = GGUF_ARCH[family]
@@ -257,6 +281,7 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_byte_tokenizer(w, c["vocab_size"])
     for name, a in weights.items():
         if family.startswith("gemma") and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as 1 + w.
