@@ -103,6 +103,9 @@ FAMILIES = {
     },
 }
 
+# Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
+FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
+
 PROMPT = [2, 17, 201, 5, 99, 64, 130, 7, 250, 33, 12]
 STEPS = 16
 
@@ -188,7 +191,12 @@ GEMMA3_LAYER = dict(
     },
 )
 
-GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "qwen3_moe_routed": "qwen3moe",
+    "mixtral": "llama",
+}
 
 
 def gguf_name(family, name):
@@ -273,7 +281,7 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_sliding_window(c["sliding_window"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
-    if family == "qwen3_moe":
+    if family.startswith("qwen3_moe"):
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])

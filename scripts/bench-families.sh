@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Prefill and decode speed of each model family's tiny model (the ones the
+# family tests check against mlx-lm, written by
+# engine/tests/reference/tiny_model.py), on candle and on MLX, next to
+# llama.cpp's llama-bench on the same GGUF file when LLAMA_BENCH names it.
+#
+#   LLAMA_BENCH=/path/to/llama-bench scripts/bench-families.sh [--threads N] [--runs N]
+#
+# Families: gemma3_text, qwen3_moe_routed (Qwen3-MoE with every layer routed,
+# as released models are and as llama.cpp requires), mixtral. Tiny models
+# (hidden 64, a few layers) measure per-token overhead more than arithmetic:
+# read the ratios, not the absolute rates. Prints one line per family and
+# engine: medians of tokens/s over the runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS=1 RUNS=5 PROMPT=64 GEN=64
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --threads) THREADS=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--runs N]" >&2; exit 2 ;;
+  esac
+done
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
+bash scripts/setup.sh >/dev/null
+cargo build --release --locked --workspace --features shardplane/mlx --bin shardplane 2>&1 | tail -1
+bin="$CARGO_TARGET_DIR/release/shardplane"
+python="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/reference/bin/python"
+work=$(mktemp -d /tmp/shardplane-families.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+printf '%-18s %-10s %14s %14s\n' family engine "prefill tok/s" "decode tok/s"
+for family in gemma3_text qwen3_moe_routed mixtral; do
+  "$python" engine/tests/reference/tiny_model.py "$work/$family" "$family" >/dev/null
+  gguf="$work/$family/model.gguf"
+  for engine in candle mlx; do
+    "$bin" bench --model "$gguf" --engine "$engine" --threads "$THREADS" --runs "$RUNS" \
+      --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --json 2>/dev/null >"$work/report.json"
+    "$python" - "$work/report.json" "$family" "$engine" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]:<18} {sys.argv[3]:<10} {r['prefill_tokens_per_second']['median']:>14.1f} {r['decode_tokens_per_second']['median']:>14.1f}")
+PY
+  done
+  if [ -n "${LLAMA_BENCH:-}" ]; then
+    "$LLAMA_BENCH" -m "$gguf" -t "$THREADS" -r "$RUNS" -p "$PROMPT" -n "$GEN" -o json 2>/dev/null >"$work/llama.json"
+    "$python" - "$work/llama.json" "$family" <<'PY'
+import json, sys
+import statistics
+rows = json.load(open(sys.argv[1]))
+rate = {("prefill" if r["n_prompt"] else "decode"): statistics.median(r["samples_ts"]) for r in rows}
+print(f"{sys.argv[2]:<18} {'llama.cpp':<10} {rate['prefill']:>14.1f} {rate['decode']:>14.1f}")
+PY
+  fi
+done
