@@ -335,3 +335,103 @@ fn a_gemma3_pipeline_of_mlx_then_candle_matches_mlx_lm() {
     let [whole, sliced] = schedules(t.reference.prompt.len());
     check("MLX then candle", &mut p, &t.reference, &[&whole, &sliced]);
 }
+
+/// What llama.cpp made of a family's tiny GGUF: its greedy tokens and the
+/// five most likely tokens' log-probabilities at each step (recorded by
+/// `reference/llama_cpp.py` into `fixtures/llama-cpp/`), with mlx-lm's
+/// tokens on the weights it was recorded on.
+#[derive(serde::Deserialize)]
+struct LlamaCpp {
+    tokens: Vec<u32>,
+    /// `None` where llama-server withheld them (a byte token ending inside
+    /// a UTF-8 character).
+    top: Vec<Option<Vec<(u32, f32)>>>,
+    reference: Vec<u32>,
+}
+
+/// The logit rows of a greedy run: the prompt, then each chosen token.
+fn greedy_rows(p: &mut LocalPipeline, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let mut rows = vec![p.step(vec![(1, prompt.to_vec())]).unwrap().remove(0)];
+    for _ in 1..steps {
+        let next = argmax(rows.last().unwrap());
+        rows.push(p.step(vec![(1, vec![next])]).unwrap().remove(0));
+    }
+    p.release(1);
+    rows
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().cloned().fold(f32::MIN, f32::max);
+    let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+    row.iter()
+        .map(|&x| (f64::from(x - max) - sum.ln()) as f32)
+        .collect()
+}
+
+/// Both engines on the family's GGUF give llama.cpp's greedy tokens, and
+/// log-probabilities within 1e-4 of its top five at every step it reported
+/// them (2e-3 for Gemma: llama.cpp's CPU GELU reads a float16 table).
+fn check_against_llama_cpp(family: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama-cpp")
+        .join(format!("{family}.json"));
+    let fixture: LlamaCpp = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let t = tiny(family);
+    assert_eq!(
+        t.reference.tokens, fixture.reference,
+        "{family}: the tiny model is not the one the llama.cpp fixture was recorded on \
+         (run reference/llama_cpp.py again)"
+    );
+    assert_eq!(
+        fixture.tokens, t.reference.tokens,
+        "{family}: llama.cpp vs mlx-lm"
+    );
+    #[cfg_attr(not(feature = "mlx"), allow(unused_mut))]
+    let mut engines = vec![("candle", candle(&t.gguf))];
+    #[cfg(feature = "mlx")]
+    engines.push(("MLX", mlx(&t.gguf)));
+    for (engine, load) in &engines {
+        let whole = load(StageLayout::new(0..t.layers, t.layers).unwrap());
+        let mut p = LocalPipeline::from_stages(vec![whole]);
+        let rows = greedy_rows(&mut p, &t.reference.prompt, fixture.tokens.len());
+        let mut worst = 0.0f32;
+        // llama.cpp's CPU GELU reads a float16 table (Gemma's feed-forward).
+        let tolerance = if family.starts_with("gemma") {
+            2e-3
+        } else {
+            1e-4
+        };
+        let checked = fixture.top.iter().flatten().count();
+        assert!(
+            checked >= fixture.top.len() / 2,
+            "{family}: {checked} steps with log-probabilities"
+        );
+        for (k, (row, top)) in rows.iter().zip(&fixture.top).enumerate() {
+            assert_eq!(
+                argmax(row),
+                fixture.tokens[k],
+                "{family} on {engine}: token {k}"
+            );
+            let ours = log_softmax(row);
+            for &(id, logprob) in top.iter().flatten() {
+                let gap = (ours[id as usize] - logprob).abs();
+                worst = worst.max(gap);
+                assert!(
+                    gap < tolerance,
+                    "{family} on {engine}: step {k} token {id}: {} vs llama.cpp's {logprob}",
+                    ours[id as usize]
+                );
+            }
+        }
+        eprintln!(
+            "{family} on {engine}, GGUF: largest log-probability gap to llama.cpp {worst:.1e}"
+        );
+    }
+}
+
+#[test]
+fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
+    for family in ["gemma3_text", "qwen3_moe_routed", "mixtral"] {
+        check_against_llama_cpp(family);
+    }
+}

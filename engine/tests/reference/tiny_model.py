@@ -260,6 +260,7 @@ def add_byte_tokenizer(w, vocab):
     w.add_token_types([gguf.TokenType.NORMAL] * 256)
     w.add_token_merges([f"{spelled[32]} t"])
     w.add_eos_token_id(1)
+    w.add_add_bos_token(False)
 
 
 def write_gguf(family, config, weights, path, qtype=None):
