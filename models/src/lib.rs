@@ -267,6 +267,8 @@ fn status_from_gguf(
         attention_heads: Some(c.heads as u32),
         kv_heads: Some(c.kv_heads as u32),
         head_dim: Some(c.head_dim as u32),
+        experts: c.moe.as_ref().map(|m| m.experts as u32),
+        experts_per_token: c.moe.as_ref().map(|m| m.experts_per_token as u32),
         vocab_size: Some(c.vocab_size as u32),
         context_length: Some(context),
         quantization,

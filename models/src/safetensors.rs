@@ -59,10 +59,8 @@ pub fn status_from(
     )
     .map_err(|e| bad(format!("config.json: {e}")))?;
     // Then whatever else the engines would refuse (impossible routing, say).
-    let architecture = parsed
-        .map_err(|e| format_unresolved("config.json", e))?
-        .architecture
-        .gguf_name();
+    let parsed = parsed.map_err(|e| format_unresolved("config.json", e))?;
+    let architecture = parsed.architecture.gguf_name();
     let context = field(config, "max_position_embeddings")
         .unwrap_or(4096)
         .min(u32::MAX.into()) as u32;
@@ -107,6 +105,8 @@ pub fn status_from(
         attention_heads: Some(heads as u32),
         kv_heads: Some(kv_heads as u32),
         head_dim: Some(head_dim as u32),
+        experts: parsed.moe.as_ref().map(|m| m.experts as u32),
+        experts_per_token: parsed.moe.as_ref().map(|m| m.experts_per_token as u32),
         vocab_size: field(config, "vocab_size").map(|v| v as u32),
         context_length: Some(spec.max_context_length.map_or(context, |m| m.min(context))),
         quantization,

@@ -145,6 +145,21 @@ fn broken_safetensors_models_are_named() {
     assert_eq!(e.reason, "UnsupportedArchitecture", "{}", e.message);
     assert!(e.message.contains("\"mamba\""));
 
+    // A mixture of experts reports its experts.
+    let moe = CONFIG.replace(
+        r#""model_type": "llama""#,
+        r#""model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32"#,
+    );
+    std::fs::write(dir.path().join("config.json"), moe).unwrap();
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors());
+    let status = safetensors::resolve_dir(dir.path(), &spec).unwrap();
+    assert_eq!(status.architecture.as_deref(), Some("qwen3moe"));
+    assert_eq!(
+        (status.experts, status.experts_per_token),
+        (Some(8), Some(2))
+    );
+
     // A mixture of experts that cannot route as it says.
     let moe = CONFIG.replace(
         r#""model_type": "llama""#,

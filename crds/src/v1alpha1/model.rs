@@ -85,6 +85,13 @@ pub struct ModelStatus {
     /// Dimension of one attention head.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<u32>,
+    /// Experts in each routed layer of a mixture-of-experts model (all of
+    /// them counted in `layerBytes`: a stage holds every expert of its layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<u32>,
+    /// Experts each token is routed to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts_per_token: Option<u32>,
     /// Size of the vocabulary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_size: Option<u32>,
