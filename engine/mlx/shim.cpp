@@ -205,6 +205,10 @@ int spx_multiply(const spx_array* a, const spx_array* b, spx_array** out) {
   return guard([&] { *out = wrap(mx::multiply(a->a, b->a)); });
 }
 
+int spx_sigmoid(const spx_array* a, spx_array** out) {
+  return guard([&] { *out = wrap(mx::sigmoid(a->a)); });
+}
+
 int spx_silu(const spx_array* a, spx_array** out) {
   return guard([&] { *out = wrap(mx::multiply(a->a, mx::sigmoid(a->a))); });
 }

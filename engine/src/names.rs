@@ -57,10 +57,18 @@ pub enum Part {
     ExpertUp,
     /// Every expert's down projection, `[experts, hidden, width]`.
     ExpertDown,
+    /// The shared expert's gate: hidden → 1, through a sigmoid (Qwen2-MoE).
+    SharedGateInp,
+    /// The shared expert's gate projection.
+    SharedGate,
+    /// The shared expert's up projection.
+    SharedUp,
+    /// The shared expert's down projection.
+    SharedDown,
 }
 
 /// Every part of a layer, in file order.
-pub const PARTS: [Part; 17] = [
+pub const PARTS: [Part; 21] = [
     Part::AttnNorm,
     Part::Q,
     Part::K,
@@ -78,6 +86,10 @@ pub const PARTS: [Part; 17] = [
     Part::ExpertGate,
     Part::ExpertUp,
     Part::ExpertDown,
+    Part::SharedGateInp,
+    Part::SharedGate,
+    Part::SharedUp,
+    Part::SharedDown,
 ];
 
 impl Part {
@@ -100,6 +112,10 @@ impl Part {
             Part::ExpertGate => "ffn_gate_exps",
             Part::ExpertUp => "ffn_up_exps",
             Part::ExpertDown => "ffn_down_exps",
+            Part::SharedGateInp => "ffn_gate_inp_shexp",
+            Part::SharedGate => "ffn_gate_shexp",
+            Part::SharedUp => "ffn_up_shexp",
+            Part::SharedDown => "ffn_down_shexp",
         }
     }
 
@@ -116,6 +132,10 @@ impl Part {
             Part::ExpertGate => "mlp.switch_mlp.gate_proj",
             Part::ExpertUp => "mlp.switch_mlp.up_proj",
             Part::ExpertDown => "mlp.switch_mlp.down_proj",
+            Part::SharedGateInp => "mlp.shared_expert_gate",
+            Part::SharedGate => "mlp.shared_expert.gate_proj",
+            Part::SharedUp => "mlp.shared_expert.up_proj",
+            Part::SharedDown => "mlp.shared_expert.down_proj",
             Part::FfnNorm if sandwich => "pre_feedforward_layernorm",
             Part::PostAttnNorm => "post_attention_layernorm",
             Part::PostFfnNorm => "post_feedforward_layernorm",

@@ -315,6 +315,24 @@ fn an_8_bit_mixtral_matches_mlx_lm_on_both_engines() {
     );
 }
 
+/// Qwen2-MoE as mlx-lm quantizes it: the shared expert's one-row gate too.
+#[test]
+fn a_4_bit_qwen2_moe_matches_mlx_lm_on_both_engines() {
+    check_model(
+        "qwen2_moe, 4-bit",
+        &tiny_quantized("qwen2_moe", 4),
+        every_boundary,
+    );
+}
+
+/// Qwen2-MoE: Q/K/V biases, weights not renormalised, a shared expert
+/// behind a sigmoid gate (a vector in GGUF, a one-row matrix in
+/// safetensors).
+#[test]
+fn qwen2_moe_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("qwen2_moe", every_boundary);
+}
+
 /// Mixtral: GGUF names it llama (Q/K permuted for interleaved RoPE), the
 /// experts' weights a softmax over the chosen two.
 #[test]
@@ -431,7 +449,7 @@ fn check_against_llama_cpp(family: &str) {
 
 #[test]
 fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
-    for family in ["gemma3_text", "qwen3_moe_routed", "mixtral"] {
+    for family in ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral"] {
         check_against_llama_cpp(family);
     }
 }

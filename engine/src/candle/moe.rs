@@ -27,7 +27,7 @@ pub(super) enum FeedForward {
         down: QMatMul,
     },
     /// Routed experts.
-    Experts(Experts),
+    Experts(Box<Experts>),
 }
 
 /// The routed experts of one layer.
@@ -42,6 +42,17 @@ pub(super) struct Experts {
     pub per_token: usize,
     /// Whether the chosen experts' weights are renormalised to sum to one.
     pub normalize: bool,
+    /// The expert every token also goes through (Qwen2-MoE).
+    pub shared: Option<Shared>,
+}
+
+/// A shared expert behind a sigmoid gate of its own.
+pub(super) struct Shared {
+    /// `[hidden]`: the gate's logit is its dot product with the row.
+    pub gate_inp: Tensor,
+    pub gate: QMatMul,
+    pub up: QMatMul,
+    pub down: QMatMul,
 }
 
 impl FeedForward {
@@ -103,6 +114,12 @@ impl Experts {
             )?;
             let w = Tensor::from_slice(&weights[e], (n, 1), x.device())?;
             out = out.index_add(&index, &y.broadcast_mul(&w)?, 0)?;
+        }
+        if let Some(s) = &self.shared {
+            let hidden = s.gate_inp.elem_count();
+            let gate = x.matmul(&s.gate_inp.reshape((hidden, 1))?)?;
+            let y = glu(&s.gate, &s.up, &s.down, x, activation)?;
+            out = (out + y.broadcast_mul(&candle_nn::ops::sigmoid(&gate)?)?)?;
         }
         Ok(out)
     }

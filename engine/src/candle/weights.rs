@@ -8,7 +8,7 @@ use std::io::BufReader;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
-use super::moe::{Experts, FeedForward};
+use super::moe::{Experts, FeedForward, Shared};
 use super::safetensors::SafetensorsDir;
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
@@ -219,7 +219,7 @@ impl LayerWeights {
                     bias,
                 })
             };
-        let qkv_bias = arch == Architecture::Qwen2;
+        let qkv_bias = matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe);
         let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias)?;
         let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias)?;
         let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias)?;
@@ -252,14 +252,26 @@ impl LayerWeights {
             post_attn_norm,
             post_ffn_norm,
             ffn: match &config.moe {
-                Some(moe) if moe.routed(i) => FeedForward::Experts(Experts {
+                Some(moe) if moe.routed(i) => FeedForward::Experts(Box::new(Experts {
                     router: l.matrix(&name("ffn_gate_inp.weight"))?,
                     gate: l.experts(&name("ffn_gate_exps.weight"), moe.experts)?,
                     up: l.experts(&name("ffn_up_exps.weight"), moe.experts)?,
                     down: l.experts(&name("ffn_down_exps.weight"), moe.experts)?,
                     per_token: moe.experts_per_token,
                     normalize: moe.normalize,
-                }),
+                    shared: match moe.shared_expert {
+                        Some(_) => Some(Shared {
+                            // `[hidden]` in GGUF, `[1, hidden]` from Hugging Face.
+                            gate_inp: l
+                                .vector(&name("ffn_gate_inp_shexp.weight"))?
+                                .flatten_all()?,
+                            gate: l.matrix(&name("ffn_gate_shexp.weight"))?,
+                            up: l.matrix(&name("ffn_up_shexp.weight"))?,
+                            down: l.matrix(&name("ffn_down_shexp.weight"))?,
+                        }),
+                        None => None,
+                    },
+                })),
                 _ => FeedForward::Dense {
                     gate: l.matrix(&name("ffn_gate.weight"))?,
                     up: l.matrix(&name("ffn_up.weight"))?,

@@ -316,6 +316,14 @@ impl Array {
         make("silu", |out| unsafe { ffi::spx_silu(self.ptr(), out) })
     }
 
+    /// `1 / (1 + e^-x)`.
+    pub fn sigmoid(&self) -> Result<Array> {
+        // SAFETY: live handle for the call.
+        make("sigmoid", |out| unsafe {
+            ffi::spx_sigmoid(self.ptr(), out)
+        })
+    }
+
     /// GELU, tanh approximation.
     pub fn gelu_tanh(&self) -> Result<Array> {
         // SAFETY: live handle for the call.

@@ -80,6 +80,7 @@ unsafe extern "C" {
     pub fn spx_add(a: *const spx_array, b: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_multiply(a: *const spx_array, b: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_silu(a: *const spx_array, out: *mut array) -> c_int;
+    pub fn spx_sigmoid(a: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_gelu_tanh(a: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_matmul(a: *const spx_array, b: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_quantized_matmul(

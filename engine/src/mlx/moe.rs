@@ -21,7 +21,7 @@ pub(super) enum FeedForward {
         down: Linear,
     },
     /// Routed experts.
-    Experts(Experts),
+    Experts(Box<Experts>),
 }
 
 /// The routed experts of one layer.
@@ -35,6 +35,17 @@ pub(super) struct Experts {
     pub(super) per_token: usize,
     /// Whether the chosen experts' weights are renormalised to sum to one.
     pub(super) normalize: bool,
+    /// The expert every token also goes through (Qwen2-MoE).
+    pub(super) shared: Option<SharedExpert>,
+}
+
+/// A shared expert behind a sigmoid gate of its own.
+pub(super) struct SharedExpert {
+    /// hidden → the gate's logit.
+    pub(super) gate_inp: Linear,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
 }
 
 /// Every expert's matrix of one projection: quantized as the file holds it
@@ -100,9 +111,17 @@ impl Experts {
         let h = g.multiply(&self.up.forward(&x, &ids)?)?;
         let y = self.down.forward(&h, &ids)?.reshape(&[tokens, k, hidden])?;
         // Σ over the chosen experts: [T, 1, k] @ [T, k, H].
-        weights
+        let routed = weights
             .reshape(&[tokens, 1, k])?
             .matmul(&y)?
-            .reshape(&[tokens, hidden])
+            .reshape(&[tokens, hidden])?;
+        let Some(s) = &self.shared else {
+            return Ok(routed);
+        };
+        let x = x.reshape(&[tokens, hidden])?;
+        let g = activate(&s.gate.forward(&x)?, activation)?;
+        let shared = s.down.forward(&g.multiply(&s.up.forward(&x)?)?)?;
+        let gate = s.gate_inp.forward(&x)?.sigmoid()?;
+        routed.add(&shared.multiply(&gate)?)
     }
 }

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
-use super::moe::{Experts, FeedForward, Stacked};
+use super::moe::{Experts, FeedForward, SharedExpert, Stacked};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::names::{Layout, Part, Weight};
@@ -179,6 +179,22 @@ impl Loader {
         Ok(linear)
     }
 
+    /// A `[in] → 1` projection, stored as a vector (GGUF) or a one-row
+    /// matrix (Hugging Face, perhaps quantized).
+    pub(super) fn row(&mut self, w: Weight, inp: usize) -> Result<Linear> {
+        let name = format!("{}.weight", w.prefix(self.layout, self.architecture));
+        if self.get(&name)?.shape().len() != 1 {
+            return self.linear(w, 1, inp);
+        }
+        let column = self.vector(w, inp)?.reshape(&[inp, 1])?;
+        Array::eval(&[&column])?;
+        Ok(Linear {
+            w: column,
+            quant: None,
+            bias: None,
+        })
+    }
+
     /// `experts` stacked `[out, in]` matrices, quantized when the file has
     /// `scales` for them.
     pub(super) fn stacked(
@@ -300,14 +316,23 @@ impl Loader {
             ffn: match &c.moe {
                 Some(moe) if moe.routed(n) => {
                     let (e, width) = (moe.experts, moe.expert_intermediate_size);
-                    FeedForward::Experts(Experts {
+                    FeedForward::Experts(Box::new(Experts {
                         router: self.linear(l(Part::Router), e, h)?,
                         gate: self.stacked(l(Part::ExpertGate), e, width, h)?,
                         up: self.stacked(l(Part::ExpertUp), e, width, h)?,
                         down: self.stacked(l(Part::ExpertDown), e, h, width)?,
                         per_token: moe.experts_per_token,
                         normalize: moe.normalize,
-                    })
+                        shared: match moe.shared_expert {
+                            Some(w) => Some(SharedExpert {
+                                gate_inp: self.row(l(Part::SharedGateInp), h)?,
+                                gate: self.linear(l(Part::SharedGate), w, h)?,
+                                up: self.linear(l(Part::SharedUp), w, h)?,
+                                down: self.linear(l(Part::SharedDown), h, w)?,
+                            }),
+                            None => None,
+                        },
+                    }))
                 }
                 _ => FeedForward::Dense {
                     gate: self.linear(l(Part::Gate), c.intermediate_size, h)?,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures" / "llama-cpp"
-FAMILIES = ["gemma3_text", "qwen3_moe_routed", "mixtral"]
+FAMILIES = ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral"]
 
 
 def free_port():

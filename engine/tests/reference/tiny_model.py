@@ -101,6 +101,28 @@ FAMILIES = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
     },
+    # Qwen2-MoE: Qwen2's attention (Q/K/V biases), every layer routed (8
+    # experts, 2 per token, not renormalised) beside a shared expert behind
+    # a sigmoid gate.
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 256,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    },
 }
 
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
@@ -175,6 +197,10 @@ COMMON_LAYER = {
     "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
     "mlp.switch_mlp.up_proj": "ffn_up_exps",
     "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "block_sparse_moe.gate": "ffn_gate_inp",
     "block_sparse_moe.switch_mlp.gate_proj": "ffn_gate_exps",
     "block_sparse_moe.switch_mlp.up_proj": "ffn_up_exps",
@@ -195,6 +221,7 @@ GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3moe",
     "qwen3_moe_routed": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
     "mixtral": "llama",
 }
 
@@ -207,7 +234,9 @@ def gguf_name(family, name):
     if name == "lm_head.weight":
         return "output.weight"
     parts = name.split(".")
-    layer, role = parts[2], ".".join(parts[3:-1])
+    layer, role, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    if kind == "bias":
+        return f"blk.{layer}.{COMMON_LAYER[role]}.bias"
     table = GEMMA3_LAYER if family.startswith("gemma") else COMMON_LAYER
     return f"blk.{layer}.{table[role]}.weight"
 
@@ -286,6 +315,11 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_count(c["num_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if family == "qwen2_moe":
+        w.add_expert_count(c["num_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     if family == "mixtral":
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
@@ -299,6 +333,9 @@ def write_gguf(family, config, weights, path, qtype=None):
             a = permute(a, c["num_attention_heads"])
         if arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, c["num_key_value_heads"])
+        if name.endswith("shared_expert_gate.weight"):
+            # llama.cpp reads the shared expert's gate as a vector.
+            a = a.reshape(-1)
         a = np.ascontiguousarray(a)
         if qtype is not None and block_quantizable(name, a):
             w.add_tensor(gguf_name(family, name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)

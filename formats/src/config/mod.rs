@@ -24,6 +24,9 @@ pub enum Architecture {
     Gemma3,
     /// Qwen3-MoE: Qwen3's attention, routed experts (softmax, top k).
     Qwen3Moe,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, routed
+    /// experts beside a shared expert behind a sigmoid gate.
+    Qwen2Moe,
     /// Mixtral: Llama's attention (GGUF names it `llama`), routed experts.
     Mixtral,
 }
@@ -37,6 +40,7 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
             Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::Qwen2Moe => "qwen2moe",
             Architecture::Mixtral => "llama",
         }
     }
@@ -48,6 +52,7 @@ impl Architecture {
             "qwen3" => Ok(Architecture::Qwen3),
             "gemma3" => Ok(Architecture::Gemma3),
             "qwen3moe" => Ok(Architecture::Qwen3Moe),
+            "qwen2moe" => Ok(Architecture::Qwen2Moe),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -260,6 +265,7 @@ impl ModelConfig {
             "llama" | "mistral" => Architecture::Llama,
             "gemma3_text" => Architecture::Gemma3,
             "qwen3_moe" => Architecture::Qwen3Moe,
+            "qwen2_moe" => Architecture::Qwen2Moe,
             "mixtral" => Architecture::Mixtral,
             // `gemma3` in config.json is the multimodal wrapper (`text_config`,
             // `language_model.` weights).
@@ -334,6 +340,7 @@ impl ModelConfig {
             Architecture::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
             Architecture::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
             Architecture::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            Architecture::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             Architecture::Mixtral => ("mixtral", "MixtralForCausalLM"),
         };
         let mut json = serde_json::json!({

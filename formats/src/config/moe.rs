@@ -28,6 +28,9 @@ pub struct Moe {
     pub normalize: bool,
     /// Layers with a dense feed-forward block instead (ascending).
     pub dense_layers: Vec<usize>,
+    /// Width of the shared expert every token also goes through, scaled by
+    /// a sigmoid gate of its own (Qwen2-MoE), when the family has one.
+    pub shared_expert: Option<usize>,
 }
 
 impl Moe {
@@ -87,11 +90,23 @@ pub(super) fn from_gguf(
         .get_u32(&key("expert_feed_forward_length"))
         .map(|n| n as usize)
         .unwrap_or(config.intermediate_size);
+    // llama.cpp renormalises for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
+    let qwen2 = header.get_str("general.architecture").ok() == Some("qwen2moe");
     let normalize = match header.get(&key("expert_weights_norm")) {
-        Ok(v) => v.as_bool().unwrap_or(true),
-        // llama.cpp renormalises for Mixtral and Qwen3-MoE.
-        Err(_) => true,
+        Ok(v) => v.as_bool().unwrap_or(!qwen2),
+        Err(_) => !qwen2,
     };
+    let shared_expert = header
+        .get_u32(&key("expert_shared_feed_forward_length"))
+        .ok()
+        .map(|n| n as usize)
+        .filter(|_| qwen2);
+    if qwen2 && shared_expert.is_none() {
+        return Err(Error::metadata(
+            key("expert_shared_feed_forward_length"),
+            "a qwen2moe model names the width of its shared expert",
+        ));
+    }
     if let Ok(func) = header.get_u32(&key("expert_gating_func"))
         && func != 1
     {
@@ -100,10 +115,10 @@ pub(super) fn from_gguf(
             format!("gating function {func} is not supported (1, softmax, is)"),
         ));
     }
-    if header.get_u32(&key("expert_shared_count")).unwrap_or(0) > 0 {
+    if header.get_u32(&key("expert_shared_count")).unwrap_or(0) > 1 {
         return Err(Error::metadata(
             key("expert_shared_count"),
-            "shared experts are not supported yet",
+            "more than one shared expert is not supported yet (one gated shared expert, as Qwen2-MoE has, is)",
         ));
     }
     Moe {
@@ -112,6 +127,7 @@ pub(super) fn from_gguf(
         expert_intermediate_size,
         normalize,
         dense_layers,
+        shared_expert,
     }
     .check(&key("expert_used_count"))
     .map(Some)
@@ -123,6 +139,20 @@ pub(super) fn from_hf(
     config: &ModelConfig,
     v: &serde_json::Value,
 ) -> Result<Option<Moe>> {
+    // Qwen's keys, both generations.
+    let qwen = |dense_layers: Vec<usize>, shared_expert: Option<usize>| -> Result<Moe> {
+        Ok(Moe {
+            experts: hf_int(v, "num_experts")?,
+            experts_per_token: hf_int(v, "num_experts_per_tok")?,
+            expert_intermediate_size: hf_int(v, "moe_intermediate_size")?,
+            normalize: v
+                .get("norm_topk_prob")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false),
+            dense_layers,
+            shared_expert,
+        })
+    };
     let moe = match architecture {
         Architecture::Qwen3Moe => {
             let step = match v.get("decoder_sparse_step") {
@@ -141,19 +171,17 @@ pub(super) fn from_hf(
                     .ok_or_else(|| hf_bad("mlp_only_layers", "expected layer numbers"))?,
                 Some(_) => return Err(hf_bad("mlp_only_layers", "expected a list")),
             };
-            Moe {
-                experts: hf_int(v, "num_experts")?,
-                experts_per_token: hf_int(v, "num_experts_per_tok")?,
-                expert_intermediate_size: hf_int(v, "moe_intermediate_size")?,
-                normalize: v
-                    .get("norm_topk_prob")
-                    .and_then(serde_json::Value::as_bool)
-                    .unwrap_or(false),
-                dense_layers: (0..config.layers)
-                    .filter(|l| only.contains(l) || !(l + 1).is_multiple_of(step))
-                    .collect(),
-            }
+            let dense = (0..config.layers)
+                .filter(|l| only.contains(l) || !(l + 1).is_multiple_of(step))
+                .collect();
+            qwen(dense, None)?
         }
+        // Every layer routed (as mlx-lm and llama.cpp build it), beside the
+        // gated shared expert.
+        Architecture::Qwen2Moe => qwen(
+            Vec::new(),
+            Some(hf_int(v, "shared_expert_intermediate_size")?),
+        )?,
         Architecture::Mixtral => Moe {
             experts: hf_int(v, "num_local_experts")?,
             experts_per_token: hf_int(v, "num_experts_per_tok")?,
@@ -161,6 +189,7 @@ pub(super) fn from_hf(
             // A softmax over the chosen experts' logits.
             normalize: true,
             dense_layers: Vec::new(),
+            shared_expert: None,
         },
         _ => return Ok(None),
     };
@@ -177,6 +206,13 @@ pub(super) fn to_hf_json(
         Architecture::Mixtral => serde_json::json!({
             "num_local_experts": moe.experts,
             "num_experts_per_tok": moe.experts_per_token,
+        }),
+        Architecture::Qwen2Moe => serde_json::json!({
+            "num_experts": moe.experts,
+            "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.expert_intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_expert.unwrap_or(0),
+            "norm_topk_prob": moe.normalize,
         }),
         _ => serde_json::json!({
             "num_experts": moe.experts,
