@@ -26,6 +26,9 @@ pub struct Cache {
     changed: Arc<tokio::sync::Notify>,
     budget: Option<u64>,
     pins: Arc<Mutex<BTreeMap<String, usize>>>,
+    /// One lock per repository key: two stages of one repository starting
+    /// at once fetch one after the other, never into the same `.partial`.
+    repository_locks: Arc<Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>>,
 }
 
 /// What the cache knows of a file, kept beside it (`<file>.json`) so the
@@ -147,6 +150,7 @@ impl Cache {
             changed: Arc::default(),
             budget: None,
             pins: Arc::default(),
+            repository_locks: Arc::default(),
         })
     }
 
@@ -373,6 +377,18 @@ impl Cache {
             "{}.gguf",
             &hex(&Sha256::digest(key.as_bytes()))[..32]
         ))
+    }
+
+    /// Holds `key`'s repository for one fetch (see `repository_locks`).
+    pub(crate) async fn lock_repository(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .repository_locks
+            .lock()
+            .expect("repository locks")
+            .entry(key.to_string())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
     }
 
     /// The directory a safetensors repository's files are cached in.

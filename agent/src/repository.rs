@@ -11,7 +11,7 @@
 //! ```
 //!
 //! A later stage of other layers on the same node fetches only the files it
-//! still lacks. Files already there are checked against the listing's sizes,
+//! still lacks; two stages starting at once fetch one after the other. Files already there are checked against the listing's sizes,
 //! not hashed again.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -161,6 +161,7 @@ pub async fn fetch(
     wanted: &Wanted,
     mut progress: impl FnMut(u64, Option<u64>),
 ) -> Result<PathBuf, Failure> {
+    let _one_at_a_time = cache.lock_repository(key).await;
     let dir = cache.repository_dir(key);
     std::fs::create_dir_all(&dir).map_err(|e| unwritable(&dir, e))?;
     let mut names: Vec<&str> = Vec::new();

@@ -143,6 +143,26 @@ async fn a_stage_fetches_the_files_of_its_layers_and_a_later_stage_the_rest() {
 }
 
 #[tokio::test]
+async fn two_stages_starting_at_once_fetch_each_file_once() {
+    let repo = tempfile::tempdir().unwrap();
+    repository(repo.path());
+    let (hub, seen) = serve_repository(repo.path(), &[]).await;
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = Cache::new(cache_dir.path().into(), http()).unwrap();
+    let client = http();
+    let source = hub_source(&hub, &client).await;
+    let whole = wanted(0..4);
+    let (first, last) = tokio::join!(
+        fetch(&cache, "k", &source, &whole, |_, _| {}),
+        fetch(&cache, "k", &source, &whole, |_, _| {}),
+    );
+    assert_eq!(first.unwrap(), last.unwrap());
+    for file in ["config.json", "a.safetensors", "b.safetensors"] {
+        assert_eq!(gets(&seen, file), 1, "{file}");
+    }
+}
+
+#[tokio::test]
 async fn a_file_whose_hash_is_not_the_listed_one_is_discarded() {
     let repo = tempfile::tempdir().unwrap();
     repository(repo.path());
