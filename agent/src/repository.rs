@@ -11,21 +11,22 @@
 //! ```
 //!
 //! A later stage of other layers on the same node fetches only the files it
-//! still lacks; two stages starting at once fetch one after the other. Files already there are checked against the listing's sizes,
-//! not hashed again.
+//! still lacks; two stages starting at once fetch one after the other. Files
+//! already there are checked against the listing's sizes, not hashed again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use shardplane_engine::StageLayout;
 use shardplane_models::hub::Revision;
 use shardplane_models::safetensors::{expected_file_size, is_plain_file_name};
 
 use crate::cache::{Cache, Failure, verify_sha256};
 
-/// Files read beside the weights: the first must be there.
+/// Files every stage reads beside the weights: they must be there.
 const REQUIRED: &[&str] = &["config.json", "tokenizer.json"];
+/// Files read when the repository has them.
 const OPTIONAL: &[&str] = &[
     "model.safetensors.index.json",
     "tokenizer_config.json",
@@ -37,50 +38,32 @@ const OPTIONAL: &[&str] = &[
 /// The largest small file accepted (tokenizer.json of large vocabularies is
 /// tens of MB).
 const MAX_SMALL: u64 = 128 << 20;
+/// The index of a sharded model's weight files (one of [`OPTIONAL`]).
 const INDEX: &str = "model.safetensors.index.json";
 
-/// What a stage needs of a repository.
-#[derive(Debug, Clone)]
-pub struct Wanted {
-    /// Its layers, `[start, end)`.
-    pub layers: Range<usize>,
-    /// The model's layers.
-    pub total_layers: usize,
-}
-
-impl Wanted {
-    fn first(&self) -> bool {
-        self.layers.start == 0
+/// Whether `stage` reads tensor `name` (Hugging Face names).
+fn reads(stage: &StageLayout, name: &str, tied: bool) -> bool {
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        return rest
+            .split('.')
+            .next()
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| stage.layers.contains(&n));
     }
-
-    fn last(&self) -> bool {
-        self.layers.end >= self.total_layers
+    if name.starts_with("model.embed_tokens.") {
+        return stage.is_first() || (stage.is_last() && tied);
     }
-
-    /// Whether the stage reads tensor `name` (Hugging Face names).
-    fn reads(&self, name: &str, tied: bool) -> bool {
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            return rest
-                .split('.')
-                .next()
-                .and_then(|n| n.parse::<usize>().ok())
-                .is_some_and(|n| self.layers.contains(&n));
-        }
-        if name.starts_with("model.embed_tokens.") {
-            return self.first() || (self.last() && tied);
-        }
-        if name.starts_with("model.norm.") || name.starts_with("lm_head.") {
-            return self.last();
-        }
-        // Anything else (vision towers and the like) is not read by the engines.
-        false
+    if name.starts_with("model.norm.") || name.starts_with("lm_head.") {
+        return stage.is_last();
     }
+    // Anything else (vision towers and the like) is not read by the engines.
+    false
 }
 
 /// The weight files of `index` (`model.safetensors.index.json`) that hold
-/// the tensors `wanted` reads, in name order; `model.safetensors` without an
+/// the tensors `stage` reads, in name order; `model.safetensors` without an
 /// index.
-pub fn weight_files(index: Option<&Value>, wanted: &Wanted) -> Result<Vec<String>, Failure> {
+pub fn weight_files(index: Option<&Value>, stage: &StageLayout) -> Result<Vec<String>, Failure> {
     let Some(index) = index else {
         return Ok(vec!["model.safetensors".into()]);
     };
@@ -99,14 +82,14 @@ pub fn weight_files(index: Option<&Value>, wanted: &Wanted) -> Result<Vec<String
             .as_str()
             .filter(|f| is_plain_file_name(f) && f.ends_with(".safetensors"))
             .ok_or_else(|| corrupt(format!("{tensor} lies in {file}, not a weights file")))?;
-        if wanted.reads(tensor, tied) {
+        if reads(stage, tensor, tied) {
             files.insert(file.to_string());
         }
     }
     if files.is_empty() {
         return Err(corrupt(format!(
             "no file holds the tensors of layers {:?}",
-            wanted.layers
+            stage.layers
         )));
     }
     Ok(files.into_iter().collect())
@@ -151,14 +134,14 @@ impl Source<'_> {
     }
 }
 
-/// Makes sure the files of `key`'s repository that `wanted` needs are in the
+/// Makes sure the files of `key`'s repository that `stage` needs are in the
 /// cache; returns the directory. `progress(done, total)` follows the
 /// weight files' download.
 pub async fn fetch(
     cache: &Cache,
     key: &str,
     source: &Source<'_>,
-    wanted: &Wanted,
+    stage: &StageLayout,
     mut progress: impl FnMut(u64, Option<u64>),
 ) -> Result<PathBuf, Failure> {
     let _one_at_a_time = cache.lock_repository(key).await;
@@ -195,14 +178,14 @@ pub async fn fetch(
         }
         false => None,
     };
-    let weights = weight_files(index.as_ref(), wanted)?;
+    let weights = weight_files(index.as_ref(), stage)?;
     for name in &weights {
         if !source.has(name).await? {
             return Err(Failure {
                 reason: "WeightsNotFound",
                 message: format!(
                     "{}/{name} is missing (the stage's layers {:?} lie in it)",
-                    source.base, wanted.layers
+                    source.base, stage.layers
                 ),
             });
         }
@@ -314,6 +297,8 @@ fn unwritable(path: &Path, e: std::io::Error) -> Failure {
 
 #[cfg(test)]
 mod tests {
+    use std::ops::Range;
+
     use super::*;
 
     fn index(tied: bool) -> Value {
@@ -334,11 +319,8 @@ mod tests {
         serde_json::json!({ "weight_map": map })
     }
 
-    fn wanted(layers: Range<usize>) -> Wanted {
-        Wanted {
-            layers,
-            total_layers: 4,
-        }
+    fn wanted(layers: Range<usize>) -> StageLayout {
+        StageLayout::new(layers, 4).unwrap()
     }
 
     #[test]

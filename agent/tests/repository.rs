@@ -6,7 +6,8 @@
 use std::path::Path;
 
 use shardplane_agent::cache::Cache;
-use shardplane_agent::repository::{Source, Wanted, fetch};
+use shardplane_agent::repository::{Source, fetch};
+use shardplane_engine::StageLayout;
 use shardplane_testkit::hub::{HUB_COMMIT, HUB_MLX_REPO, serve_repository};
 
 /// A safetensors file of F32 `[2]` tensors named `names`.
@@ -60,11 +61,8 @@ fn http() -> reqwest::Client {
     shardplane_models::http_client().unwrap()
 }
 
-fn wanted(layers: std::ops::Range<usize>) -> Wanted {
-    Wanted {
-        layers,
-        total_layers: 4,
-    }
+fn wanted(layers: std::ops::Range<usize>) -> StageLayout {
+    StageLayout::new(layers, 4).unwrap()
 }
 
 async fn hub_source<'a>(hub: &str, http: &'a reqwest::Client) -> Source<'a> {

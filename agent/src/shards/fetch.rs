@@ -221,15 +221,19 @@ async fn fetch_repository(
         base,
         listing,
     };
-    let wanted = crate::repository::Wanted {
-        layers: shard.spec.layers.start as usize..shard.spec.layers.end as usize,
-        total_layers: shard.spec.total_layers as usize,
-    };
+    let stage = shardplane_engine::StageLayout::new(
+        shard.spec.layers.start as usize..shard.spec.layers.end as usize,
+        shard.spec.total_layers as usize,
+    )
+    .map_err(|e| Failure {
+        reason: "LayerRangeDoesNotFit",
+        message: e.to_string(),
+    })?;
     let (done, total, reporter) = progress_reporter(client, shards, shard);
     let counter = metrics.download_bytes.with_label_values(&["url"]);
     let key = shard.spec.source.cache_key();
     let progress = counting(&done, &total, counter);
-    let result = crate::repository::fetch(&sources.cache, &key, &source, &wanted, progress).await;
+    let result = crate::repository::fetch(&sources.cache, &key, &source, &stage, progress).await;
     reporter.abort();
     sources.cache.make_room(0);
     result
