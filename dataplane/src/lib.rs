@@ -11,6 +11,8 @@ mod generated {
     tonic::include_proto!("shardplane.dataplane.v1");
 }
 
+pub mod collective;
+
 pub use generated::*;
 /// The protobuf library of the messages (to decode or encode them by hand).
 pub use prost;
@@ -95,6 +97,18 @@ impl Token {
             return Err(Error::InvalidToken("printable ASCII without spaces"));
         }
         Ok(Token(t.into()))
+    }
+
+    /// A fresh random token (64 hex digits), for a group whose members are
+    /// all started by one process.
+    pub fn random() -> Result<Self, Error> {
+        use ring::rand::SecureRandom;
+        let mut bytes = [0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut bytes)
+            .map_err(|_| Error::InvalidToken("random, and the system has no randomness"))?;
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        Token::new(&hex)
     }
 
     /// Reads a token file.

@@ -89,6 +89,9 @@ pub enum Error {
     /// server's, and another instance may serve the request.
     #[error("the stage is unavailable: {0}")]
     Unavailable(String),
+    /// A tensor-parallel split or group that cannot be made.
+    #[error("tensor parallelism: {0}")]
+    Tensor(String),
 }
 
 impl Error {

@@ -13,7 +13,8 @@
 //!   sees), [`generation`] (the one generation loop and the request it
 //!   trusts, used by the CLI and by head stages), and [`pipeline`], which
 //!   drives stages to generate text in one process; [`prefix`]: the cache of
-//!   prompts' KV that a backend keeps in blocks.
+//!   prompts' KV that a backend keeps in blocks; [`tensor`]: tensor parallelism
+//!   (how a layer is split across ranks, and a group of ranks as one stage).
 //!
 //! This crate knows nothing of Kubernetes or the network.
 
@@ -35,6 +36,7 @@ pub mod reasoning;
 pub mod sampler;
 pub mod stage;
 pub mod stop;
+pub mod tensor;
 pub mod text_output;
 pub mod tokenizer;
 pub mod tools;

@@ -61,6 +61,11 @@ pub struct BenchArgs {
     /// An empty directory to copy into (with `--copy-from`).
     #[arg(long)]
     copy_to: Option<std::path::PathBuf>,
+    /// Measure the tensor group's all-reduce alone instead: one sum of this
+    /// many f32 values (a decode step's hidden state: the model's width)
+    /// across `--tensor` ranks joined over loopback, `--runs` × 100 times.
+    #[arg(long, conflicts_with_all = ["endpoint", "copy_from", "json_schema"])]
+    all_reduce_values: Option<usize>,
     /// The data-plane token file (with `--endpoint` or `--copy-from`).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
@@ -71,6 +76,8 @@ struct Report<'a> {
     engine: &'a str,
     model: String,
     stages: Vec<String>,
+    /// Ranks of each stage's tensor group (1: not split).
+    tensor_ranks: usize,
     threads: usize,
     prompt_tokens: usize,
     generated_tokens: usize,
@@ -89,6 +96,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return copy(&args, endpoint);
     }
     super::threads::use_threads(args.threads)?;
+    if let Some(values) = args.all_reduce_values {
+        let ranks = args.model.tensor_ranks()?;
+        let micros = super::tensor::all_reduce_micros(ranks, values, args.runs * 100)?;
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "ranks": ranks,
+                "values": values,
+                "all_reduce_us": micros,
+            }))?
+        );
+        return Ok(());
+    }
     let load_before = load_average();
     let (figures, stages) = if let Some(endpoint) = &args.endpoint {
         let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;
@@ -150,6 +170,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         engine: &args.model.engine,
         model: args.model.path()?.display().to_string(),
         stages,
+        tensor_ranks: args.model.tensor_ranks()?,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
             .and_then(|t| t.parse().ok())
@@ -168,9 +189,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         let f = &report.figures;
         println!(
-            "engine {} stages {:?} threads {} prompt {} gen {} runs {}",
+            "engine {} stages {:?} tensor {} threads {} prompt {} gen {} runs {}",
             report.engine,
             report.stages,
+            report.tensor_ranks,
             report.threads,
             report.prompt_tokens,
             report.generated_tokens,

@@ -39,6 +39,17 @@ pub struct ModelArgs {
     /// on a CPU multiplies through BLAS, far faster than its quantized CPU kernel.
     #[arg(long)]
     pub dequantize: bool,
+    /// Split every stage across this many ranks (tensor parallelism), run in
+    /// this process on threads of their own and joined over loopback TCP
+    /// with the all-reduce agents use, so a split can be checked on one
+    /// machine. Candle engine, dense models.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub tensor: u16,
+    /// Uneven tensor shares, one weight per rank, e.g. `2:1` (two ranks, the
+    /// first with twice the heads and columns of the second); sets the rank
+    /// count.
+    #[arg(long, conflicts_with = "tensor")]
+    pub tensor_weights: Option<String>,
 }
 
 impl ModelArgs {
@@ -58,6 +69,9 @@ impl ModelArgs {
             // One request at a time: nothing to share.
             prefix_cache_bytes: 0,
         };
+        if let Some(weights) = self.rank_weights()? {
+            return self.load_tensor(path, engine, &options, &weights);
+        }
         if path.is_dir() {
             return self.load_dir(path, engine, &options);
         }
@@ -70,6 +84,53 @@ impl ModelArgs {
             .with_context(|| format!("cannot load {}", path.display()))?;
         let text = TextModel::from_gguf(&file)?;
         Ok((pipeline, text))
+    }
+
+    /// Ranks of each stage's tensor group (1 when not split).
+    pub fn tensor_ranks(&self) -> anyhow::Result<usize> {
+        Ok(self.rank_weights()?.map_or(1, |w| w.len()))
+    }
+
+    /// The weights of a tensor group's ranks, when the stages are split.
+    fn rank_weights(&self) -> anyhow::Result<Option<Vec<f64>>> {
+        Ok(match &self.tensor_weights {
+            Some(spec) => Some(shardplane_engine::tensor::parse_weights(spec)?),
+            None if self.tensor > 1 => Some(vec![1.0; usize::from(self.tensor)]),
+            None => None,
+        })
+    }
+
+    /// Loads every stage as a tensor group of `weights.len()` ranks.
+    fn load_tensor(
+        &self,
+        path: &std::path::Path,
+        engine: EngineKind,
+        options: &LoadOptions,
+        weights: &[f64],
+    ) -> anyhow::Result<(LocalPipeline, TextModel)> {
+        anyhow::ensure!(
+            engine == EngineKind::Candle,
+            "--tensor runs on the candle engine; the {} engine does not split layers yet",
+            engine.name()
+        );
+        let (config, text) = if path.is_dir() {
+            (read_dir_config(path)?.0, TextModel::from_dir(path)?)
+        } else {
+            let file = GgufFile::open(path)?;
+            (file.config().clone(), TextModel::from_gguf(&file)?)
+        };
+        let splits = match &self.stages {
+            Some(spec) => parse_stages(spec, config.layers)?,
+            None => std::iter::once(0..config.layers).collect(),
+        };
+        let stages = splits
+            .into_iter()
+            .map(|r| {
+                let layout = StageLayout::new(r, config.layers)?;
+                super::tensor::load_group(path, &config, layout, options, weights)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok((LocalPipeline::from_stages(stages), text))
     }
 
     /// Loads a safetensors model directory (the MLX-community layout, as

@@ -26,6 +26,7 @@ use crate::stage::{
     Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
     plan_step,
 };
+use crate::tensor::{AllReduce, TensorGroup, TensorRank, TensorSplit};
 use safetensors::SafetensorsDir;
 use weights::{LayerWeights, Source, TensorLoader};
 
@@ -50,6 +51,9 @@ pub struct CandleStage {
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
     prefix: PrefixCache<Vec<(Tensor, Tensor)>>,
+    /// This stage's rank in a tensor group: its share of every layer, and
+    /// the collective summing the attention and MLP outputs.
+    tensor: Option<TensorRank>,
 }
 
 impl std::fmt::Debug for CandleStage {
@@ -90,20 +94,78 @@ impl CandleStage {
         layout: StageLayout,
         options: &LoadOptions,
     ) -> Result<Self> {
-        let path = path.as_ref();
+        Self::load_part(path.as_ref(), layout, options, None)
+    }
+
+    /// Loads one rank of a tensor group: its share of layers
+    /// `layout.layers` (the embedding and, on rank 0, the head whole).
+    pub fn load_rank(
+        path: impl AsRef<Path>,
+        layout: StageLayout,
+        options: &LoadOptions,
+        rank: TensorRank,
+    ) -> Result<Self> {
+        Self::load_part(path.as_ref(), layout, options, Some(rank))
+    }
+
+    /// Loads stage `layout` as a tensor group: one rank per share of
+    /// `split`, each summing with its collective in `collectives` (rank
+    /// order, already joined to one another).
+    pub fn load_group(
+        path: impl AsRef<Path>,
+        layout: StageLayout,
+        options: &LoadOptions,
+        split: &TensorSplit,
+        collectives: Vec<Box<dyn AllReduce>>,
+    ) -> Result<TensorGroup> {
+        if collectives.len() != split.shares().len() {
+            return Err(Error::Tensor(format!(
+                "{} collectives for {} ranks",
+                collectives.len(),
+                split.shares().len()
+            )));
+        }
+        let ranks = split
+            .shares()
+            .iter()
+            .zip(collectives)
+            .map(|(share, collective)| {
+                let rank = TensorRank {
+                    share: share.clone(),
+                    collective,
+                };
+                let stage = Self::load_rank(path.as_ref(), layout.clone(), options, rank)?;
+                Ok(Box::new(stage) as Box<dyn Stage>)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        TensorGroup::new(ranks)
+    }
+
+    fn load_part(
+        path: &Path,
+        layout: StageLayout,
+        options: &LoadOptions,
+        rank: Option<TensorRank>,
+    ) -> Result<Self> {
         if path.is_dir() {
             let (config, json) = crate::config::read_dir_config(path)?;
             let dir = SafetensorsDir::open(path, config.architecture, &json)?;
-            return Self::build(
-                config,
-                Source::Safetensors(dir),
-                layout,
-                options,
-                Device::Cpu,
-            );
+            let source = Source::Safetensors(dir);
+            return Self::build(config, source, layout, options, Device::Cpu, rank);
         }
         let file = GgufFile::open(path)?;
-        Self::load_from(&file, layout, options, Device::Cpu)
+        let source = Source::Gguf {
+            file: &file,
+            reader: file.reader()?,
+        };
+        Self::build(
+            file.config().clone(),
+            source,
+            layout,
+            options,
+            Device::Cpu,
+            rank,
+        )
     }
 
     /// Loads a stage from an opened GGUF file onto `device`.
@@ -117,7 +179,7 @@ impl CandleStage {
             file,
             reader: file.reader()?,
         };
-        Self::build(file.config().clone(), source, layout, options, device)
+        Self::build(file.config().clone(), source, layout, options, device, None)
     }
 
     fn build(
@@ -126,7 +188,12 @@ impl CandleStage {
         layout: StageLayout,
         options: &LoadOptions,
         device: Device,
+        tensor: Option<TensorRank>,
     ) -> Result<Self> {
+        if let Some(rank) = &tensor {
+            check_share(&config, &rank.share)?;
+        }
+        let share = tensor.as_ref().map(|t| &t.share);
         // The layout was built for the model the caller expected; check it against this one.
         let layout = StageLayout::new(layout.layers, config.layers)?;
         let context_length = options
@@ -152,9 +219,10 @@ impl CandleStage {
         let layers = layout
             .layers
             .clone()
-            .map(|i| LayerWeights::load(&mut loader, i, &config))
+            .map(|i| LayerWeights::load(&mut loader, i, &config, share))
             .collect::<Result<Vec<_>>>()?;
-        let head = if layout.is_last() {
+        // In a tensor group, rank 0 alone computes the logits.
+        let head = if layout.is_last() && share.is_none_or(|s| s.is_leader()) {
             let norm = loader.vector("output_norm.weight")?;
             // Tied embeddings: the output head is the embedding matrix.
             let name = if loader.has("output.weight") {
@@ -180,7 +248,25 @@ impl CandleStage {
             rope,
             sequences: HashMap::new(),
             prefix: PrefixCache::new(DEFAULT_BLOCK_TOKENS, options.prefix_cache_bytes),
+            tensor,
         })
+    }
+
+    /// Sums a partial layer output across the tensor group (nothing to do
+    /// for a stage of its own).
+    fn reduce(tensor: &mut Option<TensorRank>, partial: Tensor) -> Result<Tensor> {
+        let Some(rank) = tensor else {
+            return Ok(partial);
+        };
+        let shape = partial.shape().clone();
+        let mut values = partial
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        rank.collective
+            .all_reduce(&mut values)
+            .map_err(|e| Error::Unavailable(format!("tensor all-reduce: {e}")))?;
+        Ok(Tensor::from_vec(values, shape, partial.device())?)
     }
 
     /// Stacks the inputs into rows and plans each sequence's share.
@@ -264,7 +350,11 @@ impl CandleStage {
 
     fn layer(&mut self, l: usize, x: &Tensor, items: &[Item]) -> Result<Tensor> {
         let cfg = &self.config;
-        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let (heads, kv_heads) = match &self.tensor {
+            Some(t) => (t.share.heads.len(), t.share.kv_heads.len()),
+            None => (cfg.heads, cfg.kv_heads),
+        };
+        let hd = cfg.head_dim;
         let eps = cfg.rms_eps as f32;
         let w = &self.layers[l];
         let shape = cfg.layer_attention(self.layout.layers.start + l);
@@ -323,13 +413,19 @@ impl CandleStage {
                 None => Ok(t),
             }
         };
-        let x = (x + post(w.o.forward(&y)?, &w.post_attn_norm)?)?;
+        let attended = Self::reduce(&mut self.tensor, w.o.forward(&y)?)?;
+        let x = (x + post(attended, &w.post_attn_norm)?)?;
         let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
         let ffn = w.ffn.forward(&h, cfg.architecture.activation())?;
+        let ffn = Self::reduce(&mut self.tensor, ffn)?;
         Ok((x + post(ffn, &w.post_ffn_norm)?)?)
     }
 
     fn outputs(&self, x: &Tensor, items: &[Item]) -> Result<Vec<StageOutput>> {
+        if self.layout.is_last() && self.head.is_none() {
+            // A tensor rank other than 0: the leader gives the logits.
+            return Ok(vec![StageOutput::Logits(Vec::new()); items.len()]);
+        }
         match &self.head {
             Some((norm, head)) => {
                 let last_rows: Vec<u32> = items
@@ -361,6 +457,33 @@ impl CandleStage {
                 .collect(),
         }
     }
+}
+
+/// Checks that a tensor rank's share fits the model (it was planned for
+/// the model the caller expected).
+fn check_share(config: &ModelConfig, share: &crate::tensor::RankShare) -> Result<()> {
+    let fits = share.kv_heads.end <= config.kv_heads
+        && !share.kv_heads.is_empty()
+        && share.heads.len() * config.kv_heads == share.kv_heads.len() * config.heads
+        && share.intermediate.end <= config.intermediate_size
+        && !share.intermediate.is_empty();
+    if config.moe.is_some() {
+        return Err(Error::Tensor(
+            "tensor groups do not split mixture-of-experts layers yet".into(),
+        ));
+    }
+    if !fits {
+        return Err(Error::Tensor(format!(
+            "rank {}'s share (KV heads {:?}, columns {:?}) does not fit a model of {} KV heads \
+             and {} columns",
+            share.rank,
+            share.kv_heads,
+            share.intermediate,
+            config.kv_heads,
+            config.intermediate_size
+        )));
+    }
+    Ok(())
 }
 
 /// The attention of one layer: head counts, score scale and window.
@@ -492,7 +615,7 @@ impl Stage for CandleStage {
     }
 
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
-        let whole = self.layout.is_first() && self.layout.is_last();
+        let whole = self.layout.is_first() && self.layout.is_last() && self.tensor.is_none();
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
@@ -527,6 +650,9 @@ impl Stage for CandleStage {
     }
 
     fn retain_prefix(&mut self, seq: SequenceId) {
+        if self.tensor.is_some() {
+            return;
+        }
         let Some(cache) = self.sequences.get(&seq) else {
             return;
         };

@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::BufReader;
+use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
@@ -13,6 +14,16 @@ use super::safetensors::SafetensorsDir;
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::tensor::RankShare;
+
+/// The part of a matrix a tensor rank holds.
+#[derive(Debug, Clone)]
+pub(super) enum Part {
+    /// Output rows (the matrix's first dimension).
+    Rows(Range<usize>),
+    /// Input columns (its second).
+    Columns(Range<usize>),
+}
 
 /// Where a stage's weights come from.
 pub(super) enum Source<'a> {
@@ -88,6 +99,52 @@ impl TensorLoader<'_> {
         }
         // An f32 QTensor (safetensors dequantized) becomes a plain f32 product.
         Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
+    }
+
+    /// Part of a weight matrix (all of it without a part): a tensor rank's
+    /// rows or columns, kept in the file's quantized blocks when the part
+    /// starts and ends on block boundaries, else expanded to f32.
+    pub fn matrix_part(&mut self, name: &str, part: Option<Part>) -> Result<QMatMul> {
+        let Some(part) = part else {
+            return self.matrix(name);
+        };
+        let whole = match self.matrix(name)? {
+            QMatMul::QTensor(t) => t,
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                let t = t.to_dtype(DType::F32)?;
+                self.bytes -= t.elem_count() * 4;
+                let (rows, cols) = t.dims2()?;
+                let (rows, cols) = part.ranges(rows, cols, name)?;
+                let t = t
+                    .narrow(0, rows.start, rows.len())?
+                    .narrow(1, cols.start, cols.len())?
+                    .contiguous()?;
+                self.bytes += t.elem_count() * 4;
+                return Ok(QMatMul::Tensor(t));
+            }
+        };
+        self.bytes -= whole.storage_size_in_bytes();
+        let (rows, cols) = whole.shape().dims2()?;
+        let (rows, cols) = part.ranges(rows, cols, name)?;
+        let t = slice_quantized(&whole, rows, cols, &self.device)?;
+        self.bytes += t.storage_size_in_bytes();
+        Ok(QMatMul::from_qtensor(t)?)
+    }
+
+    /// Part of a vector (a bias): `range`, or all of it.
+    pub fn vector_part(&mut self, name: &str, range: Option<Range<usize>>) -> Result<Tensor> {
+        let v = self.vector(name)?;
+        let Some(range) = range else {
+            return Ok(v);
+        };
+        if range.end > v.elem_count() {
+            return Err(Error::Tensor(format!(
+                "{name} has {} values, the share needs {range:?}",
+                v.elem_count()
+            )));
+        }
+        self.bytes -= (v.elem_count() - range.len()) * 4;
+        Ok(v.narrow(0, range.start, range.len())?.contiguous()?)
     }
 
     /// Stacked `[experts, out, in]` matrices, one product per expert.
@@ -168,6 +225,56 @@ fn safetensors_matrix(
     Ok(QTensor::quantize(&values, dtype)?)
 }
 
+impl Part {
+    /// The rows and columns of a `rows × cols` matrix this part keeps.
+    fn ranges(&self, rows: usize, cols: usize, name: &str) -> Result<(Range<usize>, Range<usize>)> {
+        let (r, c) = match self {
+            Part::Rows(r) => (r.clone(), 0..cols),
+            Part::Columns(c) => (0..rows, c.clone()),
+        };
+        if r.end > rows || c.end > cols || r.is_empty() || c.is_empty() {
+            return Err(Error::Tensor(format!(
+                "{name} is {rows}×{cols}; the share needs rows {r:?} and columns {c:?}"
+            )));
+        }
+        Ok((r, c))
+    }
+}
+
+/// Rows `rows` and columns `cols` of a quantized matrix: the same blocks
+/// when the columns start and end on block boundaries (so products sum the
+/// same block products as the whole matrix's), else the exact values in f32.
+fn slice_quantized(
+    t: &QTensor,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    device: &Device,
+) -> Result<QTensor> {
+    let (_, width) = t.shape().dims2()?;
+    let dtype = t.dtype();
+    let block = dtype.block_size();
+    if !cols.start.is_multiple_of(block) || !cols.end.is_multiple_of(block) {
+        let dense = t
+            .dequantize(device)?
+            .narrow(0, rows.start, rows.len())?
+            .narrow(1, cols.start, cols.len())?
+            .contiguous()?;
+        return Ok(QTensor::quantize(&dense, GgmlDType::F32)?);
+    }
+    let data = t.data()?;
+    let row_bytes = width / block * dtype.type_size();
+    let (from, to) = (
+        cols.start / block * dtype.type_size(),
+        cols.end / block * dtype.type_size(),
+    );
+    let mut bytes = Vec::with_capacity(rows.len() * (to - from));
+    for r in rows.clone() {
+        bytes.extend_from_slice(&data[r * row_bytes + from..r * row_bytes + to]);
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, dtype)?;
+    Ok(QTensor::new(storage, (rows.len(), cols.len()))?)
+}
+
 /// A linear layer: quantized weight and optional bias.
 pub(super) struct Linear {
     weight: QMatMul,
@@ -202,28 +309,51 @@ pub(super) struct LayerWeights {
 }
 
 impl LayerWeights {
-    pub fn load(l: &mut TensorLoader<'_>, i: usize, config: &ModelConfig) -> Result<Self> {
+    /// Loads layer `i`, or a tensor rank's `share` of it.
+    pub fn load(
+        l: &mut TensorLoader<'_>,
+        i: usize,
+        config: &ModelConfig,
+        share: Option<&RankShare>,
+    ) -> Result<Self> {
         let arch = config.architecture;
         let name = |s: &str| format!("blk.{i}.{s}");
+        let hd = config.head_dim;
+        let rows = |heads: fn(&RankShare) -> &Range<usize>| {
+            share.map(|s| heads(s).start * hd..heads(s).end * hd)
+        };
+        let (q_rows, kv_rows) = (rows(|s| &s.heads), rows(|s| &s.kv_heads));
         // Qwen2 always has Q/K/V biases; elsewhere a bias is used when the file has one.
-        let linear =
-            |l: &mut TensorLoader<'_>, w: &str, b: &str, required: bool| -> Result<Linear> {
-                let bias_name = name(b);
-                let bias = if required || l.has(&bias_name) {
-                    Some(l.vector(&bias_name)?)
-                } else {
-                    None
-                };
-                Ok(Linear {
-                    weight: l.matrix(&name(w))?,
-                    bias,
-                })
+        let linear = |l: &mut TensorLoader<'_>,
+                      w: &str,
+                      b: &str,
+                      required: bool,
+                      rows: Option<Range<usize>>|
+         -> Result<Linear> {
+            let bias_name = name(b);
+            let bias = if required || l.has(&bias_name) {
+                Some(l.vector_part(&bias_name, rows.clone())?)
+            } else {
+                None
             };
+            Ok(Linear {
+                weight: l.matrix_part(&name(w), rows.map(Part::Rows))?,
+                bias,
+            })
+        };
         let qkv_bias = matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe);
-        let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias)?;
-        let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias)?;
-        let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias)?;
-        let o = linear(l, "attn_output.weight", "attn_output.bias", false)?;
+        let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias, q_rows.clone())?;
+        let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias, kv_rows.clone())?;
+        let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias, kv_rows)?;
+        let o = Linear {
+            weight: l.matrix_part(&name("attn_output.weight"), q_rows.map(Part::Columns))?,
+            // Added once to the sum: by rank 0.
+            bias: match l.has(&name("attn_output.bias")) && share.is_none_or(|s| s.is_leader()) {
+                true => Some(l.vector(&name("attn_output.bias"))?),
+                false => None,
+            },
+        };
+        let columns = share.map(|s| s.intermediate.clone());
         let (q_norm, k_norm) = if arch.qk_norm() {
             (
                 Some(l.vector(&name("attn_q_norm.weight"))?),
@@ -273,11 +403,70 @@ impl LayerWeights {
                     },
                 })),
                 _ => FeedForward::Dense {
-                    gate: l.matrix(&name("ffn_gate.weight"))?,
-                    up: l.matrix(&name("ffn_up.weight"))?,
-                    down: l.matrix(&name("ffn_down.weight"))?,
+                    gate: l
+                        .matrix_part(&name("ffn_gate.weight"), columns.clone().map(Part::Rows))?,
+                    up: l.matrix_part(&name("ffn_up.weight"), columns.clone().map(Part::Rows))?,
+                    down: l.matrix_part(&name("ffn_down.weight"), columns.map(Part::Columns))?,
                 },
             },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_gap(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// A matrix split by columns on block boundaries: the parts' products
+    /// add up to the whole's (the same block products, summed in another
+    /// order); off the boundaries, the parts are the exact values.
+    #[test]
+    fn column_parts_of_a_quantized_matrix_sum_to_its_product() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (64, 768), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (3, 768), &dev).unwrap();
+        let part = |q: &QTensor, cols: Range<usize>| {
+            let x = x
+                .narrow(1, cols.start, cols.len())
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let t = slice_quantized(q, 0..64, cols, &dev).unwrap();
+            (QMatMul::from_qtensor(t).unwrap().forward(&x).unwrap(), x)
+        };
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let whole = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap())
+                .unwrap()
+                .forward(&x)
+                .unwrap();
+            let (a, _) = part(&q, 0..512);
+            let (b, _) = part(&q, 512..768);
+            let gap = max_gap(&(a + b).unwrap(), &whole);
+            assert!(
+                gap < 1e-4,
+                "{dtype:?}: parts differ from the whole by {gap}"
+            );
+        }
+        // 384 is no multiple of Q4K's 256: that part holds the exact values.
+        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+        let (a, xa) = part(&q, 0..384);
+        let exact = q.dequantize(&dev).unwrap().narrow(1, 0, 384).unwrap();
+        let gap = max_gap(&a, &xa.matmul(&exact.t().unwrap()).unwrap());
+        assert!(
+            gap < 1e-4,
+            "an f32 part differs from the exact product by {gap}"
+        );
     }
 }

@@ -1,0 +1,135 @@
+//! The tensor group's all-reduce over real TCP sockets: sums in rank order,
+//! large frames both ways at once, peers that cannot prove the token or
+//! belong to another group refused, ranks out of step named.
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use shardplane_dataplane::Token;
+use shardplane_dataplane::collective::{CollectiveError, Mesh, MeshConfig};
+
+fn token(text: &str) -> Token {
+    Token::new(text).unwrap()
+}
+
+/// Runs `f` on every mesh at once, one thread each.
+fn on_every_rank<T: Send>(meshes: Vec<Mesh>, f: impl Fn(&mut Mesh) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let running: Vec<_> = meshes
+            .into_iter()
+            .map(|mut m| {
+                let f = &f;
+                s.spawn(move || f(&mut m))
+            })
+            .collect();
+        running.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn every_rank_gets_the_same_sum_in_rank_order() {
+    let meshes = Mesh::loopback(3, &Token::random().unwrap(), Duration::from_secs(10)).unwrap();
+    // 1e8 + 1 - 1e8 in f32 is 0 added left to right; any other order gives 0 or 1 differently.
+    let sums = on_every_rank(meshes, |m| {
+        let mine = [1e8f32, 1.0, -1e8][m.rank()];
+        let mut values = vec![mine, m.rank() as f32];
+        m.all_reduce(&mut values).unwrap();
+        values
+    });
+    let in_order = ((1e8f32 + 1.0) - 1e8, 3.0);
+    for s in &sums {
+        assert_eq!((s[0], s[1]), in_order);
+    }
+}
+
+#[test]
+fn large_frames_cross_both_ways_without_blocking() {
+    let meshes = Mesh::loopback(3, &Token::random().unwrap(), Duration::from_secs(10)).unwrap();
+    let n = 1 << 20; // 4 MiB per rank, far past the socket buffers
+    let sums = on_every_rank(meshes, |m| {
+        let mut values = vec![m.rank() as f32 + 1.0; n];
+        for _ in 0..3 {
+            m.all_reduce(&mut values).unwrap();
+        }
+        values
+    });
+    // Each round multiplies by three ranks' worth: 6, then 18, then 54.
+    for s in sums {
+        assert!(s.iter().all(|&v| v == 54.0));
+    }
+}
+
+fn listeners(n: usize) -> (Vec<TcpListener>, Vec<std::net::SocketAddr>) {
+    let l: Vec<_> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let a = l.iter().map(|l| l.local_addr().unwrap()).collect();
+    (l, a)
+}
+
+fn config(group: &str, rank: usize, addresses: &[std::net::SocketAddr], t: &str) -> MeshConfig {
+    MeshConfig {
+        group: group.into(),
+        rank,
+        addresses: addresses.to_vec(),
+        token: token(t),
+        timeout: Duration::from_secs(2),
+    }
+}
+
+#[test]
+fn a_peer_without_the_token_or_of_another_group_is_refused() {
+    let right = "a-data-plane-token-of-32-characters";
+    let wrong = "another-token-of-thirty-two-chars!";
+    for (group, t) in [("g", wrong), ("h", right)] {
+        let (listeners, addresses) = listeners(2);
+        let results = std::thread::scope(|s| {
+            let a = s.spawn(|| Mesh::join(&listeners[0], &config("g", 0, &addresses, right)));
+            let b = s.spawn(|| Mesh::join(&listeners[1], &config(group, 1, &addresses, t)));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        // Rank 0 drops the impostor and waits for the real rank 1 in vain.
+        let e = results.0.unwrap_err();
+        assert!(matches!(e, CollectiveError::Join(_)), "{e}");
+        assert!(e.to_string().contains("ranks [1] did not join"), "{e}");
+        let e = results.1.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CollectiveError::Refused { .. } | CollectiveError::Io { .. }
+            ),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn ranks_out_of_step_are_named_not_summed() {
+    let meshes = Mesh::loopback(2, &Token::random().unwrap(), Duration::from_secs(5)).unwrap();
+    let results = on_every_rank(meshes, |m| {
+        // Rank 1 sends a different number of values.
+        let mut values = vec![1.0; 4 + m.rank()];
+        m.all_reduce(&mut values)
+    });
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(matches!(e, CollectiveError::OutOfStep { .. }), "{e}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_comes_is_named_when_the_join_times_out() {
+    let (listeners, addresses) = listeners(3);
+    let t = "a-data-plane-token-of-32-characters";
+    let e = std::thread::scope(|s| {
+        let a = s.spawn(|| Mesh::join(&listeners[0], &config("g", 0, &addresses, t)));
+        let b = s.spawn(|| Mesh::join(&listeners[1], &config("g", 1, &addresses, t)));
+        let _ = b.join().unwrap();
+        a.join().unwrap()
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("ranks [2] did not join rank 0"),
+        "{e}"
+    );
+}
