@@ -52,6 +52,10 @@ enum Command {
     /// Show the cluster on one screen: nodes (memory, links, cached models)
     /// and each deployment's instances and stages, with download progress.
     Status(commands::status::StatusArgs),
+    /// One follower rank of a tensor group led by another shardplane
+    /// process (started by `--tensor-processes`; not for people).
+    #[command(hide = true)]
+    TensorRank(commands::tensor::TensorRankArgs),
 }
 
 impl Command {
@@ -87,6 +91,7 @@ impl Cli {
             Command::AgentKubeconfig(args) => commands::agent_kubeconfig::run(args),
             Command::Up(args) => commands::up::run(args),
             Command::Status(args) => commands::status::run(args),
+            Command::TensorRank(args) => commands::tensor::run_rank(args),
         };
         match result {
             Ok(()) => ExitCode::SUCCESS,

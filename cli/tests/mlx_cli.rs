@@ -23,14 +23,6 @@ fn ok(out: Output) -> (String, String) {
     (stdout, stderr)
 }
 
-fn tokens_line(stderr: &str) -> String {
-    stderr
-        .lines()
-        .find(|l| l.starts_with("tokens: "))
-        .unwrap_or_else(|| panic!("no token line in:\n{stderr}"))
-        .to_string()
-}
-
 #[test]
 fn convert_then_generate_with_mlx_from_gguf_stages_and_from_the_directory() {
     let gguf = shardplane_testkit::test_model();
@@ -74,7 +66,7 @@ fn convert_then_generate_with_mlx_from_gguf_stages_and_from_the_directory() {
         ];
         args.extend_from_slice(extra);
         let (text, stderr) = ok(shardplane(&args));
-        (text, tokens_line(&stderr))
+        (text, shardplane_testkit::tokens_line(&stderr))
     };
     let generate = |model: &str, extra: &[&str]| generate_with("mlx", model, extra);
     let (text, split) = generate(gguf, &["--stages", "0-14,15-29"]);

@@ -31,6 +31,11 @@
 //! match the receiver's own count or number is an error (the ranks are out
 //! of step), never a silent wrong sum.
 //!
+//! Messages (a tensor group's commands and replies, opaque here) share the
+//! connections: the same header with the number `u64::MAX`, the message's
+//! length in bytes (at most [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES))
+//! and the sender's rank, then the bytes.
+//!
 //! The token authenticates the peers; the values are not encrypted.
 
 use std::io::{Read, Write};
@@ -49,6 +54,8 @@ const NONCE: usize = 32;
 /// the socket buffers); larger ones are written from threads of their own
 /// while this one reads, so two ranks writing to each other never block.
 const INLINE_BYTES: usize = 32 * 1024;
+/// The collective number that marks a message.
+const MESSAGE: u64 = u64::MAX;
 
 /// What can go wrong in a collective.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +95,8 @@ pub struct Mesh {
     /// Indexed by rank; `None` at this rank.
     peers: Vec<Option<TcpStream>>,
     collectives: u64,
+    /// The longest wait for a peer.
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -170,6 +179,7 @@ impl Mesh {
             rank: me,
             peers,
             collectives: 0,
+            timeout: config.timeout,
         })
     }
 
@@ -225,6 +235,75 @@ impl Mesh {
     /// Ranks in the group.
     pub fn ranks(&self) -> usize {
         self.peers.len()
+    }
+
+    /// Sends `bytes` to rank `peer` as one message.
+    pub fn send_message(&mut self, peer: usize, bytes: &[u8]) -> Result<(), CollectiveError> {
+        let stream = self.peer(peer)?;
+        if bytes.len() > crate::MAX_MESSAGE_BYTES {
+            return Err(CollectiveError::OutOfStep {
+                peer,
+                why: format!("a message of {} bytes is too long", bytes.len()),
+            });
+        }
+        let mut frame = Vec::with_capacity(16 + bytes.len());
+        frame.extend_from_slice(&MESSAGE.to_le_bytes());
+        frame.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&(self.rank as u32).to_le_bytes());
+        frame.extend_from_slice(bytes);
+        let mut stream = stream;
+        stream
+            .write_all(&frame)
+            .map_err(|source| CollectiveError::Io { peer, source })
+    }
+
+    /// Receives the next message from rank `peer`: `None` when it closed
+    /// the connection between messages. `idle`: wait as long as it takes
+    /// (a follower waiting for its leader's next command), else at most
+    /// the mesh's timeout.
+    pub fn receive_message(
+        &mut self,
+        peer: usize,
+        idle: bool,
+    ) -> Result<Option<Vec<u8>>, CollectiveError> {
+        let timeout = self.timeout;
+        let mut stream = self.peer(peer)?;
+        let io = |source| CollectiveError::Io { peer, source };
+        let mut header = [0u8; 16];
+        if idle {
+            stream.set_read_timeout(None).map_err(io)?;
+        }
+        let first = stream.read(&mut header);
+        if idle {
+            stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        }
+        match first.map_err(io)? {
+            0 => return Ok(None),
+            n => stream.read_exact(&mut header[n..]).map_err(io)?,
+        }
+        let number = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+        let len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes")) as usize;
+        let rank = u32::from_le_bytes(header[12..].try_into().expect("4 bytes")) as usize;
+        if number != MESSAGE || rank != peer || len > crate::MAX_MESSAGE_BYTES {
+            return Err(CollectiveError::OutOfStep {
+                peer,
+                why: format!(
+                    "expected a message, got collective {number} of {len} values from rank {rank}"
+                ),
+            });
+        }
+        let mut bytes = vec![0u8; len];
+        stream.read_exact(&mut bytes).map_err(io)?;
+        Ok(Some(bytes))
+    }
+
+    fn peer(&self, peer: usize) -> Result<&TcpStream, CollectiveError> {
+        self.peers
+            .get(peer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                CollectiveError::Join(format!("rank {peer} is not a peer of rank {}", self.rank))
+            })
     }
 
     /// Replaces `values` with the sum over every rank of its `values`,

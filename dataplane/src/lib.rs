@@ -111,6 +111,11 @@ impl Token {
         Token::new(&hex)
     }
 
+    /// The token's text, to hand to a process the caller starts (never log it).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
     /// Reads a token file.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::TokenUnreadable {

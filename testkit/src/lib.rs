@@ -259,6 +259,16 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{}-{n}-{t:x}", std::process::id())
 }
 
+/// The line `shardplane generate --print-tokens` writes to stderr with the
+/// generated token ids.
+pub fn tokens_line(stderr: &str) -> String {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("tokens: "))
+        .unwrap_or_else(|| panic!("no token line in:\n{stderr}"))
+        .to_string()
+}
+
 /// The test model (SmolLM2-135M-Instruct, GGUF Q4_1), fetched once into the cache.
 ///
 /// Panics with the setup command when it cannot be had.

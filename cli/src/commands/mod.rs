@@ -14,7 +14,7 @@ mod model_args;
 pub mod operator;
 mod process;
 pub mod status;
-mod tensor;
+pub mod tensor;
 pub mod threads;
 pub mod up;
 

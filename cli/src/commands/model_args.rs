@@ -50,6 +50,11 @@ pub struct ModelArgs {
     /// count.
     #[arg(long, conflicts_with = "tensor")]
     pub tensor_weights: Option<String>,
+    /// Run tensor ranks 1 and up in processes of their own (this binary,
+    /// joined over loopback TCP) instead of threads: what ranks on separate
+    /// machines do, on one.
+    #[arg(long)]
+    pub tensor_processes: bool,
 }
 
 impl ModelArgs {
@@ -62,13 +67,7 @@ impl ModelArgs {
     pub fn load(&self) -> anyhow::Result<(LocalPipeline, TextModel)> {
         let path = self.path()?;
         let engine: EngineKind = self.engine.parse()?;
-        let options = LoadOptions {
-            context_length: self.context,
-            requantize_slow_types: !self.keep_quantization,
-            dequantize: self.dequantize,
-            // One request at a time: nothing to share.
-            prefix_cache_bytes: 0,
-        };
+        let options = self.options();
         if let Some(weights) = self.rank_weights()? {
             return self.load_tensor(path, engine, &options, &weights);
         }
@@ -86,13 +85,24 @@ impl ModelArgs {
         Ok((pipeline, text))
     }
 
+    /// How stages are loaded.
+    pub fn options(&self) -> LoadOptions {
+        LoadOptions {
+            context_length: self.context,
+            requantize_slow_types: !self.keep_quantization,
+            dequantize: self.dequantize,
+            // One request at a time: nothing to share.
+            prefix_cache_bytes: 0,
+        }
+    }
+
     /// Ranks of each stage's tensor group (1 when not split).
     pub fn tensor_ranks(&self) -> anyhow::Result<usize> {
         Ok(self.rank_weights()?.map_or(1, |w| w.len()))
     }
 
     /// The weights of a tensor group's ranks, when the stages are split.
-    fn rank_weights(&self) -> anyhow::Result<Option<Vec<f64>>> {
+    pub fn rank_weights(&self) -> anyhow::Result<Option<Vec<f64>>> {
         Ok(match &self.tensor_weights {
             Some(spec) => Some(shardplane_engine::tensor::parse_weights(spec)?),
             None if self.tensor > 1 => Some(vec![1.0; usize::from(self.tensor)]),
@@ -127,7 +137,11 @@ impl ModelArgs {
             .into_iter()
             .map(|r| {
                 let layout = StageLayout::new(r, config.layers)?;
-                super::tensor::load_group(path, &config, layout, options, weights)
+                if self.tensor_processes {
+                    super::tensor::load_group_processes(self, &config, layout, weights)
+                } else {
+                    super::tensor::load_group(path, &config, layout, options, weights)
+                }
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok((LocalPipeline::from_stages(stages), text))

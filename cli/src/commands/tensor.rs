@@ -1,22 +1,41 @@
-//! Tensor groups in one process: the ranks of a stage loaded with their
+//! Tensor groups on this machine: the ranks of a stage loaded with their
 //! shares and joined over loopback TCP by the data plane's all-reduce, the
-//! same collective ranks on separate machines use.
+//! same collective ranks on separate machines use — on threads of this
+//! process, or (`--tensor-processes`) in processes of their own.
 //!
 //! ```text
 //!  TensorSplit (engine) ──► shares ─┐
 //!  Mesh::loopback(n) ─────► meshes ─┴─► CandleStage::load_group ─► one Stage
+//!
+//!  leader ──spawn──► shardplane tensor-rank --rank k   (loads its share)
+//!         ◄─stdout── listening 127.0.0.1:PORT
+//!         ──stdin──► token, every rank's address       (then all join)
+//!         ══mesh══► commands; replies ◄══               (until the leader leaves)
 //! ```
 
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
-use std::time::Duration;
+use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use clap::Args;
 use shardplane_dataplane::Token;
-use shardplane_dataplane::collective::Mesh;
+use shardplane_dataplane::collective::{Mesh, MeshConfig};
 use shardplane_engine::bench::Spread;
 use shardplane_engine::candle::CandleStage;
-use shardplane_engine::tensor::{AllReduce, TensorSplit};
-use shardplane_engine::{LoadOptions, ModelConfig, Stage, StageLayout};
+use shardplane_engine::config::read_dir_config;
+use shardplane_engine::gguf::GgufFile;
+use shardplane_engine::pipeline::parse_stages;
+use shardplane_engine::tensor::command::{decode_reply, encode_reply};
+use shardplane_engine::tensor::{
+    AllReduce, Command, Followers, Reply, TensorGroup, TensorRank, TensorSplit,
+};
+use shardplane_engine::{Error, LoadOptions, ModelConfig, Stage, StageLayout};
+
+use super::model_args::ModelArgs;
 
 /// The longest a rank waits for the others (to join, or for a step's
 /// partial sums).
@@ -82,4 +101,263 @@ pub fn all_reduce_micros(ranks: usize, values: usize, rounds: usize) -> anyhow::
             .collect::<anyhow::Result<Vec<_>>>()
     })?;
     Ok(Spread::of(timings.into_iter().next().unwrap_or_default()))
+}
+
+/// A mesh the ranks' collectives and the group's commands share, joined
+/// after the stage is loaded (loading takes longer than any peer waits).
+#[derive(Clone, Default)]
+struct SharedMesh(Arc<Mutex<Option<Mesh>>>);
+
+impl SharedMesh {
+    /// The collective of a rank loaded before the mesh is joined.
+    fn collective(&self) -> Box<dyn AllReduce> {
+        let mesh = self.clone();
+        Box::new(move |values: &mut [f32]| {
+            mesh.with(|m| m.all_reduce(values).map_err(|e| e.to_string()))
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Mesh) -> Result<T, String>) -> Result<T, String> {
+        let mut slot = self.0.lock().map_err(|_| "the mesh's lock is poisoned")?;
+        f(slot
+            .as_mut()
+            .ok_or("the tensor group has not joined (or has left)")?)
+    }
+
+    fn set(&self, mesh: Option<Mesh>) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = mesh;
+        }
+    }
+}
+
+/// Followers in processes of their own, reached through rank 0's mesh.
+struct Processes {
+    mesh: SharedMesh,
+    children: Vec<Child>,
+    started: Vec<bool>,
+}
+
+impl Followers for Processes {
+    fn count(&self) -> usize {
+        self.children.len()
+    }
+
+    fn start(&mut self, command: &Command) {
+        let bytes = command.encode();
+        for (i, started) in self.started.iter_mut().enumerate() {
+            *started = self
+                .mesh
+                .with(|m| m.send_message(i + 1, &bytes).map_err(|e| e.to_string()))
+                .is_ok();
+        }
+    }
+
+    fn finish(&mut self) -> Vec<Reply> {
+        (0..self.children.len())
+            .map(|i| {
+                if !self.started[i] {
+                    return Err((false, "unreachable".into()));
+                }
+                let reply = self.mesh.with(|m| match m.receive_message(i + 1, false) {
+                    Ok(Some(bytes)) => decode_reply(&bytes).map_err(|e| e.to_string()),
+                    Ok(None) => Err("its process has gone".into()),
+                    Err(e) => Err(e.to_string()),
+                });
+                reply.unwrap_or_else(|e| Err((false, e)))
+            })
+            .collect()
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        // Closing the connections ends the followers' loops.
+        self.mesh.set(None);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for child in &mut self.children {
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Loads stage `layout` as a tensor group whose ranks 1 and up run in
+/// processes of their own (`shardplane tensor-rank`), joined over loopback.
+pub fn load_group_processes(
+    args: &ModelArgs,
+    config: &ModelConfig,
+    layout: StageLayout,
+    weights: &[f64],
+) -> anyhow::Result<Box<dyn Stage>> {
+    let path = args.path()?;
+    let split = TensorSplit::weighted(config, weights)?;
+    let spec = weights
+        .iter()
+        .map(f64::to_string)
+        .collect::<Vec<_>>()
+        .join(":");
+    let layers = format!("{}-{}", layout.layers.start, layout.layers.end - 1);
+    let mut children = Vec::new();
+    for rank in 1..weights.len() {
+        let mut command = std::process::Command::new(std::env::current_exe()?);
+        command
+            .args([
+                "tensor-rank",
+                "--rank",
+                &rank.to_string(),
+                "--layers",
+                &layers,
+            ])
+            .args(["--tensor-weights", &spec, "--model"])
+            .arg(path)
+            .args(args.context.map(|c| format!("--context={c}")))
+            .args(args.keep_quantization.then_some("--keep-quantization"))
+            .args(args.dequantize.then_some("--dequantize"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        children.push(
+            command
+                .spawn()
+                .context("cannot start a tensor rank's process")?,
+        );
+    }
+    let listener = TcpListener::bind(("127.0.0.1", 0))?;
+    let mesh = SharedMesh::default();
+    let rank = TensorRank {
+        share: split.shares()[0].clone(),
+        collective: mesh.collective(),
+    };
+    let leader = CandleStage::load_rank(path, layout, &args.options(), rank)?;
+    let mut addresses = vec![listener.local_addr()?];
+    for (i, child) in children.iter_mut().enumerate() {
+        addresses.push(announced_address(child).with_context(|| format!("rank {}", i + 1))?);
+    }
+    let token = Token::random()?;
+    let list: Vec<String> = addresses.iter().map(ToString::to_string).collect();
+    for child in &mut children {
+        let stdin = child.stdin.as_mut().context("a rank's stdin")?;
+        writeln!(stdin, "{}\n{}", token.expose(), list.join(","))?;
+    }
+    let joined = Mesh::join(&listener, &group_config(0, addresses, token))?;
+    mesh.set(Some(joined));
+    let followers = Processes {
+        mesh,
+        started: vec![false; children.len()],
+        children,
+    };
+    Ok(Box::new(TensorGroup::led(
+        Box::new(leader),
+        Box::new(followers),
+    )))
+}
+
+/// The address a rank's process prints once loaded: `listening ADDRESS`.
+fn announced_address(child: &mut Child) -> anyhow::Result<SocketAddr> {
+    let stdout = child.stdout.take().context("its stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    match line.trim().strip_prefix("listening ") {
+        Some(address) => Ok(address.parse()?),
+        None => {
+            let status = child.wait()?;
+            anyhow::bail!("its process ended ({status}) before it listened")
+        }
+    }
+}
+
+fn group_config(rank: usize, addresses: Vec<SocketAddr>, token: Token) -> MeshConfig {
+    MeshConfig {
+        group: "local".into(),
+        rank,
+        addresses,
+        token,
+        timeout: RANK_TIMEOUT,
+    }
+}
+
+/// Options of `shardplane tensor-rank`.
+#[derive(Args, Debug)]
+pub struct TensorRankArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// This rank (1 and up; rank 0 leads).
+    #[arg(long)]
+    rank: usize,
+    /// The layers of the stage, `first-last` (inclusive).
+    #[arg(long)]
+    layers: String,
+}
+
+/// One follower rank of a group led by another process: loads its share,
+/// prints `listening ADDRESS`, reads the group's token and every rank's
+/// address (comma-separated) from stdin, joins, then runs the leader's
+/// commands until the leader leaves.
+pub fn run_rank(args: TensorRankArgs) -> anyhow::Result<()> {
+    let path = args.model.path()?;
+    let weights = args
+        .model
+        .rank_weights()?
+        .context("--tensor-weights is needed")?;
+    let config = if path.is_dir() {
+        read_dir_config(path)?.0
+    } else {
+        GgufFile::open(path)?.config().clone()
+    };
+    let range = parse_stages(&args.layers, config.layers)
+        .ok()
+        .and_then(|r| r.into_iter().next())
+        .or_else(|| {
+            let (a, b) = args.layers.split_once('-')?;
+            Some(a.parse().ok()?..b.parse::<usize>().ok()? + 1)
+        })
+        .context("--layers first-last")?;
+    let layout = StageLayout::new(range, config.layers)?;
+    let split = TensorSplit::weighted(&config, &weights)?;
+    let share = split
+        .shares()
+        .get(args.rank)
+        .filter(|s| !s.is_leader())
+        .with_context(|| format!("--rank {} of {} ranks", args.rank, weights.len()))?;
+    let mesh = SharedMesh::default();
+    let rank = TensorRank {
+        share: share.clone(),
+        collective: mesh.collective(),
+    };
+    let mut stage = CandleStage::load_rank(path, layout, &args.model.options(), rank)?;
+    let listener = TcpListener::bind(("127.0.0.1", 0))?;
+    println!("listening {}", listener.local_addr()?);
+    std::io::stdout().flush()?;
+    let mut lines = std::io::stdin().lock().lines();
+    let token = Token::new(&lines.next().context("the group's token")??)?;
+    let addresses = lines
+        .next()
+        .context("the ranks' addresses")??
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<Vec<SocketAddr>, _>>()?;
+    mesh.set(Some(Mesh::join(
+        &listener,
+        &group_config(args.rank, addresses, token),
+    )?));
+    shardplane_engine::tensor::follow(
+        &mut stage,
+        || {
+            mesh.with(|m| m.receive_message(0, true).map_err(|e| e.to_string()))
+                .map_err(Error::Unavailable)?
+                .map(|bytes| Command::decode(&bytes))
+                .transpose()
+        },
+        |reply| {
+            mesh.with(|m| {
+                m.send_message(0, &encode_reply(reply))
+                    .map_err(|e| e.to_string())
+            })
+            .map_err(Error::Unavailable)
+        },
+    )?;
+    Ok(())
 }

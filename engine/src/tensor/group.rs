@@ -1,9 +1,13 @@
-//! The ranks of one tensor-parallel stage, run in this process.
+//! The ranks of one tensor-parallel stage behind the ordinary `Stage`
+//! contract: rank 0 leads on the caller's thread, the other ranks follow —
+//! on threads of this process, or in other processes that receive each
+//! command as bytes ([`follow`]).
 //!
 //! ```text
-//!  forward_batch ──► worker threads (ranks 1..n): forward_batch(copy)
+//!  forward_batch ──► followers (ranks 1..n): Command::Step ──► forward_batch
 //!        │                       ║ all-reduces ║
 //!        └──────► rank 0, here:  forward_batch ──► its outputs are the group's
+//!  then every follower replies: done, refused, or failed
 //! ```
 //!
 //! Every rank runs every step and every release, so their caches stay in
@@ -15,28 +19,137 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
+use super::command::{Command, Reply};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::stage::{SequenceId, Stage, StageInput, StageLayout, StageOutput};
 
-/// What the leader asks of a worker rank.
-enum Command {
-    Step(Vec<(SequenceId, StageInput)>),
-    Release(SequenceId),
+/// The ranks that follow a leader, wherever they run.
+pub trait Followers: Send {
+    /// How many there are.
+    fn count(&self) -> usize;
+
+    /// Hands `command` to every follower, without waiting for them.
+    fn start(&mut self, command: &Command);
+
+    /// Waits for every follower's reply to the last command (one per
+    /// follower, in rank order; a follower that could not be reached
+    /// replies with why).
+    fn finish(&mut self) -> Vec<Reply>;
 }
 
-/// A worker rank: its thread and how to talk to it.
+/// Runs one command on a follower's stage.
+pub fn obey(stage: &mut dyn Stage, command: Command) -> Reply {
+    match command {
+        Command::Step(batch) => stage
+            .forward_batch(batch)
+            .map(drop)
+            .map_err(|e| (e.is_callers(), e.to_string())),
+        Command::Release(seq) => {
+            stage.release(seq);
+            Ok(())
+        }
+    }
+}
+
+/// A follower in a process of its own: runs the commands `next` gives
+/// (until it gives none: the leader has gone) and answers each with
+/// `reply`.
+pub fn follow(
+    stage: &mut dyn Stage,
+    mut next: impl FnMut() -> Result<Option<Command>>,
+    mut reply: impl FnMut(&Reply) -> Result<()>,
+) -> Result<()> {
+    while let Some(command) = next()? {
+        reply(&obey(stage, command))?;
+    }
+    Ok(())
+}
+
+/// Followers on threads of this process.
+struct Threads(Vec<Worker>);
+
+/// A follower's thread and how to talk to it.
 struct Worker {
-    commands: mpsc::Sender<Command>,
-    replies: mpsc::Receiver<Result<(), (bool, String)>>,
+    commands: Option<mpsc::Sender<Command>>,
+    replies: mpsc::Receiver<Reply>,
     thread: Option<JoinHandle<()>>,
+    /// Whether it was handed the last command.
+    started: bool,
 }
 
-/// A stage computed by the ranks of a tensor group: rank 0 on the caller's
-/// thread, the others on threads of their own.
+impl Threads {
+    fn spawn(stages: Vec<Box<dyn Stage>>) -> Result<Self> {
+        let mut workers = Vec::new();
+        for (i, mut stage) in stages.into_iter().enumerate() {
+            let rank = i + 1;
+            let (commands, inbox) = mpsc::channel::<Command>();
+            let (outbox, replies) = mpsc::channel();
+            let thread = std::thread::Builder::new()
+                .name(format!("tensor-rank-{rank}"))
+                .spawn(move || {
+                    for command in inbox {
+                        if outbox.send(obey(stage.as_mut(), command)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| Error::Tensor(format!("cannot start rank {rank}'s thread: {e}")))?;
+            workers.push(Worker {
+                commands: Some(commands),
+                replies,
+                thread: Some(thread),
+                started: false,
+            });
+        }
+        Ok(Threads(workers))
+    }
+}
+
+impl Followers for Threads {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+
+    fn start(&mut self, command: &Command) {
+        for w in &mut self.0 {
+            w.started = w
+                .commands
+                .as_ref()
+                .is_some_and(|c| c.send(command.clone()).is_ok());
+        }
+    }
+
+    fn finish(&mut self) -> Vec<Reply> {
+        self.0
+            .iter()
+            .map(|w| match w.started {
+                true => w
+                    .replies
+                    .recv()
+                    .unwrap_or_else(|_| Err((false, "its thread stopped".into()))),
+                false => Err((false, "its thread stopped".into())),
+            })
+            .collect()
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        for w in &mut self.0 {
+            // Closing the channel ends the worker's loop.
+            w.commands = None;
+            if let Some(thread) = w.thread.take() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+/// A stage computed by the ranks of a tensor group.
 pub struct TensorGroup {
     leader: Box<dyn Stage>,
-    workers: Vec<Worker>,
+    followers: Box<dyn Followers>,
     /// Why the group can no longer run, once a rank failed mid-step.
     broken: Option<String>,
 }
@@ -44,7 +157,7 @@ pub struct TensorGroup {
 impl std::fmt::Debug for TensorGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorGroup")
-            .field("ranks", &(self.workers.len() + 1))
+            .field("ranks", &(self.followers.count() + 1))
             .field("layers", &self.leader.layout().layers)
             .field("broken", &self.broken)
             .finish()
@@ -53,79 +166,40 @@ impl std::fmt::Debug for TensorGroup {
 
 impl TensorGroup {
     /// Groups `ranks`, rank 0 first, each already joined to the others'
-    /// collective. They must be ranks of one stage of one model.
+    /// collective, the followers on threads of their own. They must be
+    /// ranks of one stage of one model.
     pub fn new(ranks: Vec<Box<dyn Stage>>) -> Result<Self> {
         let mut ranks = ranks.into_iter();
         let leader = ranks
             .next()
             .ok_or_else(|| Error::Tensor("a tensor group needs at least one rank".into()))?;
-        let mut workers = Vec::new();
-        for (i, stage) in ranks.enumerate() {
+        let rest: Vec<_> = ranks.collect();
+        for (i, stage) in rest.iter().enumerate() {
             if stage.layout() != leader.layout() || stage.config() != leader.config() {
                 return Err(Error::Tensor(format!(
-                    "rank {} runs layers {:?}, rank 0 runs {:?} of another model or range",
+                    "rank {} runs layers {:?} of another model or range than rank 0's {:?}",
                     i + 1,
                     stage.layout().layers,
                     leader.layout().layers
                 )));
             }
-            workers.push(spawn(i + 1, stage)?);
         }
-        Ok(TensorGroup {
+        Ok(Self::led(leader, Box::new(Threads::spawn(rest)?)))
+    }
+
+    /// Rank 0's `leader` stage with followers elsewhere (other processes).
+    pub fn led(leader: Box<dyn Stage>, followers: Box<dyn Followers>) -> Self {
+        TensorGroup {
             leader,
-            workers,
+            followers,
             broken: None,
-        })
+        }
     }
 
     fn check(&self) -> Result<()> {
         match &self.broken {
             Some(why) => Err(Error::Unavailable(format!("tensor group broken: {why}"))),
             None => Ok(()),
-        }
-    }
-}
-
-/// Starts the thread of worker rank `rank`.
-fn spawn(rank: usize, mut stage: Box<dyn Stage>) -> Result<Worker> {
-    let (commands, inbox) = mpsc::channel::<Command>();
-    let (outbox, replies) = mpsc::channel();
-    let thread = std::thread::Builder::new()
-        .name(format!("tensor-rank-{rank}"))
-        .spawn(move || {
-            for command in inbox {
-                let reply = match command {
-                    Command::Step(batch) => stage
-                        .forward_batch(batch)
-                        .map(drop)
-                        .map_err(|e| (e.is_callers(), e.to_string())),
-                    Command::Release(seq) => {
-                        stage.release(seq);
-                        Ok(())
-                    }
-                };
-                if outbox.send(reply).is_err() {
-                    break;
-                }
-            }
-        })
-        .map_err(|e| Error::Tensor(format!("cannot start rank {rank}'s thread: {e}")))?;
-    Ok(Worker {
-        commands,
-        replies,
-        thread: Some(thread),
-    })
-}
-
-impl Drop for TensorGroup {
-    fn drop(&mut self) {
-        for worker in &mut self.workers {
-            // Closing the channel ends the worker's loop.
-            let (closed, _) = mpsc::channel();
-            drop(std::mem::replace(&mut worker.commands, closed));
-            if let Some(thread) = worker.thread.take() {
-                let _ = thread.join();
-            }
         }
     }
 }
@@ -148,37 +222,32 @@ impl Stage for TensorGroup {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let mut sent = 0;
-        for worker in &self.workers {
-            if worker.commands.send(Command::Step(batch.clone())).is_err() {
-                break;
-            }
-            sent += 1;
-        }
+        let command = Command::Step(batch);
+        self.followers.start(&command);
+        let Command::Step(batch) = command else {
+            unreachable!("a step was built above")
+        };
         let led = self.leader.forward_batch(batch);
-        let mut failures = Vec::new();
-        for (i, worker) in self.workers.iter().enumerate().take(sent) {
-            match worker.replies.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err((callers, e))) => failures.push((callers, format!("rank {}: {e}", i + 1))),
-                Err(_) => failures.push((false, format!("rank {} stopped", i + 1))),
-            }
-        }
-        if sent < self.workers.len() {
-            failures.push((false, format!("rank {} stopped", sent + 1)));
-        }
-        match (led, failures.is_empty()) {
-            (Ok(outputs), true) => Ok(outputs),
+        let failures: Vec<(bool, String)> = self
+            .followers
+            .finish()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.err().map(|(c, e)| (c, format!("rank {}: {e}", i + 1))))
+            .collect();
+        let count = self.followers.count();
+        match led {
+            Ok(outputs) if failures.is_empty() => Ok(outputs),
             // The caller's input, refused alike by every rank before any
             // collective: the ranks are still in step.
-            (Err(e), false)
+            Err(e)
                 if e.is_callers()
-                    && failures.len() == self.workers.len()
+                    && failures.len() == count
                     && failures.iter().all(|(callers, _)| *callers) =>
             {
                 Err(e)
             }
-            (led, _) => {
+            led => {
                 let mut why: Vec<String> = failures.into_iter().map(|(_, e)| e).collect();
                 if let Err(e) = led {
                     why.insert(0, format!("rank 0: {e}"));
@@ -192,10 +261,9 @@ impl Stage for TensorGroup {
 
     fn release(&mut self, seq: SequenceId) -> bool {
         if self.broken.is_none() {
-            for worker in &self.workers {
-                if worker.commands.send(Command::Release(seq)).is_ok() {
-                    let _ = worker.replies.recv();
-                }
+            self.followers.start(&Command::Release(seq));
+            if let Some(e) = self.followers.finish().into_iter().find_map(Result::err) {
+                self.broken = Some(format!("a release failed: {}", e.1));
             }
         }
         self.leader.release(seq)
@@ -209,8 +277,8 @@ impl Stage for TensorGroup {
         self.leader.sequences()
     }
 
-    /// Rank 0's weights; the others' live in the same process but are
-    /// theirs (each rank would be a machine of its own).
+    /// Rank 0's weights; the others' are theirs (each rank would be a
+    /// machine of its own).
     fn weight_bytes(&self) -> usize {
         self.leader.weight_bytes()
     }

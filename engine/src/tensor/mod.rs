@@ -17,17 +17,21 @@
 //! - [`AllReduce`]: the collective a rank sums its partial results with;
 //!   implemented over TCP by the data plane crate (this crate knows nothing
 //!   of the network), or by anything that sums in rank order;
-//! - [`group`]: a [`TensorGroup`] runs the ranks of one stage in this
-//!   process, one thread each, behind the ordinary [`Stage`](crate::Stage)
-//!   contract, so a pipeline's stage may be a tensor group.
+//! - [`group`]: a [`TensorGroup`] runs the ranks of one stage behind the
+//!   ordinary [`Stage`](crate::Stage) contract, so a pipeline's stage may be
+//!   a tensor group: rank 0 leads, the others follow on threads of this
+//!   process or in processes of their own ([`follow`]), taking each
+//!   [`command`] as bytes.
 //!
 //! A backend builds a rank from a [`RankShare`] and an [`AllReduce`]; the
 //! candle backend does (`CandleStage::load_rank`).
 
+pub mod command;
 pub mod group;
 pub mod split;
 
-pub use group::TensorGroup;
+pub use command::{Command, Reply};
+pub use group::{Followers, TensorGroup, follow};
 pub use split::{RankShare, TensorSplit, parse_weights};
 
 /// Sums a buffer across the ranks of a group, in place: on return every rank
