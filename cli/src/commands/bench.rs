@@ -28,7 +28,8 @@ pub struct BenchArgs {
     /// report its rate and compile time beside the unconstrained ones.
     #[arg(long, conflicts_with_all = ["endpoint", "copy_from"])]
     json_schema: Option<std::path::PathBuf>,
-    /// Compute threads (sets RAYON_NUM_THREADS for the measurement).
+    /// Compute threads (sets RAYON_NUM_THREADS for the measurement; with
+    /// `--tensor-processes`, shared out among the rank processes).
     #[arg(long)]
     threads: Option<usize>,
     /// Print JSON instead of a table.
@@ -95,7 +96,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(endpoint) = &args.copy_from {
         return copy(&args, endpoint);
     }
-    super::threads::use_threads(args.threads)?;
+    args.model.use_threads(args.threads)?;
     if let Some(values) = args.all_reduce_values {
         let ranks = args.model.tensor_ranks()?;
         let micros = super::tensor::all_reduce_micros(ranks, values, args.runs * 100)?;

@@ -96,6 +96,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if let Some(endpoint) = &args.endpoint {
         return remote(&args, endpoint);
     }
+    args.model.use_threads(None)?;
     let (mut pipeline, text) = args.model.load()?;
     let prompt = if args.chat {
         let mut messages = Vec::new();
