@@ -206,4 +206,24 @@ mod tests {
         assert!(Command::decode(&huge).is_err());
         assert!(decode_reply(&[]).is_err());
     }
+
+    proptest::proptest! {
+        /// Whatever bytes come, decoding answers (never panics) and what
+        /// decodes encodes back to the same bytes.
+        #[test]
+        fn any_bytes_decode_or_are_refused(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            if let Ok(c) = Command::decode(&bytes) {
+                proptest::prop_assert_eq!(c.encode(), bytes.clone());
+            }
+            let _ = decode_reply(&bytes);
+        }
+
+        #[test]
+        fn steps_survive_the_trip(
+            seqs in proptest::collection::vec((proptest::num::u64::ANY, proptest::collection::vec(0u32..50_000, 1..20)), 0..8),
+        ) {
+            let step = Command::Step(seqs.into_iter().map(|(s, ids)| (s, StageInput::Tokens(ids))).collect());
+            proptest::prop_assert_eq!(Command::decode(&step.encode()).unwrap(), step);
+        }
+    }
 }
