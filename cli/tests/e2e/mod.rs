@@ -80,8 +80,6 @@ pub fn start_with(
                 &label,
                 "--admin-address",
                 &admin,
-                "--lease-seconds",
-                "4",
                 "--memory-reserve",
                 "512Mi",
                 "--cache-dir",
@@ -89,6 +87,10 @@ pub fn start_with(
             ];
             if !agent_args.contains(&"--data-plane-address") {
                 args.extend(["--data-plane-address", &data_plane]);
+            }
+            // Short Leases, so that losing a node is seen quickly.
+            if !agent_args.contains(&"--lease-seconds") {
+                args.extend(["--lease-seconds", "4"]);
             }
             args.extend(agent_args);
             Some(net.spawn(i, BIN, &args))
