@@ -28,7 +28,6 @@ use shardplane_engine::bench::Spread;
 use shardplane_engine::candle::CandleStage;
 use shardplane_engine::config::read_dir_config;
 use shardplane_engine::gguf::GgufFile;
-use shardplane_engine::pipeline::parse_stages;
 use shardplane_engine::tensor::command::{decode_reply, encode_reply};
 use shardplane_engine::tensor::{
     AllReduce, Command, Followers, Reply, TensorGroup, TensorRank, TensorSplit,
@@ -307,13 +306,11 @@ pub fn run_rank(args: TensorRankArgs) -> anyhow::Result<()> {
     } else {
         GgufFile::open(path)?.config().clone()
     };
-    let range = parse_stages(&args.layers, config.layers)
-        .ok()
-        .and_then(|r| r.into_iter().next())
-        .or_else(|| {
-            let (a, b) = args.layers.split_once('-')?;
-            Some(a.parse().ok()?..b.parse::<usize>().ok()? + 1)
-        })
+    // The leader writes `first-last`; the layout checks it against the model.
+    let range = args
+        .layers
+        .split_once('-')
+        .and_then(|(a, b)| Some(a.parse().ok()?..b.parse::<usize>().ok()? + 1))
         .context("--layers first-last")?;
     let layout = StageLayout::new(range, config.layers)?;
     let split = TensorSplit::weighted(&config, &weights)?;
