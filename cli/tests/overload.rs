@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use e2e::{WAIT, chat, create_model, start_with};
-use futures::StreamExt;
 use kube::Api;
 use kube::api::PostParams;
 use shardplane_crds::*;
@@ -49,11 +48,7 @@ async fn one(http: &reqwest::Client, gateway: &str, model: &str, stream: bool) -
         "temperature": 0,
         "stream": stream,
     });
-    let sent = http
-        .post(format!("http://{gateway}/v1/chat/completions"))
-        .bearer_auth("sk-test")
-        .header("content-type", "application/json")
-        .body(body.to_string())
+    let sent = e2e::chat_request(http, gateway, &body)
         // The busy wait, then a whole answer at the back of the queue.
         .timeout(Duration::from_secs(120))
         .send()
@@ -107,40 +102,9 @@ async fn one(http: &reqwest::Client, gateway: &str, model: &str, stream: bool) -
             Outcome::Lost(format!("not a whole answer: {body}"))
         };
     }
-    let (mut text, mut finished, mut done) = (String::new(), false, false);
-    let mut chunks = r.bytes_stream();
-    let mut buffer = String::new();
-    while let Some(chunk) = chunks.next().await {
-        let chunk = match chunk {
-            Ok(c) => c,
-            Err(e) => return Outcome::Lost(format!("the stream broke after {text:?}: {e}")),
-        };
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            if v.get("error").is_some() {
-                return Outcome::Lost(format!("an error mid-stream: {data}"));
-            }
-            if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-                text.push_str(t);
-            }
-            finished |= v["choices"][0]["finish_reason"].is_string();
-        }
-    }
-    if done && finished && !text.is_empty() {
-        Outcome::Answered
-    } else {
-        Outcome::Lost(format!(
-            "the stream ended early: [DONE] {done}, finish reason {finished}, text {text:?}"
-        ))
+    match e2e::read_chat_stream(r).await {
+        Ok(_) => Outcome::Answered,
+        Err(why) => Outcome::Lost(why),
     }
 }
 

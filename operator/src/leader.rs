@@ -88,7 +88,68 @@ impl Observed {
     }
 }
 
+/// The leader's contact with the API server, as its renewals show it. A
+/// node's Lease counts as expired only once a renewal has succeeded after
+/// the moment it expired (an agent cannot renew through an API server the
+/// operator cannot reach either), and its time runs only from when contact
+/// was last restored.
+#[derive(Debug)]
+pub struct Contact {
+    state: std::sync::Mutex<ContactState>,
+}
+
+/// When the leader last renewed, and since when renewals have come without
+/// a gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContactState {
+    /// The last successful renewal.
+    pub last: Instant,
+    /// Since when renewals have come without a gap.
+    pub since: Instant,
+}
+
+impl Contact {
+    /// Contact as of now (a leader has just renewed to become one).
+    pub fn new() -> Contact {
+        let now = Instant::now();
+        Contact {
+            state: std::sync::Mutex::new(ContactState {
+                last: now,
+                since: now,
+            }),
+        }
+    }
+
+    /// A renewal succeeded now; more than `gap` after the one before, it
+    /// restores contact.
+    pub fn renewed(&self, gap: Duration) {
+        let now = Instant::now();
+        let mut s = self.state.lock().expect("contact lock");
+        if now.duration_since(s.last) > gap {
+            s.since = now;
+        }
+        s.last = now;
+    }
+
+    /// The contact as of now.
+    pub fn state(&self) -> ContactState {
+        *self.state.lock().expect("contact lock")
+    }
+}
+
+impl Default for Contact {
+    fn default() -> Self {
+        Contact::new()
+    }
+}
+
 impl Election {
+    /// The longest pause between two renewals that still counts as unbroken
+    /// contact with the API server: two renewal periods.
+    pub fn contact_gap(&self) -> Duration {
+        self.renew_every * 2
+    }
+
     /// How long the leader keeps trying to renew before it steps down: two
     /// thirds of the lease, so it has stopped acting well before a standby
     /// may take the Lease.
@@ -133,8 +194,9 @@ impl Election {
 
     /// Renews the Lease until no renewal succeeds within the renew deadline
     /// (each call is cut off at it, so a hung API server cannot hold a
-    /// renewal past it); returns then (leadership is lost).
-    pub async fn hold(&self, client: &Client) {
+    /// renewal past it); returns then (leadership is lost). Each success is
+    /// noted in `contact`.
+    pub async fn hold(&self, client: &Client, contact: &Contact) {
         let deadline = self.renew_deadline();
         let mut last_renewed = Instant::now();
         let mut wait = self.renew_every;
@@ -145,6 +207,7 @@ impl Election {
             match tokio::time::timeout(left, self.try_take(client, &mut observed)).await {
                 Ok(Ok(true)) => {
                     last_renewed = Instant::now();
+                    contact.renewed(self.contact_gap());
                     wait = self.renew_every;
                 }
                 Ok(Ok(false)) => {

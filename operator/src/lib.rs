@@ -109,6 +109,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         controllers::deployment::controller(&caches),
     );
     caches.start(&client);
+    let contact = Arc::new(leader::Contact::new());
     let ctx = Arc::new(controllers::Context {
         client: client.clone(),
         metrics: metrics.clone(),
@@ -123,6 +124,9 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         read_model_paths: config.read_model_paths,
         gateway_url: config.gateway_url.clone(),
         stores: caches.stores(),
+        contact: contact.clone(),
+        contact_gap: config.election.contact_gap(),
+        node_leases: Default::default(),
     });
     // Controllers run in tasks of their own, apart from the lease renewal:
     // however long a reconcile takes, the renewal is never behind it.
@@ -140,7 +144,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     };
     let outcome = tokio::select! {
         stopped = first_stopped => stopped,
-        () = config.election.hold(&client) => Err(RunError::LostLeadership),
+        () = config.election.hold(&client, &contact) => Err(RunError::LostLeadership),
     };
     if outcome.is_ok() {
         while controllers.join_next().await.is_some() {}

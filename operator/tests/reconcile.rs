@@ -306,14 +306,47 @@ async fn the_operator_resolves_places_heals_scales_and_cleans_up() {
         "clients are told where to ask"
     );
 
-    // A node stops renewing its Lease: only its stage moves, to the spare node.
+    // A node stops renewing its Lease: only its stage moves, to the spare
+    // node. Its Shard is marked Unknown and kept until the new one is Ready.
     let lost = stages[1].spec.node.clone();
     renew_lease(&client, &lost, 1).await;
-    let healed = eventually("the lost stage is re-placed", || async {
-        let v = shards_of(&client, &s.ns, "reason").await;
-        (v.len() == 3 && v.iter().all(|x| x.spec.node != lost)).then_some(v)
-    })
+    let moving = eventually(
+        "the lost stage is re-placed beside the kept one",
+        || async {
+            let v = shards_of(&client, &s.ns, "reason").await;
+            let kept = v.iter().find(|x| x.spec.node == lost)?;
+            let unknown = kept.status.as_ref()?.phase == Some(ShardPhase::Unknown);
+            (v.len() == 4 && unknown).then_some(v)
+        },
+    )
     .await;
+    let kept = moving.iter().find(|x| x.spec.node == lost).unwrap();
+    assert_eq!(kept.name_any(), stages[1].name_any());
+    assert_eq!(
+        kept.status.as_ref().unwrap().reason.as_deref(),
+        Some("NodeNotReady")
+    );
+    let replacement = moving
+        .iter()
+        .find(|x| x.spec.stage == 1 && x.spec.node != lost)
+        .unwrap()
+        .name_any();
+    assert_eq!(
+        moving[0].spec.next.as_deref(),
+        Some(replacement.as_str()),
+        "stage 0 sends to the replacement"
+    );
+    // The replacement reports Ready: the kept Shard goes.
+    report_ready(&client, &s.ns, "reason").await;
+    let healed = eventually(
+        "the kept shard goes once its replacement is Ready",
+        || async {
+            let v = shards_of(&client, &s.ns, "reason").await;
+            (v.len() == 3 && v.iter().all(|x| x.spec.node != lost)).then_some(v)
+        },
+    )
+    .await;
+    assert_eq!(healed[1].name_any(), replacement);
     assert_eq!(
         healed[0].name_any(),
         stages[0].name_any(),

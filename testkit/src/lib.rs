@@ -99,6 +99,26 @@ impl OwnControlPlane {
     }
 }
 
+impl OwnControlPlane {
+    /// [`OwnControlPlane::start`], with the shardplane CRDs installed.
+    pub fn start_with_crds() -> OwnControlPlane {
+        let cp = OwnControlPlane::start();
+        if let Err(e) = cp.install_crds() {
+            panic!("cannot install the CRDs on a test control plane: {e:#}");
+        }
+        cp
+    }
+
+    /// The kube-apiserver's process id (to stop and continue it).
+    pub fn api_server_pid(&self) -> u32 {
+        let path = self.dir.join("apiserver.pid");
+        std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no process id in {}", path.display()))
+    }
+}
+
 impl std::ops::Deref for OwnControlPlane {
     type Target = ControlPlane;
     fn deref(&self) -> &ControlPlane {

@@ -248,6 +248,7 @@ pub async fn run(
             Ok(watcher::Event::Apply(s) | watcher::Event::InitApply(s)) => {
                 seen_during_init.insert(key(&s));
                 wanted.insert(key(&s), s.spec.source.cache_key());
+                reassert(&shards, &key(&s), s.status.as_ref().and_then(|st| st.phase));
                 ensure(&client, s, &shards, &metrics, &sources);
             }
             Ok(watcher::Event::Delete(s)) => {
@@ -274,6 +275,19 @@ pub async fn run(
             }
             Err(e) => tracing::warn!(error = %e, "shard watch failed; retrying"),
         }
+    }
+}
+
+/// Writes the status last given for `k` again when the Shard shows
+/// `Unknown`: the operator marked it so while this node was cut off.
+fn reassert(shards: &ShardSet, k: &Key, shown: Option<ShardPhase>) {
+    let local = shards.phases.lock().expect("phase lock").get(k).copied();
+    if shown == Some(ShardPhase::Unknown)
+        && local.is_some()
+        && let Some(tx) = shards.statuses.lock().expect("status lock").get(k)
+    {
+        tracing::info!(shard = %k.1, ?local, "reporting the shard's status again");
+        tx.send_modify(|_| ());
     }
 }
 

@@ -164,6 +164,19 @@ pub async fn agent_status(endpoint: &str) -> Option<dp::StatusResponse> {
     Some(c.status(dp::StatusRequest {}).await.ok()?.into_inner())
 }
 
+/// A chat completion of `body` to the gateway, with its API key `sk-test`.
+#[allow(dead_code)] // not every test that shares this module calls it
+pub fn chat_request(
+    http: &reqwest::Client,
+    gateway: &str,
+    body: &serde_json::Value,
+) -> reqwest::RequestBuilder {
+    http.post(format!("http://{gateway}/v1/chat/completions"))
+        .bearer_auth("sk-test")
+        .header("content-type", "application/json")
+        .body(body.to_string())
+}
+
 /// One short chat through the gateway (API key `sk-test`), given `timeout`:
 /// Ok(()) on 200.
 #[allow(dead_code)] // not every test that shares this module calls it
@@ -178,11 +191,7 @@ pub async fn chat(
         "messages": [{"role": "user", "content": "Say hi."}],
         "max_tokens": 4,
     });
-    let r = http
-        .post(format!("http://{gateway}/v1/chat/completions"))
-        .bearer_auth("sk-test")
-        .header("content-type", "application/json")
-        .body(body.to_string())
+    let r = chat_request(http, gateway, &body)
         .timeout(timeout)
         .send()
         .await
@@ -193,4 +202,44 @@ pub async fn chat(
         return Err(format!("{status}: {text}"));
     }
     Ok(())
+}
+
+/// Reads an OpenAI chat stream to its end: the text when it ended whole
+/// (`[DONE]`, a finish reason, some text, no error event), else what went
+/// wrong.
+#[allow(dead_code)] // not every test that shares this module calls it
+pub async fn read_chat_stream(r: reqwest::Response) -> Result<String, String> {
+    use futures::StreamExt;
+    let (mut buffer, mut text, mut finished, mut done) =
+        (String::new(), String::new(), false, false);
+    let mut chunks = r.bytes_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| format!("the stream broke after {text:?}: {e}"))?;
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+            if v.get("error").is_some() {
+                return Err(format!("an error mid-stream: {data}"));
+            }
+            if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            finished |= v["choices"][0]["finish_reason"].is_string();
+        }
+    }
+    if done && finished && !text.is_empty() {
+        Ok(text)
+    } else {
+        Err(format!(
+            "the stream ended early: [DONE] {done}, finish reason {finished}, text {text:?}"
+        ))
+    }
 }

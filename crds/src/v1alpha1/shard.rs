@@ -107,6 +107,10 @@ pub enum ShardPhase {
     Ready,
     /// Cannot run; `reason` and `message` say why.
     Failed,
+    /// Its node stopped renewing its Lease: what the agent last reported
+    /// cannot be trusted (set by the operator, which keeps the Shard until a
+    /// replacement is Ready; the agent reports again when it is back).
+    Unknown,
 }
 
 impl std::fmt::Display for ShardPhase {
@@ -120,7 +124,7 @@ impl std::fmt::Display for ShardPhase {
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = keep_field_docs)]
 pub struct ShardStatus {
-    /// `Pending`, `Downloading`, `Loading`, `Ready` or `Failed`.
+    /// `Pending`, `Downloading`, `Loading`, `Ready`, `Failed` or `Unknown`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<ShardPhase>,
     /// A CamelCase word saying why the shard is in its phase (e.g. `CorruptWeights`).

@@ -72,6 +72,36 @@ impl Served {
     }
 }
 
+/// The head Shards of a deployment's instances that can answer: the head
+/// and every stage its `next` names, in order, are Ready. Shards of one
+/// instance may stand side by side for a while (one kept on a lost node
+/// until its replacement is Ready), so an instance is the chain its head
+/// names, not every Shard with its index.
+fn ready_heads(shards: &[Arc<Shard>]) -> Vec<&Arc<Shard>> {
+    let ready = |s: &Shard| s.status.as_ref().and_then(|st| st.phase) == Some(ShardPhase::Ready);
+    let by_name: HashMap<&str, &Arc<Shard>> = shards
+        .iter()
+        .filter(|s| ready(s))
+        .filter_map(|s| Some((s.metadata.name.as_deref()?, s)))
+        .collect();
+    shards
+        .iter()
+        .filter(|head| head.spec.stage == 0 && ready(head))
+        .filter(|head| {
+            let (count, instance) = (head.spec.stage_count, head.spec.instance);
+            let mut at: &Shard = head;
+            for stage in 1..count {
+                let next = at.spec.next.as_deref().and_then(|n| by_name.get(n));
+                match next {
+                    Some(n) if n.spec.stage == stage && n.spec.instance == instance => at = n,
+                    _ => return false,
+                }
+            }
+            at.spec.next.is_none()
+        })
+        .collect()
+}
+
 /// The gateway's view of the cluster and its routing state.
 #[derive(Clone)]
 pub struct Router {
@@ -227,31 +257,23 @@ impl Router {
     fn instances_for(&self, d: &ModelDeployment, key: Option<u64>) -> Vec<Instance> {
         let ns = d.metadata.namespace.clone().unwrap_or_default();
         let name = d.metadata.name.clone().unwrap_or_default();
-        let mut by_instance: BTreeMap<u32, Vec<Arc<Shard>>> = BTreeMap::new();
-        for s in self.shards.state() {
-            if s.metadata.namespace.as_deref() == Some(&ns)
-                && s.metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(DEPLOYMENT_LABEL))
-                    == Some(&name)
-            {
-                by_instance.entry(s.spec.instance).or_default().push(s);
-            }
-        }
+        let mine: Vec<Arc<Shard>> = self
+            .shards
+            .state()
+            .into_iter()
+            .filter(|s| {
+                s.metadata.namespace.as_deref() == Some(&ns)
+                    && s.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(DEPLOYMENT_LABEL))
+                        == Some(&name)
+            })
+            .collect();
         let outstanding = self.outstanding.lock().expect("outstanding lock").clone();
-        let mut ready: Vec<(usize, u32, Instance)> = by_instance
-            .into_values()
-            .filter_map(|stages| {
-                let count = stages.first()?.spec.stage_count as usize;
-                let all_ready = stages.len() == count
-                    && stages.iter().all(|s| {
-                        s.status.as_ref().and_then(|st| st.phase) == Some(ShardPhase::Ready)
-                    });
-                if !all_ready {
-                    return None;
-                }
-                let head = stages.iter().find(|s| s.spec.stage == 0)?;
+        let mut ready: Vec<(usize, u32, Instance)> = ready_heads(&mine)
+            .into_iter()
+            .filter_map(|head| {
                 let endpoint = head.status.as_ref()?.endpoint.clone()?;
                 let shard = head.metadata.name.clone()?;
                 let key = format!("{ns}/{shard}");

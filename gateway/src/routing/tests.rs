@@ -87,3 +87,76 @@ async fn a_name_goes_to_its_oldest_claimant_whatever_the_namespaces_are_called()
         "{listed:?}"
     );
 }
+
+/// Shard `name` of instance `instance`, stage `stage` of `count`, naming
+/// `next`, in `phase`.
+fn stage(
+    name: &str,
+    instance: u32,
+    stage: u32,
+    count: u32,
+    next: Option<&str>,
+    phase: ShardPhase,
+) -> Arc<Shard> {
+    let layers = shardplane_crds::LayerRange {
+        start: stage * 10,
+        end: stage * 10 + 10,
+    };
+    let mut s = shardplane_testkit::fixtures::shard("d", "n", stage, count, layers);
+    s.metadata.name = Some(name.into());
+    s.spec.instance = instance;
+    s.spec.next = next.map(String::from);
+    s.status = Some(shardplane_crds::ShardStatus {
+        phase: Some(phase),
+        endpoint: Some("127.0.0.1:1".into()),
+        ..Default::default()
+    });
+    Arc::new(s)
+}
+
+#[test]
+fn an_instance_is_the_chain_its_head_names() {
+    use ShardPhase::*;
+    let heads = |shards: &[Arc<Shard>]| -> Vec<String> {
+        let mut v: Vec<String> = ready_heads(shards)
+            .into_iter()
+            .map(|s| s.metadata.name.clone().unwrap())
+            .collect();
+        v.sort();
+        v
+    };
+    // A daily instance whose old Shard is kept (Unknown) beside its Ready
+    // replacement: the replacement answers.
+    let kept = [
+        stage("old", 0, 0, 1, None, Unknown),
+        stage("new", 0, 0, 1, None, Ready),
+    ];
+    assert_eq!(heads(&kept), ["new"]);
+    // Both Ready for a moment: either may answer.
+    let both = [
+        stage("old", 0, 0, 1, None, Ready),
+        stage("new", 0, 0, 1, None, Ready),
+    ];
+    assert_eq!(heads(&both), ["new", "old"]);
+    // A pipeline whose second stage moved: the head names the new one, which
+    // is still loading, so the instance waits although the old one is Ready.
+    let moving = [
+        stage("h", 0, 0, 2, Some("s1-new"), Ready),
+        stage("s1-old", 0, 1, 2, None, Ready),
+        stage("s1-new", 0, 1, 2, None, Loading),
+    ];
+    assert!(heads(&moving).is_empty());
+    let moved = [
+        stage("h", 0, 0, 2, Some("s1-new"), Ready),
+        stage("s1-old", 0, 1, 2, None, Unknown),
+        stage("s1-new", 0, 1, 2, None, Ready),
+    ];
+    assert_eq!(heads(&moved), ["h"]);
+    // A chain must be whole: a stage missing, or one of another instance.
+    assert!(heads(&[stage("h", 0, 0, 2, Some("gone"), Ready)]).is_empty());
+    let crossed = [
+        stage("h", 0, 0, 2, Some("other"), Ready),
+        stage("other", 1, 1, 2, None, Ready),
+    ];
+    assert!(heads(&crossed).is_empty());
+}

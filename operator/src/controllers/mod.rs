@@ -39,6 +39,13 @@ pub struct Context {
     pub gateway_url: Option<String>,
     /// What the watches have seen: reconciles read these, never LIST.
     pub stores: Stores,
+    /// The leader's contact with the API server (node Leases are judged
+    /// only while it holds).
+    pub contact: Arc<crate::leader::Contact>,
+    /// The longest pause between leader renewals that is still contact.
+    pub contact_gap: Duration,
+    /// Node Leases as the node controller last saw them, on its own clock.
+    pub node_leases: node::Observations,
 }
 
 /// Runs `reconcile` and records its outcome and duration under `controller`.

@@ -1,7 +1,7 @@
 //! Apply: the Shards the plan wants, by server-side apply; the ones it no
 //! longer wants, deleted; and events a person reads with `kubectl describe`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -13,15 +13,16 @@ use super::super::Context;
 use crate::error::Result;
 
 /// Makes the deployment's Shards `desired`: creates or updates what differs
-/// and deletes the rest of `mine`. Returns how many Shards changed.
+/// and deletes `retired` (the Shards of `mine` it no longer wants that may
+/// go now). Returns how many Shards changed.
 pub async fn shards(
     ctx: &Context,
     d: &ModelDeployment,
     mine: &[&Shard],
     desired: &[Shard],
+    retired: &[String],
 ) -> Result<usize> {
     let api: Api<Shard> = Api::namespaced(ctx.client.clone(), &d.namespace().unwrap_or_default());
-    let wanted: BTreeSet<String> = desired.iter().map(|s| s.name_any()).collect();
     let existing: BTreeMap<String, &Shard> = mine.iter().map(|s| (s.name_any(), *s)).collect();
     let mut changed = 0;
     for shard in desired {
@@ -44,7 +45,7 @@ pub async fn shards(
         .await?;
         changed += 1;
     }
-    for stale in existing.keys().filter(|n| !wanted.contains(*n)) {
+    for stale in retired.iter().filter(|n| existing.contains_key(*n)) {
         delete(&api, stale).await?;
         changed += 1;
     }

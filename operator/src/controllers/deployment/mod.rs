@@ -164,7 +164,11 @@ async fn place(d: &ModelDeployment, ctx: &Context) -> Result<Action> {
     };
 
     let planned = plan::plan(d, &observed, &valid);
-    let changed = apply::shards(ctx, d, &mine, &planned.desired).await?;
+    let retiring = &planned.retiring;
+    let changed = apply::shards(ctx, d, &mine, &planned.desired, &retiring.delete).await?;
+    for (shard, why) in &retiring.keep {
+        tracing::debug!(%shard, "{why}");
+    }
     let plan = &planned.plan;
     if changed > 0 {
         let nodes: std::collections::BTreeSet<&str> = plan

@@ -28,6 +28,8 @@ pub struct Planned {
     pub replicas: u32,
     /// Stages this plan moves off a node where they kept failing, in words.
     pub moved: Vec<String>,
+    /// The Shards the plan no longer wants: deleted now or kept for now.
+    pub retiring: Retiring,
 }
 
 /// The nodes where a Shard of this deployment has failed at least
@@ -120,12 +122,83 @@ pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
         }
     }
     let desired = desired_shards(d, v, &plan);
+    let retiring = retiring(&mine, &desired, replicas);
     Planned {
         plan,
         desired,
         replicas,
         moved,
+        retiring,
     }
+}
+
+/// What becomes of the Shards the plan no longer wants.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Retiring {
+    /// Deleted now.
+    pub delete: Vec<String>,
+    /// Kept for now, each with why (in words).
+    pub keep: Vec<(String, String)>,
+}
+
+/// Which of `mine` that `desired` leaves out are deleted now. Nothing that
+/// may still serve is deleted before something replaces it: a Shard that is
+/// Ready (or Unknown: its node went quiet, and may come back) stays until
+/// every Shard of its instance's new placement is Ready, or for good while
+/// its instance cannot be placed at all. It goes at once when its instance
+/// is scaled away, when it serves nothing (Pending, loading, Failed), or
+/// when the new placement uses its node (whose memory it would hold twice).
+pub fn retiring(mine: &[&Shard], desired: &[Shard], replicas: u32) -> Retiring {
+    let phase = |name: &str| {
+        mine.iter()
+            .find(|s| s.metadata.name.as_deref() == Some(name))
+            .and_then(|s| s.status.as_ref()?.phase)
+    };
+    let wanted: std::collections::BTreeSet<&str> = desired
+        .iter()
+        .filter_map(|s| s.metadata.name.as_deref())
+        .collect();
+    let mut out = Retiring::default();
+    for s in mine {
+        let name = s.name_any();
+        if wanted.contains(name.as_str()) || s.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let serving = matches!(
+            s.status.as_ref().and_then(|st| st.phase),
+            Some(ShardPhase::Ready | ShardPhase::Unknown)
+        );
+        let replacement: Vec<&Shard> = desired
+            .iter()
+            .filter(|d| d.spec.instance == s.spec.instance)
+            .collect();
+        let goes_now = s.spec.instance >= replicas
+            || !serving
+            || desired.iter().any(|d| d.spec.node == s.spec.node);
+        let keep = if goes_now {
+            None
+        } else if replacement.is_empty() {
+            Some(format!(
+                "{name} on {} is kept: instance {} cannot be placed elsewhere",
+                s.spec.node, s.spec.instance
+            ))
+        } else if replacement
+            .iter()
+            .all(|d| phase(&d.name_any()) == Some(ShardPhase::Ready))
+        {
+            None
+        } else {
+            Some(format!(
+                "{name} on {} is kept until instance {}'s new placement is Ready",
+                s.spec.node, s.spec.instance
+            ))
+        };
+        match keep {
+            Some(why) => out.keep.push((name, why)),
+            None => out.delete.push(name),
+        }
+    }
+    out
 }
 
 /// A Shard's name: deployment, instance, stage and a hash of where it runs,
@@ -238,6 +311,76 @@ mod tests {
         assert_eq!(
             nodes["a"],
             "instance 0 stage 0 failed 3 times on a: load: out of memory"
+        );
+    }
+
+    /// Shard `name` of instance `instance` on `node`, in `phase`.
+    fn placed(name: &str, instance: u32, node: &str, phase: Option<ShardPhase>) -> Shard {
+        let layers = LayerRange { start: 0, end: 30 };
+        let mut s = shardplane_testkit::fixtures::shard("chat", node, 0, 1, layers);
+        s.metadata.name = Some(name.into());
+        s.spec.instance = instance;
+        s.status = phase.map(|p| ShardStatus {
+            phase: Some(p),
+            ..Default::default()
+        });
+        s
+    }
+
+    #[test]
+    fn a_serving_shard_stays_until_its_replacement_is_ready() {
+        use ShardPhase::*;
+        let old = placed("old", 0, "lost", Some(Unknown));
+        let other = placed("other", 1, "b", Some(Ready));
+        let new_loading = placed("new", 0, "spare", Some(Loading));
+        let desired = vec![new_loading.clone(), other.clone()];
+        let r = retiring(&[&old, &other, &new_loading], &desired, 2);
+        assert!(r.delete.is_empty());
+        assert_eq!(r.keep.len(), 1);
+        assert_eq!(
+            r.keep[0].1,
+            "old on lost is kept until instance 0's new placement is Ready"
+        );
+        // The replacement is Ready: the old one goes.
+        let new_ready = placed("new", 0, "spare", Some(Ready));
+        let r = retiring(&[&old, &other, &new_ready], &desired, 2);
+        assert_eq!((r.delete, r.keep), (vec!["old".to_string()], vec![]));
+        // Nowhere to place the instance: kept for good.
+        let r = retiring(&[&old, &other], std::slice::from_ref(&other), 2);
+        assert_eq!(r.keep.len(), 1);
+        assert!(r.keep[0].1.contains("cannot be placed elsewhere"));
+    }
+
+    #[test]
+    fn what_serves_nothing_or_is_scaled_away_goes_at_once() {
+        use ShardPhase::*;
+        let new = placed("new", 0, "spare", Some(Loading));
+        for old in [
+            placed("old", 0, "a", Some(Failed)),
+            placed("old", 0, "a", Some(Loading)),
+            placed("old", 0, "a", None),
+        ] {
+            let r = retiring(&[&old, &new], std::slice::from_ref(&new), 1);
+            assert_eq!(r.delete, ["old"], "{:?}", old.status);
+        }
+        // Scaled from two to one.
+        let second = placed("second", 1, "b", Some(Ready));
+        let r = retiring(&[&second, &new], std::slice::from_ref(&new), 1);
+        assert_eq!(r.delete, ["second"]);
+        // The new placement uses the old one's node (a new layer range there).
+        let here = placed("here", 0, "a", Some(Loading));
+        let old = placed("old", 0, "a", Some(Ready));
+        let r = retiring(&[&old, &here], std::slice::from_ref(&here), 1);
+        assert_eq!(r.delete, ["old"]);
+        // One already being deleted is left alone.
+        let mut going = placed("going", 0, "c", Some(Ready));
+        going.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ));
+        assert_eq!(
+            retiring(&[&going, &new], std::slice::from_ref(&new), 1),
+            Retiring::default()
         );
     }
 

@@ -191,7 +191,17 @@ pub fn planned(
     let (reason, message) = match (progressing, planned.moved.is_empty(), moved_before) {
         (true, false, _) => (STAGE_MOVED, planned.moved.join("; ")),
         (true, true, Some(before)) => (STAGE_MOVED, before),
-        (true, true, None) => ("ShardsStarting", String::new()),
+        // Shards kept until their replacements are Ready say so.
+        (true, true, None) => (
+            "ShardsStarting",
+            planned
+                .retiring
+                .keep
+                .iter()
+                .map(|(_, why)| why.as_str())
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
         (false, _, _) => ("Settled", String::new()),
     };
     set(
