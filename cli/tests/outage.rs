@@ -19,13 +19,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use e2e::{BIN, WAIT, create_model};
-use kube::api::PostParams;
 use kube::{Api, ResourceExt};
 use shardplane_crds::*;
 use shardplane_operator::conditions::is_true;
 use shardplane_testkit::{
-    ChildGuard, OwnControlPlane, eventually, fixtures, free_address, spawn_component_as,
-    unique_name,
+    ChildGuard, OwnControlPlane, eventually, free_address, spawn_component_as, unique_name,
 };
 
 #[allow(dead_code)] // the network-namespace cluster is not used here
@@ -207,28 +205,8 @@ async fn an_api_server_outage_under_load_deletes_nothing_and_fails_nothing() {
 
     let served = format!("{tag}-m");
     create_model(&client, &ns, &served).await;
-    Api::<NodePool>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &fixtures::node_pool(&pool, Tier::Daily),
-        )
-        .await
-        .unwrap();
     let strategy = format!("{tag}-whole");
-    Api::<ShardingStrategy>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &fixtures::strategy(&strategy, Parallelism::None),
-        )
-        .await
-        .unwrap();
-    let deployments: Api<ModelDeployment> = Api::namespaced(client.clone(), &ns);
-    let mut d = fixtures::deployment("chat", "m", &pool, &strategy);
-    d.spec.replicas = 2;
-    deployments
-        .create(&PostParams::default(), &d)
-        .await
-        .unwrap();
+    let deployments = e2e::create_daily(&client, &ns, &pool, &strategy, 2).await;
     eventually("two replicas are Ready", WAIT, || async {
         let st = deployments.get("chat").await.ok()?.status?;
         (st.ready_replicas == 2 && is_true(&st.conditions, CONDITION_READY)).then_some(())

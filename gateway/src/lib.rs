@@ -46,6 +46,9 @@ pub struct GatewayConfig {
     pub rate_limit_per_minute: Option<u32>,
     /// How long a request waits while every instance is busy (then 429).
     pub busy_wait: std::time::Duration,
+    /// How long an instance has to start an answer and to give its first
+    /// token before the next is tried.
+    pub deadlines: routing::Deadlines,
     /// The largest generation request body, in bytes (larger: 413).
     pub max_body_bytes: usize,
     /// How long a request's body may take to arrive (longer: 408).
@@ -144,6 +147,7 @@ pub async fn run(
         metrics.clone(),
     )
     .with_busy_wait(config.busy_wait)
+    .with_deadlines(config.deadlines)
     .with_external_allowlist(config.external_allowlist.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await

@@ -30,6 +30,8 @@ pub struct Metrics {
     pub resumed_answers: IntCounterVec,
     /// Pauses of requests waiting because every instance was busy.
     pub busy_waits: IntCounterVec,
+    /// Instances ejected (tried last for a while) after failing in a row.
+    pub ejections: IntCounterVec,
 }
 
 impl Metrics {
@@ -106,6 +108,14 @@ impl Metrics {
             &["model"],
         )
         .expect("valid metric");
+        let ejections = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_ejections_total",
+                "Instances tried last for a while after failing before their first token several times in a row, by model.",
+            ),
+            &["model"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -117,6 +127,7 @@ impl Metrics {
                 Box::new(upstream_errors.clone()),
                 Box::new(resumed_answers.clone()),
                 Box::new(busy_waits.clone()),
+                Box::new(ejections.clone()),
             ],
         );
         Metrics {
@@ -130,6 +141,7 @@ impl Metrics {
             upstream_errors,
             resumed_answers,
             busy_waits,
+            ejections,
         }
     }
 }

@@ -54,6 +54,18 @@ pub struct GatewayArgs {
     /// Retry-After. 0 answers 429 at once.
     #[arg(long, env = "SHARDPLANE_BUSY_WAIT_SECONDS", default_value_t = 60)]
     busy_wait_seconds: u64,
+    /// Seconds an instance has to start an answer (it admits or refuses at
+    /// once, so only a hung or unreachable instance takes longer); then the
+    /// next instance is tried.
+    #[arg(long, env = "SHARDPLANE_START_TIMEOUT_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
+    start_timeout_seconds: u32,
+    /// Seconds an instance has to give an answer's first token (its queue
+    /// and the prompt's prefill come first); then the next instance is
+    /// tried.
+    #[arg(long, env = "SHARDPLANE_FIRST_TOKEN_TIMEOUT_SECONDS", default_value_t = 300,
+          value_parser = clap::value_parser!(u32).range(1..=86400))]
+    first_token_timeout_seconds: u32,
     /// The largest generation request body in MiB (larger: 413 in the API's
     /// shape, refused before it is read). Long contexts with tools fit in a
     /// few MiB.
@@ -106,6 +118,10 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
         shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
     let config = GatewayConfig {
         busy_wait: std::time::Duration::from_secs(args.busy_wait_seconds),
+        deadlines: shardplane_gateway::routing::Deadlines {
+            start: std::time::Duration::from_secs(args.start_timeout_seconds.into()),
+            first_token: std::time::Duration::from_secs(args.first_token_timeout_seconds.into()),
+        },
         listen: args.listen,
         admin_address: args.admin_address,
         token,

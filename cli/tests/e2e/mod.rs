@@ -18,10 +18,12 @@ pub const WAIT: Duration = Duration::from_secs(120);
 pub struct Cluster {
     pub net: Network,
     /// Node names, one per host.
+    #[allow(dead_code)] // not every test that shares this module reads it
     pub nodes: Vec<String>,
     /// The agents, one per host (take one to stop it).
     pub agents: Vec<Option<ChildGuard>>,
     /// The operator (take it to stop it).
+    #[allow(dead_code)] // not every test that shares this module reads it
     pub operator: Option<ChildGuard>,
     _gateway: ChildGuard,
     /// Where the gateway listens; its API key is `sk-test`.
@@ -154,6 +156,42 @@ pub async fn create_model(client: &kube::Client, ns: &str, served: &str) {
         .create(&PostParams::default(), &model)
         .await
         .unwrap();
+}
+
+/// Daily pool `pool` (nodes labelled `pool=<pool>`), strategy `strategy`
+/// (whole models) and deployment `chat` of Model `m` in `ns` with
+/// `replicas`; returns the deployments' API.
+#[allow(dead_code)] // not every test that shares this module calls it
+pub async fn create_daily(
+    client: &kube::Client,
+    ns: &str,
+    pool: &str,
+    strategy: &str,
+    replicas: i32,
+) -> Api<shardplane_crds::ModelDeployment> {
+    use shardplane_crds::{NodePool, Parallelism, ShardingStrategy, Tier};
+    Api::<NodePool>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &fixtures::node_pool(pool, Tier::Daily),
+        )
+        .await
+        .unwrap();
+    Api::<ShardingStrategy>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &fixtures::strategy(strategy, Parallelism::None),
+        )
+        .await
+        .unwrap();
+    let deployments = Api::namespaced(client.clone(), ns);
+    let mut d = fixtures::deployment("chat", "m", pool, strategy);
+    d.spec.replicas = replicas;
+    deployments
+        .create(&PostParams::default(), &d)
+        .await
+        .unwrap();
+    deployments
 }
 
 /// What the agent at `endpoint` serves, or None when it does not answer.

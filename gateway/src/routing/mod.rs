@@ -16,10 +16,13 @@
 //!   walk through instances and fallbacks up to an answer's first token;
 //! - [`affinity`]: which instance a prompt prefers (the one likely to hold
 //!   its beginning in its prefix cache), within a load bound;
+//! - [`outliers`]: instances that keep failing before their first token are
+//!   tried last for a while;
 //! - [`resume`]: an answer after its first token, resumed on another instance
 //!   when its own fails.
 
 mod affinity;
+mod outliers;
 mod resume;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -114,7 +117,29 @@ pub struct Router {
     http: reqwest::Client,
     metrics: Metrics,
     busy_wait: Duration,
+    deadlines: Deadlines,
+    outliers: outliers::Outliers,
     external: Arc<crate::external::Allowlist>,
+}
+
+/// How long an instance has to start an answer, and to give its first token.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    /// From the call to the instance's `Started` (it admits or refuses at
+    /// once, so only a hung or unreachable instance takes long).
+    pub start: Duration,
+    /// From the call to the first token (the prompt's prefill and the
+    /// instance's queue come before it).
+    pub first_token: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            start: Duration::from_secs(10),
+            first_token: Duration::from_secs(300),
+        }
+    }
 }
 
 /// What one walk through a deployment's instances and fallbacks ended with.
@@ -170,8 +195,17 @@ impl Router {
             http,
             metrics,
             busy_wait: Duration::from_secs(60),
+            deadlines: Deadlines::default(),
+            outliers: outliers::Outliers::default(),
             external: Arc::default(),
         }
+    }
+
+    /// How long each attempt on an instance may take to start an answer
+    /// and to give its first token before the next instance is tried.
+    pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
     }
 
     /// Where external fallbacks may send requests (nowhere by default).
@@ -290,15 +324,17 @@ impl Router {
                 ))
             })
             .collect();
-        if let Some(key) = key {
+        let ordered = if let Some(key) = key {
             let candidates = ready
                 .into_iter()
                 .map(|(load, _, i)| (load, i.key.clone(), i))
                 .collect();
-            return affinity::order(key, candidates);
-        }
-        ready.sort_by_key(|(load, tie, _)| (*load, *tie));
-        ready.into_iter().map(|(_, _, i)| i).collect()
+            affinity::order(key, candidates)
+        } else {
+            ready.sort_by_key(|(load, tie, _)| (*load, *tie));
+            ready.into_iter().map(|(_, _, i)| i).collect()
+        };
+        self.outliers.ejected_last(ordered, |i| i.key.as_str())
     }
 
     /// Starts answering `prompt` with the model called `name`: the first ready
@@ -356,7 +392,10 @@ impl Router {
                     for inst in instances {
                         tracing::debug!(model = name, instance = %inst.key, endpoint = %inst.endpoint, "trying an instance");
                         match self.try_instance(name, &dep_name, &inst, prompt).await {
-                            Ok(answer) => return Ok(answer),
+                            Ok(answer) => {
+                                self.outliers.succeeded(&inst.key);
+                                return Ok(answer);
+                            }
                             Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
                             Err(Attempt::Busy(why)) => {
                                 busy += 1;
@@ -370,6 +409,7 @@ impl Router {
                                     .with_label_values(&[name, "instance"])
                                     .inc();
                                 tracing::warn!(model = name, instance = %inst.key, %why, "instance failed before its first token; trying the next");
+                                self.eject_if_failing(name, &inst.key);
                                 tried.push(format!("{}: {why}", inst.key));
                             }
                         }
@@ -408,6 +448,24 @@ impl Router {
             error,
             busy: busy > 0,
         })
+    }
+
+    /// Notes a failure of instance `key` (serving `name`); one failure too
+    /// many ejects it for a while.
+    fn eject_if_failing(&self, name: &str, key: &str) {
+        if let Some(ejected) = self.outliers.failed(key) {
+            self.metrics.ejections.with_label_values(&[name]).inc();
+            tracing::warn!(model = name, instance = %key, seconds = ejected.as_secs(), "instance failed {} times in a row; tried last for a while", outliers::EJECT_AFTER);
+            let shards = self.shards.state();
+            self.outliers.retain(|k| {
+                shards.iter().any(|s| {
+                    k.split_once('/').is_some_and(|(ns, name)| {
+                        s.metadata.namespace.as_deref() == Some(ns)
+                            && s.metadata.name.as_deref() == Some(name)
+                    })
+                })
+            });
+        }
     }
 
     /// Answers on `inst`, a ready instance of deployment `deployment`. Once
@@ -488,18 +546,39 @@ impl Router {
             )),
             _ => Attempt::Next(format!("{:?}: {}", s.code(), s.message())),
         };
-        let mut stream = client
-            .generate(request)
+        let called = tokio::time::Instant::now();
+        let (start_by, first_by) = (
+            called + self.deadlines.start,
+            called + self.deadlines.first_token,
+        );
+        let late = |what: &str, d: Duration| {
+            Attempt::Next(format!(
+                "the instance did not {what} within {:.0} s",
+                d.as_secs_f64()
+            ))
+        };
+        let mut stream = tokio::time::timeout_at(start_by, client.generate(request))
             .await
+            .map_err(|_| late("start the answer", self.deadlines.start))?
             .map_err(refused)?
             .into_inner();
-        let mut prompt_tokens = 0;
+        let (mut prompt_tokens, mut started) = (0, false);
         loop {
             use dp::generate_response::Event as E;
-            match stream.message().await.map_err(refused)? {
+            let (by, what, d) = match started {
+                false => (start_by, "start the answer", self.deadlines.start),
+                true => (first_by, "give a first token", self.deadlines.first_token),
+            };
+            let message = tokio::time::timeout_at(by, stream.message())
+                .await
+                .map_err(|_| late(what, d))?;
+            match message.map_err(refused)? {
                 None => return Err(Attempt::Next("the stream ended without an answer".into())),
                 Some(dp::GenerateResponse { event: Some(e) }) => match e {
-                    E::Started(s) => prompt_tokens = s.prompt_tokens,
+                    E::Started(s) => {
+                        prompt_tokens = s.prompt_tokens;
+                        started = true;
+                    }
                     e @ (E::Delta(_) | E::Finished(_)) => {
                         return Ok(Opened {
                             prompt_tokens,
