@@ -6,13 +6,16 @@
 //!  status ──► server-side apply under one field manager ──► /status
 //! ```
 //!
-//! Layout: [`status`] writes an object's status the one way every component
-//! does; [`stores`] keeps watch-fed caches of cluster objects; [`secrets`]
-//! reads credentials from Secrets that opt in.
+//! Layout: [`client`] builds the API client every component uses (calls
+//! with a deadline); [`status`] writes an object's status the one way every
+//! component does; [`stores`] keeps watch-fed caches of cluster objects;
+//! [`secrets`] reads credentials from Secrets that opt in.
 
+pub mod client;
 pub mod secrets;
 pub mod status;
 pub mod stores;
 
+pub use client::{CALL_DEADLINE, client};
 pub use status::apply_status;
 pub use stores::{Watched, run_watch, watch_all};

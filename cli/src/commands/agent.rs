@@ -314,7 +314,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
             control_plane: super::kube_client::api_server(&kube),
             ..config
         };
-        let client = kube::Client::try_from(kube)?;
+        let client = shardplane_cluster::client(kube)?;
         shardplane_agent::run(client, config, shutdown_signal())
             .await
             .map_err(anyhow::Error::msg)

@@ -7,9 +7,10 @@ use anyhow::Context;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
-/// Builds a client.
+/// Builds a client (each call answered within
+/// [`shardplane_cluster::CALL_DEADLINE`]; watches unaffected).
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
-    Ok(Client::try_from(config(kubeconfig).await?)?)
+    Ok(shardplane_cluster::client(config(kubeconfig).await?)?)
 }
 
 /// Reads the client configuration.
