@@ -200,6 +200,9 @@ pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, Error> {
         .connect_timeout(std::time::Duration::from_secs(5))
         .http2_keep_alive_interval(std::time::Duration::from_secs(10))
         .keep_alive_timeout(std::time::Duration::from_secs(10))
+        // Pinged while idle too: a peer that died between calls is found
+        // before the next call waits on it.
+        .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20))
         .max_frame_size(MAX_FRAME_BYTES)
