@@ -317,10 +317,19 @@ fn heartbeat(
             };
             metrics.cache_bytes.set(cache.total_bytes() as i64);
             for stage in shard_set.all_served() {
+                let stats = &stage.worker.stats;
                 metrics
                     .sequences
                     .with_label_values(&[&stage.name])
-                    .set(stage.worker.stats.sequences.load(Ordering::Relaxed) as i64);
+                    .set(stats.sequences.load(Ordering::Relaxed) as i64);
+                // A generation gives its reservation back after its stage's
+                // last pass (which is when the gauge is set otherwise), so a
+                // stage that falls idle would show its last reservation for
+                // good without this.
+                metrics
+                    .kv_tokens
+                    .with_label_values(&[&stage.name, "reserved"])
+                    .set(stats.kv_reserved_tokens.load(Ordering::Relaxed) as i64);
             }
             match reg.renew(&client).await {
                 Ok(()) => metrics.lease_renewals.inc(),

@@ -72,6 +72,14 @@ impl Command {
 impl Cli {
     /// Parses the process arguments and runs the chosen subcommand.
     pub fn parse_and_run() -> ExitCode {
+        if let Err(missing) = processor_has_what_the_build_uses() {
+            eprintln!(
+                "error: this shardplane was built for x86-64 processors with {missing} \
+                 (x86-64-v3: Intel Haswell, AMD Zen and later); rebuild it for this one with \
+                 RUSTFLAGS=\"-C target-cpu=native\""
+            );
+            return ExitCode::FAILURE;
+        }
         let cli = Cli::parse();
         tracing_subscriber::fmt()
             .with_env_filter(
@@ -101,4 +109,19 @@ impl Cli {
             }
         }
     }
+}
+
+/// Whether this processor has the instructions the build was compiled to use
+/// (`.cargo/config.toml` targets x86-64-v3 on x86-64); the missing ones.
+fn processor_has_what_the_build_uses() -> Result<(), &'static str> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        if !std::arch::is_x86_feature_detected!("avx2")
+            || !std::arch::is_x86_feature_detected!("fma")
+            || !std::arch::is_x86_feature_detected!("f16c")
+        {
+            return Err("AVX2, FMA and F16C");
+        }
+    }
+    Ok(())
 }
