@@ -533,7 +533,10 @@ fn attention(
         None => att,
     };
     let att = candle_nn::ops::softmax_last_dim(&att)?;
-    let y = att.matmul(&v.contiguous()?)?;
+    // The cache's view: rows of one head are contiguous, heads a buffer's
+    // capacity apart, which candle's product takes as it is (a copy here
+    // cost the whole cache's values per layer, sequence and step).
+    let y = att.matmul(&v)?;
     Ok(y.reshape((1, heads, n, hd))?
         .transpose(1, 2)?
         .reshape((n, heads * hd))?)
