@@ -3,10 +3,18 @@
 //! MLX's group quantization, read back and quantized to Q8_0).
 //!
 //! One code path serves prefill and batched decode: the inputs of all
-//! sequences are stacked into rows, the matmuls run once over all rows (the
-//! weights are read once per step, whatever the batch), and attention runs per
-//! sequence against its own KV cache.
+//! sequences are stacked into rows, the matmuls, norms and RoPE run once over
+//! all rows (the weights are read once per step, whatever the batch), and
+//! attention reads each sequence's own KV cache ([`kv`]): every decoding
+//! sequence in one pass per layer, a prompt's rows with candle's products.
+//!
+//! ```text
+//!  rows of all sequences ─► norm ─► q k v (one product each) ─► q/k norms, RoPE (all rows)
+//!     ─► append k v to each cache ─► attention: decoding rows together, prompts each
+//!     ─► o ─► + ─► norm ─► MLP ─► +
+//! ```
 
+mod kv;
 mod moe;
 mod safetensors;
 mod weights;
@@ -16,7 +24,6 @@ use std::path::Path;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::kv_cache::KvCache;
 
 use crate::config::{LayerAttention, ModelConfig};
 use crate::error::{Error, Result};
@@ -27,6 +34,7 @@ use crate::stage::{
     plan_step,
 };
 use crate::tensor::{AllReduce, TensorGroup, TensorRank, TensorSplit};
+use kv::{DecodeRow, LayerKv};
 use safetensors::SafetensorsDir;
 use weights::{LayerWeights, Source, TensorLoader};
 
@@ -50,7 +58,7 @@ pub struct CandleStage {
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
-    prefix: PrefixCache<Vec<(Tensor, Tensor)>>,
+    prefix: PrefixCache<Vec<(Vec<f32>, Vec<f32>)>>,
     /// This stage's rank in a tensor group: its share of every layer, and
     /// the collective summing the attention and MLP outputs.
     tensor: Option<TensorRank>,
@@ -71,16 +79,17 @@ impl std::fmt::Debug for CandleStage {
 /// The KV cache of one sequence in this stage's layers.
 struct SequenceCache {
     position: usize,
-    layers: Vec<KvCache>,
+    layers: Vec<LayerKv>,
     /// The token ids it holds, when it came as tokens (a first stage).
     tokens: Vec<u32>,
 }
 
 impl SequenceCache {
-    fn new(layers: usize) -> Self {
+    /// Empty, for `layers` layers of `width` floats per token.
+    fn new(layers: usize, width: usize) -> Self {
         SequenceCache {
             position: 0,
-            layers: (0..layers).map(|_| KvCache::new(2, KV_CHUNK)).collect(),
+            layers: (0..layers).map(|_| LayerKv::new(width)).collect(),
             tokens: Vec::new(),
         }
     }
@@ -269,6 +278,16 @@ impl CandleStage {
         Ok(Tensor::from_vec(values, shape, partial.device())?)
     }
 
+    /// Floats per token in one layer's keys (or values): this stage's KV
+    /// heads (its share, in a tensor group) × head dim.
+    fn kv_width(&self) -> usize {
+        let kv_heads = match &self.tensor {
+            Some(t) => t.share.kv_heads.len(),
+            None => self.config.kv_heads,
+        };
+        kv_heads * self.config.head_dim
+    }
+
     /// Stacks the inputs into rows and plans each sequence's share.
     fn stack(&self, batch: &[(SequenceId, StageInput)]) -> Result<(Tensor, Vec<Item>)> {
         let items = plan_step(
@@ -314,11 +333,11 @@ impl CandleStage {
 
     fn run(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
         let (mut x, items) = self.stack(&batch)?;
+        let (layers, width) = (self.layers.len(), self.kv_width());
         for item in &items {
-            let layers = self.layers.len();
             self.sequences
                 .entry(item.seq)
-                .or_insert_with(|| SequenceCache::new(layers));
+                .or_insert_with(|| SequenceCache::new(layers, width));
         }
         let result = (|| {
             for l in 0..self.layers.len() {
@@ -366,47 +385,79 @@ impl CandleStage {
             scale: f64::from(cfg.attention_scale),
             window: shape.window,
         };
-        let h = candle_nn::ops::rms_norm(x, &w.attn_norm, cfg.rms_eps as f32)?;
-        let q = w.q.forward(&h)?;
-        let k = w.k.forward(&h)?;
+        let rows = x.dim(0)?;
+        let h = candle_nn::ops::rms_norm(x, &w.attn_norm, eps)?;
+        let mut q = w.q.forward(&h)?.reshape((rows, heads, hd))?;
+        let mut k = w.k.forward(&h)?.reshape((rows, kv_heads, hd))?;
         let v = w.v.forward(&h)?;
-        let mut ys = Vec::with_capacity(items.len());
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            q = candle_nn::ops::rms_norm(&q, qn, eps)?;
+            k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+        }
+        // RoPE of every row at its own position, in one operation.
+        let positions: Vec<u32> = items
+            .iter()
+            .flat_map(|i| (i.position..i.position + i.len).map(|p| p as u32))
+            .collect();
+        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        let cos = cos
+            .index_select(&positions, 0)?
+            .reshape((rows, 1, hd / 2))?;
+        let sin = sin
+            .index_select(&positions, 0)?
+            .reshape((rows, 1, hd / 2))?;
+        let rope = if self.interleaved_rope {
+            candle_nn::rotary_emb::rope_i
+        } else {
+            candle_nn::rotary_emb::rope
+        };
+        let q = rope(&q.reshape((rows, heads, 1, hd))?, &cos, &sin)?;
+        let k = rope(&k.reshape((rows, kv_heads, 1, hd))?, &cos, &sin)?;
+        let (q_width, kv_width) = (heads * hd, kv_heads * hd);
+        let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
+        let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
+        let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
         for item in items {
-            let split = |t: &Tensor, n_heads: usize| -> Result<Tensor> {
-                Ok(t.narrow(0, item.offset, item.len)?
-                    .reshape((1, item.len, n_heads, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()?)
-            };
-            let mut qi = split(&q, heads)?;
-            let mut ki = split(&k, kv_heads)?;
-            let vi = split(&v, kv_heads)?;
-            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                qi = candle_nn::ops::rms_norm(&qi, qn, eps)?;
-                ki = candle_nn::ops::rms_norm(&ki, kn, eps)?;
-            }
-            let cos = cos.narrow(0, item.position, item.len)?;
-            let sin = sin.narrow(0, item.position, item.len)?;
-            let rope = if self.interleaved_rope {
-                candle_nn::rotary_emb::rope_i
-            } else {
-                candle_nn::rotary_emb::rope
-            };
-            let qi = rope(&qi, &cos, &sin)?;
-            let ki = rope(&ki, &cos, &sin)?;
-            let cache = &mut self
-                .sequences
+            let span = item.offset * kv_width..(item.offset + item.len) * kv_width;
+            self.sequences
                 .get_mut(&item.seq)
                 .expect("cache made in run")
-                .layers[l];
-            let (k_all, v_all) = cache.append(&ki, &vi)?;
-            ys.push(attention(&qi, &k_all, &v_all, item, &heads_shape)?);
+                .layers[l]
+                .append(&k_rows[span.clone()], &v_rows[span], KV_CHUNK)?;
         }
-        let y = if ys.len() == 1 {
-            ys.pop().expect("one item")
-        } else {
-            Tensor::cat(&ys, 0)?
-        };
+        let mut y = vec![0f32; rows * q_width];
+        // Every sequence that adds one row, in one pass.
+        let decoding: Vec<&Item> = items.iter().filter(|i| i.len == 1).collect();
+        if !decoding.is_empty() {
+            let queries: Vec<DecodeRow> = decoding
+                .iter()
+                .map(|i| DecodeRow {
+                    q: &q_rows[i.offset * q_width..(i.offset + 1) * q_width],
+                    kv: &self.sequences[&i.seq].layers[l],
+                    first: i.first_key(shape.window),
+                })
+                .collect();
+            let mut out = vec![0f32; decoding.len() * q_width];
+            kv::decode_attention(&queries, heads, kv_heads, hd, cfg.attention_scale, &mut out);
+            for (i, o) in decoding.iter().zip(out.chunks_exact(q_width)) {
+                y[i.offset * q_width..(i.offset + 1) * q_width].copy_from_slice(o);
+            }
+        }
+        // A prompt's rows: candle's products over its visible keys.
+        for item in items.iter().filter(|i| i.len > 1) {
+            let qi = q
+                .narrow(0, item.offset, item.len)?
+                .reshape((1, item.len, heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?;
+            let first = item.first_key(shape.window);
+            let (k_all, v_all) =
+                self.sequences[&item.seq].layers[l].tensors(first, hd, &self.device)?;
+            let yi = attention(&qi, &k_all, &v_all, item, first, &heads_shape)?;
+            y[item.offset * q_width..(item.offset + item.len) * q_width]
+                .copy_from_slice(&yi.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let y = Tensor::from_vec(y, (rows, q_width), &self.device)?;
         let post = |t: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
             match norm {
                 Some(n) => Ok(candle_nn::ops::rms_norm(&t, n, eps)?),
@@ -496,31 +547,22 @@ struct AttentionShape {
     window: Option<usize>,
 }
 
-/// Grouped-query attention of one sequence's queries against its cache,
-/// without copying keys and values per query head: the query heads sharing a
-/// KV head are laid out as extra rows. A sliding layer reads only the keys
-/// its window can reach.
+/// Grouped-query attention of one sequence's queries against the keys and
+/// values from position `first` on (all a sliding layer's window can
+/// reach), without copying them per query head: the query heads sharing a
+/// KV head are laid out as extra rows.
 fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     item: &Item,
+    first: usize,
     s: &AttentionShape,
 ) -> Result<Tensor> {
     let (heads, kv_heads, hd) = (s.heads, s.kv_heads, s.head_dim);
     let rep = heads / kv_heads;
     let n = item.len;
-    let total = item.position + n;
-    let first = item.first_key(s.window);
-    let (k, v) = if first > 0 {
-        (
-            k.narrow(2, first, total - first)?,
-            v.narrow(2, first, total - first)?,
-        )
-    } else {
-        (k.clone(), v.clone())
-    };
-    let keys = total - first;
+    let keys = item.position + n - first;
     let q = q.reshape((1, kv_heads, rep * n, hd))?;
     let att = (q.matmul(&k.t()?)? * s.scale)?;
     let att = match item.mask(first, s.window) {
@@ -533,10 +575,7 @@ fn attention(
         None => att,
     };
     let att = candle_nn::ops::softmax_last_dim(&att)?;
-    // The cache's view: rows of one head are contiguous, heads a buffer's
-    // capacity apart, which candle's product takes as it is (a copy here
-    // cost the whole cache's values per layer, sequence and step).
-    let y = att.matmul(&v)?;
+    let y = att.matmul(v)?;
     Ok(y.reshape((1, heads, n, hd))?
         .transpose(1, 2)?
         .reshape((n, heads * hd))?)
@@ -622,17 +661,18 @@ impl Stage for CandleStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
+        let (layers, width) = (self.layers.len(), self.kv_width());
         let block_tokens = self.prefix.block_tokens();
         let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
         if blocks.is_empty() {
             return 0;
         }
         let seeded = (|| -> Result<SequenceCache> {
-            let mut cache = SequenceCache::new(self.layers.len());
+            let mut cache = SequenceCache::new(layers, width);
             for (l, kv) in cache.layers.iter_mut().enumerate() {
-                let k: Vec<&Tensor> = blocks.iter().map(|b| &b[l].0).collect();
-                let v: Vec<&Tensor> = blocks.iter().map(|b| &b[l].1).collect();
-                kv.append(&Tensor::cat(&k, 2)?, &Tensor::cat(&v, 2)?)?;
+                for block in &blocks {
+                    kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;
+                }
             }
             cache.position = blocks.len() * block_tokens;
             cache.tokens = tokens[..cache.position].to_vec();
@@ -666,15 +706,16 @@ impl Stage for CandleStage {
             let mut layers = Vec::with_capacity(cache.layers.len());
             let mut bytes = 0;
             for kv in &cache.layers {
-                let (Some(k), Some(v)) = (kv.k()?, kv.v()?) else {
-                    return Err(Error::InvalidInput("an empty KV cache".into()));
-                };
-                let k = k.narrow(2, range.start, range.len())?.contiguous()?;
-                let v = v.narrow(2, range.start, range.len())?.contiguous()?;
-                bytes += (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes();
+                if kv.len() < range.end {
+                    return Err(Error::InvalidInput(
+                        "a KV cache shorter than its tokens".into(),
+                    ));
+                }
+                let (k, v) = kv.rows(range.clone());
+                bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
                 layers.push((k, v));
             }
-            Ok((layers, bytes))
+            Ok::<_, Error>((layers, bytes))
         });
         if let Err(e) = stored {
             tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");
@@ -701,13 +742,7 @@ impl Stage for CandleStage {
         self.sequences
             .values()
             .flat_map(|s| &s.layers)
-            .map(|kv| {
-                let size = |t: &Option<Tensor>| {
-                    t.as_ref()
-                        .map_or(0, |t| t.elem_count() * t.dtype().size_in_bytes())
-                };
-                size(kv.k_cache().all_data()) + size(kv.v_cache().all_data())
-            })
+            .map(LayerKv::bytes)
             .sum()
     }
 }

@@ -1,0 +1,285 @@
+//! Keys and values a stage holds, as plain rows, and the attention of the
+//! decoding sequences computed in one pass per layer over all of them.
+//!
+//! ```text
+//!  a sequence's layer:  k, v = [position][kv head][head dim]   (token-major; a
+//!                       step appends its rows, capacity grows by whole chunks)
+//!
+//!  decode step, one layer:  q rows of every decoding sequence
+//!      ─► threads over (sequence × KV head): scores against that sequence's
+//!         keys in place, softmax, weighted sum of its values ─► output rows
+//!  prefill (several rows of one sequence): candle's products on a copy of
+//!      the visible keys and values (see `CandleStage::layer`)
+//! ```
+//!
+//! Decoding is where many sequences meet: reading each cache where it lies
+//! replaces a score of small tensor operations per sequence and layer (split,
+//! copy, append, two products, softmax) with one loop, so a batch of 32
+//! costs the arithmetic and not the bookkeeping.
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// One layer's keys and values of one sequence.
+pub(super) struct LayerKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Floats per token: KV heads × head dim.
+    width: usize,
+}
+
+impl LayerKv {
+    pub fn new(width: usize) -> Self {
+        LayerKv {
+            k: Vec::new(),
+            v: Vec::new(),
+            width,
+        }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.k.len() / self.width
+    }
+
+    /// Bytes reserved (what the sequence costs, not only what it uses).
+    pub fn bytes(&self) -> usize {
+        (self.k.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
+    }
+
+    /// Appends the rows of `k` and `v` (whole tokens), growing the buffers
+    /// by whole chunks of `chunk` tokens; running out of memory is an error,
+    /// not an abort.
+    pub fn append(&mut self, k: &[f32], v: &[f32], chunk: usize) -> Result<()> {
+        debug_assert_eq!(k.len(), v.len());
+        debug_assert_eq!(k.len() % self.width, 0);
+        let needed = self.k.len() + k.len();
+        if needed > self.k.capacity() {
+            let tokens = needed.div_ceil(self.width).div_ceil(chunk) * chunk;
+            let more = tokens * self.width - self.k.len();
+            for buffer in [&mut self.k, &mut self.v] {
+                buffer.try_reserve_exact(more).map_err(|e| {
+                    Error::InvalidInput(format!("no memory for {tokens} tokens of KV cache: {e}"))
+                })?;
+            }
+        }
+        self.k.extend_from_slice(k);
+        self.v.extend_from_slice(v);
+        Ok(())
+    }
+
+    /// The rows of tokens `range` (a prefix-cache block).
+    pub fn rows(&self, range: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let span = range.start * self.width..range.end * self.width;
+        (self.k[span.clone()].to_vec(), self.v[span].to_vec())
+    }
+
+    /// Keys and values from token `first` on as `[1, kv heads, tokens,
+    /// head dim]` tensors (a copy, for candle's products).
+    pub fn tensors(
+        &self,
+        first: usize,
+        head_dim: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let kv_heads = self.width / head_dim;
+        let tokens = self.len() - first;
+        let view = |data: &[f32]| -> Result<Tensor> {
+            Ok(Tensor::from_slice(
+                &data[first * self.width..],
+                (1, tokens, kv_heads, head_dim),
+                device,
+            )?
+            .transpose(1, 2)?
+            .contiguous()?)
+        };
+        Ok((view(&self.k)?, view(&self.v)?))
+    }
+}
+
+/// One decoding sequence's query row in a layer: its cache (this step's
+/// key and value already appended) and the first key it may see.
+pub(super) struct DecodeRow<'a> {
+    pub q: &'a [f32],
+    pub kv: &'a LayerKv,
+    pub first: usize,
+}
+
+/// Attention of one query row per sequence against each sequence's cache,
+/// written into `out` (`rows × heads × head dim`): threads take one query
+/// head of one sequence at a time (enough pieces to share out even when a
+/// single sequence decodes; the keys a KV head's query heads share stay in
+/// the core's cache between them).
+pub(super) fn decode_attention(
+    rows: &[DecodeRow<'_>],
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let rep = heads / kv_heads;
+    debug_assert_eq!(out.len(), rows.len() * heads * head_dim);
+    out.par_chunks_mut(head_dim)
+        .enumerate()
+        .for_each(|(unit, out)| {
+            let (row, head) = (&rows[unit / heads], unit % heads);
+            let q = &row.q[head * head_dim..(head + 1) * head_dim];
+            attend(row, q, head / rep, head_dim, scale, out);
+        });
+}
+
+/// Query head `q` of KV head `group` of one row.
+fn attend(
+    row: &DecodeRow<'_>,
+    q: &[f32],
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let kv = row.kv;
+    let at = |t: usize| t * kv.width + group * head_dim;
+    let mut scores: Vec<f32> = (row.first..kv.len())
+        .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * scale)
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for x in scores.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    out.fill(0.0);
+    for (t, p) in (row.first..kv.len()).zip(&scores) {
+        axpy(p / sum, &kv.v[at(t)..at(t) + head_dim], out);
+    }
+}
+
+/// `a · b`, in eight lanes the compiler keeps in one vector register.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `y += a · x`.
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plain definition: softmax(q·kᵀ·scale)·v per head, keys `first..`.
+    fn reference(
+        q: &[f32],
+        kv: &LayerKv,
+        first: usize,
+        heads: usize,
+        kv_heads: usize,
+        hd: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let rep = heads / kv_heads;
+        let mut out = vec![0f32; heads * hd];
+        for h in 0..heads {
+            let g = h / rep;
+            let qh = &q[h * hd..(h + 1) * hd];
+            let scores: Vec<f64> = (first..kv.len())
+                .map(|t| {
+                    let k = &kv.k[t * kv.width + g * hd..][..hd];
+                    qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() * f64::from(scale)
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (i, t) in (first..kv.len()).enumerate() {
+                let v = &kv.v[t * kv.width + g * hd..][..hd];
+                for d in 0..hd {
+                    out[h * hd + d] += (e[i] / sum * f64::from(v[d])) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn decode_attention_matches_the_definition_for_mixed_sequences() {
+        let (heads, kv_heads, hd) = (9, 3, 20);
+        let width = kv_heads * hd;
+        // Three sequences of different lengths; one sees a window only.
+        let caches: Vec<LayerKv> = [5usize, 300, 37]
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                let mut kv = LayerKv::new(width);
+                // Appended in pieces, across chunk boundaries.
+                for piece in values(n * width, s as u32).chunks(7 * width) {
+                    let v: Vec<f32> = piece.iter().map(|x| x * 0.5).collect();
+                    kv.append(piece, &v, 16).unwrap();
+                }
+                assert_eq!(kv.len(), n);
+                assert_eq!(kv.bytes(), 2 * n.div_ceil(16) * 16 * width * 4);
+                kv
+            })
+            .collect();
+        let qs: Vec<Vec<f32>> = (0..3).map(|s| values(heads * hd, 99 + s)).collect();
+        let firsts = [0, 0, 37 - 8];
+        let rows: Vec<DecodeRow> = (0..3)
+            .map(|s| DecodeRow {
+                q: &qs[s],
+                kv: &caches[s],
+                first: firsts[s],
+            })
+            .collect();
+        let mut out = vec![f32::NAN; 3 * heads * hd];
+        decode_attention(&rows, heads, kv_heads, hd, 0.125, &mut out);
+        for s in 0..3 {
+            let want = reference(&qs[s], &caches[s], firsts[s], heads, kv_heads, hd, 0.125);
+            let got = &out[s * heads * hd..(s + 1) * heads * hd];
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "sequence {s}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn tensors_and_rows_read_back_what_was_appended() {
+        let (kv_heads, hd) = (2, 4);
+        let mut kv = LayerKv::new(kv_heads * hd);
+        let k = values(5 * 8, 1);
+        let v = values(5 * 8, 2);
+        kv.append(&k, &v, 4).unwrap();
+        let (kt, vt) = kv.tensors(2, hd, &Device::Cpu).unwrap();
+        assert_eq!(kt.dims(), &[1, 2, 3, 4]);
+        // Token 3, KV head 1, element 2.
+        let got: Vec<Vec<Vec<f32>>> = kt.squeeze(0).unwrap().to_vec3().unwrap();
+        assert_eq!(got[1][1][2], k[3 * 8 + 4 + 2]);
+        let got: Vec<Vec<Vec<f32>>> = vt.squeeze(0).unwrap().to_vec3().unwrap();
+        assert_eq!(got[0][2][3], v[4 * 8 + 3]);
+        assert_eq!(kv.rows(1..3), (k[8..24].to_vec(), v[8..24].to_vec()));
+    }
+}
