@@ -31,8 +31,9 @@ pub struct BenchConfig {
     pub gen_tokens: usize,
     /// Counted runs (after one warm-up run).
     pub runs: usize,
-    /// Sequences decoded together in the concurrency measurement (1: skip it).
-    pub concurrency: usize,
+    /// Sequence counts to decode together, each measured in every run
+    /// (counts of 1 are the single-sequence figures, measured anyway).
+    pub concurrency: Vec<usize>,
     /// Also generate under this output grammar in every run (up to
     /// `gen_tokens`, ending where the grammar completes) and report its
     /// decode rate and compile time beside the unconstrained ones.
@@ -77,9 +78,9 @@ pub struct BenchReport {
     pub decode_tokens_per_second: Spread,
     /// Time to first token, milliseconds.
     pub time_to_first_token_ms: Spread,
-    /// Tokens per second over all sequences decoded together (when measured).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub concurrent_decode_tokens_per_second: Option<Spread>,
+    /// Many sequences at once, one entry per count asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub concurrent: Vec<ConcurrentFigures>,
     /// The same decode under an output grammar (when measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constrained: Option<ConstrainedFigures>,
@@ -96,21 +97,98 @@ pub struct ConstrainedFigures {
     pub compile_ms: Spread,
 }
 
+/// `sequences` decoded together: their aggregate rate over the runs, and
+/// the latencies each of them saw.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConcurrentFigures {
+    /// Sequences at once.
+    pub sequences: usize,
+    /// Tokens per second after the first, over all of them.
+    pub decode_tokens_per_second: Spread,
+    /// Time between two tokens of a sequence, ms: every batched step of
+    /// every run (in this process), or each stream's mean (`--endpoint`).
+    pub inter_token_ms: Percentiles,
+    /// Time to first token when they all arrive at once, ms, over every
+    /// sequence of every run.
+    pub time_to_first_token_ms: Percentiles,
+}
+
+/// The median and the 99th percentile (nearest rank) of many samples.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Percentiles {
+    /// Half the samples are at most this.
+    pub p50: f64,
+    /// 99 % of the samples are at most this.
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// The percentiles of `values` (at least one).
+    pub fn of(mut values: Vec<f64>) -> Percentiles {
+        values.sort_by(f64::total_cmp);
+        let rank =
+            |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+        Percentiles {
+            p50: rank(0.50),
+            p99: rank(0.99),
+        }
+    }
+}
+
+/// One measured run of `sequences` at once: the aggregate decode rate, and
+/// the inter-token and first-token times (ms) of all of them.
+#[derive(Debug, Default)]
+pub struct ConcurrentRuns {
+    rates: Vec<f64>,
+    inter_token_ms: Vec<f64>,
+    first_token_ms: Vec<f64>,
+}
+
+impl ConcurrentRuns {
+    /// Adds one run.
+    pub fn add(&mut self, rate: f64, inter_token_ms: &[f64], first_token_ms: &[f64]) {
+        self.rates.push(rate);
+        self.inter_token_ms.extend_from_slice(inter_token_ms);
+        self.first_token_ms.extend_from_slice(first_token_ms);
+    }
+
+    /// The figures of the runs added (at least one).
+    pub fn figures(self, sequences: usize) -> ConcurrentFigures {
+        ConcurrentFigures {
+            sequences,
+            decode_tokens_per_second: Spread::of(self.rates),
+            inter_token_ms: Percentiles::of(self.inter_token_ms),
+            time_to_first_token_ms: Percentiles::of(self.first_token_ms),
+        }
+    }
+}
+
+/// The sequence counts of a sweep worth measuring together: above one,
+/// each once, in the order given.
+pub fn concurrency_levels(asked: &[usize]) -> Vec<usize> {
+    let mut levels: Vec<usize> = Vec::new();
+    for &n in asked {
+        if n > 1 && !levels.contains(&n) {
+            levels.push(n);
+        }
+    }
+    levels
+}
+
 impl BenchReport {
     /// The figures of the measured runs: prompt and decode rates, times to
-    /// first token (ms) and concurrent decode rates (none when not measured).
+    /// first token (ms) and the concurrent figures (none when not measured).
     pub fn from_runs(
         prefill: Vec<f64>,
         decode: Vec<f64>,
         ttft_ms: Vec<f64>,
-        concurrent: Vec<f64>,
+        concurrent: Vec<ConcurrentFigures>,
     ) -> Self {
         BenchReport {
             prefill_tokens_per_second: Spread::of(prefill),
             decode_tokens_per_second: Spread::of(decode),
             time_to_first_token_ms: Spread::of(ttft_ms),
-            concurrent_decode_tokens_per_second: (!concurrent.is_empty())
-                .then(|| Spread::of(concurrent)),
+            concurrent,
             constrained: None,
         }
     }
@@ -153,7 +231,8 @@ pub fn run(
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut ttft = Vec::new();
-    let mut concurrent = Vec::new();
+    let levels = concurrency_levels(&config.concurrency);
+    let mut concurrent: Vec<ConcurrentRuns> = levels.iter().map(|_| Default::default()).collect();
     let mut constrained = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..=config.runs {
         let g = generate(pipeline, text, 1, &prompt, &params, |_| {})?;
@@ -180,19 +259,24 @@ pub fn run(
                 constrained.2.push(compile_ms);
             }
         }
-        let concurrent_rate = if config.concurrency > 1 {
-            Some(concurrent_decode(pipeline, text, &prompt, config)?)
-        } else {
-            None
-        };
+        for (&n, runs) in levels.iter().zip(&mut concurrent) {
+            let (rate, steps, first) = concurrent_decode(pipeline, text, &prompt, n, config)?;
+            if run > 0 {
+                runs.add(rate, &steps, &first);
+            }
+        }
         if run == 0 {
             continue; // warm-up
         }
         prefill.push(g.prefill_tokens_per_second());
         decode.push(g.decode_tokens_per_second());
         ttft.push(g.time_to_first_token.as_secs_f64() * 1e3);
-        concurrent.extend(concurrent_rate);
     }
+    let concurrent = levels
+        .iter()
+        .zip(concurrent)
+        .map(|(&n, runs)| runs.figures(n))
+        .collect();
     let mut report = BenchReport::from_runs(prefill, decode, ttft, concurrent);
     if config.grammar.is_some() {
         report.constrained = Some(ConstrainedFigures {
@@ -204,18 +288,23 @@ pub fn run(
     Ok(report)
 }
 
-/// Prefills `concurrency` sequences, then decodes them together in batched
-/// steps; returns the aggregate decode tokens per second.
+/// Prefills `sequences` sequences that arrived together, one after another,
+/// then decodes them together in batched steps; returns the aggregate decode
+/// tokens per second, each step's time and each first token's time (ms).
 fn concurrent_decode(
     pipeline: &mut LocalPipeline,
     text: &TextModel,
     prompt: &[u32],
+    sequences: usize,
     config: &BenchConfig,
-) -> Result<f64> {
-    let seqs: Vec<SequenceId> = (100..100 + config.concurrency as SequenceId).collect();
+) -> Result<(f64, Vec<f64>, Vec<f64>)> {
+    let seqs: Vec<SequenceId> = (100..100 + sequences as SequenceId).collect();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let result = (|| {
         let mut samplers = Vec::new();
         let mut next = Vec::new();
+        let arrived = Instant::now();
+        let mut first = Vec::with_capacity(seqs.len());
         for &seq in &seqs {
             let params = SamplingParams {
                 ignore_eos: true,
@@ -229,9 +318,12 @@ fn concurrent_decode(
             ban(&mut logits, text.tokenizer.stop_tokens());
             next.push(sampler.sample(&mut logits));
             samplers.push(sampler);
+            first.push(ms(arrived.elapsed()));
         }
         let start = Instant::now();
+        let mut steps = Vec::with_capacity(config.gen_tokens);
         for _ in 1..config.gen_tokens {
+            let step = Instant::now();
             let batch = seqs
                 .iter()
                 .zip(&next)
@@ -242,12 +334,44 @@ fn concurrent_decode(
                 ban(&mut l, text.tokenizer.stop_tokens());
                 *t = sampler.sample(&mut l);
             }
+            steps.push(ms(step.elapsed()));
         }
         let elapsed: Duration = start.elapsed();
-        Ok(((config.gen_tokens - 1) * seqs.len()) as f64 / elapsed.as_secs_f64())
+        let rate = ((config.gen_tokens - 1) * seqs.len()) as f64 / elapsed.as_secs_f64();
+        Ok((rate, steps, first))
     })();
     for &seq in &seqs {
         pipeline.release(seq);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let p = Percentiles::of((1..=200).rev().map(f64::from).collect());
+        assert_eq!((p.p50, p.p99), (100.0, 198.0));
+        let one = Percentiles::of(vec![7.0]);
+        assert_eq!((one.p50, one.p99), (7.0, 7.0));
+    }
+
+    #[test]
+    fn a_sweep_measures_each_count_above_one_once() {
+        assert_eq!(concurrency_levels(&[1, 8, 32, 8]), vec![8, 32]);
+        assert!(concurrency_levels(&[1]).is_empty());
+    }
+
+    #[test]
+    fn concurrent_runs_pool_every_sample() {
+        let mut runs = ConcurrentRuns::default();
+        runs.add(100.0, &[10.0, 12.0], &[5.0]);
+        runs.add(120.0, &[11.0], &[6.0, 50.0]);
+        let f = runs.figures(2);
+        assert_eq!(f.decode_tokens_per_second.median, 110.0);
+        assert_eq!((f.inter_token_ms.p50, f.inter_token_ms.p99), (11.0, 12.0));
+        assert_eq!(f.time_to_first_token_ms.p99, 50.0);
+    }
 }

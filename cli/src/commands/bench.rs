@@ -21,9 +21,10 @@ pub struct BenchArgs {
     /// Counted runs, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: usize,
-    /// Also decode this many sequences together and report the aggregate rate.
-    #[arg(long, default_value_t = 1)]
-    concurrency: usize,
+    /// Also decode this many sequences together and report their aggregate
+    /// rate, inter-token and first-token times; a list (`1,8,32`) sweeps.
+    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    concurrency: Vec<u32>,
     /// Also decode under the JSON Schema in this file, in the same runs, and
     /// report its rate and compile time beside the unconstrained ones.
     #[arg(long, conflicts_with_all = ["endpoint", "copy_from"])]
@@ -83,7 +84,7 @@ struct Report<'a> {
     prompt_tokens: usize,
     generated_tokens: usize,
     runs: usize,
-    concurrency: usize,
+    concurrency: Vec<usize>,
     #[serde(flatten)]
     figures: BenchReport,
     peak_rss_bytes: Option<u64>,
@@ -110,6 +111,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    let concurrency: Vec<usize> = args.concurrency.iter().map(|&n| n as usize).collect();
     let load_before = load_average();
     let (figures, stages) = if let Some(endpoint) = &args.endpoint {
         let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;
@@ -136,7 +138,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             args.prompt_tokens,
             args.gen_tokens,
             args.runs,
-            args.concurrency,
+            &concurrency,
         )?;
         (figures, vec![format!("remote {endpoint} {}", remote.shard)])
     } else {
@@ -156,7 +158,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             prompt_tokens: args.prompt_tokens,
             gen_tokens: args.gen_tokens,
             runs: args.runs,
-            concurrency: args.concurrency,
+            concurrency: concurrency.clone(),
             grammar,
         };
         let figures = bench::run(&mut pipeline, &text, &config)?;
@@ -179,7 +181,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         prompt_tokens: args.prompt_tokens,
         generated_tokens: args.gen_tokens,
         runs: args.runs,
-        concurrency: args.concurrency,
+        concurrency,
         figures,
         peak_rss_bytes: peak_rss_bytes(),
         load_average_before: load_before,
@@ -212,10 +214,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             f.decode_tokens_per_second.max
         );
         println!("ttft ms median {:.1}", f.time_to_first_token_ms.median);
-        if let Some(c) = &f.concurrent_decode_tokens_per_second {
+        for c in &f.concurrent {
             println!(
-                "{} sequences together: decode tok/s median {:.1}",
-                report.concurrency, c.median
+                "{} sequences together: decode tok/s median {:.1}, inter-token ms p50 {:.1} p99 {:.1}, first token ms p50 {:.1} p99 {:.1}",
+                c.sequences,
+                c.decode_tokens_per_second.median,
+                c.inter_token_ms.p50,
+                c.inter_token_ms.p99,
+                c.time_to_first_token_ms.p50,
+                c.time_to_first_token_ms.p99
             );
         }
         if let Some(c) = &f.constrained {

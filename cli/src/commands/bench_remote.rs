@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use shardplane_dataplane as dp;
-use shardplane_engine::bench::{BenchReport, Spread, synthetic_prompt};
+use shardplane_engine::bench::{BenchReport, ConcurrentRuns, Spread, synthetic_prompt};
 use shardplane_engine::pipeline::TextModel;
 
 /// One generation as the client saw it.
@@ -56,7 +56,7 @@ impl Remote {
         prompt_tokens: usize,
         gen_tokens: usize,
         runs: usize,
-        concurrency: usize,
+        concurrency: &[usize],
     ) -> anyhow::Result<BenchReport> {
         if runs == 0 || gen_tokens < 2 {
             bail!("a benchmark needs at least 1 run and 2 generated tokens");
@@ -87,32 +87,44 @@ impl Remote {
                 dp::channel(&self.endpoint).map_err(anyhow::Error::msg)?,
                 self.token.clone(),
             );
-            let (mut prefill, mut decode, mut ttft, mut concurrent) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let levels = shardplane_engine::bench::concurrency_levels(concurrency);
+            let (mut prefill, mut decode, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
+            let mut concurrent: Vec<ConcurrentRuns> =
+                levels.iter().map(|_| Default::default()).collect();
             for run in 0..=runs {
                 let t = once(&client, request.clone()).await?;
                 if t.tokens != gen_tokens {
                     bail!("asked for {gen_tokens} tokens, got {}", t.tokens);
                 }
-                let rate = if concurrency > 1 {
+                for (&n, measured) in levels.iter().zip(&mut concurrent) {
                     let start = Instant::now();
                     let all = futures::future::try_join_all(
-                        (0..concurrency).map(|_| once(&client, request.clone())),
+                        (0..n).map(|_| once(&client, request.clone())),
                     )
                     .await?;
-                    let n: usize = all.iter().map(|t| t.tokens).sum();
-                    Some(n as f64 / start.elapsed().as_secs_f64())
-                } else {
-                    None
-                };
+                    let tokens: usize = all.iter().map(|t| t.tokens).sum();
+                    let rate = tokens as f64 / start.elapsed().as_secs_f64();
+                    let inter: Vec<f64> = all
+                        .iter()
+                        .map(|t| t.decode.as_secs_f64() * 1e3 / (t.tokens.max(2) - 1) as f64)
+                        .collect();
+                    let first: Vec<f64> = all.iter().map(|t| t.ttft.as_secs_f64() * 1e3).collect();
+                    if run > 0 {
+                        measured.add(rate, &inter, &first);
+                    }
+                }
                 if run == 0 {
                     continue; // warm-up
                 }
                 prefill.push(prompt.len() as f64 / t.ttft.as_secs_f64());
                 decode.push((t.tokens - 1) as f64 / t.decode.as_secs_f64());
                 ttft.push(t.ttft.as_secs_f64() * 1e3);
-                concurrent.extend(rate);
             }
+            let concurrent = levels
+                .iter()
+                .zip(concurrent)
+                .map(|(&n, measured)| measured.figures(n))
+                .collect();
             Ok(BenchReport::from_runs(prefill, decode, ttft, concurrent))
         })
     }
