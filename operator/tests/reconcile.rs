@@ -26,9 +26,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         .with_env_filter(filter)
         .with_test_writer()
         .try_init();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let admin = listener.local_addr().unwrap();
-    drop(listener);
+    let admin = shardplane_testkit::free_address();
     let config = OperatorConfig {
         admin_address: admin,
         election: Election {

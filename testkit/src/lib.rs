@@ -373,8 +373,31 @@ impl Drop for ChildGuard {
     }
 }
 
-/// A loopback address with a port free right now (`127.0.0.1:N`).
+/// A loopback address with a port free right now (`127.0.0.1:N`) for a
+/// component to listen on.
+///
+/// The port is below the kernel's ephemeral range: a port the kernel hands
+/// out for `:0` is also what it gives the next outgoing connection, which
+/// could take it before the component binds it (seen in CI as "Address
+/// already in use"). Ports are handed out in turn from a point that differs
+/// per process, so two calls, or two test processes, do not pick the same.
 pub fn free_address() -> std::net::SocketAddr {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u32, ephemeral_start.clamp(11_000, 65_536));
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..2_000 {
+        let port = low + start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % (high - low);
+        if let Ok(address) =
+            std::net::TcpListener::bind(("127.0.0.1", port as u16)).and_then(|l| l.local_addr())
+        {
+            return address;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free loopback port")
