@@ -135,16 +135,35 @@ impl Percentiles {
     }
 }
 
-/// One measured run of `sequences` at once: the aggregate decode rate, and
-/// the inter-token and first-token times (ms) of all of them.
-#[derive(Debug, Default)]
+/// The measured runs of `sequences` at once: each run's aggregate decode
+/// rate, and the inter-token and first-token times (ms) of all of them.
+#[derive(Debug)]
 pub struct ConcurrentRuns {
+    /// Sequences at once.
+    pub sequences: usize,
     rates: Vec<f64>,
     inter_token_ms: Vec<f64>,
     first_token_ms: Vec<f64>,
 }
 
 impl ConcurrentRuns {
+    /// One entry per sequence count of a sweep worth measuring together:
+    /// above one, each once, in the order given.
+    pub fn sweep(asked: &[usize]) -> Vec<ConcurrentRuns> {
+        let mut sweep: Vec<ConcurrentRuns> = Vec::new();
+        for &sequences in asked {
+            if sequences > 1 && sweep.iter().all(|r| r.sequences != sequences) {
+                sweep.push(ConcurrentRuns {
+                    sequences,
+                    rates: Vec::new(),
+                    inter_token_ms: Vec::new(),
+                    first_token_ms: Vec::new(),
+                });
+            }
+        }
+        sweep
+    }
+
     /// Adds one run.
     pub fn add(&mut self, rate: f64, inter_token_ms: &[f64], first_token_ms: &[f64]) {
         self.rates.push(rate);
@@ -153,26 +172,14 @@ impl ConcurrentRuns {
     }
 
     /// The figures of the runs added (at least one).
-    pub fn figures(self, sequences: usize) -> ConcurrentFigures {
+    pub fn figures(self) -> ConcurrentFigures {
         ConcurrentFigures {
-            sequences,
+            sequences: self.sequences,
             decode_tokens_per_second: Spread::of(self.rates),
             inter_token_ms: Percentiles::of(self.inter_token_ms),
             time_to_first_token_ms: Percentiles::of(self.first_token_ms),
         }
     }
-}
-
-/// The sequence counts of a sweep worth measuring together: above one,
-/// each once, in the order given.
-pub fn concurrency_levels(asked: &[usize]) -> Vec<usize> {
-    let mut levels: Vec<usize> = Vec::new();
-    for &n in asked {
-        if n > 1 && !levels.contains(&n) {
-            levels.push(n);
-        }
-    }
-    levels
 }
 
 impl BenchReport {
@@ -231,8 +238,7 @@ pub fn run(
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut ttft = Vec::new();
-    let levels = concurrency_levels(&config.concurrency);
-    let mut concurrent: Vec<ConcurrentRuns> = levels.iter().map(|_| Default::default()).collect();
+    let mut concurrent = ConcurrentRuns::sweep(&config.concurrency);
     let mut constrained = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..=config.runs {
         let g = generate(pipeline, text, 1, &prompt, &params, |_| {})?;
@@ -259,8 +265,9 @@ pub fn run(
                 constrained.2.push(compile_ms);
             }
         }
-        for (&n, runs) in levels.iter().zip(&mut concurrent) {
-            let (rate, steps, first) = concurrent_decode(pipeline, text, &prompt, n, config)?;
+        for runs in &mut concurrent {
+            let (rate, steps, first) =
+                concurrent_decode(pipeline, text, &prompt, runs.sequences, config)?;
             if run > 0 {
                 runs.add(rate, &steps, &first);
             }
@@ -272,10 +279,9 @@ pub fn run(
         decode.push(g.decode_tokens_per_second());
         ttft.push(g.time_to_first_token.as_secs_f64() * 1e3);
     }
-    let concurrent = levels
-        .iter()
-        .zip(concurrent)
-        .map(|(&n, runs)| runs.figures(n))
+    let concurrent = concurrent
+        .into_iter()
+        .map(ConcurrentRuns::figures)
         .collect();
     let mut report = BenchReport::from_runs(prefill, decode, ttft, concurrent);
     if config.grammar.is_some() {
@@ -360,16 +366,22 @@ mod tests {
 
     #[test]
     fn a_sweep_measures_each_count_above_one_once() {
-        assert_eq!(concurrency_levels(&[1, 8, 32, 8]), vec![8, 32]);
-        assert!(concurrency_levels(&[1]).is_empty());
+        let counts = |asked: &[usize]| -> Vec<usize> {
+            ConcurrentRuns::sweep(asked)
+                .iter()
+                .map(|r| r.sequences)
+                .collect()
+        };
+        assert_eq!(counts(&[1, 8, 32, 8]), vec![8, 32]);
+        assert!(counts(&[1]).is_empty());
     }
 
     #[test]
     fn concurrent_runs_pool_every_sample() {
-        let mut runs = ConcurrentRuns::default();
+        let mut runs = ConcurrentRuns::sweep(&[2]).remove(0);
         runs.add(100.0, &[10.0, 12.0], &[5.0]);
         runs.add(120.0, &[11.0], &[6.0, 50.0]);
-        let f = runs.figures(2);
+        let f = runs.figures();
         assert_eq!(f.decode_tokens_per_second.median, 110.0);
         assert_eq!((f.inter_token_ms.p50, f.inter_token_ms.p99), (11.0, 12.0));
         assert_eq!(f.time_to_first_token_ms.p99, 50.0);

@@ -87,19 +87,17 @@ impl Remote {
                 dp::channel(&self.endpoint).map_err(anyhow::Error::msg)?,
                 self.token.clone(),
             );
-            let levels = shardplane_engine::bench::concurrency_levels(concurrency);
             let (mut prefill, mut decode, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
-            let mut concurrent: Vec<ConcurrentRuns> =
-                levels.iter().map(|_| Default::default()).collect();
+            let mut concurrent = ConcurrentRuns::sweep(concurrency);
             for run in 0..=runs {
                 let t = once(&client, request.clone()).await?;
                 if t.tokens != gen_tokens {
                     bail!("asked for {gen_tokens} tokens, got {}", t.tokens);
                 }
-                for (&n, measured) in levels.iter().zip(&mut concurrent) {
+                for measured in &mut concurrent {
                     let start = Instant::now();
                     let all = futures::future::try_join_all(
-                        (0..n).map(|_| once(&client, request.clone())),
+                        (0..measured.sequences).map(|_| once(&client, request.clone())),
                     )
                     .await?;
                     let tokens: usize = all.iter().map(|t| t.tokens).sum();
@@ -120,10 +118,9 @@ impl Remote {
                 decode.push((t.tokens - 1) as f64 / t.decode.as_secs_f64());
                 ttft.push(t.ttft.as_secs_f64() * 1e3);
             }
-            let concurrent = levels
-                .iter()
-                .zip(concurrent)
-                .map(|(&n, measured)| measured.figures(n))
+            let concurrent = concurrent
+                .into_iter()
+                .map(ConcurrentRuns::figures)
                 .collect();
             Ok(BenchReport::from_runs(prefill, decode, ttft, concurrent))
         })

@@ -340,8 +340,10 @@ impl CandleStage {
                 .or_insert_with(|| SequenceCache::new(layers, width));
         }
         let result = (|| {
+            // Each row's RoPE angles, gathered once for every layer.
+            let rope = self.rope.rows(&items, self.config.head_dim, &self.device)?;
             for l in 0..self.layers.len() {
-                x = self.layer(l, &x, &items)?;
+                x = self.layer(l, &x, &items, &rope)?;
             }
             self.outputs(&x, &items)
         })();
@@ -367,7 +369,9 @@ impl CandleStage {
         }
     }
 
-    fn layer(&mut self, l: usize, x: &Tensor, items: &[Item]) -> Result<Tensor> {
+    /// One layer over all rows; `rope` holds each row's angles
+    /// ([`RopeTables::rows`]).
+    fn layer(&mut self, l: usize, x: &Tensor, items: &[Item], rope: &RopeTables) -> Result<Tensor> {
         let cfg = &self.config;
         let (heads, kv_heads) = match &self.tensor {
             Some(t) => (t.share.heads.len(), t.share.kv_heads.len()),
@@ -377,7 +381,7 @@ impl CandleStage {
         let eps = cfg.rms_eps as f32;
         let w = &self.layers[l];
         let shape = cfg.layer_attention(self.layout.layers.start + l);
-        let (cos, sin) = self.rope.for_layer(&shape);
+        let (cos, sin) = rope.for_layer(&shape);
         let heads_shape = AttentionShape {
             heads,
             kv_heads,
@@ -395,24 +399,13 @@ impl CandleStage {
             k = candle_nn::ops::rms_norm(&k, kn, eps)?;
         }
         // RoPE of every row at its own position, in one operation.
-        let positions: Vec<u32> = items
-            .iter()
-            .flat_map(|i| (i.position..i.position + i.len).map(|p| p as u32))
-            .collect();
-        let positions = Tensor::new(positions.as_slice(), &self.device)?;
-        let cos = cos
-            .index_select(&positions, 0)?
-            .reshape((rows, 1, hd / 2))?;
-        let sin = sin
-            .index_select(&positions, 0)?
-            .reshape((rows, 1, hd / 2))?;
-        let rope = if self.interleaved_rope {
+        let rotate = if self.interleaved_rope {
             candle_nn::rotary_emb::rope_i
         } else {
             candle_nn::rotary_emb::rope
         };
-        let q = rope(&q.reshape((rows, heads, 1, hd))?, &cos, &sin)?;
-        let k = rope(&k.reshape((rows, kv_heads, 1, hd))?, &cos, &sin)?;
+        let q = rotate(&q.reshape((rows, heads, 1, hd))?, cos, sin)?;
+        let k = rotate(&k.reshape((rows, kv_heads, 1, hd))?, cos, sin)?;
         let (q_width, kv_width) = (heads * hd, kv_heads * hd);
         let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
         let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
@@ -599,6 +592,28 @@ impl RopeTables {
         Ok(RopeTables {
             global: table(cfg.rope_theta, cfg.rope_scale)?,
             sliding,
+        })
+    }
+
+    /// The angles of each row of a step, `[rows, 1, head dim / 2]` per
+    /// table: row `i` at its sequence's position.
+    fn rows(&self, items: &[Item], head_dim: usize, device: &Device) -> Result<RopeTables> {
+        let positions: Vec<u32> = items
+            .iter()
+            .flat_map(|i| (i.position..i.position + i.len).map(|p| p as u32))
+            .collect();
+        let rows = positions.len();
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let gather = |(cos, sin): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            let pick = |t: &Tensor| -> Result<Tensor> {
+                Ok(t.index_select(&positions, 0)?
+                    .reshape((rows, 1, head_dim / 2))?)
+            };
+            Ok((pick(cos)?, pick(sin)?))
+        };
+        Ok(RopeTables {
+            global: gather(&self.global)?,
+            sliding: self.sliding.as_ref().map(gather).transpose()?,
         })
     }
 
