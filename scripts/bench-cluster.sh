@@ -5,7 +5,7 @@
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
 STATE=$(mktemp -d /tmp/shardplane-bench.XXXXXX)
 bash scripts/setup.sh >/dev/null
-cargo build --release --locked -p shardplane 2>&1 | tail -1
+cargo build --release --locked --workspace --features shardplane/mlx 2>&1 | tail -1
 bin="$CARGO_TARGET_DIR/release/shardplane"
 MODEL=$(bash scripts/model.sh)
 

@@ -148,6 +148,35 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     );
     assert!(text.contains("TTFT p50 "), "{text}");
 
+    // `shardplane bench --gateway` as a client of the gateway: every stream
+    // of a concurrent sweep runs to exactly the tokens asked for
+    // (`ignore_eos` reaches the agents), and the figures are filled in.
+    let bench = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(["bench", "--json", "--runs", "1", "--gen-tokens", "8"])
+        .args(["--concurrency", "1,4", "--prompt-tokens", "20"])
+        .args(["--gateway", "http://127.0.0.1:8080", "--gateway-model", "smollm2"])
+        .arg("--model")
+        .arg(shardplane_testkit::test_model())
+        .env("SHARDPLANE_API_KEY", key)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&bench.stdout);
+    assert!(
+        bench.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&said).unwrap();
+    assert_eq!(report["generated_tokens"], 8, "{report}");
+    assert_eq!(report["concurrent"][0]["sequences"], 4, "{report}");
+    for figure in [
+        &report["decode_tokens_per_second"]["median"],
+        &report["concurrent"][0]["decode_tokens_per_second"]["median"],
+        &report["concurrent"][0]["time_to_first_token_ms"]["p99"],
+    ] {
+        assert!(figure.as_f64().unwrap() > 0.0, "{report}");
+    }
+
     // The web view in a real browser: every node, deployment and stage,
     // live traffic; then a daily agent is killed while the page is open and
     // its node turns NotReady there.

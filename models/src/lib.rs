@@ -296,7 +296,9 @@ pub fn download_client(idle: Duration) -> Result<reqwest::Client, Error> {
     client(reqwest::Client::builder().read_timeout(idle))
 }
 
-fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, Error> {
+/// An HTTP client from `builder`, with this crate's user agent, a connect
+/// timeout and the process's TLS provider.
+pub fn client(builder: reqwest::ClientBuilder) -> Result<reqwest::Client, Error> {
     // Several crates bring rustls; name the provider once for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     builder

@@ -27,7 +27,7 @@ pub struct BenchArgs {
     concurrency: Vec<u32>,
     /// Also decode under the JSON Schema in this file, in the same runs, and
     /// report its rate and compile time beside the unconstrained ones.
-    #[arg(long, conflicts_with_all = ["endpoint", "copy_from"])]
+    #[arg(long, conflicts_with_all = ["endpoint", "copy_from", "gateway"])]
     json_schema: Option<std::path::PathBuf>,
     /// Compute threads (sets RAYON_NUM_THREADS for the measurement; with
     /// `--tensor-processes`, shared out among the rank processes).
@@ -43,9 +43,12 @@ pub struct BenchArgs {
     /// The head Shard to measure, `namespace/name` (with `--endpoint`).
     #[arg(long)]
     shard: Option<String>,
-    /// With `--endpoint`: also time the first token through this gateway
-    /// (`http://host:port`), alternating with direct requests: the gateway's overhead.
-    #[arg(long, requires = "endpoint")]
+    /// Measure through this gateway (`http://host:port`) instead, as its
+    /// clients see it (OpenAI completions, streamed); `--model` is then only
+    /// read for its tokenizer. With `--endpoint`: time only the first token,
+    /// through the gateway and straight to the head stage alternately (the
+    /// gateway's overhead).
+    #[arg(long, requires = "gateway_model", conflicts_with = "copy_from")]
     gateway: Option<String>,
     /// The model name to ask the gateway for (with `--gateway`).
     #[arg(long, requires = "gateway")]
@@ -113,36 +116,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let concurrency: Vec<usize> = args.concurrency.iter().map(|&n| n as usize).collect();
     let load_before = load_average();
-    let (figures, stages) = if let Some(endpoint) = &args.endpoint {
-        let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;
-        let text = shardplane_engine::pipeline::TextModel::from_gguf(&file)?;
-        let token_file = args.token_file.as_deref().context("--token-file")?;
-        let remote = super::bench_remote::Remote {
-            endpoint: endpoint.clone(),
-            shard: args.shard.clone().context("--shard")?,
-            token: shardplane_dataplane::Token::from_file(token_file)
-                .map_err(anyhow::Error::msg)?,
-        };
-        if let Some(gateway) = &args.gateway {
-            let overhead = super::bench_remote::GatewayOverhead {
-                gateway: gateway.clone(),
-                model: args.gateway_model.clone().context("--gateway-model")?,
-                api_key: args.api_key.clone(),
-            };
-            let report = overhead.run(&remote, args.runs)?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            return Ok(());
-        }
-        let figures = remote.run(
-            &text,
-            args.prompt_tokens,
-            args.gen_tokens,
-            args.runs,
-            &concurrency,
-        )?;
-        (figures, vec![format!("remote {endpoint} {}", remote.shard)])
-    } else {
-        let grammar = match &args.json_schema {
+    let config = BenchConfig {
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        runs: args.runs,
+        concurrency: concurrency.clone(),
+        grammar: match &args.json_schema {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading {}", path.display()))?;
@@ -152,15 +131,35 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ))
             }
             None => None,
+        },
+    };
+    let gateway = args.gateway.as_ref().map(|url| super::bench_gateway::Gateway {
+        url: url.clone(),
+        model: args.gateway_model.clone().unwrap_or_default(),
+        api_key: args.api_key.clone(),
+    });
+    let (figures, stages) = if let Some(endpoint) = &args.endpoint {
+        let text = tokenizer_model(&args)?;
+        let token_file = args.token_file.as_deref().context("--token-file")?;
+        let remote = super::bench_remote::Remote {
+            endpoint: endpoint.clone(),
+            shard: args.shard.clone().context("--shard")?,
+            token: shardplane_dataplane::Token::from_file(token_file)
+                .map_err(anyhow::Error::msg)?,
         };
+        if let Some(gateway) = &gateway {
+            let report = gateway.overhead(&remote, args.runs)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            return Ok(());
+        }
+        let figures = remote.run(&text, &config)?;
+        (figures, vec![format!("remote {endpoint} {}", remote.shard)])
+    } else if let Some(gateway) = &gateway {
+        let text = tokenizer_model(&args)?;
+        let figures = gateway.run(&text, &config)?;
+        (figures, vec![format!("gateway {} {}", gateway.url, gateway.model)])
+    } else {
         let (mut pipeline, text) = args.model.load()?;
-        let config = BenchConfig {
-            prompt_tokens: args.prompt_tokens,
-            gen_tokens: args.gen_tokens,
-            runs: args.runs,
-            concurrency: concurrency.clone(),
-            grammar,
-        };
         let figures = bench::run(&mut pipeline, &text, &config)?;
         let stages = pipeline
             .stages()
@@ -242,6 +241,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The model's tokenizer and template alone, for a bench of a running
+/// deployment (`--endpoint`, `--gateway`).
+fn tokenizer_model(args: &BenchArgs) -> anyhow::Result<shardplane_engine::pipeline::TextModel> {
+    let file = shardplane_engine::gguf::GgufFile::open(args.model.path()?)?;
+    Ok(shardplane_engine::pipeline::TextModel::from_gguf(&file)?)
 }
 
 /// The process's peak resident memory (Linux `VmHWM`).

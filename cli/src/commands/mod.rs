@@ -4,6 +4,7 @@ pub mod agent;
 pub mod agent_install;
 pub mod agent_kubeconfig;
 pub mod bench;
+mod bench_gateway;
 mod bench_remote;
 pub mod convert;
 pub mod crds;

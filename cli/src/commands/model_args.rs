@@ -16,7 +16,8 @@ use shardplane_engine::pipeline::{
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// The GGUF model file (not needed with `--endpoint`, which uses a running
-    /// pipeline; `bench --endpoint` still reads its tokenizer).
+    /// pipeline; `bench --endpoint` and `bench --gateway` still read its
+    /// tokenizer).
     #[arg(long, env = "SHARDPLANE_MODEL", required_unless_present = "endpoint")]
     pub model: Option<PathBuf>,
     /// Split the model into stages run in this process, passing hidden states

@@ -209,6 +209,15 @@ pub fn float(v: &Value, field: &str, default: f32, range: (f32, f32)) -> Result<
     }
 }
 
+/// A boolean, `false` when absent.
+pub fn flag(v: &Value, field: &str) -> Result<bool, ApiError> {
+    match &v[field] {
+        Value::Null => Ok(false),
+        Value::Bool(b) => Ok(*b),
+        _ => Err(ApiError::invalid(format!("`{field}` must be true or false"))),
+    }
+}
+
 /// A whole number ≥ 0, when present.
 pub fn uint(v: &Value, field: &str) -> Result<Option<u64>, ApiError> {
     match &v[field] {

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use shardplane_dataplane as dp;
 
 use super::fields::{
-    float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
+    flag, float, json_object, json_schema, known_only, max_tokens, message_fields, messages, model,
     only_value, stops, tools, uint,
 };
 use super::rendering::Rendering;
@@ -45,8 +45,11 @@ impl OpenAi {
 }
 
 /// The fields both OpenAI APIs share that this gateway implements (or that
-/// change nothing here: `user` identifies the caller to the provider).
+/// change nothing here: `user` identifies the caller to the provider), and
+/// vLLM's and llama.cpp's `ignore_eos` (generate `max_tokens` whatever the
+/// model would end with: for benchmarks).
 const COMMON_FIELDS: &[&str] = &[
+    "ignore_eos",
     "model",
     "temperature",
     "top_p",
@@ -283,6 +286,12 @@ impl Dialect for OpenAi {
                 "`response_format` cannot go with `tools` here: give one or the other",
             ));
         }
+        let ignore_eos = flag(v, "ignore_eos")?;
+        if ignore_eos && (grammar.is_some() || tools.is_some()) {
+            return Err(ApiError::invalid(
+                "`ignore_eos` cannot go with `response_format` or `tools`: held to a grammar, an answer must be able to end",
+            ));
+        }
         let limit = uint(v, "max_completion_tokens")?.or(uint(v, "max_tokens")?);
         // The legacy completions API stops at 16 tokens unless told otherwise.
         let limit = match self {
@@ -306,6 +315,7 @@ impl Dialect for OpenAi {
                     frequency_penalty: float(v, "frequency_penalty", 0.0, (-2.0, 2.0))?,
                     presence_penalty: float(v, "presence_penalty", 0.0, (-2.0, 2.0))?,
                     logprobs: logprobs(*self, v)?,
+                    ignore_eos,
                     ..Default::default()
                 },
                 grammar,

@@ -79,6 +79,23 @@ fn openai_refuses_what_it_does_not_implement_and_takes_the_rest() {
     let text = json!({"model": "m", "prompt": "x", "echo": false, "best_of": 1, "suffix": null});
     OpenAi::Text.parse(&text).unwrap();
     refused(OpenAi::Text, &with(&text, "echo", json!(true)), "echo");
+    // vLLM's and llama.cpp's `ignore_eos` reaches the sampling; it cannot go
+    // with a grammar, and it is a boolean.
+    let eos = OpenAi::Text
+        .parse(&with(&text, "ignore_eos", json!(true)))
+        .unwrap();
+    assert!(eos.prompt.sampling.ignore_eos);
+    assert!(!OpenAi::Text.parse(&text).unwrap().prompt.sampling.ignore_eos);
+    refused(OpenAi::Text, &with(&text, "ignore_eos", json!(1)), "ignore_eos");
+    refused(
+        OpenAi::Chat,
+        &with(
+            &with(&chat, "ignore_eos", json!(true)),
+            "response_format",
+            json!({"type": "json_object"}),
+        ),
+        "ignore_eos",
+    );
     refused(OpenAi::Text, &with(&text, "logprobs", json!(6)), "logprobs");
     refused(
         OpenAi::Chat,
