@@ -32,6 +32,8 @@ pub struct Metrics {
     pub generations: IntCounterVec,
     /// Tokens generated on head stages.
     pub generated_tokens: IntCounter,
+    /// Generations preempted for KV room (resumed later by recompute), by shard.
+    pub preemptions: IntCounterVec,
     /// Bytes of hidden states sent to next stages.
     pub hidden_bytes_sent: IntCounter,
     /// Round trip of one decode step from this stage through the rest of the pipeline.
@@ -122,6 +124,15 @@ impl Metrics {
                 "Generations asked of this node's head stages, by outcome (refused: the stage had more work queued than --max-queue-wait allows).",
             ),
             &["outcome"],
+        )
+        .expect("valid metric");
+        let preemptions = IntCounterVec::new(
+            Opts::new(
+                "shardplane_agent_preemptions_total",
+                "Generations on a whole-model head stage preempted because their KV could not \
+                 grow within the budget: freed, then resumed by recompute when there was room; by shard.",
+            ),
+            &["shard"],
         )
         .expect("valid metric");
         let generated_tokens = IntCounter::new(
@@ -253,6 +264,7 @@ impl Metrics {
                 Box::new(forward_tokens.clone()),
                 Box::new(generations.clone()),
                 Box::new(generated_tokens.clone()),
+                Box::new(preemptions.clone()),
                 Box::new(hidden_bytes_sent.clone()),
                 Box::new(downstream_step_seconds.clone()),
                 Box::new(blob_bytes_served.clone()),
@@ -289,6 +301,7 @@ impl Metrics {
             forward_tokens,
             generations,
             generated_tokens,
+            preemptions,
             hidden_bytes_sent,
             downstream_step_seconds,
             blob_bytes_served,
@@ -361,6 +374,7 @@ impl Metrics {
         let _ = self.queue_wait_seconds.remove_label_values(&[shard]);
         let _ = self.kv_tokens.remove_label_values(&[shard, "reserved"]);
         let _ = self.kv_tokens.remove_label_values(&[shard, "budget"]);
+        let _ = self.preemptions.remove_label_values(&[shard]);
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }

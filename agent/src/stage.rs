@@ -41,6 +41,13 @@ pub struct StageStats {
     /// Tokens of KV the stage admits at most (its Shard's context length ×
     /// concurrent sequences; 0: not set, nothing is refused).
     pub kv_budget_tokens: AtomicU64,
+    /// Generations preempted for room that wait to resume: while there are
+    /// any, no new generation is admitted before them.
+    pub kv_preempted_waiting: AtomicU64,
+    /// Generations preempted for room so far.
+    pub kv_preemptions: AtomicU64,
+    /// Woken when reserved KV is given back.
+    pub kv_room: tokio::sync::Notify,
 }
 
 /// A generation's share of a stage's KV budget, given back when dropped.
@@ -53,29 +60,72 @@ pub struct KvReservation {
 impl KvReservation {
     /// Reserves `tokens` of `stats`'s budget, or says how much is taken.
     pub fn take(stats: &Arc<StageStats>, tokens: u64) -> Result<Self, (u64, u64)> {
-        let budget = stats.kv_budget_tokens.load(Ordering::Relaxed);
-        let taken = stats.kv_reserved_tokens.fetch_update(
+        let mut r = KvReservation {
+            stats: stats.clone(),
+            tokens: 0,
+        };
+        r.grow(tokens).map(|()| r)
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Grows the share to `tokens` (never shrinks it), or says how much of
+    /// the budget is taken.
+    pub fn grow(&mut self, tokens: u64) -> Result<(), (u64, u64)> {
+        let more = tokens.saturating_sub(self.tokens);
+        let budget = self.stats.kv_budget_tokens.load(Ordering::Relaxed);
+        self.stats
+            .kv_reserved_tokens
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |reserved| {
+                (budget == 0 || reserved + more <= budget).then_some(reserved + more)
+            })
+            .map(|_| self.tokens += more)
+            .map_err(|reserved| (reserved, budget))
+    }
+
+    /// Gives the whole share back.
+    pub fn give_back(&mut self) {
+        let tokens = std::mem::take(&mut self.tokens);
+        let _ = self.stats.kv_reserved_tokens.fetch_update(
             Ordering::AcqRel,
             Ordering::Acquire,
-            |reserved| (budget == 0 || reserved + tokens <= budget).then_some(reserved + tokens),
+            |reserved| Some(reserved.saturating_sub(tokens)),
         );
-        match taken {
-            Ok(_) => Ok(KvReservation {
-                stats: stats.clone(),
-                tokens,
-            }),
-            Err(reserved) => Err((reserved, budget)),
+        if tokens > 0 {
+            self.stats.kv_room.notify_waiters();
+        }
+    }
+
+    /// Waits until the share can grow to `tokens`, counted meanwhile among
+    /// the preempted generations that wait.
+    pub async fn regain(&mut self, tokens: u64) {
+        struct Waiting<'a>(&'a StageStats);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.kv_preempted_waiting.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let stats = self.stats.clone();
+        stats.kv_preempted_waiting.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&stats);
+        loop {
+            let room = stats.kv_room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if self.grow(tokens).is_ok() {
+                return;
+            }
+            room.await;
         }
     }
 }
 
 impl Drop for KvReservation {
     fn drop(&mut self) {
-        let _ = self.stats.kv_reserved_tokens.fetch_update(
-            Ordering::AcqRel,
-            Ordering::Acquire,
-            |reserved| Some(reserved.saturating_sub(self.tokens)),
-        );
+        self.give_back();
     }
 }
 

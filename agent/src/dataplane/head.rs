@@ -34,6 +34,10 @@ use crate::stage::KvReservation;
 /// several steps, which later stages work on while earlier ones go on.
 const PREFILL_CHUNK: usize = 512;
 
+/// KV tokens a whole model's head reserves ahead of what a generation holds:
+/// its share of the budget grows this many tokens at a time.
+const KV_GROWTH: u64 = 16;
+
 impl Service {
     /// `Generate` on a head stage: checks the request, admits it or refuses
     /// it at once, opens the pipeline and starts the generation's task.
@@ -116,29 +120,78 @@ impl Service {
                 self.max_queue_wait.as_secs_f64()
             )));
         }
-        // The KV this generation may come to hold (its prompt and its whole
-        // answer) must fit beside what the generations admitted before may
-        // hold: the Shard's budget, context length × concurrent sequences,
-        // is what placement made room for. Refused, the gateway tries another
-        // instance or waits; admitted, the stage never runs out of room.
-        let need = (request.prompt().len() + request.params().max_tokens) as u64;
-        let reservation = KvReservation::take(&stage.worker.stats, need).map_err(
-            |(reserved, budget)| {
-                self.metrics
-                    .generations
-                    .with_label_values(&["refused"])
-                    .inc();
-                Status::resource_exhausted(format!(
-                    "shard {} on node {} has no room for this sequence's KV: it may need {need} tokens \
-                     (prompt and max_tokens), and {reserved} of the {budget} the shard holds \
-                     ({} sequences of {}) are reserved by the sequences it runs",
-                    stage.name,
-                    self.node,
-                    stage.spec.kv_cache.concurrent_sequences,
-                    stage.spec.kv_cache.context_length,
-                ))
-            },
-        )?;
+        // KV admission. The Shard's budget, context length × concurrent
+        // sequences, is what placement made room for. A pipeline's head
+        // reserves all its generation may come to hold (its prompt and its
+        // whole answer): admitted, it never runs out of room. A whole model's
+        // head reserves its prompt and the next `KV_GROWTH` tokens and grows
+        // the share as it decodes; one that finds no room is preempted and
+        // resumes by recompute when there is (`Generation::room`), so short
+        // answers do not hold room for the long ones they might have been.
+        // Refused, the gateway tries another instance or waits.
+        let most = (request.prompt().len() + request.params().max_tokens) as u64;
+        let need = if stage.is_last() {
+            most.min(request.context().len() as u64 + KV_GROWTH)
+        } else {
+            most
+        };
+        let preempted = stage
+            .worker
+            .stats
+            .kv_preempted_waiting
+            .load(std::sync::atomic::Ordering::Acquire);
+        let budget = stage
+            .worker
+            .stats
+            .kv_budget_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if budget > 0 && most > budget {
+            self.metrics
+                .generations
+                .with_label_values(&["refused"])
+                .inc();
+            return Err(Status::resource_exhausted(format!(
+                "shard {} on node {} cannot hold this sequence's KV even alone: it may need {most} \
+                 tokens (prompt and max_tokens), more than the {budget} the shard holds; ask for fewer",
+                stage.name, self.node
+            )));
+        }
+        let reservation = match preempted {
+            0 => KvReservation::take(&stage.worker.stats, need),
+            // Generations preempted before it go first.
+            _ => Err((
+                stage
+                    .worker
+                    .stats
+                    .kv_reserved_tokens
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                budget,
+            )),
+        }
+        .map_err(|(reserved, budget)| {
+            self.metrics
+                .generations
+                .with_label_values(&["refused"])
+                .inc();
+            Status::resource_exhausted(format!(
+                "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
+                 ({}), and {reserved} of the {budget} the shard holds ({} sequences of {}) are \
+                 reserved by the sequences it runs{}",
+                stage.name,
+                self.node,
+                if stage.is_last() {
+                    "its prompt and the next tokens of its answer"
+                } else {
+                    "prompt and max_tokens"
+                },
+                stage.spec.kv_cache.concurrent_sequences,
+                stage.spec.kv_cache.context_length,
+                match preempted {
+                    0 => String::new(),
+                    n => format!("; {n} preempted sequences wait for room first"),
+                }
+            ))
+        })?;
         let id: SequenceId = rand::random();
         let context = request.context();
         let (downstream, local_sampler) = if stage.is_last() {
@@ -176,7 +229,9 @@ impl Service {
             received,
             metrics: self.metrics.clone(),
             cached_tokens: 0,
-            _reservation: reservation,
+            reservation,
+            most,
+            fed: Vec::new(),
         };
         tokio::spawn(async move {
             let outcome = generation.run().await;
@@ -215,7 +270,11 @@ struct Generation {
     /// Prompt tokens the head stage took from its prefix cache.
     cached_tokens: usize,
     /// Its share of the stage's KV budget, until it ends.
-    _reservation: KvReservation,
+    reservation: KvReservation,
+    /// The most KV tokens it may come to hold (prompt and max_tokens).
+    most: u64,
+    /// What a whole model's head ran for it so far: what a recompute runs again.
+    fed: Vec<u32>,
 }
 
 impl Generation {
@@ -251,12 +310,15 @@ impl Generation {
         let stage = self.seq.stage.clone();
         match &mut self.downstream {
             None => {
+                let (input, recompute) = self.room(tokens).await?;
                 let out = stage
                     .worker
-                    .forward_counted(self.seq.id, StageInput::Tokens(tokens))
+                    .forward_counted(self.seq.id, StageInput::Tokens(input))
                     .await
                     .map_err(engine_status)?;
-                self.cached_tokens += out.cached;
+                if !recompute {
+                    self.cached_tokens += out.cached;
+                }
                 let StageOutput::Logits(mut logits) = out.output else {
                     return Err(Status::internal("a whole-model stage gave hidden states"));
                 };
@@ -309,6 +371,51 @@ impl Generation {
                 ))
             }
         }
+    }
+
+    /// Makes room in a whole model's KV budget for `tokens` more: the share
+    /// grows `KV_GROWTH` tokens at a time. With no room left the generation
+    /// is preempted: its KV is freed (its sequence released; a new one takes
+    /// its place) and its share given back; it waits for room for all it
+    /// held and `tokens` (before any new generation is admitted), then runs
+    /// all of them again, the prompt mostly from the prefix cache. Its
+    /// sampler and text state stay, so the answer goes on as if nothing
+    /// happened. Returns what to run and whether it is a recompute.
+    async fn room(&mut self, tokens: Vec<u32>) -> Result<(Vec<u32>, bool), Status> {
+        self.fed.extend_from_slice(&tokens);
+        let need = self.fed.len() as u64;
+        let want = (need + KV_GROWTH).min(self.most.max(need));
+        if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
+            return Ok((tokens, false));
+        }
+        let stats = &self.seq.stage.worker.stats;
+        let budget = stats.kv_budget_tokens.load(std::sync::atomic::Ordering::Relaxed);
+        if need > budget {
+            return Err(Status::resource_exhausted(format!(
+                "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",
+                self.seq.stage.name
+            )));
+        }
+        stats
+            .kv_preemptions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .preemptions
+            .with_label_values(&[&self.seq.stage.name])
+            .inc();
+        tracing::debug!(
+            shard = %self.seq.stage.name,
+            tokens = need,
+            "a generation is preempted for KV room; it resumes by recompute"
+        );
+        // The old sequence's KV goes when it is dropped.
+        self.seq = Sequence {
+            stage: self.seq.stage.clone(),
+            id: rand::random(),
+        };
+        self.reservation.give_back();
+        self.reservation.regain(want).await;
+        Ok((self.fed.clone(), true))
     }
 
     async fn run(mut self) -> Result<(), Status> {

@@ -26,6 +26,8 @@ mod relay;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_admission;
+#[cfg(test)]
 mod tests_head;
 mod wire;
 

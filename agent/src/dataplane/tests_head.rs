@@ -99,7 +99,7 @@ async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tem
     (client, worker, dir)
 }
 
-fn request(tokens: Vec<u32>, max_tokens: u32) -> dp::GenerateRequest {
+pub(super) fn request(tokens: Vec<u32>, max_tokens: u32) -> dp::GenerateRequest {
     dp::GenerateRequest {
         shard: Some(dp::ShardRef {
             namespace: NS.into(),
@@ -119,7 +119,7 @@ fn request(tokens: Vec<u32>, max_tokens: u32) -> dp::GenerateRequest {
 }
 
 /// The text of a `Generate` stream, its tokens and its `Finished`.
-async fn collect(
+pub(super) async fn collect(
     client: &mut dp::Client,
     request: dp::GenerateRequest,
 ) -> Result<(String, Vec<u32>, dp::Finished), Status> {
@@ -465,7 +465,7 @@ async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_waits_for_t
     assert!(
         refused
             .message()
-            .contains("it may need 13 tokens (prompt and max_tokens), and 93 of the 100"),
+            .contains("it needs 13 tokens (prompt and max_tokens), and 93 of the 100"),
         "{}",
         refused.message()
     );
