@@ -154,7 +154,12 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     let bench = Command::new(env!("CARGO_BIN_EXE_shardplane"))
         .args(["bench", "--json", "--runs", "1", "--gen-tokens", "8"])
         .args(["--concurrency", "1,4", "--prompt-tokens", "20"])
-        .args(["--gateway", "http://127.0.0.1:8080", "--gateway-model", "smollm2"])
+        .args([
+            "--gateway",
+            "http://127.0.0.1:8080",
+            "--gateway-model",
+            "smollm2",
+        ])
         .arg("--model")
         .arg(shardplane_testkit::test_model())
         .env("SHARDPLANE_API_KEY", key)

@@ -389,7 +389,9 @@ impl Generation {
             return Ok((tokens, false));
         }
         let stats = &self.seq.stage.worker.stats;
-        let budget = stats.kv_budget_tokens.load(std::sync::atomic::Ordering::Relaxed);
+        let budget = stats
+            .kv_budget_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
         if need > budget {
             return Err(Status::resource_exhausted(format!(
                 "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",

@@ -81,14 +81,27 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
     // resumes when the first ends.
     let (a, b) = (prompts[0].len() as u64, prompts[1].len() as u64);
     let budget = a + b + u64::from(ANSWER) + 16;
-    worker.stats.kv_budget_tokens.store(budget, Ordering::Relaxed);
+    worker
+        .stats
+        .kv_budget_tokens
+        .store(budget, Ordering::Relaxed);
     let (mut one, mut other) = (client.clone(), client.clone());
     let (first, second) = tokio::join!(
         collect(&mut one, request(prompts[0].clone(), ANSWER)),
         collect(&mut other, request(prompts[1].clone(), ANSWER)),
     );
-    assert_eq!(first.unwrap().1, alone[0], "{:?}", text.tokenizer.decode(&alone[0], true));
-    assert_eq!(second.unwrap().1, alone[1], "{:?}", text.tokenizer.decode(&alone[1], true));
+    assert_eq!(
+        first.unwrap().1,
+        alone[0],
+        "{:?}",
+        text.tokenizer.decode(&alone[0], true)
+    );
+    assert_eq!(
+        second.unwrap().1,
+        alone[1],
+        "{:?}",
+        text.tokenizer.decode(&alone[1], true)
+    );
     assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
     assert_eq!(worker.stats.kv_preempted_waiting.load(Ordering::Relaxed), 0);
     assert_eq!(
@@ -99,7 +112,10 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
     sequences_become(&worker, 0).await;
 
     // One that could not finish even alone is refused at once.
-    worker.stats.kv_budget_tokens.store(a + 100, Ordering::Relaxed);
+    worker
+        .stats
+        .kv_budget_tokens
+        .store(a + 100, Ordering::Relaxed);
     let e = collect(&mut client.clone(), request(prompts[0].clone(), 400))
         .await
         .unwrap_err();

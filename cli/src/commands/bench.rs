@@ -133,11 +133,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             None => None,
         },
     };
-    let gateway = args.gateway.as_ref().map(|url| super::bench_gateway::Gateway {
-        url: url.clone(),
-        model: args.gateway_model.clone().unwrap_or_default(),
-        api_key: args.api_key.clone(),
-    });
+    let gateway = args
+        .gateway
+        .as_ref()
+        .map(|url| super::bench_gateway::Gateway {
+            url: url.clone(),
+            model: args.gateway_model.clone().unwrap_or_default(),
+            api_key: args.api_key.clone(),
+        });
     let (figures, stages) = if let Some(endpoint) = &args.endpoint {
         let text = tokenizer_model(&args)?;
         let token_file = args.token_file.as_deref().context("--token-file")?;
@@ -157,7 +160,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else if let Some(gateway) = &gateway {
         let text = tokenizer_model(&args)?;
         let figures = gateway.run(&text, &config)?;
-        (figures, vec![format!("gateway {} {}", gateway.url, gateway.model)])
+        (
+            figures,
+            vec![format!("gateway {} {}", gateway.url, gateway.model)],
+        )
     } else {
         let (mut pipeline, text) = args.model.load()?;
         let figures = bench::run(&mut pipeline, &text, &config)?;

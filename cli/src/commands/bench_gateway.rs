@@ -46,7 +46,10 @@ impl Gateway {
         let response = request.send().await?;
         if !response.status().is_success() {
             let status = response.status();
-            bail!("{url}: HTTP {status}: {}", response.text().await.unwrap_or_default());
+            bail!(
+                "{url}: HTTP {status}: {}",
+                response.text().await.unwrap_or_default()
+            );
         }
         let mut body = response.bytes_stream();
         let (mut buffer, mut first, mut last) = (Vec::<u8>::new(), None, start);
@@ -68,7 +71,10 @@ impl Gateway {
                 if let Some(e) = v.get("error") {
                     bail!("{url} failed mid-answer: {e}");
                 }
-                if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                if v["choices"][0]["text"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+                {
                     first.get_or_insert(now);
                     last = now;
                 }

@@ -93,7 +93,6 @@ impl Remote {
     }
 }
 
-
 /// One warm-up and `config.runs` measured runs of one generation alone,
 /// each followed by every sequence count of `config.concurrency` started at
 /// once: the figures of a remote bench. `once` starts one generation.
@@ -115,7 +114,8 @@ where
         }
         for measured in &mut concurrent {
             let start = Instant::now();
-            let all = futures::future::try_join_all((0..measured.sequences).map(|_| once())).await?;
+            let all =
+                futures::future::try_join_all((0..measured.sequences).map(|_| once())).await?;
             let tokens: usize = all.iter().map(|t| t.tokens).sum();
             let rate = tokens as f64 / start.elapsed().as_secs_f64();
             let inter: Vec<f64> = all

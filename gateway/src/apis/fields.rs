@@ -214,7 +214,9 @@ pub fn flag(v: &Value, field: &str) -> Result<bool, ApiError> {
     match &v[field] {
         Value::Null => Ok(false),
         Value::Bool(b) => Ok(*b),
-        _ => Err(ApiError::invalid(format!("`{field}` must be true or false"))),
+        _ => Err(ApiError::invalid(format!(
+            "`{field}` must be true or false"
+        ))),
     }
 }
 

@@ -85,8 +85,19 @@ fn openai_refuses_what_it_does_not_implement_and_takes_the_rest() {
         .parse(&with(&text, "ignore_eos", json!(true)))
         .unwrap();
     assert!(eos.prompt.sampling.ignore_eos);
-    assert!(!OpenAi::Text.parse(&text).unwrap().prompt.sampling.ignore_eos);
-    refused(OpenAi::Text, &with(&text, "ignore_eos", json!(1)), "ignore_eos");
+    assert!(
+        !OpenAi::Text
+            .parse(&text)
+            .unwrap()
+            .prompt
+            .sampling
+            .ignore_eos
+    );
+    refused(
+        OpenAi::Text,
+        &with(&text, "ignore_eos", json!(1)),
+        "ignore_eos",
+    );
     refused(
         OpenAi::Chat,
         &with(
