@@ -41,30 +41,85 @@ pub struct StageStats {
     /// Tokens of KV the stage admits at most (its Shard's context length ×
     /// concurrent sequences; 0: not set, nothing is refused).
     pub kv_budget_tokens: AtomicU64,
-    /// Generations preempted for room that wait to resume: while there are
-    /// any, no new generation is admitted before them.
+    /// Generations preempted for room that wait to resume.
     pub kv_preempted_waiting: AtomicU64,
+    /// Generations that wait for a younger one to yield them room.
+    pub kv_growers_waiting: AtomicU64,
     /// Generations preempted for room so far.
     pub kv_preemptions: AtomicU64,
-    /// Woken when reserved KV is given back.
+    /// Woken when reserved KV is given back, and when a generation is asked
+    /// to yield its room.
     pub kv_room: tokio::sync::Notify,
+    /// The preemptible generations that hold KV, with their age.
+    kv_holders: std::sync::Mutex<Vec<Holder>>,
+    /// The next admission's number (its age: lower is older).
+    kv_admissions: AtomicU64,
+}
+
+/// A preemptible generation that holds KV: when it was admitted, and
+/// whether an older one asked it to yield its room.
+#[derive(Debug)]
+struct Holder {
+    admitted: u64,
+    yield_asked: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Counts itself in a counter while it lives; wakes the waiters for room
+/// when it goes.
+struct Counted<'a>(&'a StageStats, &'a AtomicU64);
+
+impl<'a> Counted<'a> {
+    fn new(stats: &'a StageStats, counter: &'a AtomicU64) -> Self {
+        counter.fetch_add(1, Ordering::AcqRel);
+        Counted(stats, counter)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.1.fetch_sub(1, Ordering::AcqRel);
+        self.0.kv_room.notify_waiters();
+    }
 }
 
 /// A generation's share of a stage's KV budget, given back when dropped.
+///
+/// A preemptible share ([`KvReservation::take_preemptible`]) grows as its
+/// generation decodes. One that cannot grow asks the youngest younger
+/// holder to yield its room ([`KvReservation::ask_younger_to_yield`]) and
+/// waits for it; the youngest yields itself (gives its share back, then
+/// [`KvReservation::regain`]s it, keeping its age). So the oldest
+/// generations go on and the newest wait, as with vLLM's preemption.
 #[derive(Debug)]
 pub struct KvReservation {
     stats: Arc<StageStats>,
     tokens: u64,
+    /// When it was admitted (preemptible shares).
+    admitted: u64,
+    /// Set when an older generation asks it to yield (preemptible shares).
+    yield_asked: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl KvReservation {
-    /// Reserves `tokens` of `stats`'s budget, or says how much is taken.
+    /// Reserves `tokens` of `stats`'s budget for good, or says how much is taken.
     pub fn take(stats: &Arc<StageStats>, tokens: u64) -> Result<Self, (u64, u64)> {
         let mut r = KvReservation {
             stats: stats.clone(),
             tokens: 0,
+            admitted: 0,
+            yield_asked: None,
         };
         r.grow(tokens).map(|()| r)
+    }
+
+    /// Reserves `tokens` of `stats`'s budget as a share that grows and may
+    /// be asked to yield, or says how much is taken.
+    pub fn take_preemptible(stats: &Arc<StageStats>, tokens: u64) -> Result<Self, (u64, u64)> {
+        let mut r = Self::take(stats, tokens)?;
+        r.admitted = stats.kv_admissions.fetch_add(1, Ordering::AcqRel);
+        r.yield_asked = Some(Arc::default());
+        r.hold();
+        Ok(r)
     }
 
     /// Tokens held.
@@ -86,8 +141,65 @@ impl KvReservation {
             .map_err(|reserved| (reserved, budget))
     }
 
+    /// Whether an older generation asked this one to yield its room.
+    pub fn yield_asked(&self) -> bool {
+        self.yield_asked
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
+    /// Asks the youngest holder younger than this one to yield its room
+    /// (unless one already is); false when there is none, and this one
+    /// should yield itself.
+    pub fn ask_younger_to_yield(&self) -> bool {
+        let holders = self.stats.kv_holders.lock().expect("holders lock");
+        let younger = holders.iter().filter(|h| h.admitted > self.admitted);
+        if younger
+            .clone()
+            .any(|h| h.yield_asked.load(Ordering::Acquire))
+        {
+            return true;
+        }
+        let Some(youngest) = younger.max_by_key(|h| h.admitted) else {
+            return false;
+        };
+        youngest.yield_asked.store(true, Ordering::Release);
+        drop(holders);
+        // It may be waiting for room itself.
+        self.stats.kv_room.notify_waiters();
+        true
+    }
+
+    /// Waits for room (or for a reason to look again), counted among the
+    /// generations that wait to grow.
+    pub async fn wait_to_grow(&self, room: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) {
+        let _growing = Counted::new(&self.stats, &self.stats.kv_growers_waiting);
+        room.await;
+    }
+
+    fn hold(&self) {
+        if let Some(flag) = &self.yield_asked {
+            flag.store(false, Ordering::Release);
+            self.stats
+                .kv_holders
+                .lock()
+                .expect("holders lock")
+                .push(Holder {
+                    admitted: self.admitted,
+                    yield_asked: flag.clone(),
+                });
+        }
+    }
+
     /// Gives the whole share back.
     pub fn give_back(&mut self) {
+        if let Some(flag) = &self.yield_asked {
+            self.stats
+                .kv_holders
+                .lock()
+                .expect("holders lock")
+                .retain(|h| !Arc::ptr_eq(&h.yield_asked, flag));
+        }
         let tokens = std::mem::take(&mut self.tokens);
         let _ = self.stats.kv_reserved_tokens.fetch_update(
             Ordering::AcqRel,
@@ -99,23 +211,18 @@ impl KvReservation {
         }
     }
 
-    /// Waits until the share can grow to `tokens`, counted meanwhile among
-    /// the preempted generations that wait.
+    /// Waits until the share, given back, can grow to `tokens` again while
+    /// no generation waits to grow; counted meanwhile among the preempted
+    /// generations that wait. It keeps its age.
     pub async fn regain(&mut self, tokens: u64) {
-        struct Waiting<'a>(&'a StageStats);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.kv_preempted_waiting.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
         let stats = self.stats.clone();
-        stats.kv_preempted_waiting.fetch_add(1, Ordering::AcqRel);
-        let _waiting = Waiting(&stats);
+        let _waiting = Counted::new(&stats, &stats.kv_preempted_waiting);
         loop {
             let room = stats.kv_room.notified();
             tokio::pin!(room);
             room.as_mut().enable();
-            if self.grow(tokens).is_ok() {
+            if stats.kv_growers_waiting.load(Ordering::Acquire) == 0 && self.grow(tokens).is_ok() {
+                self.hold();
                 return;
             }
             room.await;
@@ -130,6 +237,13 @@ impl Drop for KvReservation {
 }
 
 impl StageStats {
+    /// Generations that wait for room (preempted, or to grow): a new one is
+    /// not admitted before them.
+    pub fn kv_waiting(&self) -> u64 {
+        self.kv_preempted_waiting.load(Ordering::Acquire)
+            + self.kv_growers_waiting.load(Ordering::Acquire)
+    }
+
     /// How long work queued now waits before it starts, as the recent
     /// passes suggest.
     pub fn estimated_wait(&self) -> std::time::Duration {

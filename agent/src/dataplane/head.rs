@@ -135,11 +135,7 @@ impl Service {
         } else {
             most
         };
-        let preempted = stage
-            .worker
-            .stats
-            .kv_preempted_waiting
-            .load(std::sync::atomic::Ordering::Acquire);
+        let waiting = stage.worker.stats.kv_waiting();
         let budget = stage
             .worker
             .stats
@@ -156,9 +152,10 @@ impl Service {
                 stage.name, self.node
             )));
         }
-        let reservation = match preempted {
+        let reservation = match waiting {
+            0 if stage.is_last() => KvReservation::take_preemptible(&stage.worker.stats, need),
             0 => KvReservation::take(&stage.worker.stats, need),
-            // Generations preempted before it go first.
+            // Generations waiting for room go first.
             _ => Err((
                 stage
                     .worker
@@ -186,9 +183,9 @@ impl Service {
                 },
                 stage.spec.kv_cache.concurrent_sequences,
                 stage.spec.kv_cache.context_length,
-                match preempted {
+                match waiting {
                     0 => String::new(),
-                    n => format!("; {n} preempted sequences wait for room first"),
+                    n => format!("; {n} sequences it runs wait for room first"),
                 }
             ))
         })?;
@@ -374,8 +371,10 @@ impl Generation {
     }
 
     /// Makes room in a whole model's KV budget for `tokens` more: the share
-    /// grows `KV_GROWTH` tokens at a time. With no room left the generation
-    /// is preempted: its KV is freed (its sequence released; a new one takes
+    /// grows `KV_GROWTH` tokens at a time. With no room left, the youngest
+    /// younger generation is asked to yield its room and this one waits for
+    /// it; with none younger, or when asked to yield itself, this one is
+    /// preempted: its KV is freed (its sequence released; a new one takes
     /// its place) and its share given back; it waits for room for all it
     /// held and `tokens` (before any new generation is admitted), then runs
     /// all of them again, the prompt mostly from the prefix cache. Its
@@ -385,18 +384,30 @@ impl Generation {
         self.fed.extend_from_slice(&tokens);
         let need = self.fed.len() as u64;
         let want = (need + KV_GROWTH).min(self.most.max(need));
-        if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
-            return Ok((tokens, false));
-        }
-        let stats = &self.seq.stage.worker.stats;
-        let budget = stats
-            .kv_budget_tokens
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if need > budget {
-            return Err(Status::resource_exhausted(format!(
-                "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",
-                self.seq.stage.name
-            )));
+        let stats = self.seq.stage.worker.stats.clone();
+        loop {
+            let room = stats.kv_room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if self.reservation.yield_asked() {
+                break;
+            }
+            if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
+                return Ok((tokens, false));
+            }
+            let budget = stats
+                .kv_budget_tokens
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if need > budget {
+                return Err(Status::resource_exhausted(format!(
+                    "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",
+                    self.seq.stage.name
+                )));
+            }
+            if !self.reservation.ask_younger_to_yield() {
+                break;
+            }
+            self.reservation.wait_to_grow(room).await;
         }
         stats
             .kv_preemptions

@@ -1,8 +1,8 @@
 //! KV admission on a whole model's head stage, in process with the real test
 //! model: generations reserve what they hold (their prompt and the next few
-//! tokens) and grow as they decode; one that finds no room is preempted and
-//! resumes by recompute when there is, and its answer is the one it gives
-//! alone. The pipeline head's up-front reservation is in `tests_head.rs`.
+//! tokens) and grow as they decode; when one finds no room, the youngest is
+//! preempted and resumes by recompute when there is room, and its answer is
+//! the one it gives alone. The pipeline head's up-front reservation is in `tests_head.rs`.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -56,10 +56,11 @@ async fn whole() -> (dp::Client, StageWorker, Arc<TextModel>, tempfile::TempDir)
     (client, worker, text, dir)
 }
 
-#[tokio::test]
-async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_same_answer() {
-    let (client, worker, text, _dir) = whole().await;
-    const ANSWER: u32 = 24;
+/// Tokens of each answer.
+const ANSWER: u32 = 24;
+
+/// Two prompts and the greedy answer each gets alone, with no budget.
+async fn answers_alone(client: &dp::Client, text: &TextModel) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     let prompts: Vec<Vec<u32>> = [
         "The three primary colours are",
         "Water boils at a temperature of",
@@ -67,7 +68,6 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
     .iter()
     .map(|p| text.tokenizer.encode(p, true).unwrap())
     .collect();
-    // Alone, with no budget: the answers to match.
     let mut alone = Vec::new();
     for p in &prompts {
         let (_, tokens, _) = collect(&mut client.clone(), request(p.clone(), ANSWER))
@@ -76,9 +76,16 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
         assert_eq!(tokens.len(), ANSWER as usize, "{tokens:?}");
         alone.push(tokens);
     }
+    (prompts, alone)
+}
+
+#[tokio::test]
+async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_same_answer() {
+    let (client, worker, text, _dir) = whole().await;
+    let (prompts, alone) = answers_alone(&client, &text).await;
     // Room for one whole answer and the other's prompt and first 16
-    // tokens: whichever grows second finds none and is preempted; it
-    // resumes when the first ends.
+    // tokens: whichever grows second finds none, and the younger of the two
+    // is preempted; it resumes when the other ends.
     let (a, b) = (prompts[0].len() as u64, prompts[1].len() as u64);
     let budget = a + b + u64::from(ANSWER) + 16;
     worker
@@ -103,7 +110,7 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
         text.tokenizer.decode(&alone[1], true)
     );
     assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
-    assert_eq!(worker.stats.kv_preempted_waiting.load(Ordering::Relaxed), 0);
+    assert_eq!(worker.stats.kv_waiting(), 0);
     assert_eq!(
         worker.stats.kv_reserved_tokens.load(Ordering::Relaxed),
         0,
@@ -129,4 +136,54 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
         "{e}"
     );
     assert_eq!(worker.stats.kv_reserved_tokens.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn the_youngest_generation_yields_its_room_to_an_older_one() {
+    use dp::generate_response::Event;
+    let (client, worker, text, _dir) = whole().await;
+    let (prompts, alone) = answers_alone(&client, &text).await;
+    // Room for both prompts and 16 tokens of each, and 4 more: the older
+    // one, the first to need more, cannot grow by 16 (or by the 8 it
+    // lacks) beside the younger one.
+    let (a, b) = (prompts[0].len() as u64, prompts[1].len() as u64);
+    worker
+        .stats
+        .kv_budget_tokens
+        .store(a + b + 32 + 4, Ordering::Relaxed);
+    let mut older = client
+        .clone()
+        .generate(request(prompts[0].clone(), ANSWER))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut first = Vec::new();
+    while first.len() < 4 {
+        if let Some(Event::Delta(d)) = older.message().await.unwrap().unwrap().event {
+            first.extend(d.tokens);
+        }
+    }
+    let mut c = client.clone();
+    let young = prompts[1].clone();
+    let younger = tokio::spawn(async move {
+        let answer = collect(&mut c, request(young, ANSWER)).await;
+        (answer, std::time::Instant::now())
+    });
+    loop {
+        match older.message().await.unwrap().unwrap().event {
+            Some(Event::Delta(d)) => first.extend(d.tokens),
+            Some(Event::Finished(_)) => break,
+            _ => {}
+        }
+    }
+    let older_done = std::time::Instant::now();
+    let (answer, younger_done) = younger.await.unwrap();
+    assert_eq!(first, alone[0]);
+    assert_eq!(answer.unwrap().1, alone[1]);
+    // The younger one was preempted, and resumed once the older one ended.
+    assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
+    assert!(younger_done > older_done, "the younger one waited");
+    assert_eq!(worker.stats.kv_waiting(), 0);
+    assert_eq!(worker.stats.kv_reserved_tokens.load(Ordering::Relaxed), 0);
+    sequences_become(&worker, 0).await;
 }
