@@ -32,7 +32,7 @@ pub struct Metrics {
     pub generations: IntCounterVec,
     /// Tokens generated on head stages.
     pub generated_tokens: IntCounter,
-    /// Generations preempted for KV room (resumed later by recompute), by shard.
+    /// Generations preempted for KV room on head stages (resumed later by recompute), by shard.
     pub preemptions: IntCounterVec,
     /// Bytes of hidden states sent to next stages.
     pub hidden_bytes_sent: IntCounter,
@@ -129,8 +129,8 @@ impl Metrics {
         let preemptions = IntCounterVec::new(
             Opts::new(
                 "shardplane_agent_preemptions_total",
-                "Generations on a whole-model head stage preempted because their KV could not \
-                 grow within the budget: freed, then resumed by recompute when there was room; by shard.",
+                "Generations on a head stage preempted because their KV could not grow within the \
+                 budget: freed, then resumed by recompute when there was room; by shard.",
             ),
             &["shard"],
         )

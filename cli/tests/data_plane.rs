@@ -710,6 +710,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             sampling: None,
             prompt: vec![],
             banned: vec![],
+            generated: 0,
         })),
     })
     .await

@@ -114,6 +114,11 @@ impl ValidRequest {
         &self.prompt
     }
 
+    /// The tokens of the answer given before, resumed from.
+    pub fn resumed(&self) -> &[u32] {
+        &self.resume
+    }
+
     /// The sampling parameters, `max_tokens` within the context.
     pub fn params(&self) -> &SamplingParams {
         &self.params

@@ -201,6 +201,23 @@ impl Sampler {
         })
     }
 
+    /// A sampler for an answer that goes on after `generated` tokens of it
+    /// (resumed elsewhere after a failure, or run again after a
+    /// preemption): the penalties count them as generated, and a seeded
+    /// random choice goes on where it was after them (each random choice
+    /// takes one draw), so the rest is what the answer would have been.
+    pub fn resumed(params: SamplingParams, prompt: &[u32], generated: &[u32]) -> Result<Self> {
+        let mut s = Self::new(params, prompt)?;
+        for &token in generated {
+            if s.params.temperature != 0.0 {
+                let _: f32 = s.rng.random();
+            }
+            s.seen.insert(token, ());
+            *s.generated.entry(token).or_default() += 1;
+        }
+        Ok(s)
+    }
+
     /// The parameters.
     pub fn params(&self) -> &SamplingParams {
         &self.params
@@ -260,6 +277,8 @@ impl Sampler {
     }
 
     fn sample_random(&mut self, logits: &[f32]) -> u32 {
+        // One draw per choice, whatever the logits: see `Sampler::resumed`.
+        let draw: f32 = self.rng.random();
         let p = &self.params;
         // Candidates, most likely first.
         let mut candidates: Vec<(u32, f32)> = logits
@@ -312,7 +331,7 @@ impl Sampler {
             candidates.truncate(keep);
         }
         let total: f32 = candidates.iter().map(|c| c.1).sum();
-        let mut r = self.rng.random::<f32>() * total;
+        let mut r = draw * total;
         for &(token, prob) in &candidates {
             if r < prob {
                 return token;
@@ -368,6 +387,26 @@ mod tests {
         let c = draw(params(|p| p.seed = Some(8)), &logits, 50);
         assert_eq!(a, b);
         assert_ne!(a, c, "another seed gives another sequence");
+    }
+
+    #[test]
+    fn a_resumed_sampler_goes_on_as_the_first_would_have() {
+        let logits: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+        let p = params(|p| {
+            p.frequency_penalty = 0.5;
+            p.presence_penalty = 0.3;
+        });
+        let all = {
+            let mut s = Sampler::new(p.clone(), &[1, 2]).unwrap();
+            (0..50)
+                .map(|_| s.sample(&mut logits.clone()))
+                .collect::<Vec<_>>()
+        };
+        let mut resumed = Sampler::resumed(p, &[1, 2], &all[..20]).unwrap();
+        let rest: Vec<u32> = (0..30)
+            .map(|_| resumed.sample(&mut logits.clone()))
+            .collect();
+        assert_eq!(rest, all[20..]);
     }
 
     #[test]

@@ -34,7 +34,7 @@ use crate::stage::KvReservation;
 /// several steps, which later stages work on while earlier ones go on.
 const PREFILL_CHUNK: usize = 512;
 
-/// KV tokens a whole model's head reserves ahead of what a generation holds:
+/// KV tokens a head reserves ahead of what a generation holds:
 /// its share of the budget grows this many tokens at a time.
 const KV_GROWTH: u64 = 16;
 
@@ -121,20 +121,15 @@ impl Service {
             )));
         }
         // KV admission. The Shard's budget, context length × concurrent
-        // sequences, is what placement made room for. A pipeline's head
-        // reserves all its generation may come to hold (its prompt and its
-        // whole answer): admitted, it never runs out of room. A whole model's
-        // head reserves its prompt and the next `KV_GROWTH` tokens and grows
-        // the share as it decodes; one that finds no room is preempted and
-        // resumes by recompute when there is (`Generation::room`), so short
-        // answers do not hold room for the long ones they might have been.
-        // Refused, the gateway tries another instance or waits.
+        // sequences, is what placement made room for. A head reserves a
+        // generation's prompt and next `KV_GROWTH` tokens and grows the share
+        // as it decodes; when there is no room to grow, the youngest
+        // generation is preempted and resumes by recompute when there is
+        // (`Generation::room`), so short answers do not hold room for the
+        // long ones they might have been. Refused, the gateway tries another
+        // instance or waits.
         let most = (request.prompt().len() + request.params().max_tokens) as u64;
-        let need = if stage.is_last() {
-            most.min(request.context().len() as u64 + KV_GROWTH)
-        } else {
-            most
-        };
+        let need = most.min(request.context().len() as u64 + KV_GROWTH);
         let waiting = stage.worker.stats.kv_waiting();
         let budget = stage
             .worker
@@ -153,8 +148,7 @@ impl Service {
             )));
         }
         let reservation = match waiting {
-            0 if stage.is_last() => KvReservation::take_preemptible(&stage.worker.stats, need),
-            0 => KvReservation::take(&stage.worker.stats, need),
+            0 => KvReservation::take_preemptible(&stage.worker.stats, need),
             // Generations waiting for room go first.
             _ => Err((
                 stage
@@ -172,15 +166,10 @@ impl Service {
                 .inc();
             Status::resource_exhausted(format!(
                 "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
-                 ({}), and {reserved} of the {budget} the shard holds ({} sequences of {}) are \
-                 reserved by the sequences it runs{}",
+                 (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
+                 the shard holds ({} sequences of {}) are reserved by the sequences it runs{}",
                 stage.name,
                 self.node,
-                if stage.is_last() {
-                    "its prompt and the next tokens of its answer"
-                } else {
-                    "prompt and max_tokens"
-                },
                 stage.spec.kv_cache.concurrent_sequences,
                 stage.spec.kv_cache.context_length,
                 match waiting {
@@ -192,16 +181,21 @@ impl Service {
         let id: SequenceId = rand::random();
         let context = request.context();
         let (downstream, local_sampler) = if stage.is_last() {
-            let sampler =
-                Sampler::new(request.params().clone(), &context).map_err(engine_status)?;
+            let sampler = Sampler::resumed(
+                request.params().clone(),
+                request.prompt(),
+                request.resumed(),
+            )
+            .map_err(engine_status)?;
             (None, Some(sampler))
         } else {
             let open = dp::Open {
                 shard: None,
                 sequence: id,
-                sampling: Some(sampling),
+                sampling: Some(sampling.clone()),
                 prompt: context,
                 banned: banned.clone(),
+                generated: request.resumed().len() as u32,
             };
             (Some(self.open_next(&stage, open).await?), None)
         };
@@ -229,6 +223,8 @@ impl Service {
             reservation,
             most,
             fed: Vec::new(),
+            service: self.clone(),
+            sampling,
         };
         tokio::spawn(async move {
             let outcome = generation.run().await;
@@ -270,8 +266,12 @@ struct Generation {
     reservation: KvReservation,
     /// The most KV tokens it may come to hold (prompt and max_tokens).
     most: u64,
-    /// What a whole model's head ran for it so far: what a recompute runs again.
+    /// What the head ran for it so far: what a recompute runs again.
     fed: Vec<u32>,
+    /// To open the next stage again after a preemption.
+    service: super::Service,
+    /// How the last stage samples (a pipeline's).
+    sampling: dp::Sampling,
 }
 
 impl Generation {
@@ -305,12 +305,12 @@ impl Generation {
         allowed: Option<TokenMask>,
     ) -> Result<(u32, Option<Logprobs>), Status> {
         let stage = self.seq.stage.clone();
+        let (tokens, recompute) = self.room(tokens).await?;
         match &mut self.downstream {
             None => {
-                let (input, recompute) = self.room(tokens).await?;
                 let out = stage
                     .worker
-                    .forward_counted(self.seq.id, StageInput::Tokens(input))
+                    .forward_counted(self.seq.id, StageInput::Tokens(tokens))
                     .await
                     .map_err(engine_status)?;
                 if !recompute {
@@ -370,16 +370,18 @@ impl Generation {
         }
     }
 
-    /// Makes room in a whole model's KV budget for `tokens` more: the share
+    /// Makes room in the stage's KV budget for `tokens` more: the share
     /// grows `KV_GROWTH` tokens at a time. With no room left, the youngest
     /// younger generation is asked to yield its room and this one waits for
     /// it; with none younger, or when asked to yield itself, this one is
     /// preempted: its KV is freed (its sequence released; a new one takes
-    /// its place) and its share given back; it waits for room for all it
-    /// held and `tokens` (before any new generation is admitted), then runs
-    /// all of them again, the prompt mostly from the prefix cache. Its
-    /// sampler and text state stay, so the answer goes on as if nothing
-    /// happened. Returns what to run and whether it is a recompute.
+    /// its place; a pipeline's stream to the next stage closes, freeing the
+    /// later stages' KV) and its share given back; it waits for room for all
+    /// it held and `tokens` (before any new generation is admitted), then
+    /// runs all of them again, the prompt mostly from the prefix cache (a
+    /// pipeline's next stage opened again, its sampler resumed after the
+    /// answer so far). Its text state stays, so the answer goes on as if
+    /// nothing happened. Returns what to run and whether it is a recompute.
     async fn room(&mut self, tokens: Vec<u32>) -> Result<(Vec<u32>, bool), Status> {
         self.fed.extend_from_slice(&tokens);
         let need = self.fed.len() as u64;
@@ -421,13 +423,28 @@ impl Generation {
             tokens = need,
             "a generation is preempted for KV room; it resumes by recompute"
         );
-        // The old sequence's KV goes when it is dropped.
+        // The old sequence's KV goes when it is dropped, and the later
+        // stages' when its stream to them closes.
         self.seq = Sequence {
             stage: self.seq.stage.clone(),
             id: rand::random(),
         };
+        let pipeline = self.downstream.take().is_some();
         self.reservation.give_back();
         self.reservation.regain(want).await;
+        if pipeline {
+            // The last stage samples on from where it was: everything run
+            // but the prompt is the answer's so far.
+            let open = dp::Open {
+                shard: None,
+                sequence: self.seq.id,
+                sampling: Some(self.sampling.clone()),
+                prompt: self.fed.clone(),
+                banned: self.banned.clone(),
+                generated: (self.fed.len() - self.request.prompt().len()) as u32,
+            };
+            self.downstream = Some(self.service.open_next(&self.seq.stage, open).await?);
+        }
         Ok((self.fed.clone(), true))
     }
 

@@ -58,7 +58,10 @@ impl Service {
         if stage.is_last() {
             let sampling = open.sampling.clone().unwrap_or_default();
             let params = sampling_params(&sampling, stage.worker.context_length)?;
-            let mut sampler = Sampler::new(params, &open.prompt).map_err(engine_status)?;
+            let (prompt, generated) = open
+                .prompt
+                .split_at(open.prompt.len().saturating_sub(open.generated as usize));
+            let mut sampler = Sampler::resumed(params, prompt, generated).map_err(engine_status)?;
             let banned = open.banned.clone();
             tokio::spawn(async move {
                 let seq = seq;

@@ -116,6 +116,15 @@ pub(super) async fn serve(
     stage: ServedStage,
     directory: Vec<Shard>,
 ) -> (dp::Client, tempfile::TempDir) {
+    let (endpoint, dir) = serve_at(stage, directory).await;
+    (dp::client(dp::channel(&endpoint).unwrap(), token()), dir)
+}
+
+/// Like [`serve`]: the endpoint, and the cache's directory.
+pub(super) async fn serve_at(
+    stage: ServedStage,
+    directory: Vec<Shard>,
+) -> (String, tempfile::TempDir) {
     let shards = ShardSet::new("in-process");
     shards.insert(stage);
     let (store, mut writer) = reflector::store();
@@ -141,7 +150,7 @@ pub(super) async fn serve(
             .add_service(service.into_server(token()))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
-    (dp::client(dp::channel(&endpoint).unwrap(), token()), dir)
+    (endpoint, dir)
 }
 
 fn open() -> dp::ForwardRequest {
@@ -155,6 +164,7 @@ fn open() -> dp::ForwardRequest {
             sampling: Some(dp::Sampling::default()),
             prompt: vec![1, 2, 3],
             banned: Vec::new(),
+            generated: 0,
         })),
     }
 }

@@ -1,8 +1,9 @@
-//! KV admission on a whole model's head stage, in process with the real test
+//! KV admission on a head stage, in process with the real test
 //! model: generations reserve what they hold (their prompt and the next few
 //! tokens) and grow as they decode; when one finds no room, the youngest is
 //! preempted and resumes by recompute when there is room, and its answer is
-//! the one it gives alone. The pipeline head's up-front reservation is in `tests_head.rs`.
+//! the one it gives alone; for a whole model and for a pipeline, whose last
+//! stage samples on from where it was.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -12,15 +13,14 @@ use shardplane_dataplane as dp;
 use shardplane_engine::pipeline::{EngineKind, TextModel, load_model_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
 
-use super::tests::{NS, sequences_become, serve, shard};
-use super::tests_head::{collect, request};
+use super::tests::{NS, sequences_become, serve, serve_at, shard};
+use super::tests_head::{collect, request, reserved_becomes};
 use crate::scheduler::Budget;
 use crate::shards::ServedStage;
 use crate::stage::StageWorker;
 
-/// The whole test model served in process as the one-stage shard `d-0-0`,
-/// with a prefix cache.
-async fn whole() -> (dp::Client, StageWorker, Arc<TextModel>, tempfile::TempDir) {
+/// A stage of the test model, layers `layers` of 30, on a stage thread.
+fn stage(layers: std::ops::Range<usize>) -> (StageWorker, Option<Arc<TextModel>>) {
     let options = LoadOptions {
         context_length: Some(512),
         prefix_cache_bytes: 64 << 20,
@@ -28,32 +28,73 @@ async fn whole() -> (dp::Client, StageWorker, Arc<TextModel>, tempfile::TempDir)
     };
     let (stage, text) = load_model_stage(
         &shardplane_testkit::test_model(),
-        StageLayout::new(0..30, 30).unwrap(),
+        StageLayout::new(layers, 30).unwrap(),
         EngineKind::Candle,
         &options,
     )
     .expect("the test model");
-    let text = Arc::new(text.expect("a first stage's tokenizer"));
     let worker = StageWorker::start(
-        "d-0-0",
+        "stage",
         stage,
         Arc::new(|_| {}),
         Budget::default(),
         Box::new(|_| {}),
     );
-    let mut me = shard(0, None);
-    me.spec.stage_count = 1;
-    me.spec.next = None;
-    me.spec.layers = LayerRange { start: 0, end: 30 };
+    (worker, text.map(Arc::new))
+}
+
+/// The test model served in process, with prefix caches: whole as the
+/// one-stage shard `d-0-0`, or as a pipeline of two (`d-0-0`, layers 0-14,
+/// then `d-0-1`), each stage behind its own data plane. A client of the
+/// head, its worker, the tokenizer, and what to keep until the end.
+async fn instance(
+    pipeline: bool,
+) -> (
+    dp::Client,
+    StageWorker,
+    Arc<TextModel>,
+    Vec<tempfile::TempDir>,
+) {
+    let mut head = shard(0, None);
+    head.spec.stage_count = if pipeline { 2 } else { 1 };
+    head.spec.layers = LayerRange {
+        start: 0,
+        end: if pipeline { 15 } else { 30 },
+    };
+    head.spec.next = pipeline.then(|| "d-0-1".to_string());
+    let mut directory = vec![head.clone()];
+    let mut dirs = Vec::new();
+    if pipeline {
+        let (worker, _) = stage(15..30);
+        let mut last = shard(1, None);
+        last.spec.stage_count = 2;
+        last.spec.layers = LayerRange { start: 15, end: 30 };
+        last.spec.next = None;
+        let served = ServedStage {
+            namespace: NS.into(),
+            name: "d-0-1".into(),
+            spec: last.spec.clone(),
+            worker,
+            text: None,
+        };
+        let (endpoint, dir) = serve_at(served, vec![last.clone()]).await;
+        dirs.push(dir);
+        directory.push(shard(1, Some(&endpoint)));
+        let listed = directory.last_mut().unwrap();
+        listed.spec = last.spec;
+    }
+    let (worker, text) = stage(head.spec.layers.start as usize..head.spec.layers.end as usize);
+    let text = text.expect("a first stage's tokenizer");
     let served = ServedStage {
         namespace: NS.into(),
         name: "d-0-0".into(),
-        spec: me.spec.clone(),
+        spec: head.spec.clone(),
         worker: worker.clone(),
         text: Some(text.clone()),
     };
-    let (client, dir) = serve(served, vec![me]).await;
-    (client, worker, text, dir)
+    let (client, dir) = serve(served, directory).await;
+    dirs.push(dir);
+    (client, worker, text, dirs)
 }
 
 /// Tokens of each answer.
@@ -81,7 +122,13 @@ async fn answers_alone(client: &dp::Client, text: &TextModel) -> (Vec<Vec<u32>>,
 
 #[tokio::test]
 async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_same_answer() {
-    let (client, worker, text, _dir) = whole().await;
+    for pipeline in [false, true] {
+        preempted_and_resumed(pipeline).await;
+    }
+}
+
+async fn preempted_and_resumed(pipeline: bool) {
+    let (client, worker, text, _dirs) = instance(pipeline).await;
     let (prompts, alone) = answers_alone(&client, &text).await;
     // Room for one whole answer and the other's prompt and first 16
     // tokens: whichever grows second finds none, and the younger of the two
@@ -111,37 +158,20 @@ async fn a_generation_without_room_to_grow_is_preempted_and_resumes_with_the_sam
     );
     assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
     assert_eq!(worker.stats.kv_waiting(), 0);
-    assert_eq!(
-        worker.stats.kv_reserved_tokens.load(Ordering::Relaxed),
-        0,
-        "every generation gave its share back"
-    );
+    reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;
-
-    // One that could not finish even alone is refused at once.
-    worker
-        .stats
-        .kv_budget_tokens
-        .store(a + 100, Ordering::Relaxed);
-    let e = collect(&mut client.clone(), request(prompts[0].clone(), 400))
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
-    assert!(
-        e.message().contains(&format!(
-            "it may need {} tokens (prompt and max_tokens), more than the {} the shard holds",
-            a + 400,
-            a + 100
-        )),
-        "{e}"
-    );
-    assert_eq!(worker.stats.kv_reserved_tokens.load(Ordering::Relaxed), 0);
 }
 
 #[tokio::test]
 async fn the_youngest_generation_yields_its_room_to_an_older_one() {
+    for pipeline in [false, true] {
+        youngest_yields(pipeline).await;
+    }
+}
+
+async fn youngest_yields(pipeline: bool) {
     use dp::generate_response::Event;
-    let (client, worker, text, _dir) = whole().await;
+    let (client, worker, text, _dirs) = instance(pipeline).await;
     let (prompts, alone) = answers_alone(&client, &text).await;
     // Room for both prompts and 16 tokens of each, and 4 more: the older
     // one, the first to need more, cannot grow by 16 (or by the 8 it
@@ -184,6 +214,6 @@ async fn the_youngest_generation_yields_its_room_to_an_older_one() {
     assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
     assert!(younger_done > older_done, "the younger one waited");
     assert_eq!(worker.stats.kv_waiting(), 0);
-    assert_eq!(worker.stats.kv_reserved_tokens.load(Ordering::Relaxed), 0);
+    reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;
 }

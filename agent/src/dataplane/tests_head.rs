@@ -440,61 +440,68 @@ async fn a_reasoning_budget_closes_the_reasoning_and_the_answer_follows() {
 }
 
 #[tokio::test]
-async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_waits_for_them_to_end() {
+async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_is_refused() {
+    use std::sync::atomic::Ordering;
     let text = text_model();
-    // The last stage answers with a long script: the first generation stays
-    // open while its client does not read.
     let (next, _) = scripted_last(vec![100; 400]).await;
     let (mut client, worker, _dir) = head(&next, text).await;
-    worker
-        .stats
-        .kv_budget_tokens
-        .store(100, std::sync::atomic::Ordering::Relaxed);
-    // 3 prompt tokens and up to 90 more: 93 of the 100 reserved.
-    let held = client
-        .generate(request(vec![100; 3], 90))
-        .await
-        .unwrap()
-        .into_inner();
-    // 3 + 10 more do not fit beside them.
+    let stats = &worker.stats;
+    stats.kv_budget_tokens.store(100, Ordering::Relaxed);
+    // What generations admitted before hold: 76 of the 100.
+    stats.kv_reserved_tokens.store(76, Ordering::Relaxed);
+    // A prompt of 30 and its next tokens (10 at most here) do not fit.
     let refused = client
-        .generate(request(vec![100; 3], 10))
+        .generate(request(vec![100; 30], 10))
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
     assert!(
-        refused
-            .message()
-            .contains("it needs 13 tokens (prompt and max_tokens), and 93 of the 100"),
+        refused.message().contains(
+            "it needs 40 tokens (its prompt and the next tokens of its answer), and 76 of the 100"
+        ),
         "{}",
         refused.message()
     );
-    // 3 + 4 do.
+    // 3 + 4 do, and give their share back.
     collect(&mut client, request(vec![100; 3], 4))
         .await
         .unwrap();
-    // Once the first ends (its client went away), the second is admitted.
-    drop(held);
-    let mut admitted = None;
+    reserved_becomes(&worker, 76).await;
+    // One that could not fit even alone is refused whatever the others hold.
+    stats.kv_reserved_tokens.store(0, Ordering::Relaxed);
+    let alone = client
+        .generate(request(vec![100; 30], 80))
+        .await
+        .unwrap_err();
+    assert!(
+        alone
+            .message()
+            .contains("it may need 110 tokens (prompt and max_tokens), more than the 100"),
+        "{}",
+        alone.message()
+    );
+    // Once the others end, the first is admitted.
+    let (_, tokens, _) = collect(&mut client, request(vec![100; 30], 10))
+        .await
+        .unwrap();
+    assert_eq!(tokens.len(), 10);
+    reserved_becomes(&worker, 0).await;
+    sequences_become(&worker, 0).await;
+}
+
+/// Waits for the KV reserved on `worker`'s stage to come to `n` tokens (a
+/// generation gives its share back just after its last event).
+pub(super) async fn reserved_becomes(worker: &StageWorker, n: u64) {
     for _ in 0..100 {
-        match collect(&mut client, request(vec![100; 3], 10)).await {
-            Ok(answer) => {
-                admitted = Some(answer);
-                break;
-            }
-            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
-    assert!(admitted.is_some(), "the budget came back");
-    assert_eq!(
-        worker
+        if worker
             .stats
             .kv_reserved_tokens
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0,
-        "every generation gave its share back"
-    );
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == n
+        {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the stage still holds a reservation");
 }
