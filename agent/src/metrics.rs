@@ -334,6 +334,8 @@ impl Metrics {
         let queue_wait = self.queue_wait_seconds.with_label_values(&[shard]);
         let kv_reserved = self.kv_tokens.with_label_values(&[shard, "reserved"]);
         let kv_budget = self.kv_tokens.with_label_values(&[shard, "budget"]);
+        // Counted by the head's generations (`dataplane::head`); from zero.
+        self.preemptions.with_label_values(&[shard]);
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
         // The stage counts from its load; the counters follow its totals.
