@@ -25,16 +25,24 @@ cargo test --workspace --locked --release --features shardplane/mlx "$@"
 
 # The decoders of what strangers send under libFuzzer for a short while each
 # (a crash fails the run and leaves its input in fuzz/artifacts/): data-plane
-# messages, and model-file headers (GGUF, safetensors, config.json), whose
-# single allocations must stay under 64 MiB for inputs of a few KiB. Sanitizer
+# messages, model-file headers (GGUF, safetensors, config.json), whose
+# single allocations must stay under 64 MiB for inputs of a few KiB, and the
+# request bodies of every API the gateway speaks (from the seeds in fuzz/seeds/). Sanitizer
 # builds go to their own target directory; RUSTC_BOOTSTRAP lets stable rustc
 # take the sanitizer flags cargo-fuzz passes.
 if [ $# -eq 0 ]; then
-  for target in dataplane_messages model_headers; do
+  for target in dataplane_messages model_headers api_requests; do
     echo "== cargo fuzz ($target, ${SHARDPLANE_FUZZ_SECONDS:-30} s)" >&2
     log="$state/fuzz-$target.log"
+    # Committed seed inputs (fuzz/seeds/TARGET) start the corpus, which
+    # grows in fuzz/corpus/TARGET (not committed).
+    corpus=()
+    if [ -d "fuzz/seeds/$target" ]; then
+      mkdir -p "fuzz/corpus/$target"
+      corpus=("corpus/$target" "seeds/$target")
+    fi
     if (cd fuzz && CARGO_TARGET_DIR="$HOME/.cache/shardplane/fuzz-target" RUSTC_BOOTSTRAP=1 \
-      cargo fuzz run "$target" --fuzz-dir . -- \
+      cargo fuzz run "$target" --fuzz-dir . "${corpus[@]}" -- \
       -max_total_time="${SHARDPLANE_FUZZ_SECONDS:-30}" -malloc_limit_mb=64 -print_final_stats=1) >"$log" 2>&1; then
       grep -E "^Done|stat::number_of_executed_units" "$log" >&2 || tail -3 "$log" >&2
     else
