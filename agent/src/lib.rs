@@ -13,6 +13,7 @@ pub mod cache;
 pub mod dataplane;
 pub mod download;
 mod error;
+pub mod kv_budget;
 pub mod links;
 pub mod machine;
 pub mod metrics;
@@ -329,7 +330,7 @@ fn heartbeat(
                 metrics
                     .kv_tokens
                     .with_label_values(&[&stage.name, "reserved"])
-                    .set(stats.kv_reserved_tokens.load(Ordering::Relaxed) as i64);
+                    .set(stats.kv.reserved_tokens.load(Ordering::Relaxed) as i64);
             }
             match reg.renew(&client).await {
                 Ok(()) => metrics.lease_renewals.inc(),

@@ -160,8 +160,8 @@ pub fn run(
             waiting: prefills.len(),
             queue_waits: ran.queue_waits,
             kv_tokens: (
-                stats.kv_reserved_tokens.load(Ordering::Relaxed),
-                stats.kv_budget_tokens.load(Ordering::Relaxed),
+                stats.kv.reserved_tokens.load(Ordering::Relaxed),
+                stats.kv.budget_tokens.load(Ordering::Relaxed),
             ),
             prefix,
         });

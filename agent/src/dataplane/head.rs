@@ -27,8 +27,8 @@ use super::next_stage::Downstream;
 use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
+use crate::kv_budget::KvReservation;
 use crate::metrics::Metrics;
-use crate::stage::KvReservation;
 
 /// Prompt tokens sent down the pipeline in one step; longer prompts go in
 /// several steps, which later stages work on while earlier ones go on.
@@ -130,11 +130,12 @@ impl Service {
         // instance or waits.
         let most = (request.prompt().len() + request.params().max_tokens) as u64;
         let need = most.min(request.context().len() as u64 + KV_GROWTH);
-        let waiting = stage.worker.stats.kv_waiting();
+        let waiting = stage.worker.stats.kv.waiting();
         let budget = stage
             .worker
             .stats
-            .kv_budget_tokens
+            .kv
+            .budget_tokens
             .load(std::sync::atomic::Ordering::Relaxed);
         if budget > 0 && most > budget {
             self.metrics
@@ -148,13 +149,14 @@ impl Service {
             )));
         }
         let reservation = match waiting {
-            0 => KvReservation::take_preemptible(&stage.worker.stats, need),
+            0 => KvReservation::take_preemptible(&stage.worker.stats.kv, need),
             // Generations waiting for room go first.
             _ => Err((
                 stage
                     .worker
                     .stats
-                    .kv_reserved_tokens
+                    .kv
+                    .reserved_tokens
                     .load(std::sync::atomic::Ordering::Relaxed),
                 budget,
             )),
@@ -388,7 +390,7 @@ impl Generation {
         let want = (need + KV_GROWTH).min(self.most.max(need));
         let stats = self.seq.stage.worker.stats.clone();
         loop {
-            let room = stats.kv_room.notified();
+            let room = stats.kv.room.notified();
             tokio::pin!(room);
             room.as_mut().enable();
             if self.reservation.yield_asked() {
@@ -398,7 +400,8 @@ impl Generation {
                 return Ok((tokens, false));
             }
             let budget = stats
-                .kv_budget_tokens
+                .kv
+                .budget_tokens
                 .load(std::sync::atomic::Ordering::Relaxed);
             if need > budget {
                 return Err(Status::resource_exhausted(format!(
@@ -412,7 +415,8 @@ impl Generation {
             self.reservation.wait_to_grow(room).await;
         }
         stats
-            .kv_preemptions
+            .kv
+            .preemptions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.metrics
             .preemptions

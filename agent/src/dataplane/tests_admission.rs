@@ -137,7 +137,8 @@ async fn preempted_and_resumed(pipeline: bool) {
     let budget = a + b + u64::from(ANSWER) + 16;
     worker
         .stats
-        .kv_budget_tokens
+        .kv
+        .budget_tokens
         .store(budget, Ordering::Relaxed);
     let (mut one, mut other) = (client.clone(), client.clone());
     let (first, second) = tokio::join!(
@@ -156,8 +157,8 @@ async fn preempted_and_resumed(pipeline: bool) {
         "{:?}",
         text.tokenizer.decode(&alone[1], true)
     );
-    assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
-    assert_eq!(worker.stats.kv_waiting(), 0);
+    assert_eq!(worker.stats.kv.preemptions.load(Ordering::Relaxed), 1);
+    assert_eq!(worker.stats.kv.waiting(), 0);
     reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;
 }
@@ -179,7 +180,8 @@ async fn youngest_yields(pipeline: bool) {
     let (a, b) = (prompts[0].len() as u64, prompts[1].len() as u64);
     worker
         .stats
-        .kv_budget_tokens
+        .kv
+        .budget_tokens
         .store(a + b + 32 + 4, Ordering::Relaxed);
     let mut older = client
         .clone()
@@ -211,9 +213,9 @@ async fn youngest_yields(pipeline: bool) {
     assert_eq!(first, alone[0]);
     assert_eq!(answer.unwrap().1, alone[1]);
     // The younger one was preempted, and resumed once the older one ended.
-    assert_eq!(worker.stats.kv_preemptions.load(Ordering::Relaxed), 1);
+    assert_eq!(worker.stats.kv.preemptions.load(Ordering::Relaxed), 1);
     assert!(younger_done > older_done, "the younger one waited");
-    assert_eq!(worker.stats.kv_waiting(), 0);
+    assert_eq!(worker.stats.kv.waiting(), 0);
     reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;
 }

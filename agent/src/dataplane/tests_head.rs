@@ -446,9 +446,9 @@ async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_is_refused(
     let (next, _) = scripted_last(vec![100; 400]).await;
     let (mut client, worker, _dir) = head(&next, text).await;
     let stats = &worker.stats;
-    stats.kv_budget_tokens.store(100, Ordering::Relaxed);
+    stats.kv.budget_tokens.store(100, Ordering::Relaxed);
     // What generations admitted before hold: 76 of the 100.
-    stats.kv_reserved_tokens.store(76, Ordering::Relaxed);
+    stats.kv.reserved_tokens.store(76, Ordering::Relaxed);
     // A prompt of 30 and its next tokens (10 at most here) do not fit.
     let refused = client
         .generate(request(vec![100; 30], 10))
@@ -468,7 +468,7 @@ async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_is_refused(
         .unwrap();
     reserved_becomes(&worker, 76).await;
     // One that could not fit even alone is refused whatever the others hold.
-    stats.kv_reserved_tokens.store(0, Ordering::Relaxed);
+    stats.kv.reserved_tokens.store(0, Ordering::Relaxed);
     let alone = client
         .generate(request(vec![100; 30], 80))
         .await
@@ -495,7 +495,8 @@ pub(super) async fn reserved_becomes(worker: &StageWorker, n: u64) {
     for _ in 0..100 {
         if worker
             .stats
-            .kv_reserved_tokens
+            .kv
+            .reserved_tokens
             .load(std::sync::atomic::Ordering::Relaxed)
             == n
         {

@@ -560,7 +560,7 @@ async fn bring_up(
     );
     if shard.spec.layers.start == 0 {
         // Heads admit generations (see `dataplane::head`).
-        worker.stats.kv_budget_tokens.store(
+        worker.stats.kv.budget_tokens.store(
             u64::from(spec_kv.context_length) * u64::from(spec_kv.concurrent_sequences),
             std::sync::atomic::Ordering::Relaxed,
         );
