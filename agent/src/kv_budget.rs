@@ -2,7 +2,7 @@
 //! hold: admission, growth, and preemption of the youngest.
 //!
 //! ```text
-//!  admit: take_preemptible(prompt + 16) ─► each step: grow by 16 ─► ok: run it
+//!  admit: take(prompt + 16) ─► each step: grow by 16 ─► ok: run it
 //!                                                  │ no room
 //!                    ask the youngest younger holder to yield, wait for it
 //!                    (none younger, or asked to yield itself):
@@ -35,7 +35,7 @@ pub struct KvLedger {
     /// Woken when reserved KV is given back, and when a generation is asked
     /// to yield its room.
     pub room: Notify,
-    /// The preemptible generations that hold KV, with their age.
+    /// The generations that hold KV, with their age.
     holders: Mutex<Vec<Holder>>,
     /// The next admission's number (its age: lower is older).
     admissions: AtomicU64,
@@ -50,7 +50,7 @@ impl KvLedger {
     }
 }
 
-/// A preemptible generation that holds KV: when it was admitted, and
+/// A generation that holds KV: when it was admitted, and
 /// whether an older one asked it to yield its room.
 #[derive(Debug)]
 struct Holder {
@@ -78,8 +78,7 @@ impl Drop for Counted<'_> {
 
 /// A generation's share of a stage's KV budget, given back when dropped.
 ///
-/// A preemptible share ([`KvReservation::take_preemptible`]) grows as its
-/// generation decodes. One that cannot grow asks the youngest younger
+/// A share ([`KvReservation::take`]) grows as its generation decodes. One that cannot grow asks the youngest younger
 /// holder to yield its room ([`KvReservation::ask_younger_to_yield`]) and
 /// waits for it; the youngest yields itself (gives its share back, then
 /// [`KvReservation::regain`]s it, keeping its age). So the oldest
@@ -88,30 +87,30 @@ impl Drop for Counted<'_> {
 pub struct KvReservation {
     ledger: Arc<KvLedger>,
     tokens: u64,
-    /// When it was admitted (preemptible shares).
+    /// When it was admitted.
     admitted: u64,
-    /// Set when an older generation asks it to yield (preemptible shares).
-    yield_asked: Option<Arc<AtomicBool>>,
+    /// Set when an older generation asks it to yield.
+    yield_asked: Arc<AtomicBool>,
 }
 
 impl KvReservation {
-    /// Reserves `tokens` of `ledger`'s budget for good, or says how much is taken.
+    /// Reserves `tokens` of `ledger`'s budget as a share that grows and may
+    /// be asked to yield, or says how much is taken (all of it, to a new
+    /// generation, while others wait for room: they go first).
     pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, (u64, u64)> {
         let mut r = KvReservation {
             ledger: ledger.clone(),
             tokens: 0,
-            admitted: 0,
-            yield_asked: None,
+            admitted: ledger.admissions.fetch_add(1, Ordering::AcqRel),
+            yield_asked: Arc::default(),
         };
-        r.grow(tokens).map(|()| r)
-    }
-
-    /// Reserves `tokens` of `ledger`'s budget as a share that grows and may
-    /// be asked to yield, or says how much is taken.
-    pub fn take_preemptible(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, (u64, u64)> {
-        let mut r = Self::take(ledger, tokens)?;
-        r.admitted = ledger.admissions.fetch_add(1, Ordering::AcqRel);
-        r.yield_asked = Some(Arc::default());
+        if ledger.waiting() > 0 {
+            return Err((
+                ledger.reserved_tokens.load(Ordering::Relaxed),
+                ledger.budget_tokens.load(Ordering::Relaxed),
+            ));
+        }
+        r.grow(tokens)?;
         r.hold();
         Ok(r)
     }
@@ -137,9 +136,7 @@ impl KvReservation {
 
     /// Whether an older generation asked this one to yield its room.
     pub fn yield_asked(&self) -> bool {
-        self.yield_asked
-            .as_ref()
-            .is_some_and(|f| f.load(Ordering::Acquire))
+        self.yield_asked.load(Ordering::Acquire)
     }
 
     /// Asks the youngest holder younger than this one to yield its room
@@ -172,28 +169,24 @@ impl KvReservation {
     }
 
     fn hold(&self) {
-        if let Some(flag) = &self.yield_asked {
-            flag.store(false, Ordering::Release);
-            self.ledger
-                .holders
-                .lock()
-                .expect("holders lock")
-                .push(Holder {
-                    admitted: self.admitted,
-                    yield_asked: flag.clone(),
-                });
-        }
+        self.yield_asked.store(false, Ordering::Release);
+        self.ledger
+            .holders
+            .lock()
+            .expect("holders lock")
+            .push(Holder {
+                admitted: self.admitted,
+                yield_asked: self.yield_asked.clone(),
+            });
     }
 
     /// Gives the whole share back.
     pub fn give_back(&mut self) {
-        if let Some(flag) = &self.yield_asked {
-            self.ledger
-                .holders
-                .lock()
-                .expect("holders lock")
-                .retain(|h| !Arc::ptr_eq(&h.yield_asked, flag));
-        }
+        self.ledger
+            .holders
+            .lock()
+            .expect("holders lock")
+            .retain(|h| !Arc::ptr_eq(&h.yield_asked, &self.yield_asked));
         let tokens = std::mem::take(&mut self.tokens);
         let _ = self.ledger.reserved_tokens.fetch_update(
             Ordering::AcqRel,
@@ -238,13 +231,10 @@ mod tests {
     async fn the_youngest_younger_holder_yields_and_regains_its_room_keeping_its_age() {
         let ledger = Arc::new(KvLedger::default());
         ledger.budget_tokens.store(30, Ordering::Relaxed);
-        let mut a = KvReservation::take_preemptible(&ledger, 10).unwrap();
-        let b = KvReservation::take_preemptible(&ledger, 10).unwrap();
-        let mut c = KvReservation::take_preemptible(&ledger, 10).unwrap();
-        assert_eq!(
-            KvReservation::take_preemptible(&ledger, 1).unwrap_err(),
-            (30, 30)
-        );
+        let mut a = KvReservation::take(&ledger, 10).unwrap();
+        let b = KvReservation::take(&ledger, 10).unwrap();
+        let mut c = KvReservation::take(&ledger, 10).unwrap();
+        assert_eq!(KvReservation::take(&ledger, 1).unwrap_err(), (30, 30));
         // The youngest has none younger to ask: it yields itself.
         assert!(!c.ask_younger_to_yield());
         // The oldest asks the youngest, not the one between.

@@ -148,38 +148,26 @@ impl Service {
                 stage.name, self.node
             )));
         }
-        let reservation = match waiting {
-            0 => KvReservation::take_preemptible(&stage.worker.stats.kv, need),
-            // Generations waiting for room go first.
-            _ => Err((
-                stage
-                    .worker
-                    .stats
-                    .kv
-                    .reserved_tokens
-                    .load(std::sync::atomic::Ordering::Relaxed),
-                budget,
-            )),
-        }
-        .map_err(|(reserved, budget)| {
-            self.metrics
-                .generations
-                .with_label_values(&["refused"])
-                .inc();
-            Status::resource_exhausted(format!(
-                "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
-                 (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
-                 the shard holds ({} sequences of {}) are reserved by the sequences it runs{}",
-                stage.name,
-                self.node,
-                stage.spec.kv_cache.concurrent_sequences,
-                stage.spec.kv_cache.context_length,
-                match waiting {
-                    0 => String::new(),
-                    n => format!("; {n} sequences it runs wait for room first"),
-                }
-            ))
-        })?;
+        let reservation = KvReservation::take(&stage.worker.stats.kv, need)
+            .map_err(|(reserved, budget)| {
+                self.metrics
+                    .generations
+                    .with_label_values(&["refused"])
+                    .inc();
+                Status::resource_exhausted(format!(
+                    "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
+                     (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
+                     the shard holds ({} sequences of {}) are reserved by the sequences it runs{}",
+                    stage.name,
+                    self.node,
+                    stage.spec.kv_cache.concurrent_sequences,
+                    stage.spec.kv_cache.context_length,
+                    match waiting {
+                        0 => String::new(),
+                        n => format!("; {n} sequences it runs wait for room first"),
+                    }
+                ))
+            })?;
         let id: SequenceId = rand::random();
         let context = request.context();
         let (downstream, local_sampler) = if stage.is_last() {
