@@ -230,6 +230,7 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
             assert!(!of_kind(&docs, kind).is_empty(), "no {kind} rendered");
         }
         assert_eq!(of_kind(&docs, "Deployment").len(), 2);
+        agent_roles_agree_with_up(&docs);
         assert!(
             of_kind(&docs, "CustomResourceDefinition").is_empty(),
             "crds.enabled=false leaves the CRDs out"
@@ -450,6 +451,38 @@ fn the_values_schema_turns_away_bad_values() {
     }
 }
 
+/// The agents' roles `shardplane up` applies (`agent_rbac.yaml`) are the
+/// chart's, but for the chart's optional Hugging Face token Secrets.
+fn agent_roles_agree_with_up(docs: &[Value]) {
+    let up_text =
+        std::fs::read_to_string(repo_root().join("cli/src/commands/agent_rbac.yaml")).unwrap();
+    let up = yaml_stream(&up_text);
+    let rules = |docs: &[Value], kind: &str| -> Vec<Value> {
+        let found: Vec<&Value> = of_kind(docs, kind)
+            .into_iter()
+            .filter(|d| {
+                let name = d["metadata"]["name"].as_str().unwrap_or_default();
+                name == "ACCOUNT" || name.ends_with("-agent")
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "one agent {kind}: {found:?}");
+        found[0]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["resources"] != serde_json::json!(["secrets"]))
+            .cloned()
+            .collect()
+    };
+    for kind in ["ClusterRole", "Role"] {
+        assert_eq!(
+            rules(docs, kind),
+            rules(&up, kind),
+            "the agents' {kind} differs between the chart and up"
+        );
+    }
+}
+
 /// `kubectl auth can-i` as a ServiceAccount: the API server's RBAC answers.
 fn can(sa: &str, verb: &str, resource: &str, namespace: Option<&str>) -> bool {
     // `kind/status` is the status subresource; `kind/name` one object.
@@ -470,8 +503,8 @@ fn can(sa: &str, verb: &str, resource: &str, namespace: Option<&str>) -> bool {
     }
 }
 
-fn kubeconfig_for(ns: &str, service_account: &str, dir: &Path) -> PathBuf {
-    let path = dir.join(format!("{service_account}.kubeconfig"));
+fn kubeconfig_for(ns: &str, service_account: &str, node: Option<&str>, dir: &Path) -> PathBuf {
+    let path = dir.join(format!("{}.kubeconfig", node.unwrap_or(service_account)));
     let out = Command::new(BIN)
         .args(["agent-kubeconfig", "--kubeconfig"])
         .arg(control_plane().kubeconfig())
@@ -482,8 +515,9 @@ fn kubeconfig_for(ns: &str, service_account: &str, dir: &Path) -> PathBuf {
             service_account,
             "--duration",
             "1h",
-            "-o",
         ])
+        .args(node.map(|n| ["--node", n]).into_iter().flatten())
+        .arg("-o")
         .arg(&path)
         .output()
         .unwrap();
@@ -517,6 +551,9 @@ impl Drop for Release {
         ] {
             let _ = cp.kubectl(&["delete", kind, "-n", ns, "-l", &selector, "--wait=false"]);
         }
+        let node = format!("shardplane.dev/node={}", self.node);
+        let _ = cp.kubectl(&["delete", "clusterrolebinding", "-l", &node, "--wait=false"]);
+        let _ = cp.kubectl(&["delete", "rolebinding", "-A", "-l", &node, "--wait=false"]);
         let _ = cp.kubectl(&["delete", "inferencenode", &self.node, "--wait=false"]);
         let _ = cp.kubectl(&["delete", "namespace", &self.namespace, "--wait=false"]);
     }
@@ -592,6 +629,20 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             own,
         ),
         (&operator, "get", "namespaces/shardplane-node-lease", None),
+        (
+            &operator,
+            "patch",
+            &format!(
+                "validatingwebhookconfigurations.admissionregistration.k8s.io/{full}-operator"
+            ),
+            None,
+        ),
+        (
+            &operator,
+            "update",
+            &format!("secrets/{full}-operator-webhook-tls"),
+            own,
+        ),
         (&gateway, "watch", "modeldeployments.shardplane.dev", None),
         (&gateway, "watch", "models.shardplane.dev", None),
         (&gateway, "watch", "shards.shardplane.dev", None),
@@ -631,6 +682,13 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         (&operator, "delete", "modeldeployments.shardplane.dev", None),
         (&operator, "patch", "inferencenodes.shardplane.dev", None),
         (&operator, "create", "namespaces", None),
+        (
+            &operator,
+            "patch",
+            "validatingwebhookconfigurations.admissionregistration.k8s.io/someone-elses",
+            None,
+        ),
+        (&operator, "update", "secrets", own),
         (&gateway, "list", "secrets", own),
         (&gateway, "get", &token, own),
         (&gateway, "get", "secrets", Some("default")),
@@ -660,20 +718,56 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
     }
     assert!(can(&gateway, "get", &api_keys, own));
 
-    // A real agent on a kubeconfig made for its ServiceAccount registers,
-    // reports its machine and renews its Lease.
+    // A node identity minted by `agent-kubeconfig --node` holds every role
+    // of the agents' ServiceAccount (the copies of its bindings), and a real
+    // agent on it registers, reports its machine and renews its Lease.
     let dir = tempfile::tempdir().unwrap();
-    let agent_kc = kubeconfig_for(&ns, &format!("{full}-agent"), dir.path());
-    let text = std::fs::read_to_string(&agent_kc).unwrap();
-    assert!(
-        text.contains(&format!("system:serviceaccount:{ns}:{full}-agent")),
-        "{text}"
+    let agent_kc = kubeconfig_for(
+        &ns,
+        &format!("{full}-agent"),
+        Some(&release.node),
+        dir.path(),
     );
+    let text = std::fs::read_to_string(&agent_kc).unwrap();
+    let node_sa = format!(
+        "system:serviceaccount:{ns}:shardplane-node-{}",
+        release.node
+    );
+    assert!(text.contains(&node_sa), "{text}");
     assert_eq!(
         std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&agent_kc).unwrap().permissions()
         ) & 0o777,
         0o600
+    );
+    for (verb, resource, namespace) in [
+        ("create", "inferencenodes.shardplane.dev", None),
+        ("patch", "inferencenodes.shardplane.dev/status", None),
+        ("patch", "shards.shardplane.dev/status", None),
+        ("patch", "leases.coordination.k8s.io", lease_ns),
+        ("get", "secrets", Some(models_ns.as_str())),
+    ] {
+        assert!(
+            can(&node_sa, verb, resource, namespace),
+            "{node_sa} cannot {verb} {resource}"
+        );
+    }
+    for (verb, resource, namespace) in [
+        ("create", "shards.shardplane.dev", None),
+        ("get", "secrets", own),
+        ("patch", "leases.coordination.k8s.io", own),
+    ] {
+        assert!(
+            !can(&node_sa, verb, resource, namespace),
+            "{node_sa} can {verb} {resource}"
+        );
+    }
+    // The shared identity still works (with a note recommending --node).
+    let shared_kc = kubeconfig_for(&ns, &format!("{full}-agent"), None, dir.path());
+    assert!(
+        std::fs::read_to_string(&shared_kc)
+            .unwrap()
+            .contains(&format!("system:serviceaccount:{ns}:{full}-agent"))
     );
     let cache = dir.path().join("cache");
     let _agent: ChildGuard = spawn_component_as(
@@ -708,7 +802,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
 
     // A real gateway on its ServiceAccount's kubeconfig reads its API keys
     // from the chart's Secret and serves the model list.
-    let gateway_kc = kubeconfig_for(&ns, &format!("{full}-gateway"), dir.path());
+    let gateway_kc = kubeconfig_for(&ns, &format!("{full}-gateway"), None, dir.path());
     let listen = free_address();
     let _gateway = spawn_component_as(
         BIN,
@@ -776,10 +870,14 @@ fn on_its_own_cluster_the_chart_installs_upgrades_and_uninstalls_keeping_crds_an
     )
     .unwrap();
     let docs = render("shardplane", "sp", &[&existing]);
+    // No secret value rendered (the webhook's certificate Secret is made
+    // empty, for the operator to fill in).
     assert!(
         of_kind(&docs, "Secret")
             .iter()
-            .all(|s| s["type"] != "Opaque")
+            .all(|s| s["type"] != "Opaque" || (s["data"].is_null() && s["stringData"].is_null())),
+        "{}",
+        list(&of_kind(&docs, "Secret"))
     );
     assert!(list(&docs.iter().collect::<Vec<_>>()).contains("\"my-token\""));
 

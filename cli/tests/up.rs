@@ -148,6 +148,103 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     );
     assert!(text.contains("TTFT p50 "), "{text}");
 
+    // Each agent runs as a node identity of its own: node-0's renews its own
+    // Lease but may not touch node-1's (the operator's admission webhook
+    // refuses), and an invalid spec is refused at apply time, naming the
+    // field and the reason.
+    let node0 = state.path().join("identities/node-0.kubeconfig");
+    let annotate = |lease: &str| {
+        Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&node0)
+            .args(["annotate", "--overwrite", "lease", lease])
+            .args(["-n", "shardplane-node-lease", "example.com/probe=1"])
+            .output()
+            .unwrap()
+    };
+    let own = annotate("node-0");
+    assert!(
+        own.status.success(),
+        "{}",
+        String::from_utf8_lossy(&own.stderr)
+    );
+    let other = annotate("node-1");
+    let said = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success(), "node-0 annotated node-1's Lease");
+    assert!(
+        said.contains("denied the request: node \"node-0\" may not update leases \"node-1\""),
+        "{said}"
+    );
+    // Nor rewrite the endpoint of a Shard bound to another node (which would
+    // send that node's prompts to it).
+    let kubectl = |kubeconfig: &std::path::Path, args: &[&str]| {
+        Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let admin = std::path::Path::new(&kubeconfig);
+    let theirs = kubectl(
+        admin,
+        &[
+            "get",
+            "shards",
+            "-A",
+            "-l",
+            "shardplane.dev/node=node-2",
+            "-o",
+            "jsonpath={.items[0].metadata.namespace}/{.items[0].metadata.name}",
+        ],
+    );
+    let theirs = String::from_utf8_lossy(&theirs.stdout).to_string();
+    let (ns, shard) = theirs.split_once('/').expect("node-2 holds a Shard");
+    let hijack = kubectl(
+        &node0,
+        &[
+            "patch",
+            "shard",
+            shard,
+            "-n",
+            ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            r#"{"status":{"endpoint":"127.0.0.1:1"}}"#,
+        ],
+    );
+    let said = String::from_utf8_lossy(&hijack.stderr);
+    assert!(!hijack.status.success(), "node-0 rewrote a Shard of node-2");
+    assert!(
+        said.contains(&format!("node \"node-0\" may not update shards/status \"{shard}\": the Shard is bound to \"node-2\"")),
+        "{said}"
+    );
+    let mut apply = Command::new("kubectl")
+        .args(["--kubeconfig", kubeconfig.as_str(), "apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        apply.stdin.as_mut().unwrap(),
+        b"apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\n\
+          metadata: {name: loops, namespace: default}\n\
+          spec: {model: smollm2-135m, nodePool: daily, strategy: whole, fallback: [{deployment: loops}]}\n",
+    )
+    .unwrap();
+    let refused = apply.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "an invalid deployment was applied"
+    );
+    assert!(
+        said.contains("spec.fallback[0].deployment: a deployment cannot fall back to itself"),
+        "{said}"
+    );
+
     // `shardplane bench --gateway` as a client of the gateway: every stream
     // of a concurrent sweep runs to exactly the tokens asked for
     // (`ignore_eos` reaches the agents), and the figures are filled in.

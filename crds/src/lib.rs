@@ -20,6 +20,7 @@
 // the same attribute repeated.
 #![allow(clippy::duplicated_attributes)]
 
+pub mod identity;
 pub mod limits;
 pub mod names;
 pub mod quantity;

@@ -275,7 +275,8 @@ impl Validate for ShardingStrategy {
     }
 }
 
-fn is_dns_subdomain(s: &str) -> bool {
+/// Whether `s` is a DNS subdomain (RFC 1123), as most object names must be.
+pub fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
         && s.split('.').all(|label| {

@@ -51,6 +51,9 @@ pub enum RunError {
     /// An HTTP client for model sources cannot be built.
     #[error(transparent)]
     Http(#[from] shardplane_models::Error),
+    /// The admission webhook cannot start.
+    #[error("admission webhook: {0}")]
+    Webhook(#[from] crate::admission::WebhookError),
     /// A controller stopped on its own (not at a signal).
     #[error("a controller stopped: {0}")]
     ControllerStopped(String),

@@ -18,8 +18,10 @@
 //! serves `/metrics`, `/livez`, `/readyz` and the web view (`/ui`,
 //! `shardplane-view`) on its admin port; `/readyz` says
 //! the replica reaches the API server (leader or standby), the
-//! `shardplane_operator_leader` gauge says it leads.
+//! `shardplane_operator_leader` gauge says it leads. Every replica also
+//! serves the validating admission webhook when it is on (`admission`).
 
+pub mod admission;
 pub mod caches;
 pub mod conditions;
 pub mod controllers;
@@ -60,6 +62,8 @@ pub struct OperatorConfig {
     pub gateway_url: Option<String>,
     /// The web view at `/ui` on the admin port; none when turned off.
     pub view: Option<shardplane_view::web::Settings>,
+    /// The validating admission webhook; none when turned off.
+    pub webhook: Option<admission::WebhookConfig>,
 }
 
 pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
@@ -91,6 +95,15 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
             let _ = tokio::signal::ctrl_c().await;
         },
     ));
+
+    // Every replica serves the webhook, so that a standby answers while
+    // the leader is away.
+    let webhook = match &config.webhook {
+        Some(settings) => Some(tokio::spawn(
+            admission::start(client.clone(), settings.clone()).await?,
+        )),
+        None => None,
+    };
 
     config.election.acquire(&client, &ready).await;
     metrics.leader.set(1);
@@ -154,5 +167,8 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     controllers.abort_all();
     metrics.leader.set(0);
     admin.abort();
+    if let Some(webhook) = webhook {
+        webhook.abort();
+    }
     outcome
 }

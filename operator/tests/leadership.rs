@@ -38,6 +38,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
         read_model_paths: true,
         gateway_url: None,
         view: None,
+        webhook: None,
     };
     let client = client.clone();
     let task = tokio::spawn(async move {

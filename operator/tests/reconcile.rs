@@ -43,6 +43,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         read_model_paths: true,
         gateway_url: Some(GATEWAY_URL.into()),
         view: None,
+        webhook: None,
     };
     let client = client.clone();
     tokio::spawn(async move {

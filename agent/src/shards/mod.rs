@@ -428,22 +428,46 @@ fn report(client: &Client, shards: &ShardSet, k: &Key, status: ShardStatus) {
 
 /// The one writer of Shard `k`'s status: writes each status it is given
 /// (the latest when several came meanwhile), until the Shard is unloaded.
+/// A write that fails (the API server or the admission webhook away) is
+/// retried with backoff until it lands or a newer status replaces it; a
+/// Shard that is gone is not written.
 async fn status_writer(
     client: Client,
     shards: ShardSet,
     k: Key,
     mut statuses: watch::Receiver<ShardStatus>,
 ) {
-    loop {
+    'statuses: loop {
         let status = statuses.borrow_and_update().clone();
-        if let Err(e) = write_status(&client, &shards, &k, &status).await {
-            tracing::warn!(shard = %k.1, error = %e, "cannot report shard status");
+        let mut wait = STATUS_RETRY_FIRST;
+        loop {
+            match write_status(&client, &shards, &k, &status).await {
+                Ok(()) => break,
+                Err(kube::Error::Api(e)) if e.code == 404 => break,
+                Err(e) => {
+                    tracing::warn!(shard = %k.1, error = %e, retry_in = ?wait, "cannot report shard status");
+                    tokio::select! {
+                        changed = statuses.changed() => match changed {
+                            Ok(()) => continue 'statuses,
+                            Err(_) => return,
+                        },
+                        () = tokio::time::sleep(wait) => {}
+                    }
+                    wait = (wait * 2).min(STATUS_RETRY_MAX);
+                }
+            }
         }
         if statuses.changed().await.is_err() {
             return;
         }
     }
 }
+
+/// The first wait before a failed status write is retried; it doubles up to
+/// [`STATUS_RETRY_MAX`].
+const STATUS_RETRY_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+/// The longest wait between retries of a status write.
+const STATUS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Writes the Shard's status, with its failure record (every write carries
 /// it: fields the agent leaves out of an apply are removed).

@@ -35,8 +35,15 @@ pub struct AgentKubeconfigArgs {
     duration: Duration,
     /// Take the long-lived token from this `kubernetes.io/service-account-token`
     /// Secret instead of requesting one.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "node")]
     from_secret: Option<String>,
+    /// Mint an identity for this one node: a ServiceAccount of its own
+    /// (`shardplane-node-<node>`) with every role the agents' ServiceAccount
+    /// has. The operator's admission webhook then lets it write only that
+    /// node's InferenceNode, Lease and Shard status. Recommended: without it
+    /// every agent shares one identity that can write any node's objects.
+    #[arg(long)]
+    node: Option<String>,
     /// API server URL the agents use, when it differs from the administrator's.
     #[arg(long)]
     server: Option<String>,
@@ -81,48 +88,28 @@ pub fn run(args: AgentKubeconfigArgs) -> anyhow::Result<()> {
             .clone()
             .context("the current cluster has no server URL: pass --server")?,
     };
-    let mut cluster_entry = json!({ "server": server });
-    if let Some(data) = &cluster.certificate_authority_data {
-        cluster_entry["certificate-authority-data"] = json!(data);
-    } else if let Some(path) = &cluster.certificate_authority {
-        let pem = std::fs::read(path).with_context(|| format!("cannot read CA {path}"))?;
-        cluster_entry["certificate-authority-data"] =
-            json!(base64::engine::general_purpose::STANDARD.encode(pem));
-    }
-    if cluster.insecure_skip_tls_verify == Some(true) {
-        cluster_entry["insecure-skip-tls-verify"] = json!(true);
-    }
-    if let Some(name) = &cluster.tls_server_name {
-        cluster_entry["tls-server-name"] = json!(name);
-    }
-
-    let (token, expires) = tokio::runtime::Runtime::new()?.block_on(async {
+    let entry = cluster_entry(&cluster, server)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    let (account, (token, expires)) = runtime.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;
-        token(&client, &args).await
+        let account = match &args.node {
+            Some(node) => {
+                super::node_identity::mint(&client, &args.namespace, &args.service_account, node)
+                    .await?
+            }
+            None => {
+                eprintln!(
+                    "note: every agent on this kubeconfig shares one identity; pass --node NAME \
+                     to mint one that may write only its own node's objects"
+                );
+                args.service_account.clone()
+            }
+        };
+        let token = token(&client, &args, &account).await?;
+        anyhow::Ok((account, token))
     })?;
-
-    let user = format!(
-        "system:serviceaccount:{}:{}",
-        args.namespace, args.service_account
-    );
-    let kubeconfig = json!({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{ "name": "shardplane", "cluster": cluster_entry }],
-        "users": [{ "name": args.service_account, "user": { "token": token } }],
-        "contexts": [{
-            "name": "shardplane-agent",
-            "context": { "cluster": "shardplane", "user": args.service_account, "namespace": args.namespace },
-        }],
-        "current-context": "shardplane-agent",
-    });
-    let text = format!(
-        "# A kubeconfig for shardplane node agents, as {user}.\n# Token expires: {}.\n{}",
-        expires
-            .as_deref()
-            .unwrap_or("never (revoke by deleting its Secret)"),
-        serde_saphyr::to_string(&kubeconfig)?
-    );
+    let user = format!("system:serviceaccount:{}:{account}", args.namespace);
+    let text = kubeconfig_text(entry, &args.namespace, &account, &token, expires.as_deref())?;
     match &args.output {
         Some(path) => {
             write_private(path, &text)?;
@@ -133,10 +120,94 @@ pub fn run(args: AgentKubeconfigArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The `cluster` entry of a kubeconfig for `cluster`, reached at `server`.
+pub(crate) fn cluster_entry(
+    cluster: &kube::config::Cluster,
+    server: String,
+) -> anyhow::Result<serde_json::Value> {
+    let mut entry = json!({ "server": server });
+    if let Some(data) = &cluster.certificate_authority_data {
+        entry["certificate-authority-data"] = json!(data);
+    } else if let Some(path) = &cluster.certificate_authority {
+        let pem = std::fs::read(path).with_context(|| format!("cannot read CA {path}"))?;
+        entry["certificate-authority-data"] =
+            json!(base64::engine::general_purpose::STANDARD.encode(pem));
+    }
+    if cluster.insecure_skip_tls_verify == Some(true) {
+        entry["insecure-skip-tls-verify"] = json!(true);
+    }
+    if let Some(name) = &cluster.tls_server_name {
+        entry["tls-server-name"] = json!(name);
+    }
+    Ok(entry)
+}
+
+/// A kubeconfig for ServiceAccount `namespace/account` holding `token`.
+pub(crate) fn kubeconfig_text(
+    cluster: serde_json::Value,
+    namespace: &str,
+    account: &str,
+    token: &str,
+    expires: Option<&str>,
+) -> anyhow::Result<String> {
+    let user = format!("system:serviceaccount:{namespace}:{account}");
+    let kubeconfig = json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{ "name": "shardplane", "cluster": cluster }],
+        "users": [{ "name": account, "user": { "token": token } }],
+        "contexts": [{
+            "name": "shardplane-agent",
+            "context": { "cluster": "shardplane", "user": account, "namespace": namespace },
+        }],
+        "current-context": "shardplane-agent",
+    });
+    Ok(format!(
+        "# A kubeconfig for shardplane node agents, as {user}.\n# Token expires: {}.\n{}",
+        expires.unwrap_or("never (revoke by deleting its Secret)"),
+        serde_saphyr::to_string(&kubeconfig)?
+    ))
+}
+
+/// A token of ServiceAccount `namespace/account` lasting `duration` (the API
+/// server may shorten it) and when it expires.
+pub(crate) async fn request_token(
+    client: &kube::Client,
+    namespace: &str,
+    account: &str,
+    duration: Duration,
+) -> anyhow::Result<(String, Option<String>)> {
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: Vec::new(),
+            expiration_seconds: Some(duration.as_secs() as i64),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api = Api::<ServiceAccount>::namespaced(client.clone(), namespace);
+    let answer = api
+        .create_token_request(account, &PostParams::default(), &request)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot request a token for ServiceAccount {namespace}/{account} (is the chart installed there?)"
+            )
+        })?;
+    let Some(status) = answer.status else {
+        bail!("the API server answered the token request without a token");
+    };
+    Ok((
+        status.token,
+        Some(status.expiration_timestamp.0.to_string()),
+    ))
+}
+
 /// The token and when it expires (None: it does not).
 async fn token(
     client: &kube::Client,
     args: &AgentKubeconfigArgs,
+    account: &str,
 ) -> anyhow::Result<(String, Option<String>)> {
     if let Some(secret) = &args.from_secret {
         let s = Api::<Secret>::namespaced(client.clone(), &args.namespace)
@@ -155,34 +226,10 @@ async fn token(
             None,
         ));
     }
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: Vec::new(),
-            expiration_seconds: Some(args.duration.as_secs() as i64),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let api = Api::<ServiceAccount>::namespaced(client.clone(), &args.namespace);
-    let answer = api
-        .create_token_request(&args.service_account, &PostParams::default(), &request)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot request a token for ServiceAccount {}/{} (is the chart installed there?)",
-                args.namespace, args.service_account
-            )
-        })?;
-    let Some(status) = answer.status else {
-        bail!("the API server answered the token request without a token");
-    };
-    Ok((
-        status.token,
-        Some(status.expiration_timestamp.0.to_string()),
-    ))
+    request_token(client, &args.namespace, account, args.duration).await
 }
 
-fn current_cluster(kc: &Kubeconfig) -> anyhow::Result<kube::config::Cluster> {
+pub(crate) fn current_cluster(kc: &Kubeconfig) -> anyhow::Result<kube::config::Cluster> {
     let context_name = kc
         .current_context
         .as_deref()

@@ -12,6 +12,7 @@ pub mod gateway;
 pub mod generate;
 mod kube_client;
 mod model_args;
+mod node_identity;
 pub mod operator;
 mod process;
 pub mod status;

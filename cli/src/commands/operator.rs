@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use shardplane_operator::admission::{Reach, WebhookConfig};
 use shardplane_operator::{OperatorConfig, leader::Election};
 
 use super::kube_client::client;
@@ -69,6 +70,59 @@ pub struct OperatorArgs {
     /// for several gateways.
     #[arg(long, env = "SHARDPLANE_GATEWAY_METRICS", value_delimiter = ',', value_parser = metrics_url)]
     gateway_metrics: Vec<String>,
+    /// Serve the validating admission webhook here (HTTPS). It lets each
+    /// node identity write only its own objects and refuses invalid specs
+    /// at apply time; say how the API server reaches it with
+    /// `--webhook-url` or `--webhook-service`.
+    #[arg(long, env = "SHARDPLANE_WEBHOOK_ADDRESS")]
+    webhook_address: Option<SocketAddr>,
+    /// The webhook's base URL as the API server reaches it
+    /// (`https://127.0.0.1:9443`), for an operator outside the cluster.
+    #[arg(long, env = "SHARDPLANE_WEBHOOK_URL", requires = "webhook_address", conflicts_with = "webhook_service", value_parser = webhook_url)]
+    webhook_url: Option<String>,
+    /// The Service in front of the operator replicas (`namespace/name:port`).
+    #[arg(long, env = "SHARDPLANE_WEBHOOK_SERVICE", requires = "webhook_address", value_parser = webhook_service)]
+    webhook_service: Option<Reach>,
+    /// The Secret (in the leader namespace) holding the webhook's CA and
+    /// serving certificate; made when missing.
+    #[arg(
+        long,
+        env = "SHARDPLANE_WEBHOOK_SECRET",
+        default_value = "shardplane-webhook-tls"
+    )]
+    webhook_secret: String,
+    /// The name of the ValidatingWebhookConfiguration the operator applies.
+    #[arg(
+        long,
+        env = "SHARDPLANE_WEBHOOK_CONFIGURATION",
+        default_value = "shardplane"
+    )]
+    webhook_configuration: String,
+}
+
+/// An https URL with a host, without a trailing slash.
+fn webhook_url(text: &str) -> Result<String, String> {
+    let url = reqwest::Url::parse(text).map_err(|e| format!("not a URL ({e}): {text}"))?;
+    if url.scheme() != "https" || url.host_str().is_none() {
+        return Err(format!("an https:// URL with a host is wanted: {text}"));
+    }
+    Ok(text.trim_end_matches('/').to_string())
+}
+
+/// `namespace/name:port`.
+fn webhook_service(text: &str) -> Result<Reach, String> {
+    let wanted = || format!("namespace/name:port is wanted: {text}");
+    let (namespace, rest) = text.split_once('/').ok_or_else(wanted)?;
+    let (name, port) = rest.split_once(':').ok_or_else(wanted)?;
+    let port: u16 = port.parse().map_err(|_| wanted())?;
+    if namespace.is_empty() || name.is_empty() {
+        return Err(wanted());
+    }
+    Ok(Reach::Service {
+        namespace: namespace.into(),
+        name: name.into(),
+        port,
+    })
 }
 
 fn metrics_url(text: &str) -> Result<String, String> {
@@ -93,6 +147,18 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
         format!("{}-{}", host.trim(), std::process::id())
     });
     let lease = Duration::from_secs(args.leader_lease_seconds.max(3));
+    let webhook = match (args.webhook_address, args.webhook_url, args.webhook_service) {
+        (None, ..) => None,
+        (Some(_), None, None) => anyhow::bail!(
+            "--webhook-address needs --webhook-url or --webhook-service: how the API server reaches the webhook"
+        ),
+        (Some(listen), url, service) => Some(WebhookConfig {
+            listen,
+            reach: service.unwrap_or_else(|| Reach::Url(url.unwrap_or_default())),
+            secret: (args.leader_namespace.clone(), args.webhook_secret),
+            configuration: args.webhook_configuration,
+        }),
+    };
     let config = OperatorConfig {
         admin_address: args.admin_address,
         election: Election {
@@ -122,6 +188,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
                 })
             })
             .transpose()?,
+        webhook,
     };
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = client(args.kubeconfig.as_deref()).await?;

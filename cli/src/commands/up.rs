@@ -130,6 +130,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         args.agents,
         state.join("logs").display()
     ));
+    let runtime = tokio::runtime::Runtime::new()?;
+    step("minting one identity per node agent (each may write only its own node's objects)");
+    let identities = runtime.block_on(node_identities(&kubeconfig, &state, args.agents))?;
     let kc = kubeconfig.to_str().context("kubeconfig path")?;
     let tf = token.to_str().context("token path")?;
     cluster.spawn(
@@ -145,11 +148,15 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             &format!("http://{}/v1", args.gateway_address),
             "--gateway-metrics",
             "http://127.0.0.1:9092/metrics",
+            "--webhook-address",
+            WEBHOOK,
+            "--webhook-url",
+            &format!("https://{WEBHOOK}"),
         ],
     )?;
     // The agents share this machine's cores (see `threads`).
     let threads = super::threads::share(args.agents as usize).to_string();
-    for i in 0..args.agents {
+    for (i, identity) in (0..args.agents).zip(&identities) {
         let tier = if i < 2 { "daily" } else { "reasoning" };
         let cache = state.join(format!("cache/node-{i}"));
         cluster.spawn(
@@ -158,7 +165,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             &[
                 "agent",
                 "--kubeconfig",
-                kc,
+                identity.to_str().context("identity path")?,
                 "--node-name",
                 &format!("node-{i}"),
                 "--label",
@@ -196,7 +203,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         ],
     )?;
 
-    let runtime = tokio::runtime::Runtime::new()?;
     let outcome = runtime.block_on(async {
         let client = client(Some(&kubeconfig)).await?;
         // Every agent registered and Ready first, so the planner sees the
@@ -239,6 +245,46 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     drop(runtime);
     cluster.stop();
     outcome.map(|_| ())
+}
+
+/// Where the operator serves its admission webhook.
+const WEBHOOK: &str = "127.0.0.1:9443";
+/// The namespace and ServiceAccount of the agents' shared roles.
+const AGENTS: (&str, &str) = ("shardplane", "shardplane-agent");
+
+/// The agents' roles, then a ServiceAccount per node (`node-<i>`) holding
+/// them and a kubeconfig for each, in `state/identities`.
+async fn node_identities(
+    kubeconfig: &Path,
+    state: &Path,
+    agents: u32,
+) -> anyhow::Result<Vec<PathBuf>> {
+    use super::agent_kubeconfig::{cluster_entry, current_cluster, kubeconfig_text, request_token};
+    use super::node_identity::{ensure_agent_rbac, mint};
+    let (namespace, shared) = AGENTS;
+    let client = client(Some(kubeconfig)).await?;
+    ensure_agent_rbac(&client, namespace, shared).await?;
+    let admin = kube::config::Kubeconfig::read_from(kubeconfig)?;
+    let cluster = current_cluster(&admin)?;
+    let server = cluster
+        .server
+        .clone()
+        .context("the kubeconfig names no server")?;
+    let dir = state.join("identities");
+    std::fs::create_dir_all(&dir)?;
+    let mut paths = Vec::new();
+    for i in 0..agents {
+        let node = format!("node-{i}");
+        let account = mint(&client, namespace, shared, &node).await?;
+        let year = Duration::from_secs(365 * 86400);
+        let (token, expires) = request_token(&client, namespace, &account, year).await?;
+        let entry = cluster_entry(&cluster, server.clone())?;
+        let text = kubeconfig_text(entry, namespace, &account, &token, expires.as_deref())?;
+        let path = dir.join(format!("{node}.kubeconfig"));
+        write_private(&path, &text)?;
+        paths.push(path);
+    }
+    Ok(paths)
 }
 
 /// What this run started; stopped in reverse order on drop.
