@@ -220,21 +220,22 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         said.contains(&format!("node \"node-0\" may not update shards/status \"{shard}\": the Shard is bound to \"node-2\"")),
         "{said}"
     );
-    let mut apply = Command::new("kubectl")
-        .args(["--kubeconfig", kubeconfig.as_str(), "apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(
-        apply.stdin.as_mut().unwrap(),
-        b"apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\n\
-          metadata: {name: loops, namespace: default}\n\
-          spec: {model: smollm2-135m, nodePool: daily, strategy: whole, fallback: [{deployment: loops}]}\n",
-    )
-    .unwrap();
-    let refused = apply.wait_with_output().unwrap();
+    let apply = |yaml: &str| {
+        let mut apply = Command::new("kubectl")
+            .args(["--kubeconfig", kubeconfig.as_str(), "apply", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(apply.stdin.as_mut().unwrap(), yaml.as_bytes()).unwrap();
+        apply.wait_with_output().unwrap()
+    };
+    let refused = apply(
+        "apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\n\
+         metadata: {name: loops, namespace: default}\n\
+         spec: {model: smollm2-135m, nodePool: daily, strategy: whole, fallback: [{deployment: loops}]}\n",
+    );
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(
         !refused.status.success(),
@@ -242,6 +243,24 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     );
     assert!(
         said.contains("spec.fallback[0].deployment: a deployment cannot fall back to itself"),
+        "{said}"
+    );
+    // A name the default namespace serves cannot be claimed from another.
+    let taken = apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: team-b}\n---\n\
+         apiVersion: shardplane.dev/v1alpha1\nkind: ModelDeployment\n\
+         metadata: {name: mine, namespace: team-b}\n\
+         spec: {model: smollm2-135m, nodePool: daily, strategy: whole, aliases: [smollm2]}\n",
+    );
+    let said = String::from_utf8_lossy(&taken.stderr);
+    assert!(
+        !taken.status.success(),
+        "another namespace took a served name"
+    );
+    assert!(
+        said.contains(
+            "the name \"smollm2\" is served by default/smollm2-daily in another namespace"
+        ),
         "{said}"
     );
 

@@ -21,6 +21,7 @@
 //!   a node can renew another's Lease only while the webhook is unreachable.
 
 pub mod certs;
+pub mod names;
 pub mod review;
 
 use std::net::SocketAddr;
@@ -28,7 +29,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::DefaultBodyLimit;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -282,8 +283,8 @@ pub async fn start(
     register(&client, &config, &tls.ca_pem).await?;
     tracing::info!(address = %config.listen, configuration = %config.configuration, "admission webhook up");
     Ok(async move {
-        let renew = renew(client, config, tls, current);
-        let serve = serve(listener, Arc::new(server));
+        let renew = renew(client.clone(), config, tls, current);
+        let serve = serve(listener, Arc::new(server), client.clone());
         tokio::join!(renew, serve);
     })
 }
@@ -329,17 +330,18 @@ async fn renew(
 /// each at most the API server's 1.5 MiB, and their envelope.
 const REVIEW_LIMIT: usize = 4 << 20;
 
-async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>) {
+async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, client: kube::Client) {
     let router = axum::Router::new()
         .route("/validate", post(validate))
-        .layer(DefaultBodyLimit::max(REVIEW_LIMIT));
+        .layer(DefaultBodyLimit::max(REVIEW_LIMIT))
+        .with_state(client);
     let listener = TlsListener::new(listener, tokio_rustls::TlsAcceptor::from(tls));
     if let Err(e) = axum::serve(listener, router).await {
         tracing::error!(error = %e, "the admission webhook stopped");
     }
 }
 
-async fn validate(body: Bytes) -> Response {
+async fn validate(State(client): State<kube::Client>, body: Bytes) -> Response {
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(review) => review,
         Err(e) => {
@@ -354,7 +356,11 @@ async fn validate(body: Bytes) -> Response {
         Ok(request) => request,
         Err(e) => return reply(&AdmissionResponse::invalid(e).into_review()),
     };
-    let response = review::review(&request);
+    let outcome = match review::verdict(&request) {
+        Ok(()) => names::check(&client, &request).await,
+        refused => refused,
+    };
+    let response = review::respond(&request, outcome);
     if !response.allowed {
         tracing::info!(
             user = request.user_info.username.as_deref().unwrap_or_default(),

@@ -54,8 +54,16 @@ impl Refusal {
 
 /// The response to `request`.
 pub fn review(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    respond(request, verdict(request))
+}
+
+/// The response to `request` for `outcome`.
+pub fn respond(
+    request: &AdmissionRequest<DynamicObject>,
+    outcome: Result<(), Refusal>,
+) -> AdmissionResponse {
     let mut response = AdmissionResponse::from(request);
-    if let Err(refusal) = verdict(request) {
+    if let Err(refusal) = outcome {
         response.allowed = false;
         response.result = Status::failure(&refusal.message, refusal.reason).with_code(refusal.code);
     }
