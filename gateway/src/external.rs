@@ -13,7 +13,8 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use shardplane_crds::ExternalEndpoint;
 
-use crate::protocol::{Answer, ApiError, Event, Finish, Input, Kind, Prompt};
+use crate::protocol::{Answer, ApiError, Event, Input, Kind, Prompt};
+use crate::sse::SseDecoder;
 
 /// The HTTP client for external endpoints (rustls with the ring provider, as
 /// kube uses). Streams have no overall deadline; connecting has one.
@@ -234,114 +235,32 @@ pub async fn start(
     })
 }
 
-/// The endpoint's server-sent events as this gateway's events.
+/// The endpoint's server-sent events as this gateway's events
+/// ([`SseDecoder`] on the body as it arrives).
 fn sse_events(
     response: reqwest::Response,
     chat: bool,
 ) -> impl futures::Stream<Item = Result<Event, ApiError>> + Send {
-    struct State {
-        body: std::pin::Pin<
-            Box<dyn futures::Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>,
-        >,
-        buffer: Vec<u8>,
-        finish: Option<Finish>,
-        usage: Option<(u32, u32)>,
-        pieces: u32,
-        ended: bool,
-    }
-    let state = State {
-        body: Box::pin(response.bytes_stream()),
-        buffer: Vec::new(),
-        finish: None,
-        usage: None,
-        pieces: 0,
-        ended: false,
-    };
-    futures::stream::unfold(state, move |mut st| async move {
-        if st.ended {
-            return None;
-        }
+    type Body =
+        std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>>;
+    let state: (Body, SseDecoder) = (Box::pin(response.bytes_stream()), SseDecoder::new(chat));
+    futures::stream::unfold(state, |(mut body, mut decoder)| async move {
         loop {
-            if let Some(pos) = st.buffer.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = st.buffer.drain(..=pos).collect();
-                let line = String::from_utf8_lossy(&line).trim().to_string();
-                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    st.ended = true;
-                    let (p, c) = st.usage.unwrap_or((0, st.pieces));
-                    return Some((
-                        Ok(Event::Done {
-                            finish: st.finish.unwrap_or(Finish::Stop),
-                            prompt_tokens: p,
-                            completion_tokens: c,
-                            cached_tokens: 0,
-                        }),
-                        st,
-                    ));
-                }
-                let Ok(v) = serde_json::from_str::<Value>(data) else {
-                    continue;
-                };
-                // The endpoint failed mid-answer (OpenAI's and vLLM's shape).
-                if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
-                    st.ended = true;
-                    let message = error["message"]
-                        .as_str()
-                        .map_or_else(|| error.to_string(), str::to_string);
-                    return Some((
-                        Err(ApiError::upstream(format!(
-                            "the external endpoint failed mid-answer: {message}"
-                        ))),
-                        st,
-                    ));
-                }
-                if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-                    st.usage = Some((
-                        u["prompt_tokens"].as_u64().unwrap_or(0) as u32,
-                        u["completion_tokens"].as_u64().unwrap_or(0) as u32,
-                    ));
-                }
-                let Some(choice) = v["choices"].get(0) else {
-                    continue;
-                };
-                match choice["finish_reason"].as_str() {
-                    Some("length") => st.finish = Some(Finish::Length),
-                    Some(_) => st.finish = Some(Finish::Stop),
-                    None => {}
-                }
-                let text = if chat {
-                    choice["delta"]["content"].as_str()
-                } else {
-                    choice["text"].as_str()
-                };
-                if let Some(t) = text
-                    && !t.is_empty()
-                {
-                    st.pieces += 1;
-                    return Some((Ok(Event::Text(t.to_string())), st));
-                }
-                continue;
+            if let Some(event) = decoder.next_event() {
+                return Some((event, (body, decoder)));
             }
-            match st.body.next().await {
-                Some(Ok(chunk)) => st.buffer.extend_from_slice(&chunk),
+            if decoder.ended() {
+                return None;
+            }
+            match body.next().await {
+                Some(Ok(chunk)) => decoder.push(&chunk),
                 Some(Err(e)) => {
-                    st.ended = true;
-                    return Some((
-                        Err(ApiError::upstream(format!("the external endpoint: {e}"))),
-                        st,
-                    ));
+                    // Ends the decoder too.
+                    let _ = decoder.finish();
+                    let error = ApiError::upstream(format!("the external endpoint: {e}"));
+                    return Some((Err(error), (body, decoder)));
                 }
-                None => {
-                    st.ended = true;
-                    return Some((
-                        Err(ApiError::upstream(
-                            "the external endpoint ended its stream early",
-                        )),
-                        st,
-                    ));
-                }
+                None => return decoder.finish().map(|event| (event, (body, decoder))),
             }
         }
     })

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod routing;
 pub mod server;
+pub mod sse;
 
 use std::net::SocketAddr;
 
