@@ -28,12 +28,17 @@ impl StopMatcher {
     }
 
     /// Adds generated text; returns what can be given out now.
+    ///
+    /// Generation stops at the stop string that is complete first: the
+    /// occurrence that ends earliest (of those, the one that starts
+    /// earliest). That is the same however the text is split into pieces,
+    /// since text that could begin a stop string is always held back.
     pub fn push(&mut self, piece: &str) -> Released {
         self.pending.push_str(piece);
-        if let Some(at) = self
+        if let Some((_, at)) = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at + s.len(), at)))
             .min()
         {
             let text = self.pending[..at].to_string();
@@ -123,6 +128,20 @@ mod tests {
             run(&["world", "lo"], &["hello world"]),
             ("hel".into(), true)
         );
+    }
+
+    #[test]
+    fn the_stop_complete_first_wins_however_the_text_is_split() {
+        // "bc" is complete before "abcd" is: whole or in pieces.
+        for pieces in [&["abcd"][..], &["abc", "d"], &["a", "b", "c", "d"]] {
+            assert_eq!(
+                run(&["abcd", "bc"], pieces),
+                ("a".into(), true),
+                "{pieces:?}"
+            );
+        }
+        // Ending together, the longer (earlier-starting) one is cut.
+        assert_eq!(run(&["c", "abc"], &["xabcd"]), ("x".into(), true));
     }
 
     #[test]
