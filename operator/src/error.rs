@@ -12,6 +12,10 @@ pub enum Error {
     /// The finalizer machinery failed.
     #[error("finalizer: {0}")]
     Finalizer(String),
+    /// The leader's last renewal is as old as its renew deadline: it writes
+    /// nothing more (a standby may lead by now).
+    #[error("not writing: the leader lease was last renewed {0:.1} s ago, past the renew deadline")]
+    Fenced(f64),
     /// The reconcile panicked (caught; the object is retried later).
     #[error("the reconcile panicked: {0}")]
     Panicked(String),
@@ -25,6 +29,7 @@ impl Error {
             Error::MissingField(..) => "missing_field",
             Error::Finalizer(_) => "finalizer",
             Error::Panicked(_) => "panicked",
+            Error::Fenced(_) => "fenced",
         }
     }
 }

@@ -135,6 +135,26 @@ impl Contact {
     pub fn state(&self) -> ContactState {
         *self.state.lock().expect("contact lock")
     }
+
+    /// The fence on the leader's writes: `Err(age)` once the last renewal
+    /// is `renew_deadline` old or older. The leader steps down then, but a
+    /// reconcile already running must not write after it: a standby may
+    /// lead by now.
+    pub fn fence(&self, renew_deadline: Duration) -> Result<(), Duration> {
+        self.state().fence_at(Instant::now(), renew_deadline)
+    }
+}
+
+impl ContactState {
+    /// [`Contact::fence`] at `now`.
+    pub fn fence_at(&self, now: Instant, renew_deadline: Duration) -> Result<(), Duration> {
+        let age = now.saturating_duration_since(self.last);
+        if age >= renew_deadline {
+            Err(age)
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl Default for Contact {
@@ -314,5 +334,30 @@ impl Election {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_are_fenced_once_the_last_renewal_passes_the_renew_deadline() {
+        let start = Instant::now();
+        let state = ContactState {
+            last: start,
+            since: start,
+        };
+        let deadline = Duration::from_secs(10);
+        assert_eq!(state.fence_at(start, deadline), Ok(()));
+        assert_eq!(
+            state.fence_at(start + Duration::from_secs(9), deadline),
+            Ok(())
+        );
+        assert_eq!(
+            state.fence_at(start + Duration::from_secs(10), deadline),
+            Err(Duration::from_secs(10))
+        );
+        assert!(Contact::new().fence(deadline).is_ok());
     }
 }

@@ -139,6 +139,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         stores: caches.stores(),
         contact: contact.clone(),
         contact_gap: config.election.contact_gap(),
+        renew_deadline: config.election.renew_deadline(),
         node_leases: Default::default(),
     });
     // Controllers run in tasks of their own, apart from the lease renewal:

@@ -44,8 +44,21 @@ pub struct Context {
     pub contact: Arc<crate::leader::Contact>,
     /// The longest pause between leader renewals that is still contact.
     pub contact_gap: Duration,
+    /// The leader's renew deadline: no write once its last renewal is this
+    /// old (`Context::fence`).
+    pub renew_deadline: Duration,
     /// Node Leases as the node controller last saw them, on its own clock.
     pub node_leases: node::Observations,
+}
+
+impl Context {
+    /// Call before every write: refuses once this replica may no longer be
+    /// the leader (its last renewal is as old as the renew deadline).
+    pub fn fence(&self) -> Result<(), Error> {
+        self.contact
+            .fence(self.renew_deadline)
+            .map_err(|age| Error::Fenced(age.as_secs_f64()))
+    }
 }
 
 /// Runs `reconcile` and records its outcome and duration under `controller`.

@@ -210,6 +210,7 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
     status.observed_generation = generation;
     if model.status.as_ref() != Some(&status) || model.status.is_none() {
         let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
+        ctx.fence()?;
         shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
     }
     Ok(requeue)

@@ -149,6 +149,7 @@ async fn reconcile(node: Arc<InferenceNode>, ctx: Arc<Context>) -> Result<Action
     if conds != previous {
         tracing::info!(node = %name, ready, reason, "node readiness changed");
         let api: Api<InferenceNode> = Api::all(ctx.client.clone());
+        ctx.fence()?;
         shardplane_cluster::apply_status(
             &api,
             &name,
@@ -187,6 +188,7 @@ async fn mark_shards_unknown(ctx: &Context, node: &str, reason: &str) -> Result<
             "reason": "NodeNotReady",
             "message": format!("node {node} is not Ready ({reason}): its agent's last report cannot be trusted"),
         });
+        ctx.fence()?;
         match shardplane_cluster::apply_status(&api, &shard.name_any(), OPERATOR_MANAGER, &status)
             .await
         {

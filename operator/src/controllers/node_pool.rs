@@ -131,6 +131,7 @@ async fn reconcile(pool: Arc<NodePool>, ctx: Arc<Context>) -> Result<Action> {
     }
     if pool.status.as_ref() != Some(&status) {
         let api: Api<NodePool> = Api::all(ctx.client.clone());
+        ctx.fence()?;
         shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
     }
     Ok(Action::await_change())

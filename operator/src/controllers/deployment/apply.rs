@@ -37,6 +37,7 @@ pub async fn shards(
         patch["apiVersion"] = json!(Shard::api_version(&()));
         patch["kind"] = json!(Shard::kind(&()));
         patch.as_object_mut().expect("an object").remove("status");
+        ctx.fence()?;
         api.patch(
             &name,
             &PatchParams::apply(OPERATOR_MANAGER).force(),
@@ -46,6 +47,7 @@ pub async fn shards(
         changed += 1;
     }
     for stale in retired.iter().filter(|n| existing.contains_key(*n)) {
+        ctx.fence()?;
         delete(&api, stale).await?;
         changed += 1;
     }
@@ -58,6 +60,7 @@ pub async fn shards(
 pub async fn delete_all(ctx: &Context, d: &ModelDeployment, shards: &[&Shard]) -> Result<()> {
     let api: Api<Shard> = Api::namespaced(ctx.client.clone(), &d.namespace().unwrap_or_default());
     for s in shards {
+        ctx.fence()?;
         delete(&api, &s.name_any()).await?;
     }
     Ok(())

@@ -237,6 +237,7 @@ async fn write_status(
     }
     let api: Api<ModelDeployment> =
         Api::namespaced(ctx.client.clone(), &d.namespace().unwrap_or_default());
+    ctx.fence()?;
     shardplane_cluster::apply_status(&api, &d.name_any(), OPERATOR_MANAGER, &status).await?;
     Ok(())
 }
