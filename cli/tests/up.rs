@@ -263,6 +263,32 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         ),
         "{said}"
     );
+    // Each refusal is counted on the operator's metrics.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let metrics = runtime.block_on(async {
+        let r = shardplane_models::http_client()
+            .unwrap()
+            .get("http://127.0.0.1:9090/metrics")
+            .send()
+            .await
+            .unwrap();
+        r.text().await.unwrap()
+    });
+    for (kind, outcome) in [
+        ("leases", "forbidden"),
+        ("shards", "forbidden"),
+        ("modeldeployments", "invalid"),
+        ("modeldeployments", "conflict"),
+        ("inferencenodes", "allowed"),
+    ] {
+        let series = format!(
+            "shardplane_operator_admission_reviews_total{{kind=\"{kind}\",outcome=\"{outcome}\"}}"
+        );
+        assert!(
+            metrics.contains(&series),
+            "no {series} in the operator's metrics"
+        );
+    }
 
     // `shardplane bench --gateway` as a client of the gateway: every stream
     // of a concurrent sweep runs to exactly the tokens asked for

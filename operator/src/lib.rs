@@ -100,7 +100,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     // the leader is away.
     let webhook = match &config.webhook {
         Some(settings) => Some(tokio::spawn(
-            admission::start(client.clone(), settings.clone()).await?,
+            admission::start(client.clone(), settings.clone(), metrics.clone()).await?,
         )),
         None => None,
     };

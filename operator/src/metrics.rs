@@ -21,6 +21,8 @@ pub struct Metrics {
     pub instances: prometheus::IntGaugeVec,
     /// 1 while this replica holds the leader lease.
     pub leader: prometheus::IntGauge,
+    /// Admission reviews answered, by kind reviewed and outcome.
+    pub admission_reviews: IntCounterVec,
 }
 
 impl Metrics {
@@ -71,6 +73,14 @@ impl Metrics {
         let leader =
             prometheus::IntGauge::new("shardplane_operator_leader", "1 while this replica leads.")
                 .expect("valid metric");
+        let admission_reviews = IntCounterVec::new(
+            Opts::new(
+                "shardplane_operator_admission_reviews_total",
+                "Admission reviews the webhook answered, by what was reviewed (kind: leases or the shardplane resource) and outcome (allowed, forbidden, invalid, conflict).",
+            ),
+            &["kind", "outcome"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -80,6 +90,7 @@ impl Metrics {
                 Box::new(placements.clone()),
                 Box::new(instances.clone()),
                 Box::new(leader.clone()),
+                Box::new(admission_reviews.clone()),
             ],
         );
         Metrics {
@@ -91,6 +102,7 @@ impl Metrics {
             placements,
             instances,
             leader,
+            admission_reviews,
         }
     }
 }

@@ -256,6 +256,7 @@ async fn register(client: &kube::Client, config: &WebhookConfig, ca_pem: &str) -
 pub async fn start(
     client: kube::Client,
     config: WebhookConfig,
+    metrics: crate::metrics::Metrics,
 ) -> Result<impl Future<Output = ()> + Send + 'static> {
     let listener =
         TcpListener::bind(config.listen)
@@ -284,7 +285,7 @@ pub async fn start(
     tracing::info!(address = %config.listen, configuration = %config.configuration, "admission webhook up");
     Ok(async move {
         let renew = renew(client.clone(), config, tls, current);
-        let serve = serve(listener, Arc::new(server), client.clone());
+        let serve = serve(listener, Arc::new(server), (client.clone(), metrics));
         tokio::join!(renew, serve);
     })
 }
@@ -330,18 +331,21 @@ async fn renew(
 /// each at most the API server's 1.5 MiB, and their envelope.
 const REVIEW_LIMIT: usize = 4 << 20;
 
-async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, client: kube::Client) {
+/// What the handler needs.
+type Shared = (kube::Client, crate::metrics::Metrics);
+
+async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, state: Shared) {
     let router = axum::Router::new()
         .route("/validate", post(validate))
         .layer(DefaultBodyLimit::max(REVIEW_LIMIT))
-        .with_state(client);
+        .with_state(state);
     let listener = TlsListener::new(listener, tokio_rustls::TlsAcceptor::from(tls));
     if let Err(e) = axum::serve(listener, router).await {
         tracing::error!(error = %e, "the admission webhook stopped");
     }
 }
 
-async fn validate(State(client): State<kube::Client>, body: Bytes) -> Response {
+async fn validate(State((client, metrics)): State<Shared>, body: Bytes) -> Response {
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(review) => review,
         Err(e) => {
@@ -360,6 +364,23 @@ async fn validate(State(client): State<kube::Client>, body: Bytes) -> Response {
         Ok(()) => names::check(&client, &request).await,
         refused => refused,
     };
+    let decision = match &outcome {
+        Ok(()) => "allowed",
+        Err(refusal) => match refusal.code {
+            403 => "forbidden",
+            409 => "conflict",
+            _ => "invalid",
+        },
+    };
+    // Bounded: the webhook's rules name only Leases and shardplane kinds.
+    let resource = match request.resource.group.as_str() {
+        shardplane_crds::GROUP => request.resource.resource.as_str(),
+        _ => "leases",
+    };
+    metrics
+        .admission_reviews
+        .with_label_values(&[resource, decision])
+        .inc();
     let response = review::respond(&request, outcome);
     if !response.allowed {
         tracing::info!(
