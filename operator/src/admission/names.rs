@@ -1,16 +1,19 @@
 //! A served name or alias belongs to one namespace (`shardplane_crds::names`:
-//! the oldest claimant's). The webhook refuses a ModelDeployment that would
-//! claim a name another namespace owns, at `kubectl apply`, instead of
-//! letting it be created and marked `NameConflict`.
+//! the oldest claimant's). The webhook refuses a ModelDeployment, or a
+//! Model's new served name, that would claim a name another namespace owns,
+//! at `kubectl apply`, instead of letting it be created and marked
+//! `NameConflict`.
 //!
 //! ```text
 //!  new spec ──► names it claims (its Model's served name, aliases)
 //!           ──► owned by another namespace, and not already before this change? ──► 409
+//!  Model's new servedName ──► the same, for each deployment of that Model
 //! ```
 //!
-//! A Model whose served name changes later is not checked here; the
-//! operator's `NameConflict` condition still covers it, and the gateway never
-//! routes a name to a namespace that does not own it.
+//! The operator's `NameConflict` condition stays the check behind this one
+//! (objects made before the webhook, a list the API server could not
+//! answer), and the gateway never routes a name to a namespace that does not
+//! own it.
 
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
@@ -20,13 +23,11 @@ use shardplane_crds::{GROUP, Model, ModelDeployment, names};
 
 use super::review::Refusal;
 
-/// The names `new` would claim that another namespace owns and that `old`
-/// (its version before the change) did not already conflict on, each with
-/// its owner (`namespace/name`).
-pub fn new_conflicts(
-    new: &ModelDeployment,
-    old: Option<&ModelDeployment>,
-    models: &[Model],
+/// The names `d` claims that another namespace owns, with their owners,
+/// given every Model and deployment (`d` itself among them or not).
+fn conflicts_of(
+    d: &ModelDeployment,
+    models: &[&Model],
     deployments: &[ModelDeployment],
 ) -> Vec<(String, String)> {
     let served = |d: &ModelDeployment| {
@@ -37,22 +38,61 @@ pub fn new_conflicts(
     };
     let others: Vec<(&ModelDeployment, Vec<String>)> = deployments
         .iter()
-        .filter(|o| o.namespace() != new.namespace() || o.name_any() != new.name_any())
+        .filter(|o| o.namespace() != d.namespace() || o.name_any() != d.name_any())
         .map(|o| (o, names::claims(o, served(o).as_deref())))
         .collect();
-    let conflicts = |d: &ModelDeployment| {
-        let mine = names::claims(d, served(d).as_deref());
-        names::conflicts(d, &mine, &others)
-    };
-    let before = old.map(conflicts).unwrap_or_default();
-    conflicts(new)
+    let mine = names::claims(d, served(d).as_deref());
+    names::conflicts(d, &mine, &others)
+}
+
+/// The names `new` would claim that another namespace owns and that `old`
+/// (its version before the change) did not already conflict on, each with
+/// its owner (`namespace/name`).
+pub fn new_conflicts(
+    new: &ModelDeployment,
+    old: Option<&ModelDeployment>,
+    models: &[Model],
+    deployments: &[ModelDeployment],
+) -> Vec<(String, String)> {
+    let models: Vec<&Model> = models.iter().collect();
+    let before = old
+        .map(|o| conflicts_of(o, &models, deployments))
+        .unwrap_or_default();
+    conflicts_of(new, &models, deployments)
         .into_iter()
         .filter(|c| !before.contains(c))
         .collect()
 }
 
+/// For a Model created or changed (its served name): the names its
+/// deployments would newly claim that another namespace owns, with owners.
+pub fn model_conflicts(
+    new: &Model,
+    old: Option<&Model>,
+    models: &[Model],
+    deployments: &[ModelDeployment],
+) -> Vec<(String, String)> {
+    let same = |m: &Model| m.namespace() == new.namespace() && m.name_any() == new.name_any();
+    let rest = models.iter().filter(|m| !same(m));
+    let after: Vec<&Model> = rest.clone().chain(std::iter::once(new)).collect();
+    let before: Vec<&Model> = rest.chain(old).collect();
+    let mut found: Vec<(String, String)> = deployments
+        .iter()
+        .filter(|d| d.namespace() == new.namespace() && d.spec.model == new.name_any())
+        .flat_map(|d| {
+            let earlier = conflicts_of(d, &before, deployments);
+            conflicts_of(d, &after, deployments)
+                .into_iter()
+                .filter(move |c| !earlier.contains(c))
+        })
+        .collect();
+    found.sort();
+    found.dedup();
+    found
+}
+
 /// The refusal for `conflicts`.
-pub fn refusal(name: &str, conflicts: &[(String, String)]) -> Refusal {
+pub fn refusal(kind: &str, name: &str, conflicts: &[(String, String)]) -> Refusal {
     let parts: Vec<String> = conflicts
         .iter()
         .map(|(n, owner)| format!("the name {n:?} is served by {owner} in another namespace"))
@@ -61,41 +101,63 @@ pub fn refusal(name: &str, conflicts: &[(String, String)]) -> Refusal {
         code: 409,
         reason: "Conflict",
         message: format!(
-            "ModelDeployment.{GROUP} {name:?} cannot claim a name another namespace owns: {} \
-             (choose other aliases, or a Model with another servedName)",
+            "{kind}.{GROUP} {name:?} cannot claim a name another namespace owns: {} \
+             (choose other aliases, or another servedName)",
             parts.join("; ")
         ),
     }
 }
 
-fn typed(object: Option<&DynamicObject>) -> Option<ModelDeployment> {
+fn typed<K: serde::de::DeserializeOwned>(object: Option<&DynamicObject>) -> Option<K> {
     serde_json::to_value(object?)
         .ok()
         .and_then(|v| serde_json::from_value(v).ok())
 }
 
-/// Checks a ModelDeployment's create or update against every deployment and
-/// Model in the cluster (read from the API server). Other requests, and any
-/// the API server cannot answer for, pass: the operator's `NameConflict`
-/// condition is the check behind this one.
+/// Checks a ModelDeployment's create or update, or a Model's served name,
+/// against every deployment and Model in the cluster (read from the API
+/// server). Other requests, and any the API server cannot answer for, pass:
+/// the operator's `NameConflict` condition is the check behind this one.
 pub async fn check(
     client: &kube::Client,
     request: &AdmissionRequest<DynamicObject>,
 ) -> Result<(), Refusal> {
-    let is_deployment = request.resource.group == GROUP
-        && request.resource.resource == "modeldeployments"
+    let relevant = request.resource.group == GROUP
         && request.sub_resource.is_none()
         && matches!(request.operation, Operation::Create | Operation::Update);
-    if !is_deployment {
+    if !relevant {
         return Ok(());
     }
-    let Some(new) = typed(request.object.as_ref()) else {
-        return Ok(());
+    enum Changed {
+        Deployment(Box<(ModelDeployment, Option<ModelDeployment>)>),
+        Model(Box<(Model, Option<Model>)>),
+    }
+    let changed = match request.resource.resource.as_str() {
+        "modeldeployments" => {
+            let Some(new) = typed::<ModelDeployment>(request.object.as_ref()) else {
+                return Ok(());
+            };
+            let old = typed::<ModelDeployment>(request.old_object.as_ref());
+            if old.as_ref().is_some_and(|o| o.spec == new.spec) {
+                return Ok(());
+            }
+            Changed::Deployment(Box::new((new, old)))
+        }
+        "models" => {
+            let Some(new) = typed::<Model>(request.object.as_ref()) else {
+                return Ok(());
+            };
+            let old = typed::<Model>(request.old_object.as_ref());
+            if old
+                .as_ref()
+                .is_some_and(|o| o.served_name() == new.served_name())
+            {
+                return Ok(());
+            }
+            Changed::Model(Box::new((new, old)))
+        }
+        _ => return Ok(()),
     };
-    let old = typed(request.old_object.as_ref());
-    if old.as_ref().is_some_and(|o| o.spec == new.spec) {
-        return Ok(());
-    }
     let list = ListParams::default();
     let (model_api, deployment_api) = (
         Api::<Model>::all(client.clone()),
@@ -109,11 +171,22 @@ pub async fn check(
             return Ok(());
         }
     };
-    let conflicts = new_conflicts(&new, old.as_ref(), &models, &deployments);
+    let (kind, name, conflicts) = match &changed {
+        Changed::Deployment(pair) => (
+            "ModelDeployment",
+            pair.0.name_any(),
+            new_conflicts(&pair.0, pair.1.as_ref(), &models, &deployments),
+        ),
+        Changed::Model(pair) => (
+            "Model",
+            pair.0.name_any(),
+            model_conflicts(&pair.0, pair.1.as_ref(), &models, &deployments),
+        ),
+    };
     if conflicts.is_empty() {
         Ok(())
     } else {
-        Err(refusal(&new.name_any(), &conflicts))
+        Err(refusal(kind, &name, &conflicts))
     }
 }
 
@@ -167,7 +240,7 @@ mod tests {
                 ("llama".to_string(), "team-a/d".to_string())
             ]
         );
-        let r = refusal("x", &found);
+        let r = refusal("ModelDeployment", "x", &found);
         assert_eq!((r.code, r.reason), (409, "Conflict"));
         assert!(
             r.message
@@ -198,6 +271,39 @@ mod tests {
         let mut more = owner.clone();
         more.spec.replicas = 3;
         assert!(new_conflicts(&more, Some(&owner), &models, &all).is_empty());
+    }
+
+    #[test]
+    fn a_model_may_not_take_a_served_name_another_namespace_owns() {
+        let owner_model = model("team-a", "m", "llama");
+        let mine = model("team-b", "n", "mistral");
+        let models = [owner_model.clone(), mine.clone()];
+        let all = [
+            deployment("team-a", "d", "m", &[], Some(100)),
+            deployment("team-b", "x", "n", &[], Some(200)),
+        ];
+        let renamed = model("team-b", "n", "llama");
+        assert_eq!(
+            model_conflicts(&renamed, Some(&mine), &models, &all),
+            [("llama".to_string(), "team-a/d".to_string())]
+        );
+        // Unused, or renamed to a free name: nothing to refuse.
+        assert!(
+            model_conflicts(&model("team-b", "unused", "llama"), None, &models, &all).is_empty()
+        );
+        assert!(
+            model_conflicts(&model("team-b", "n", "free"), Some(&mine), &models, &all).is_empty()
+        );
+        // The owner's own Model may keep or change its name.
+        assert!(
+            model_conflicts(
+                &model("team-a", "m", "llama"),
+                Some(&owner_model),
+                &models,
+                &all
+            )
+            .is_empty()
+        );
     }
 
     #[test]
