@@ -331,6 +331,16 @@ async fn renew(
 /// each at most the API server's 1.5 MiB, and their envelope.
 const REVIEW_LIMIT: usize = 4 << 20;
 
+/// The shardplane resources, as the metric labels them.
+const KINDS: [&str; 6] = [
+    "models",
+    "modeldeployments",
+    "nodepools",
+    "shardingstrategies",
+    "inferencenodes",
+    "shards",
+];
+
 /// What the handler needs.
 type Shared = (kube::Client, crate::metrics::Metrics);
 
@@ -372,10 +382,15 @@ async fn validate(State((client, metrics)): State<Shared>, body: Bytes) -> Respo
             _ => "invalid",
         },
     };
-    // Bounded: the webhook's rules name only Leases and shardplane kinds.
-    let resource = match request.resource.group.as_str() {
-        shardplane_crds::GROUP => request.resource.resource.as_str(),
-        _ => "leases",
+    // Bounded whoever sends the review (the webhook does not know its
+    // caller): the kinds its rules name, else `other`.
+    let resource = match (
+        request.resource.group.as_str(),
+        request.resource.resource.as_str(),
+    ) {
+        ("coordination.k8s.io", "leases") => "leases",
+        (shardplane_crds::GROUP, r) if KINDS.contains(&r) => r,
+        _ => "other",
     };
     metrics
         .admission_reviews

@@ -108,6 +108,9 @@ pub fn refusal(kind: &str, name: &str, conflicts: &[(String, String)]) -> Refusa
     }
 }
 
+/// Held while a check lists deployments and Models.
+static LISTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn typed<K: serde::de::DeserializeOwned>(object: Option<&DynamicObject>) -> Option<K> {
     serde_json::to_value(object?)
         .ok()
@@ -158,6 +161,9 @@ pub async fn check(
         }
         _ => return Ok(()),
     };
+    // One check lists at a time: whoever reaches the webhook (it does not
+    // know its caller) cannot turn requests into a storm of LISTs.
+    let _one = LISTING.lock().await;
     let list = ListParams::default();
     let (model_api, deployment_api) = (
         Api::<Model>::all(client.clone()),
