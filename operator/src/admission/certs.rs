@@ -62,28 +62,26 @@ fn cert_error(e: rcgen::Error) -> Error {
 
 /// The date `days` from now (at midnight UTC): as rcgen takes it, and as
 /// Unix seconds.
-fn days_from_now(days: i64) -> (rcgen::SerialNumber, (i32, u8, u8), i64) {
+fn days_from_now(days: i64) -> ((i32, u8, u8), i64) {
     use chrono::Datelike;
     let date = (chrono::Utc::now() + chrono::Duration::days(days)).date_naive();
     let unix = date
         .and_hms_opt(0, 0, 0)
         .map_or(0, |t| t.and_utc().timestamp());
-    // A serial number unique enough for a private CA: the issue time's nanoseconds.
-    let serial = chrono::Utc::now()
-        .timestamp_nanos_opt()
-        .unwrap_or_default()
-        .to_be_bytes();
-    (
-        rcgen::SerialNumber::from_slice(&serial),
-        (date.year(), date.month() as u8, date.day() as u8),
-        unix,
-    )
+    ((date.year(), date.month() as u8, date.day() as u8), unix)
+}
+
+/// A serial number unique enough for a private CA: the issue time's
+/// nanoseconds.
+fn serial() -> rcgen::SerialNumber {
+    let nanos = chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default();
+    rcgen::SerialNumber::from_slice(&nanos.to_be_bytes())
 }
 
 /// rcgen's time for `days` from now.
 macro_rules! at {
     ($days:expr) => {{
-        let (_, (y, m, d), _) = days_from_now($days);
+        let ((y, m, d), _) = days_from_now($days);
         rcgen::date_time_ymd(y, m, d)
     }};
 }
@@ -94,7 +92,7 @@ pub fn new_ca() -> Result<(String, String)> {
     let mut params = ca_params()?;
     params.not_before = at!(-1);
     params.not_after = at!(CA_DAYS);
-    params.serial_number = Some(days_from_now(0).0);
+    params.serial_number = Some(serial());
     let cert = params.self_signed(&key).map_err(cert_error)?;
     Ok((cert.pem(), key.serialize_pem()))
 }
@@ -115,8 +113,8 @@ pub fn issue(ca_pem: &str, ca_key_pem: &str, hosts: &[String]) -> Result<Serving
     params.use_authority_key_identifier_extension = true;
     params.not_before = at!(-1);
     params.not_after = at!(SERVING_DAYS);
-    let (serial, _, not_after_unix) = days_from_now(SERVING_DAYS);
-    params.serial_number = Some(serial);
+    let (_, not_after_unix) = days_from_now(SERVING_DAYS);
+    params.serial_number = Some(serial());
     let cert = params.signed_by(&key, &issuer).map_err(cert_error)?;
     Ok(ServingTls {
         ca_pem: ca_pem.to_string(),
