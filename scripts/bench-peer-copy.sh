@@ -5,6 +5,9 @@
 #
 #   scripts/bench-peer-copy.sh [SIZE_MIB]
 set -euo pipefail
+# Agents started by hand under the admin's kubeconfig get no data-plane
+# certificate: plain TCP on loopback (`shardplane up` runs TLS).
+export SHARDPLANE_DATA_PLANE_TLS=off
 cd "$(dirname "$0")/.."
 SIZE_MIB=${1:-1024}
 source scripts/bench-cluster.sh

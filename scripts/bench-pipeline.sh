@@ -12,6 +12,9 @@
 # stage's data plane. Prints every report as JSON and a summary of medians and
 # ratios to the in-process whole model.
 set -euo pipefail
+# Agents started by hand under the admin's kubeconfig get no data-plane
+# certificate: plain TCP on loopback (`shardplane up` runs TLS).
+export SHARDPLANE_DATA_PLANE_TLS=off
 cd "$(dirname "$0")/.."
 ROUNDS=3 GEN=64 PROMPT=41
 while [ $# -gt 0 ]; do

@@ -12,6 +12,9 @@
 # their ratio. (The bench's "prefill tok/s" divides the whole prompt by the
 # time to first token, so with the cache it counts tokens it never computed.)
 set -euo pipefail
+# Agents started by hand under the admin's kubeconfig get no data-plane
+# certificate: plain TCP on loopback (`shardplane up` runs TLS).
+export SHARDPLANE_DATA_PLANE_TLS=off
 cd "$(dirname "$0")/.."
 ROUNDS=3 PROMPT=1000 GEN=16
 while [ $# -gt 0 ]; do

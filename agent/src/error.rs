@@ -30,6 +30,9 @@ pub enum Error {
         /// The API's answer.
         source: kube::Error,
     },
+    /// No usable data-plane certificate.
+    #[error("data-plane TLS: {0}")]
+    Certificate(String),
     /// No HTTP client for downloads.
     #[error(transparent)]
     Http(#[from] shardplane_models::Error),

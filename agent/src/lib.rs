@@ -10,6 +10,7 @@
 //! up its Lease so the operator re-places them at once.
 
 pub mod cache;
+pub mod certificate;
 pub mod dataplane;
 pub mod download;
 mod error;
@@ -94,6 +95,8 @@ pub struct AgentConfig {
     pub control_plane: Option<String>,
     /// The cluster's data-plane token.
     pub token: shardplane_dataplane::Token,
+    /// Where the data plane's TLS certificate comes from.
+    pub data_plane_tls: certificate::Source,
     /// How often the links to the other nodes are measured.
     pub probe_links_every: Duration,
     /// The engine stages run on.
@@ -146,10 +149,23 @@ pub async fn run(
             links::advertised(bound, &Machine::read().addresses, toward, default_route)
         }
     };
+    // The certificate first: a node registers only once it can serve.
+    let tls =
+        certificate::start(&client, &config.data_plane_tls, &config.registration.node).await?;
     let reg = register(&client, &config, &endpoint, &metrics).await?;
     admin.set_ready(true);
-    let serving = serve(&client, &config, &reg, &endpoint, data_listener, &metrics)?;
-    tracing::info!(listen = %bound, endpoint = %endpoint, "data plane up");
+    let (tls, tls_task) = tls.unzip();
+    let mut serving = serve(
+        &client,
+        &config,
+        &reg,
+        &endpoint,
+        data_listener,
+        tls.clone(),
+        &metrics,
+    )?;
+    serving.tasks.extend(tls_task);
+    tracing::info!(listen = %bound, endpoint = %endpoint, tls = tls.is_some(), "data plane up");
     shutdown.await;
     drain(&client, &reg, serving, &metrics, admin).await;
     Ok(())
@@ -199,6 +215,7 @@ fn serve(
     reg: &Registration,
     endpoint: &str,
     data_listener: tokio::net::TcpListener,
+    tls: Option<std::sync::Arc<shardplane_dataplane::tls::Tls>>,
     metrics: &metrics::Metrics,
 ) -> Result<Serving> {
     let reg = reg.clone();
@@ -218,7 +235,9 @@ fn serve(
     cache.make_room(0);
     let (shard_directory, shard_directory_task) = shardplane_cluster::watch_all(client.clone());
     let (node_directory, node_directory_task) = shardplane_cluster::watch_all(client.clone());
-    let peers = dataplane::Peers::new(config.token.clone());
+    let peers = dataplane::Peers::new(config.token.clone(), tls.clone());
+    let incoming = shardplane_dataplane::tls::incoming(data_listener, tls)
+        .map_err(|e| Error::Certificate(e.to_string()))?;
     let sources = shards::Sources {
         cache: cache.clone(),
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
@@ -267,12 +286,9 @@ fn serve(
             .initial_connection_window_size(Some(32 << 20))
             .max_frame_size(shardplane_dataplane::MAX_FRAME_BYTES)
             .add_service(service.into_server(config.token.clone()))
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(data_listener).with_nodelay(Some(true)),
-                async {
-                    let _ = data_stopped.await;
-                },
-            ),
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = data_stopped.await;
+            }),
     );
     let heartbeat = heartbeat(
         client,

@@ -282,7 +282,7 @@ pub async fn run(
             let Some(r) = route(&mine, status) else {
                 continue;
             };
-            let Ok(c) = peers.client(&r.endpoint) else {
+            let Ok(c) = peers.client(&name, &r.endpoint) else {
                 continue;
             };
             match measure(&c).await {

@@ -57,7 +57,7 @@ fn agent_with(node: &str, admin: &str, extra: &[&str]) -> Process {
 
 fn client(endpoint: &str) -> dp::Client {
     dp::client(
-        dp::channel(endpoint).unwrap(),
+        dp::channel(endpoint, None).unwrap(),
         dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
     )
 }
@@ -634,7 +634,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     assert_eq!(finished.reason, dp::FinishReason::Stop as i32);
 
     // Without the token, or with a wrong one, every call is refused.
-    let bare = dp::data_plane_client::DataPlaneClient::new(dp::channel(&head).unwrap());
+    let bare = dp::data_plane_client::DataPlaneClient::new(dp::channel(&head, None).unwrap());
     let err = bare
         .clone()
         .generate(request("pipe-0-0", "hi"))
@@ -644,7 +644,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
     let err = bare.clone().status(dp::StatusRequest {}).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated);
     let wrong = dp::client(
-        dp::channel(&head).unwrap(),
+        dp::channel(&head, None).unwrap(),
         dp::Token::new("not-the-cluster-token-at-all").unwrap(),
     );
     let err = wrong

@@ -63,7 +63,7 @@ fn deployment(name: &str, alias: &str, fallback: Vec<FallbackTarget>) -> ModelDe
 
 async fn sequences(endpoint: &str) -> u32 {
     let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
-    let mut c = dp::client(dp::channel(endpoint).unwrap(), token);
+    let mut c = dp::client(dp::channel(endpoint, None).unwrap(), token);
     c.status(dp::StatusRequest {})
         .await
         .map(|s| s.into_inner().stages.iter().map(|s| s.sequences).sum())

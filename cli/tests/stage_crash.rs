@@ -18,7 +18,7 @@ const WAIT: Duration = Duration::from_secs(90);
 /// Runs a Generate on the agent at `endpoint` to its end; the text.
 async fn generate(endpoint: &str, ns: &str, shard: &str) -> Result<String, dp::tonic::Status> {
     let mut client = dp::client(
-        dp::channel(endpoint).unwrap(),
+        dp::channel(endpoint, None).unwrap(),
         dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
     );
     let request = dp::GenerateRequest {

@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use shardplane_dataplane as dp;
 use shardplane_testkit::{ChildGuard, repo_root};
 
 /// Processes whose command line mentions `needle`.
@@ -263,8 +264,104 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         ),
         "{said}"
     );
-    // Each refusal is counted on the operator's metrics.
     let runtime = tokio::runtime::Runtime::new().unwrap();
+
+    // The data plane is TLS. node-0 serves a certificate the operator
+    // signed (the CA is published for clients), naming node-0: a client
+    // that meant another node refuses it, and plain TCP gets no answer.
+    let ca = kubectl(
+        admin,
+        &[
+            "get",
+            "configmap",
+            "shardplane-data-plane-ca",
+            "-n",
+            "shardplane",
+            "-o",
+            "jsonpath={.data.ca\\.crt}",
+        ],
+    );
+    let ca_pem = String::from_utf8_lossy(&ca.stdout).to_string();
+    assert!(
+        ca_pem.contains("BEGIN CERTIFICATE"),
+        "no CA published: {ca_pem}"
+    );
+    let token = dp::Token::from_file(&state.path().join("data-plane-token")).unwrap();
+    let tls = dp::tls::Tls::new(&dp::tls::Material {
+        ca_pem,
+        identity: None,
+    })
+    .unwrap();
+    let ping = |node: Option<&str>| {
+        runtime.block_on(async {
+            let channel = dp::channel("127.0.0.1:7100", node.map(|n| (&tls, n))).unwrap();
+            let mut client = dp::client(channel, token.clone());
+            let call = client.ping(dp::PingRequest::default());
+            match tokio::time::timeout(Duration::from_secs(10), call).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("{e:?}")),
+                Err(_) => Err("timed out".to_string()),
+            }
+        })
+    };
+    ping(Some("node-0")).expect("a TLS call to node-0");
+    let wrong = ping(Some("node-1")).unwrap_err();
+    assert!(wrong.contains("NotValidForName"), "{wrong}");
+    assert!(ping(None).is_err(), "node-0 answered plain TCP");
+    // node-0's identity cannot get a certificate naming node-1: the
+    // operator denies its request, saying why.
+    let csr_key = rcgen::KeyPair::generate().unwrap();
+    let request = rcgen::CertificateParams::new(vec!["node-1".to_string()])
+        .unwrap()
+        .serialize_request(&csr_key)
+        .unwrap()
+        .pem()
+        .unwrap();
+    let csr = format!(
+        "apiVersion: certificates.k8s.io/v1\nkind: CertificateSigningRequest\n\
+         metadata: {{name: node-0-claims-node-1}}\n\
+         spec: {{signerName: shardplane.dev/data-plane, usages: [digital signature, server auth], request: {}}}\n",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, request)
+    );
+    let mut create = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(&node0)
+        .args(["create", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(create.stdin.as_mut().unwrap(), csr.as_bytes()).unwrap();
+    let created = create.wait_with_output().unwrap();
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let answer = kubectl(
+            &node0,
+            &[
+                "get",
+                "csr",
+                "node-0-claims-node-1",
+                "-o",
+                "jsonpath={.status.conditions[0].type}/{.status.conditions[0].reason}",
+            ],
+        );
+        let answer = String::from_utf8_lossy(&answer.stdout).to_string();
+        if answer == "Denied/WrongNames" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node-0's request for node-1 is {answer:?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    // Each refusal is counted on the operator's metrics.
     let metrics = runtime.block_on(async {
         let r = shardplane_models::http_client()
             .unwrap()
@@ -284,6 +381,15 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         let series = format!(
             "shardplane_operator_admission_reviews_total{{kind=\"{kind}\",outcome=\"{outcome}\"}}"
         );
+        assert!(
+            metrics.contains(&series),
+            "no {series} in the operator's metrics"
+        );
+    }
+    // Three agents' certificates issued, node-0's claim on node-1 denied.
+    for outcome in ["issued", "denied"] {
+        let series =
+            format!("shardplane_operator_data_plane_certificates_total{{outcome=\"{outcome}\"}}");
         assert!(
             metrics.contains(&series),
             "no {series} in the operator's metrics"

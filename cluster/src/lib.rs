@@ -9,12 +9,14 @@
 //! Layout: [`client`] builds the API client every component uses (calls
 //! with a deadline); [`status`] writes an object's status the one way every
 //! component does; [`stores`] keeps watch-fed caches of cluster objects;
-//! [`secrets`] reads credentials from Secrets that opt in.
+//! [`secrets`] reads credentials from Secrets that opt in; [`trust`] reads
+//! the data plane's CA the operator publishes.
 
 pub mod client;
 pub mod secrets;
 pub mod status;
 pub mod stores;
+pub mod trust;
 
 pub use client::{CALL_DEADLINE, client};
 pub use status::apply_status;

@@ -12,6 +12,11 @@
 /// The prefix of a node identity's ServiceAccount name.
 pub const NODE_IDENTITY_PREFIX: &str = "shardplane-node-";
 
+/// The signer (`spec.signerName` of a CertificateSigningRequest) whose
+/// certificates the data plane trusts: the operator approves and signs a
+/// node identity's request for a certificate naming its own node.
+pub const DATA_PLANE_SIGNER: &str = "shardplane.dev/data-plane";
+
 /// The label on the node-lease namespace that sends its Leases through the
 /// admission webhook (agents cannot label namespaces).
 pub const NODE_LEASES_LABEL: &str = "shardplane.dev/node-leases";

@@ -1,5 +1,6 @@
-//! The gRPC data plane: the protocol (`proto/shardplane/dataplane/v1`), and
-//! the data-plane token every call carries.
+//! The gRPC data plane: the protocol (`proto/shardplane/dataplane/v1`), the
+//! data-plane token every call carries, and the TLS every connection runs
+//! over (`tls`: a server's certificate names its node).
 //!
 //! ```text
 //!  gateway ──Generate──► head stage ──Forward──► stage 1 ──Forward──► last stage
@@ -12,6 +13,7 @@ mod generated {
 }
 
 pub mod collective;
+pub mod tls;
 
 pub use generated::*;
 /// The protobuf library of the messages (to decode or encode them by hand).
@@ -56,6 +58,9 @@ pub enum Error {
         /// Why it is no URI.
         source: tonic::transport::Error,
     },
+    /// TLS material that cannot be used.
+    #[error("data-plane TLS: {0}")]
+    Tls(#[from] tls::TlsError),
     /// Hidden states whose bytes do not fill their shape.
     #[error("hidden states of {bytes} bytes cannot be {tokens} rows of {width} f32 values")]
     BadHidden {
@@ -184,14 +189,19 @@ pub fn client(channel: tonic::transport::Channel, token: Token) -> Client {
 }
 
 /// A lazily connected channel to `endpoint` (`host:port`), tuned for the
-/// data plane: no Nagle delay, large HTTP/2 windows for bulk copies.
-pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, Error> {
+/// data plane: no Nagle delay, large HTTP/2 windows for bulk copies. With
+/// `tls` (the material and the node the endpoint belongs to) the connection
+/// is TLS and the server's certificate must name that node.
+pub fn channel(
+    endpoint: &str,
+    tls: Option<(&Arc<tls::Tls>, &str)>,
+) -> Result<tonic::transport::Channel, Error> {
     let uri = if endpoint.contains("://") {
         endpoint.to_string()
     } else {
         format!("http://{endpoint}")
     };
-    Ok(tonic::transport::Endpoint::from_shared(uri)
+    let endpoint = tonic::transport::Endpoint::from_shared(uri)
         .map_err(|source| Error::BadEndpoint {
             endpoint: endpoint.to_string(),
             source,
@@ -205,35 +215,54 @@ pub fn channel(endpoint: &str) -> Result<tonic::transport::Channel, Error> {
         .keep_alive_while_idle(true)
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(32 << 20))
-        .max_frame_size(MAX_FRAME_BYTES)
-        .connect_lazy())
+        .max_frame_size(MAX_FRAME_BYTES);
+    Ok(match tls {
+        Some((tls, node)) => endpoint.connect_with_connector_lazy(tls::connector(tls, node)?),
+        None => endpoint.connect_lazy(),
+    })
 }
 
-/// Clients of other data planes: one connection per endpoint, shared by
-/// every call to it, each call carrying the token.
+/// Clients of other data planes: one connection per node and endpoint,
+/// shared by every call to it, each call carrying the token (and, with TLS,
+/// each connection checking the node's certificate).
 #[derive(Clone)]
 pub struct Peers {
     token: Token,
-    channels: Arc<std::sync::Mutex<std::collections::HashMap<String, tonic::transport::Channel>>>,
+    tls: Option<Arc<tls::Tls>>,
+    channels: Arc<
+        std::sync::Mutex<std::collections::HashMap<(String, String), tonic::transport::Channel>>,
+    >,
 }
 
 impl Peers {
-    /// No connection yet.
-    pub fn new(token: Token) -> Self {
+    /// No connection yet; TLS to every peer when `tls` is given.
+    pub fn new(token: Token, tls: Option<Arc<tls::Tls>>) -> Self {
         Peers {
             token,
+            tls,
             channels: Arc::default(),
         }
     }
 
-    /// A client of the data plane at `endpoint` (connected on first use).
-    pub fn client(&self, endpoint: &str) -> Result<Client, Error> {
+    /// The same peers with `tls` (connections made so far are dropped).
+    pub fn with_tls(self, tls: Option<Arc<tls::Tls>>) -> Self {
+        Peers::new(self.token, tls)
+    }
+
+    /// Whether connections are TLS.
+    pub fn tls(&self) -> Option<&Arc<tls::Tls>> {
+        self.tls.as_ref()
+    }
+
+    /// A client of node `node`'s data plane at `endpoint` (connected on first use).
+    pub fn client(&self, node: &str, endpoint: &str) -> Result<Client, Error> {
         let mut channels = self.channels.lock().expect("peer lock");
-        let channel = match channels.get(endpoint) {
+        let key = (node.to_string(), endpoint.to_string());
+        let channel = match channels.get(&key) {
             Some(c) => c.clone(),
             None => {
-                let c = channel(endpoint)?;
-                channels.insert(endpoint.to_string(), c.clone());
+                let c = channel(endpoint, self.tls.as_ref().map(|t| (t, node)))?;
+                channels.insert(key, c.clone());
                 c
             }
         };

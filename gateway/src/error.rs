@@ -39,6 +39,9 @@ pub enum Error {
         /// The API's answer.
         source: kube::Error,
     },
+    /// The data plane's TLS material cannot be used.
+    #[error("data-plane TLS: {0}")]
+    Tls(String),
     /// A Secret named as an external endpoint's key cannot be used.
     #[error(transparent)]
     Secret(#[from] shardplane_cluster::secrets::SecretError),

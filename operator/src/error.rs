@@ -16,6 +16,9 @@ pub enum Error {
     /// nothing more (a standby may lead by now).
     #[error("not writing: the leader lease was last renewed {0:.1} s ago, past the renew deadline")]
     Fenced(f64),
+    /// A certificate or key cannot be made.
+    #[error("certificate: {0}")]
+    Certificate(String),
     /// The reconcile panicked (caught; the object is retried later).
     #[error("the reconcile panicked: {0}")]
     Panicked(String),
@@ -30,6 +33,7 @@ impl Error {
             Error::Finalizer(_) => "finalizer",
             Error::Panicked(_) => "panicked",
             Error::Fenced(_) => "fenced",
+            Error::Certificate(_) => "certificate",
         }
     }
 }
@@ -62,6 +66,9 @@ pub enum RunError {
     /// A controller stopped on its own (not at a signal).
     #[error("a controller stopped: {0}")]
     ControllerStopped(String),
+    /// The data-plane signer cannot make or publish its CA.
+    #[error("data-plane signer: {0}")]
+    Signer(String),
     /// Another replica took the leader Lease.
     #[error("lost the leader lease")]
     LostLeadership,

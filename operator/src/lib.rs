@@ -28,6 +28,7 @@ pub mod controllers;
 pub mod error;
 pub mod leader;
 pub mod metrics;
+pub mod signer;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -64,6 +65,8 @@ pub struct OperatorConfig {
     pub view: Option<shardplane_view::web::Settings>,
     /// The validating admission webhook; none when turned off.
     pub webhook: Option<admission::WebhookConfig>,
+    /// The data-plane signer; none when turned off.
+    pub signer: Option<signer::SignerConfig>,
 }
 
 pub use shardplane_models::{HUGGING_FACE_HUB, http_client};
@@ -122,6 +125,15 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
         controllers::deployment::controller(&caches),
     );
     caches.start(&client);
+    let signing = match &config.signer {
+        Some(settings) => Some((
+            signer::controller(&client),
+            signer::ensure_ca(&client, settings)
+                .await
+                .map_err(|e| RunError::Signer(e.to_string()))?,
+        )),
+        None => None,
+    };
     let contact = Arc::new(leader::Contact::new());
     let ctx = Arc::new(controllers::Context {
         client: client.clone(),
@@ -148,6 +160,9 @@ pub async fn run(client: Client, config: OperatorConfig) -> std::result::Result<
     controllers.spawn(controllers::model::run(models, ctx.clone()));
     controllers.spawn(controllers::node::run(nodes, ctx.clone()));
     controllers.spawn(controllers::node_pool::run(pools, ctx.clone()));
+    if let Some((signer, ca)) = signing {
+        controllers.spawn(signer::run(signer, ctx.clone(), ca));
+    }
     controllers.spawn(controllers::deployment::run(deployments, ctx));
     let first_stopped = async {
         match controllers.join_next().await {

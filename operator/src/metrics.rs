@@ -23,6 +23,8 @@ pub struct Metrics {
     pub leader: prometheus::IntGauge,
     /// Admission reviews answered, by kind reviewed and outcome.
     pub admission_reviews: IntCounterVec,
+    /// Data-plane certificate requests answered, by outcome.
+    pub certificates: IntCounterVec,
 }
 
 impl Metrics {
@@ -81,6 +83,14 @@ impl Metrics {
             &["kind", "outcome"],
         )
         .expect("valid metric");
+        let certificates = IntCounterVec::new(
+            Opts::new(
+                "shardplane_operator_data_plane_certificates_total",
+                "Data-plane certificate requests (CertificateSigningRequests for shardplane.dev/data-plane) answered, by outcome (issued, denied, failed).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -91,6 +101,7 @@ impl Metrics {
                 Box::new(instances.clone()),
                 Box::new(leader.clone()),
                 Box::new(admission_reviews.clone()),
+                Box::new(certificates.clone()),
             ],
         );
         Metrics {
@@ -103,6 +114,7 @@ impl Metrics {
             instances,
             leader,
             admission_reviews,
+            certificates,
         }
     }
 }

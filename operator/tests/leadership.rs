@@ -39,6 +39,7 @@ fn replica(client: &Client, election_ns: &str) -> (tokio::task::JoinHandle<()>, 
         gateway_url: None,
         view: None,
         webhook: None,
+        signer: None,
     };
     let client = client.clone();
     let task = tokio::spawn(async move {

@@ -44,6 +44,7 @@ async fn start_operator(client: &Client) -> SocketAddr {
         gateway_url: Some(GATEWAY_URL.into()),
         view: None,
         webhook: None,
+        signer: None,
     };
     let client = client.clone();
     tokio::spawn(async move {

@@ -427,6 +427,10 @@ pub fn spawn_component_with(
         .args(args)
         .arg("--kubeconfig")
         .arg(kubeconfig)
+        // Components started here run under the admin's credentials, which
+        // get no data-plane certificate (`shardplane up` and its test run
+        // the data plane over TLS with node identities); a test may turn it on.
+        .env("SHARDPLANE_DATA_PLANE_TLS", "off")
         .envs(env.iter().copied())
         .env("RUST_LOG", component_log())
         // Several components share the machine's cores: one compute thread each.

@@ -209,6 +209,8 @@ impl Network {
             // Several components share the machine's cores: one compute thread each.
             .env("RAYON_NUM_THREADS", "1")
             .env("SHARDPLANE_DATA_PLANE_TOKEN_FILE", token_file())
+            // Admin credentials get no data-plane certificate (see `spawn_component_with`).
+            .env("SHARDPLANE_DATA_PLANE_TLS", "off")
             .stdout(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {bin} in {}: {e}", self.hosts[i].netns));

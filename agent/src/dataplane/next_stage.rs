@@ -58,7 +58,7 @@ impl Service {
         });
         let mut client = self
             .peers
-            .client(&endpoint)
+            .client(&shard.spec.node, &endpoint)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (requests, outbound) = mpsc::channel(64);
         requests

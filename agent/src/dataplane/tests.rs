@@ -117,7 +117,10 @@ pub(super) async fn serve(
     directory: Vec<Shard>,
 ) -> (dp::Client, tempfile::TempDir) {
     let (endpoint, dir) = serve_at(stage, directory).await;
-    (dp::client(dp::channel(&endpoint).unwrap(), token()), dir)
+    (
+        dp::client(dp::channel(&endpoint, None).unwrap(), token()),
+        dir,
+    )
 }
 
 /// Like [`serve`]: the endpoint, and the cache's directory.
@@ -139,7 +142,7 @@ pub(super) async fn serve_at(
         shards,
         store,
         nodes,
-        dp::Peers::new(token()),
+        dp::Peers::new(token(), None),
         Metrics::new(),
         cache,
     );

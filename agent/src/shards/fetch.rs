@@ -71,7 +71,7 @@ pub(super) async fn fetch(
                 .is_none_or(|theirs| theirs.eq_ignore_ascii_case(pinned))
         });
         for holder in holders {
-            let Ok(client) = peers.peers.client(&holder.endpoint) else {
+            let Ok(client) = peers.peers.client(&holder.node, &holder.endpoint) else {
                 continue;
             };
             sources.cache.make_room(holder.bytes);

@@ -93,6 +93,8 @@ pub struct RunArgs {
     // `agent install` too, whose own copy of the options holds it.
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: super::tls_args::TlsArgs,
     /// Seconds between measurements of the links to the other nodes (each a
     /// few small round trips and answers of up to 8 MiB per peer, smaller on
     /// slow links).
@@ -183,6 +185,9 @@ impl RunArgs {
             self.kubeconfig = Some(absolute(k, "--kubeconfig")?);
         }
         self.cache_dir = absolute(&self.cache_dir, "--cache-dir")?;
+        if let Some(d) = &self.tls.tls_dir {
+            self.tls.tls_dir = Some(absolute(d, "--tls-dir")?);
+        }
         Ok(self)
     }
 
@@ -233,6 +238,11 @@ impl RunArgs {
         if let Some(t) = &self.token_file {
             put("token-file", path(t));
         }
+        a.extend(self.tls.to_args());
+        let mut put = |flag: &str, value: String| {
+            a.push(format!("--{flag}"));
+            a.push(value);
+        };
         put("probe-links-seconds", self.probe_links_seconds.to_string());
         put("lease-seconds", self.lease_seconds.to_string());
         put("engine", engine.to_string());
@@ -271,6 +281,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     super::agent_install::check_token_file(args.token_file()?)?;
     let token =
         shardplane_dataplane::Token::from_file(args.token_file()?).map_err(anyhow::Error::msg)?;
+    let data_plane_tls = args.tls.agent(&args.cache_dir)?;
     let config = AgentConfig {
         registration: Registration {
             node,
@@ -290,6 +301,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         advertise_address: args.advertise_address,
         control_plane: None,
         token,
+        data_plane_tls,
         cache_budget: args
             .cache_budget
             .as_deref()

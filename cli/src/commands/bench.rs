@@ -74,6 +74,8 @@ pub struct BenchArgs {
     /// The data-plane token file (with `--endpoint` or `--copy-from`).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    remote_tls: super::tls_args::RemoteTls,
 }
 
 #[derive(Serialize)]
@@ -149,6 +151,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             shard: args.shard.clone().context("--shard")?,
             token: shardplane_dataplane::Token::from_file(token_file)
                 .map_err(anyhow::Error::msg)?,
+            tls: args.remote_tls.load()?,
         };
         if let Some(gateway) = &gateway {
             let report = gateway.overhead(&remote, args.runs)?;
@@ -291,7 +294,7 @@ fn copy(args: &BenchArgs, endpoint: &str) -> anyhow::Result<()> {
             .map_err(anyhow::Error::msg)?;
     tokio::runtime::Runtime::new()?.block_on(async {
         let client = shardplane_dataplane::client(
-            shardplane_dataplane::channel(endpoint).map_err(anyhow::Error::msg)?,
+            super::bench_remote::channel(endpoint, &args.remote_tls.load()?)?,
             token,
         );
         // The size, from the first chunk of the file.

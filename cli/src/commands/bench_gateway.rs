@@ -150,7 +150,7 @@ impl Gateway {
         let body = self.body(question, 2);
         tokio::runtime::Runtime::new()?.block_on(async {
             let client = dp::client(
-                dp::channel(&remote.endpoint).map_err(anyhow::Error::msg)?,
+                super::bench_remote::channel(&remote.endpoint, &remote.tls)?,
                 remote.token.clone(),
             );
             let http = http_client()?;

@@ -29,6 +29,18 @@ pub struct Remote {
     pub shard: String,
     /// The data-plane token.
     pub token: dp::Token,
+    /// TLS to the endpoint's node, when the agents serve it.
+    pub tls: Option<NodeTls>,
+}
+
+pub use super::tls_args::NodeTls;
+
+/// A channel to `endpoint` (inside a runtime): TLS to the node when `tls` says.
+pub(super) fn channel(
+    endpoint: &str,
+    tls: &Option<NodeTls>,
+) -> anyhow::Result<dp::tonic::transport::Channel> {
+    dp::channel(endpoint, tls.as_ref().map(|(t, n)| (t, n.as_str()))).map_err(anyhow::Error::msg)
 }
 
 /// One generation straight from a head stage.
@@ -84,10 +96,7 @@ impl Remote {
             tools: None,
         };
         tokio::runtime::Runtime::new()?.block_on(async {
-            let client = dp::client(
-                dp::channel(&self.endpoint).map_err(anyhow::Error::msg)?,
-                self.token.clone(),
-            );
+            let client = dp::client(channel(&self.endpoint, &self.tls)?, self.token.clone());
             sweep(|| once(&client, request.clone()), config).await
         })
     }

@@ -33,6 +33,8 @@ pub struct GatewayArgs {
     /// File holding the cluster's data-plane token.
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: PathBuf,
+    #[command(flatten)]
+    tls: super::tls_args::TlsArgs,
     /// API keys from a file: one per line, `name:key` or just `key`.
     #[arg(
         long,
@@ -117,6 +119,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     let token =
         shardplane_dataplane::Token::from_file(&args.token_file).map_err(anyhow::Error::msg)?;
     let config = GatewayConfig {
+        data_plane_tls: args.tls.gateway()?,
         busy_wait: std::time::Duration::from_secs(args.busy_wait_seconds),
         deadlines: shardplane_gateway::routing::Deadlines {
             start: std::time::Duration::from_secs(args.start_timeout_seconds.into()),

@@ -71,6 +71,8 @@ pub struct GenerateArgs {
     /// The data-plane token file (with `--endpoint`).
     #[arg(long, env = "SHARDPLANE_DATA_PLANE_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    remote_tls: super::tls_args::RemoteTls,
 }
 
 impl GenerateArgs {
@@ -196,8 +198,9 @@ fn remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
         grammar: args.grammar()?.map(wire_grammar),
         tools: None,
     };
+    let tls = args.remote_tls.load()?;
     tokio::runtime::Runtime::new()?.block_on(async {
-        let mut client = dp::client(dp::channel(endpoint).map_err(anyhow::Error::msg)?, token);
+        let mut client = dp::client(super::bench_remote::channel(endpoint, &tls)?, token);
         let mut stream = client
             .generate(request)
             .await

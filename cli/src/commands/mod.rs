@@ -18,6 +18,7 @@ mod process;
 pub mod status;
 pub mod tensor;
 pub mod threads;
+mod tls_args;
 pub mod up;
 
 /// The Hugging Face token: from `file` when given, else the `HF_TOKEN`

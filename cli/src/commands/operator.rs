@@ -30,6 +30,15 @@ pub struct OperatorArgs {
         default_value = "shardplane-system"
     )]
     leader_namespace: String,
+    /// The agents' namespace: where their node identities (ServiceAccounts
+    /// `shardplane-node-<node>`) live, and where the data plane's CA
+    /// certificate is published (ConfigMap shardplane-data-plane-ca).
+    #[arg(long, env = "SHARDPLANE_AGENT_NAMESPACE", default_value = "shardplane")]
+    agent_namespace: String,
+    /// Do not sign agents' data-plane certificates (when cert-manager or
+    /// another CA issues them, or the data plane runs without TLS).
+    #[arg(long, env = "SHARDPLANE_NO_DATA_PLANE_SIGNER")]
+    no_data_plane_signer: bool,
     /// This replica's identity in the election (host name and process id when unset).
     #[arg(long, env = "SHARDPLANE_IDENTITY")]
     identity: Option<String>,
@@ -159,7 +168,12 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
             configuration: args.webhook_configuration,
         }),
     };
+    let signer = (!args.no_data_plane_signer).then(|| shardplane_operator::signer::SignerConfig {
+        secret_namespace: args.leader_namespace.clone(),
+        agent_namespace: args.agent_namespace.clone(),
+    });
     let config = OperatorConfig {
+        signer,
         admin_address: args.admin_address,
         election: Election {
             namespace: args.leader_namespace,

@@ -198,6 +198,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             "127.0.0.1:9092",
             "--token-file",
             tf,
+            "--data-plane-ca-namespace",
+            AGENTS.0,
             "--api-keys-file",
             keys.to_str().context("keys path")?,
         ],

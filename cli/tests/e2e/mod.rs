@@ -198,7 +198,7 @@ pub async fn create_daily(
 #[allow(dead_code)] // not every test that shares this module calls it
 pub async fn agent_status(endpoint: &str) -> Option<dp::StatusResponse> {
     let token = dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap();
-    let mut c = dp::client(dp::channel(endpoint).unwrap(), token);
+    let mut c = dp::client(dp::channel(endpoint, None).unwrap(), token);
     Some(c.status(dp::StatusRequest {}).await.ok()?.into_inner())
 }
 

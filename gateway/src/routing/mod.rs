@@ -53,6 +53,8 @@ pub struct Instance {
     pub shard: String,
     /// The head's data-plane endpoint.
     pub endpoint: String,
+    /// The head's node (its data-plane certificate names it).
+    pub node: String,
 }
 
 /// A served name and its deployment.
@@ -190,7 +192,7 @@ impl Router {
             deployments,
             models,
             shards,
-            peers: dp::Peers::new(token),
+            peers: dp::Peers::new(token, None),
             outstanding: Arc::default(),
             http,
             metrics,
@@ -211,6 +213,12 @@ impl Router {
     /// Where external fallbacks may send requests (nowhere by default).
     pub fn with_external_allowlist(mut self, allowed: crate::external::Allowlist) -> Self {
         self.external = Arc::new(allowed);
+        self
+    }
+
+    /// Calls to agents over TLS with `tls` (plain TCP when none).
+    pub fn with_data_plane_tls(mut self, tls: Option<Arc<shardplane_dataplane::tls::Tls>>) -> Self {
+        self.peers = self.peers.with_tls(tls);
         self
     }
 
@@ -320,6 +328,7 @@ impl Router {
                         namespace: ns.clone(),
                         shard,
                         endpoint,
+                        node: head.spec.node.clone(),
                     },
                 ))
             })
@@ -519,7 +528,7 @@ impl Router {
         };
         let mut client = self
             .peers
-            .client(&inst.endpoint)
+            .client(&inst.node, &inst.endpoint)
             .map_err(|e| Attempt::Next(e.to_string()))?;
         let input = match &prompt.input {
             Input::Chat(c) => dp::generate_request::Input::Chat(c.clone()),

@@ -73,7 +73,7 @@ fn days_from_now(days: i64) -> ((i32, u8, u8), i64) {
 
 /// A serial number unique enough for a private CA: the issue time's
 /// nanoseconds.
-fn serial() -> rcgen::SerialNumber {
+pub(crate) fn serial() -> rcgen::SerialNumber {
     let nanos = chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default();
     rcgen::SerialNumber::from_slice(&nanos.to_be_bytes())
 }

@@ -1,0 +1,337 @@
+//! The agent's data-plane certificate. By default the operator issues it:
+//! the agent makes a key that never leaves the machine, asks for a
+//! certificate naming its node through a Kubernetes
+//! CertificateSigningRequest (signer `shardplane.dev/data-plane`), and
+//! renews it at two thirds of its life while the data plane keeps serving.
+//! Certificates can also come as files (a cert-manager Secret mounted as a
+//! directory), re-read when they change.
+//!
+//! ```text
+//!  --tls-dir holds a certificate for this node with over a third of its life left? ──► use it
+//!    └─ no ──► new key ──► CertificateSigningRequest ──► operator approves, signs
+//!              ──► tls.key, tls.crt, ca.crt written (key 0600) ──► use it
+//!  at two thirds of its life: the same again, swapped into the running data plane
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::certificates::v1::{
+    CertificateSigningRequest, CertificateSigningRequestSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use shardplane_crds::identity::DATA_PLANE_SIGNER;
+use shardplane_dataplane::tls::{CA_FILE, CERT_FILE, KEY_FILE, Material, Tls};
+
+use crate::{Error, Result};
+
+/// The life a certificate is asked for (the operator may shorten it).
+pub const LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long the operator has to answer a request before it is asked again.
+const ANSWER_WITHIN: Duration = Duration::from_secs(60);
+/// The longest pause between attempts while no certificate comes.
+const MOST_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Where the data plane's TLS material comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// No TLS: plain TCP, for a test or a closed network (say so).
+    Off,
+    /// `ca.crt`, `tls.crt`, `tls.key` in a directory, kept current by
+    /// someone else (cert-manager); re-read when they change.
+    Files(PathBuf),
+    /// Issued by the operator, kept in `dir`; the CA comes from the
+    /// ConfigMap in `namespace` (the kubeconfig's namespace when unset).
+    Operator {
+        /// Where the key and certificate are kept between runs.
+        dir: PathBuf,
+        /// Where the operator publishes the CA.
+        namespace: Option<String>,
+    },
+}
+
+/// The data plane's TLS for `node` from `source`, and the task that keeps
+/// it current (renewal or reloading); none when TLS is off.
+pub async fn start(
+    client: &Client,
+    source: &Source,
+    node: &str,
+) -> Result<Option<(Arc<Tls>, tokio::task::JoinHandle<()>)>> {
+    let tls_error = |e: shardplane_dataplane::tls::TlsError| Error::Certificate(e.to_string());
+    match source {
+        Source::Off => {
+            tracing::warn!(
+                "the data plane runs without TLS (--data-plane-tls off): traffic between nodes is readable on the network"
+            );
+            Ok(None)
+        }
+        Source::Files(dir) => {
+            let tls = Tls::new(&Material::read_dir(dir).map_err(tls_error)?).map_err(tls_error)?;
+            check_names(&tls, node)?;
+            let task = tls.watch_dir(dir.clone(), Duration::from_secs(30));
+            Ok(Some((tls, task)))
+        }
+        Source::Operator { dir, namespace } => {
+            let namespace = namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_string());
+            let material = match kept(dir, node) {
+                Some(m) => m,
+                None => {
+                    let m = issue(client, node, &namespace).await;
+                    write(dir, &m)?;
+                    m
+                }
+            };
+            let tls = Tls::new(&material).map_err(tls_error)?;
+            check_names(&tls, node)?;
+            tracing::info!(node, certificate = ?tls.certificate(), "data-plane certificate in use");
+            let task = tokio::spawn(renew(
+                client.clone(),
+                node.to_string(),
+                namespace,
+                dir.clone(),
+                tls.clone(),
+            ));
+            Ok(Some((tls, task)))
+        }
+    }
+}
+
+fn check_names(tls: &Tls, node: &str) -> Result<()> {
+    let names = tls.certificate().map(|f| f.names).unwrap_or_default();
+    if !names.iter().any(|n| n == node) {
+        return Err(Error::Certificate(format!(
+            "the data-plane certificate names {names:?}, not this node {node:?}: peers would refuse it"
+        )));
+    }
+    Ok(())
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// When a certificate valid from `not_before` to `not_after` is renewed:
+/// at two thirds of its life.
+pub fn renew_at(not_before: i64, not_after: i64) -> i64 {
+    not_before + (not_after - not_before).max(0) * 2 / 3
+}
+
+/// The material kept in `dir`, if it is for `node` and not yet due for renewal.
+fn kept(dir: &Path, node: &str) -> Option<Material> {
+    let m = Material::read_dir(dir).ok()?;
+    let (cert, _) = m.identity.as_ref()?;
+    let facts = shardplane_dataplane::tls::facts(cert).ok()?;
+    let fresh = now() < renew_at(facts.not_before, facts.not_after);
+    (fresh && facts.names.iter().any(|n| n == node) && Tls::new(&m).is_ok()).then_some(m)
+}
+
+/// Writes the material into `dir` (each file replaced whole; the key
+/// readable by this user only).
+fn write(dir: &Path, m: &Material) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |what: &Path, e: std::io::Error| {
+        Error::Certificate(format!("cannot write {}: {e}", what.display()))
+    };
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| io(dir, e))?;
+    let (cert, key) = m.identity.clone().unwrap_or_default();
+    for (name, text, mode) in [
+        (KEY_FILE, key, 0o600),
+        (CERT_FILE, cert, 0o644),
+        (CA_FILE, m.ca_pem.clone(), 0o644),
+    ] {
+        let path = dir.join(name);
+        let part = dir.join(format!(".{name}.new"));
+        let _ = std::fs::remove_file(&part);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&part)
+            .map_err(|e| io(&part, e))?;
+        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| io(&part, e))?;
+        f.sync_all().map_err(|e| io(&part, e))?;
+        std::fs::rename(&part, &path).map_err(|e| io(&path, e))?;
+    }
+    Ok(())
+}
+
+/// A certificate for `node`, asked for until one is issued (a denial is
+/// logged with the operator's reason, and asked again later: the cause is
+/// a setting someone can fix while the agent waits).
+async fn issue(client: &Client, node: &str, namespace: &str) -> Material {
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match request(client, node, namespace).await {
+            Ok(m) => return m,
+            Err(why) => {
+                tracing::warn!(node, error = %why, retry_in = ?pause, "no data-plane certificate yet");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MOST_BACKOFF);
+            }
+        }
+    }
+}
+
+/// Renews `tls` at two thirds of its certificate's life, for ever.
+async fn renew(client: Client, node: String, namespace: String, dir: PathBuf, tls: Arc<Tls>) {
+    loop {
+        let due = tls
+            .certificate()
+            .map_or(0, |f| renew_at(f.not_before, f.not_after));
+        let wait = (due - now()).max(0) as u64;
+        tokio::time::sleep(Duration::from_secs(wait)).await;
+        let m = issue(&client, &node, &namespace).await;
+        match write(&dir, &m).and_then(|()| {
+            tls.replace(&m)
+                .map_err(|e| Error::Certificate(e.to_string()))
+        }) {
+            Ok(()) => {
+                tracing::info!(node, certificate = ?tls.certificate(), "data-plane certificate renewed")
+            }
+            Err(e) => {
+                tracing::warn!(node, error = %e, "cannot use the renewed data-plane certificate");
+                tokio::time::sleep(MOST_BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// One request: a new key, a CertificateSigningRequest naming `node`, and
+/// its answer.
+async fn request(
+    client: &Client,
+    node: &str,
+    namespace: &str,
+) -> std::result::Result<Material, String> {
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let mut params =
+        rcgen::CertificateParams::new(vec![node.to_string()]).map_err(|e| e.to_string())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, node);
+    let csr = params
+        .serialize_request(&key)
+        .and_then(|r| r.pem())
+        .map_err(|e| e.to_string())?;
+    let short: String = node.chars().take(40).collect();
+    let mut labels = BTreeMap::new();
+    if node.len() <= 63 {
+        labels.insert(shardplane_crds::NODE_LABEL.to_string(), node.to_string());
+    }
+    let object = CertificateSigningRequest {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("shardplane-node-{short}-")),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        spec: CertificateSigningRequestSpec {
+            request: ByteString(csr.into_bytes()),
+            signer_name: DATA_PLANE_SIGNER.into(),
+            usages: Some(
+                ["digital signature", "server auth", "client auth"]
+                    .map(String::from)
+                    .to_vec(),
+            ),
+            expiration_seconds: Some(LIFETIME.as_secs() as i32),
+            ..Default::default()
+        },
+        status: None,
+    };
+    let api: Api<CertificateSigningRequest> = Api::all(client.clone());
+    let created = api
+        .create(&PostParams::default(), &object)
+        .await
+        .map_err(|e| format!("cannot create a CertificateSigningRequest: {e}"))?;
+    let name = created.name_any();
+    tracing::info!(node, request = %name, "asked the operator for a data-plane certificate");
+    let deadline = tokio::time::Instant::now() + ANSWER_WITHIN;
+    let cert = loop {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "CertificateSigningRequest {name} has no answer after {ANSWER_WITHIN:?}: is the operator running with its data-plane signer?"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let Ok(Some(csr)) = api.get_opt(&name).await else {
+            continue;
+        };
+        let status = csr.status.unwrap_or_default();
+        if let Some(c) = status
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| (c.type_ == "Denied" || c.type_ == "Failed") && c.status == "True")
+        {
+            return Err(format!(
+                "CertificateSigningRequest {name} {}: {}: {}",
+                c.type_.to_lowercase(),
+                c.reason.clone().unwrap_or_default(),
+                c.message.clone().unwrap_or_default()
+            ));
+        }
+        if let Some(cert) = status.certificate.filter(|c| !c.0.is_empty()) {
+            break String::from_utf8(cert.0)
+                .map_err(|_| "the certificate is not text".to_string())?;
+        }
+    };
+    let ca_pem = shardplane_cluster::trust::wait_for_ca(client, namespace).await;
+    Ok(Material {
+        ca_pem,
+        identity: Some((cert, key.serialize_pem())),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn certificates_are_renewed_at_two_thirds_of_their_life() {
+        assert_eq!(renew_at(0, 900), 600);
+        assert_eq!(renew_at(1000, 1000 + 7 * 86400), 1000 + 7 * 86400 * 2 / 3);
+        assert_eq!(renew_at(10, 5), 10);
+    }
+
+    #[test]
+    fn material_is_written_whole_with_a_private_key_and_kept_only_while_fresh() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let tls_dir = dir.path().join("tls");
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+        let issuer = rcgen::Issuer::new(ca_params, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["node-a".to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap()
+            .pem();
+        let m = Material {
+            ca_pem,
+            identity: Some((cert, key.serialize_pem())),
+        };
+        write(&tls_dir, &m).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&tls_dir.join(KEY_FILE)), 0o600);
+        assert_eq!(mode(&tls_dir), 0o700);
+        // rcgen's default validity runs to the year 4096: fresh.
+        assert_eq!(kept(&tls_dir, "node-a"), Some(m.clone()));
+        assert_eq!(kept(&tls_dir, "node-b"), None, "another node's");
+        write(&tls_dir, &m).unwrap();
+        std::fs::write(tls_dir.join(KEY_FILE), "broken").unwrap();
+        assert_eq!(kept(&tls_dir, "node-a"), None, "a key that does not load");
+    }
+}
