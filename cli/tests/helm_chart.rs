@@ -32,7 +32,7 @@ use serde_json::Value;
 use shardplane_crds::{InferenceNode, NODE_LEASE_NAMESPACE};
 use shardplane_testkit::{
     ChildGuard, control_plane, eventually, free_address, repo_root, spawn_component_as,
-    unique_name, venv_python,
+    spawn_component_with, unique_name, venv_python,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_shardplane");
@@ -631,6 +631,25 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         (&operator, "get", "namespaces/shardplane-node-lease", None),
         (
             &operator,
+            "watch",
+            "certificatesigningrequests.certificates.k8s.io",
+            None,
+        ),
+        (
+            &operator,
+            "patch",
+            "certificatesigningrequests.certificates.k8s.io/status",
+            None,
+        ),
+        (
+            &operator,
+            "patch",
+            "configmaps/shardplane-data-plane-ca",
+            own,
+        ),
+        (&gateway, "get", "configmaps/shardplane-data-plane-ca", own),
+        (
+            &operator,
             "patch",
             &format!(
                 "validatingwebhookconfigurations.admissionregistration.k8s.io/{full}-operator"
@@ -746,6 +765,12 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         ("patch", "shards.shardplane.dev/status", None),
         ("patch", "leases.coordination.k8s.io", lease_ns),
         ("get", "secrets", Some(models_ns.as_str())),
+        (
+            "create",
+            "certificatesigningrequests.certificates.k8s.io",
+            None,
+        ),
+        ("get", "configmaps/shardplane-data-plane-ca", own),
     ] {
         assert!(
             can(&node_sa, verb, resource, namespace),
@@ -769,8 +794,28 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             .unwrap()
             .contains(&format!("system:serviceaccount:{ns}:{full}-agent"))
     );
+    // The operator on its ServiceAccount: with the chart's roles it makes
+    // the data plane's CA, publishes it, and signs the node's certificate.
+    let operator_kc = kubeconfig_for(&ns, &format!("{full}-operator"), None, dir.path());
+    let _operator: ChildGuard = spawn_component_as(
+        BIN,
+        &[
+            "operator",
+            "--leader-namespace",
+            &ns,
+            "--agent-namespace",
+            &ns,
+            "--admin-address",
+            &free_address().to_string(),
+            "--no-ui",
+        ],
+        &operator_kc,
+    );
+    // The agent asks for its certificate with its node identity and
+    // registers once it holds one.
+    let tls_on = [("SHARDPLANE_DATA_PLANE_TLS", "operator")];
     let cache = dir.path().join("cache");
-    let _agent: ChildGuard = spawn_component_as(
+    let _agent: ChildGuard = spawn_component_with(
         BIN,
         &[
             "agent",
@@ -784,6 +829,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             cache.to_str().unwrap(),
         ],
         &agent_kc,
+        &tls_on,
     );
     let nodes: Api<InferenceNode> = Api::all(client.clone());
     let leases: Api<Lease> = Api::namespaced(client.clone(), NODE_LEASE_NAMESPACE);
@@ -804,7 +850,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
     // from the chart's Secret and serves the model list.
     let gateway_kc = kubeconfig_for(&ns, &format!("{full}-gateway"), None, dir.path());
     let listen = free_address();
-    let _gateway = spawn_component_as(
+    let _gateway = spawn_component_with(
         BIN,
         &[
             "gateway",
@@ -816,6 +862,7 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             &format!("{ns}/{full}-api-keys"),
         ],
         &gateway_kc,
+        &tls_on,
     );
     let keys: Secret = Api::namespaced(client.clone(), &ns)
         .get(&format!("{full}-api-keys"))
@@ -833,6 +880,27 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
     assert_eq!(status, 200);
     let refused = http.get(&url).bearer_auth("sk-wrong").send().await.unwrap();
     assert_eq!(refused.status(), 401);
+    // The node's certificate was issued (the gateway waited for the CA
+    // before it served, so it was published too).
+    let csrs: Api<k8s_openapi::api::certificates::v1::CertificateSigningRequest> =
+        Api::all(client.clone());
+    let issued = csrs
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("shardplane.dev/node={}", release.node)),
+        )
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|c| {
+            c.status
+                .as_ref()
+                .and_then(|s| s.certificate.as_ref())
+                .is_some()
+        })
+        .count();
+    assert!(issued >= 1, "no certificate issued for {}", release.node);
 
     drop(_agent);
     let _ = nodes.delete(&release.node, &DeleteParams::default()).await;
