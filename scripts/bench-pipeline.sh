@@ -3,7 +3,12 @@
 # in one process, measured in one run, alternating so drift hits every
 # configuration alike.
 #
-#   scripts/bench-pipeline.sh [--rounds N] [--gen-tokens N] [--prompt-tokens N]
+#   scripts/bench-pipeline.sh [--rounds N] [--gen-tokens N] [--prompt-tokens N] [--tls]
+#
+# With --tls the data plane runs TLS as in a cluster (certificates from a CA
+# made here with openssl, one per node naming it; agents read them with
+# --data-plane-tls files); without, plain TCP. Compare the two runs by their
+# ratios to the in-process whole model, which each run measures beside them.
 #
 # Starts a control plane and three agents (each with RAYON_NUM_THREADS=2), makes
 # Shards by hand (no operator): the whole model on agent 0, a 2-stage pipeline
@@ -13,23 +18,44 @@
 # ratios to the in-process whole model.
 set -euo pipefail
 # Agents started by hand under the admin's kubeconfig get no data-plane
-# certificate: plain TCP on loopback (`shardplane up` runs TLS).
+# certificate from the operator: plain TCP on loopback unless --tls.
 export SHARDPLANE_DATA_PLANE_TLS=off
 cd "$(dirname "$0")/.."
-ROUNDS=3 GEN=64 PROMPT=41
+ROUNDS=3 GEN=64 PROMPT=41 TLS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift 2 ;;
     --gen-tokens) GEN=$2; shift 2 ;;
     --prompt-tokens) PROMPT=$2; shift 2 ;;
-    *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N]" >&2; exit 2 ;;
+    --tls) TLS=1; shift ;;
+    *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N] [--tls]" >&2; exit 2 ;;
   esac
 done
 source scripts/bench-cluster.sh
+agent_tls=() client_tls=() gateway_tls=()
+if [ "$TLS" = 1 ]; then
+  tls="$STATE/tls"
+  mkdir -p "$tls/gateway"
+  ec=(-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes)
+  openssl req -x509 "${ec[@]}" -days 2 -subj /CN=bench-ca -keyout "$tls/ca.key" -out "$tls/ca.crt" 2>/dev/null
+  cp "$tls/ca.crt" "$tls/gateway/ca.crt"
+  for i in 0 1 2; do
+    d="$tls/bench-$i"
+    mkdir -p "$d"
+    cp "$tls/ca.crt" "$d/ca.crt"
+    openssl req "${ec[@]}" -subj "/CN=bench-$i" -keyout "$d/tls.key" -out "$d/request.csr" 2>/dev/null
+    printf 'subjectAltName=DNS:bench-%s\nextendedKeyUsage=serverAuth,clientAuth\n' "$i" >"$d/extensions"
+    openssl x509 -req -in "$d/request.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
+      -days 2 -extfile "$d/extensions" -out "$d/tls.crt" 2>/dev/null
+  done
+  client_tls=(--data-plane-ca "$tls/ca.crt" --node bench-0)
+  gateway_tls=(--data-plane-tls files --tls-dir "$tls/gateway")
+fi
 for i in 0 1 2; do
+  [ "$TLS" = 1 ] && agent_tls=(--data-plane-tls files --tls-dir "$tls/bench-$i")
   RAYON_NUM_THREADS=2 "$bin" agent --kubeconfig "$KUBECONFIG" --node-name "bench-$i" \
     --admin-address "127.0.0.1:$((9300 + i))" --data-plane-address "127.0.0.1:0" --token-file "$TOKEN_FILE" \
-    --cache-dir "$STATE/cache-$i" >"$STATE/agent-$i.log" 2>&1 &
+    --cache-dir "$STATE/cache-$i" "${agent_tls[@]}" >"$STATE/agent-$i.log" 2>&1 &
   pids+=($!)
 done
 
@@ -89,9 +115,9 @@ for round in $(seq 1 "$ROUNDS"); do
     case $config in
       local-whole) out=$("$bin" bench "${common[@]}" --threads 2) ;;
       local-3) out=$("$bin" bench "${common[@]}" --threads 2 --stages 0-9,10-19,20-29) ;;
-      agents-whole) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint whole-0)" --shard default/whole-0 --token-file "$TOKEN_FILE") ;;
-      agents-2) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p2-0)" --shard default/p2-0 --token-file "$TOKEN_FILE") ;;
-      agents-3) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p3-0)" --shard default/p3-0 --token-file "$TOKEN_FILE") ;;
+      agents-whole) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint whole-0)" --shard default/whole-0 --token-file "$TOKEN_FILE" "${client_tls[@]}") ;;
+      agents-2) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p2-0)" --shard default/p2-0 --token-file "$TOKEN_FILE" "${client_tls[@]}") ;;
+      agents-3) out=$("$bin" bench "${common[@]}" --endpoint "$(endpoint p3-0)" --shard default/p3-0 --token-file "$TOKEN_FILE" "${client_tls[@]}") ;;
     esac
     echo "$out" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["config"]=sys.argv[1]; d["round"]=int(sys.argv[2]); print(json.dumps(d))' "$config" "$round" | tee -a "$results"
   done
@@ -99,11 +125,11 @@ done
 # The gateway's overhead on time to first token: the same question straight to
 # the head stage and through the gateway's OpenAI API, alternating.
 "$bin" gateway --kubeconfig "$KUBECONFIG" --listen 127.0.0.1:8399 --admin-address 127.0.0.1:9399 \
-  --token-file "$TOKEN_FILE" --allow-anonymous >"$STATE/gateway.log" 2>&1 &
+  --token-file "$TOKEN_FILE" --allow-anonymous "${gateway_tls[@]}" >"$STATE/gateway.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 100); do curl -sf 127.0.0.1:9399/readyz >/dev/null && break; sleep 0.2; done
 "$bin" bench --model "$MODEL" --endpoint "$(endpoint whole-0)" --shard default/whole-0 \
-  --token-file "$TOKEN_FILE" --gateway http://127.0.0.1:8399 --gateway-model bench --runs 101
+  --token-file "$TOKEN_FILE" "${client_tls[@]}" --gateway http://127.0.0.1:8399 --gateway-model bench --runs 101
 
 # Each agent's memory above the weights it holds (resident set vs loaded weights).
 for i in 0 1 2; do

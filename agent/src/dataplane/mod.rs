@@ -8,6 +8,11 @@
 //!     └─ text deltas (detokenized, stop strings held back)
 //! ```
 //!
+//! With TLS on, the calls only agents make need the caller's node
+//! certificate: `ReadBlob` from any node, `Forward` from the node of the
+//! Shard's previous stage (when the watch store knows it). `Generate`, from
+//! the gateway, needs only the token.
+//!
 //! A sequence lives as long as its streams: when the client of `Generate`
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
 //! and drops its own, and every stage frees the sequence's KV cache.
@@ -29,6 +34,8 @@ mod tests;
 mod tests_admission;
 #[cfg(test)]
 mod tests_head;
+#[cfg(test)]
+mod tests_tls;
 mod wire;
 
 use std::pin::Pin;
@@ -114,6 +121,40 @@ impl Service {
         )
     }
 
+    /// With TLS on, the node the caller's certificate names; refused when
+    /// it sent none (`call` is for agents only). None with TLS off.
+    fn calling_node(
+        &self,
+        caller: Option<&dp::tls::PeerInfo>,
+        call: &str,
+    ) -> Result<Option<String>, Status> {
+        if self.peers.tls().is_none() {
+            return Ok(None);
+        }
+        match caller.and_then(|p| p.node.clone()) {
+            Some(node) => Ok(Some(node)),
+            None => Err(Status::permission_denied(format!(
+                "{call} is a call between agents: the caller sent no node certificate"
+            ))),
+        }
+    }
+
+    /// Refuses a `Forward` into `stage` from any node but its previous
+    /// stage's (when the watch store knows that Shard).
+    fn check_previous(&self, stage: &ServedStage, caller: Option<&str>) -> Result<(), Status> {
+        let (Some(caller), Some(previous)) = (caller, stage.spec.previous.as_deref()) else {
+            return Ok(());
+        };
+        let key = kube::runtime::reflector::ObjectRef::new(previous).within(&stage.namespace);
+        match self.directory.get(&key) {
+            Some(shard) if shard.spec.node != caller => Err(Status::permission_denied(format!(
+                "node {caller} may not drive shard {}/{}: its previous stage {previous} is on node {}",
+                stage.namespace, stage.name, shard.spec.node
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn stage(&self, shard: Option<&dp::ShardRef>) -> Result<Arc<ServedStage>, Status> {
         let r = shard.ok_or_else(|| Status::invalid_argument("no shard named"))?;
         self.shards.served(&r.namespace, &r.name).ok_or_else(|| {
@@ -194,6 +235,7 @@ impl DataPlane for Service {
         &self,
         request: Request<dp::ReadBlobRequest>,
     ) -> Result<Response<Self::ReadBlobStream>, Status> {
+        self.calling_node(request.extensions().get(), "ReadBlob")?;
         let req = request.into_inner();
         let path = self.cache.complete_file(&req.key).ok_or_else(|| {
             Status::not_found(format!(

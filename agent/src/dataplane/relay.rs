@@ -31,6 +31,7 @@ impl Service {
         &self,
         request: Request<Streaming<dp::ForwardRequest>>,
     ) -> Result<Response<EventStream<dp::ForwardResponse>>, Status> {
+        let caller = self.calling_node(request.extensions().get(), "Forward")?;
         let mut inbound = request.into_inner();
         let open = match inbound.message().await? {
             Some(dp::ForwardRequest {
@@ -43,6 +44,7 @@ impl Service {
             }
         };
         let stage = self.stage(open.shard.as_ref())?;
+        self.check_previous(&stage, caller.as_deref())?;
         if stage.text.is_some() {
             return Err(Status::failed_precondition(format!(
                 "shard {} is a first stage; it takes Generate, not hidden states",

@@ -128,6 +128,15 @@ pub(super) async fn serve_at(
     stage: ServedStage,
     directory: Vec<Shard>,
 ) -> (String, tempfile::TempDir) {
+    serve_with(stage, directory, None).await
+}
+
+/// Like [`serve_at`], over TLS with `tls` when given.
+pub(super) async fn serve_with(
+    stage: ServedStage,
+    directory: Vec<Shard>,
+    tls: Option<Arc<dp::tls::Tls>>,
+) -> (String, tempfile::TempDir) {
     let shards = ShardSet::new("in-process");
     shards.insert(stage);
     let (store, mut writer) = reflector::store();
@@ -142,7 +151,7 @@ pub(super) async fn serve_at(
         shards,
         store,
         nodes,
-        dp::Peers::new(token(), None),
+        dp::Peers::new(token(), tls.clone()),
         Metrics::new(),
         cache,
     );
@@ -151,7 +160,7 @@ pub(super) async fn serve_at(
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(service.into_server(token()))
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+            .serve_with_incoming(dp::tls::incoming(listener, tls).unwrap()),
     );
     (endpoint, dir)
 }
