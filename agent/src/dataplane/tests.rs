@@ -91,6 +91,14 @@ pub(super) fn shard(stage: u32, endpoint: Option<&str>) -> Shard {
 /// The middle stage `d-0-1` served in process, its next stage `d-0-2` as
 /// `next` says; the stage's worker, to watch its sequences.
 async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::TempDir) {
+    let (stage, me) = middle_stage();
+    let worker = stage.worker.clone();
+    let (client, dir) = serve(stage, next.into_iter().chain([me]).collect()).await;
+    (client, worker, dir)
+}
+
+/// The middle stage `d-0-1` (on node-1) running the echoing test stage, and its Shard.
+pub(super) fn middle_stage() -> (ServedStage, Shard) {
     let worker = StageWorker::start(
         "d-0-1",
         Box::new(Echo::middle()),
@@ -103,11 +111,10 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
         namespace: NS.into(),
         name: "d-0-1".into(),
         spec: me.spec.clone(),
-        worker: worker.clone(),
+        worker,
         text: None,
     };
-    let (client, dir) = serve(stage, next.into_iter().chain([me]).collect()).await;
-    (client, worker, dir)
+    (stage, me)
 }
 
 /// Serves `stage` in process on a loopback port, with `directory` the

@@ -9,11 +9,7 @@ use shardplane_dataplane::tls::{Material, Tls};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
-use super::tests::{NS, serve_with, shard, token};
-use crate::scheduler::Budget;
-use crate::shards::ServedStage;
-use crate::stage::StageWorker;
-use crate::test_stage::Echo;
+use super::tests::{NS, middle_stage, serve_with, shard, token};
 
 /// A CA and its certificates for nodes.
 struct Ca {
@@ -69,21 +65,7 @@ fn open() -> dp::ForwardRequest {
 #[tokio::test]
 async fn calls_between_agents_need_the_right_node_certificate() {
     let ca = Ca::new();
-    let worker = StageWorker::start(
-        "d-0-1",
-        Box::new(Echo::middle()),
-        Arc::new(|_| {}),
-        Budget::default(),
-        Box::new(|_| {}),
-    );
-    let me = shard(1, None);
-    let stage = ServedStage {
-        namespace: NS.into(),
-        name: "d-0-1".into(),
-        spec: me.spec.clone(),
-        worker,
-        text: None,
-    };
+    let (stage, me) = middle_stage();
     // The previous stage d-0-0 is on node-0; this one on node-1.
     let (endpoint, _dir) = serve_with(
         stage,
