@@ -236,8 +236,22 @@ fn serve(
     let (shard_directory, shard_directory_task) = shardplane_cluster::watch_all(client.clone());
     let (node_directory, node_directory_task) = shardplane_cluster::watch_all(client.clone());
     let peers = dataplane::Peers::new(config.token.clone(), tls.clone());
-    let incoming = shardplane_dataplane::tls::incoming(data_listener, tls)
-        .map_err(|e| Error::Certificate(e.to_string()))?;
+    let failures = metrics.handshake_failures.clone();
+    let incoming = shardplane_dataplane::tls::incoming(data_listener, tls.clone(), move |why| {
+        failures.with_label_values(&[why]).inc()
+    })
+    .map_err(|e| Error::Certificate(e.to_string()))?;
+    // The certificate's expiry on /metrics, as renewals (or a reloaded
+    // directory) change it.
+    let expiry = tls.map(|tls| {
+        let gauge = metrics.certificate_expiry.clone();
+        tokio::spawn(async move {
+            loop {
+                gauge.set(tls.certificate().map_or(0, |f| f.not_after));
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            }
+        })
+    });
     let sources = shards::Sources {
         cache: cache.clone(),
         hugging_face_endpoint: config.hugging_face_endpoint.clone(),
@@ -308,7 +322,10 @@ fn serve(
             shard_directory_task,
             node_directory_task,
             link_task,
-        ],
+        ]
+        .into_iter()
+        .chain(expiry)
+        .collect(),
         stop_data,
         data_plane,
     })

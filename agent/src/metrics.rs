@@ -19,6 +19,10 @@ pub struct Metrics {
     pub lease_renewals: IntCounter,
     /// Lease renewals that failed.
     pub lease_failures: IntCounter,
+    /// When the data-plane certificate expires (Unix seconds; 0 without TLS).
+    pub certificate_expiry: IntGauge,
+    /// Data-plane connections dropped in the TLS handshake, by reason.
+    pub handshake_failures: IntCounterVec,
     /// Bytes of weights loaded.
     pub weight_bytes: IntGauge,
     /// Machine memory by kind (`total`, `available`, `allocatable`).
@@ -87,6 +91,19 @@ impl Metrics {
         let lease_failures = IntCounter::new(
             "shardplane_agent_lease_failures_total",
             "Lease renewals that failed.",
+        )
+        .expect("valid metric");
+        let certificate_expiry = IntGauge::new(
+            "shardplane_agent_data_plane_certificate_expiry_timestamp_seconds",
+            "When the data-plane certificate expires (Unix seconds); 0 when the data plane runs without TLS.",
+        )
+        .expect("valid metric");
+        let handshake_failures = IntCounterVec::new(
+            Opts::new(
+                "shardplane_agent_data_plane_handshake_failures_total",
+                "Data-plane connections dropped in the TLS handshake, by error (refused: not TLS, an unknown CA, a bad certificate; timeout).",
+            ),
+            &["error"],
         )
         .expect("valid metric");
         let weight_bytes =
@@ -285,6 +302,8 @@ impl Metrics {
                 Box::new(shards.clone()),
                 Box::new(lease_renewals.clone()),
                 Box::new(lease_failures.clone()),
+                Box::new(certificate_expiry.clone()),
+                Box::new(handshake_failures.clone()),
                 Box::new(weight_bytes.clone()),
                 Box::new(memory_bytes.clone()),
             ],
@@ -295,6 +314,8 @@ impl Metrics {
             shards,
             lease_renewals,
             lease_failures,
+            certificate_expiry,
+            handshake_failures,
             weight_bytes,
             memory_bytes,
             forward_seconds,

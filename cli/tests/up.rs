@@ -308,6 +308,50 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     let wrong = ping(Some("node-1")).unwrap_err();
     assert!(wrong.contains("NotValidForName"), "{wrong}");
     assert!(ping(None).is_err(), "node-0 answered plain TCP");
+    // node-0 counts the refused handshakes and shows when its certificate
+    // expires (a week from now: the agents ask for seven days).
+    let agent_metrics = || {
+        runtime.block_on(async {
+            let r = shardplane_models::http_client()
+                .unwrap()
+                .get("http://127.0.0.1:9100/metrics")
+                .send()
+                .await
+                .unwrap();
+            r.text().await.unwrap()
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let seen = agent_metrics();
+        if seen.contains("shardplane_agent_data_plane_handshake_failures_total{error=\"refused\"}")
+            || std::time::Instant::now() > deadline
+        {
+            break seen;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        seen.contains("shardplane_agent_data_plane_handshake_failures_total{error=\"refused\"}"),
+        "{seen}"
+    );
+    let expiry: f64 = seen
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("shardplane_agent_data_plane_certificate_expiry_timestamp_seconds ")
+        })
+        .expect("the certificate's expiry")
+        .trim()
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        (now + 6.0 * 86400.0..now + 8.0 * 86400.0).contains(&expiry),
+        "expires at {expiry}, now {now}"
+    );
     // node-0's identity cannot get a certificate naming node-1: the
     // operator denies its request, saying why.
     let csr_key = rcgen::KeyPair::generate().unwrap();

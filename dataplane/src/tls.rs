@@ -537,12 +537,15 @@ impl AsyncWrite for Conn {
 
 /// The connections `listener` accepts, for `Server::serve_with_incoming`:
 /// with `tls`, only those that complete a TLS handshake in time (each
-/// handshake runs apart, so a slow one holds up no other); without, plain
-/// TCP. The accepting stops when the stream is dropped.
+/// handshake runs apart, so a slow one holds up no other; `failed` hears of
+/// each one dropped, `"refused"` or `"timeout"`); without, plain TCP. The
+/// accepting stops when the stream is dropped.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<Arc<Tls>>,
+    failed: impl Fn(&'static str) + Send + Sync + 'static,
 ) -> Result<tokio_stream::wrappers::ReceiverStream<std::io::Result<Conn>>, TlsError> {
+    let failed = Arc::new(failed);
     let acceptor = tls
         .map(|t| t.server_config().map(tokio_rustls::TlsAcceptor::from))
         .transpose()?;
@@ -576,7 +579,7 @@ pub fn incoming(
                 }
                 continue;
             };
-            let tx = tx.clone();
+            let (tx, failed) = (tx.clone(), failed.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
@@ -598,9 +601,13 @@ pub fn incoming(
                         let _ = tx.send(Ok(conn)).await;
                     }
                     Ok(Err(e)) => {
+                        failed("refused");
                         tracing::debug!(%remote, error = %e, "data-plane TLS handshake failed");
                     }
-                    Err(_) => tracing::debug!(%remote, "data-plane TLS handshake timed out"),
+                    Err(_) => {
+                        failed("timeout");
+                        tracing::debug!(%remote, "data-plane TLS handshake timed out");
+                    }
                 }
             });
         }

@@ -49,10 +49,18 @@ fn trusting(ca: &Ca) -> Material {
 /// A server that greets every connection it accepts with "hello" and
 /// reports who the caller was.
 async fn greeter(tls: Option<Arc<Tls>>) -> (SocketAddr, tokio::sync::mpsc::Receiver<PeerInfo>) {
+    greeter_counting(tls, |_| {}).await
+}
+
+/// [`greeter`], telling `failed` of each handshake it drops.
+async fn greeter_counting(
+    tls: Option<Arc<Tls>>,
+    failed: impl Fn(&'static str) + Send + Sync + 'static,
+) -> (SocketAddr, tokio::sync::mpsc::Receiver<PeerInfo>) {
     use tokio_stream::StreamExt;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let mut conns = incoming(listener, tls).unwrap();
+    let mut conns = incoming(listener, tls, failed).unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(async move {
         while let Some(Ok(mut conn)) = conns.next().await {
@@ -127,7 +135,13 @@ async fn a_client_reaches_only_the_node_it_names_through_the_cluster_ca() {
 #[tokio::test]
 async fn plain_tcp_gets_nothing_from_a_tls_server() {
     let cluster = ca("cluster");
-    let (at, mut callers) = greeter(Some(Tls::new(&node(&cluster, "node-a")).unwrap())).await;
+    let refused = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = refused.clone();
+    let (at, mut callers) = greeter_counting(
+        Some(Tls::new(&node(&cluster, "node-a")).unwrap()),
+        move |why| seen.lock().unwrap().push(why),
+    )
+    .await;
     let mut tcp = TcpStream::connect(at).await.unwrap();
     // What an HTTP/2 client without TLS sends first.
     tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
@@ -141,6 +155,12 @@ async fn plain_tcp_gets_nothing_from_a_tls_server() {
         callers.try_recv().is_err(),
         "no connection reached the service"
     );
+    // Counted as refused (the count may land just after the close).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while refused.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(*refused.lock().unwrap(), vec!["refused"]);
 }
 
 #[tokio::test]

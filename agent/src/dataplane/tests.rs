@@ -167,7 +167,7 @@ pub(super) async fn serve_with(
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(service.into_server(token()))
-            .serve_with_incoming(dp::tls::incoming(listener, tls).unwrap()),
+            .serve_with_incoming(dp::tls::incoming(listener, tls, |_| {}).unwrap()),
     );
     (endpoint, dir)
 }
