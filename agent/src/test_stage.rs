@@ -49,6 +49,7 @@ impl Echo {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            yarn: None,
             moe: None,
         };
         let layout = if last {

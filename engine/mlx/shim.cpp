@@ -226,6 +226,18 @@ int spx_gelu_tanh(const spx_array* a, spx_array** out) {
   });
 }
 
+// gpt-oss's gated unit: the gate clamped above at `limit`, the up
+// projection to ±limit, then gate · sigmoid(alpha · gate) · (up + 1).
+int spx_swiglu_oai(const spx_array* gate, const spx_array* up, float alpha, float limit,
+                   spx_array** out) {
+  return guard([&] {
+    auto g = mx::minimum(gate->a, mx::array(limit));
+    auto u = mx::clip(up->a, mx::array(-limit), mx::array(limit));
+    auto glu = mx::multiply(g, mx::sigmoid(mx::multiply(mx::array(alpha), g)));
+    *out = wrap(mx::multiply(glu, mx::add(u, mx::array(1.0f))));
+  });
+}
+
 int spx_matmul(const spx_array* a, const spx_array* b, spx_array** out) {
   return guard([&] { *out = wrap(mx::matmul(a->a, b->a)); });
 }
@@ -287,20 +299,25 @@ int spx_rms_norm(const spx_array* x, const spx_array* weight, float eps, spx_arr
   return guard([&] { *out = wrap(mx::fast::rms_norm(x->a, opt(weight), eps)); });
 }
 
+// With `freqs` (per pair of dimensions, the period MLX divides positions
+// by), `base` is unused.
 int spx_rope(const spx_array* x, int dims, int traditional, float base, float scale, int offset,
-             spx_array** out) {
-  return guard(
-      [&] { *out = wrap(mx::fast::rope(x->a, dims, traditional != 0, base, scale, offset)); });
+             const spx_array* freqs, spx_array** out) {
+  return guard([&] {
+    std::optional<float> b = freqs == nullptr ? std::optional<float>(base) : std::nullopt;
+    *out = wrap(mx::fast::rope(x->a, dims, traditional != 0, b, scale, offset, opt(freqs)));
+  });
 }
 
 // mask_mode: 0 none, 1 causal (queries aligned to the end of the keys), 2 the
 // additive `mask` array.
+// `sinks` (one logit per query head, or null) join each head's softmax.
 int spx_sdpa(const spx_array* q, const spx_array* k, const spx_array* v, float scale, int mask_mode,
-             const spx_array* mask, spx_array** out) {
+             const spx_array* mask, const spx_array* sinks, spx_array** out) {
   return guard([&] {
     std::string mode = mask_mode == 1 ? "causal" : (mask_mode == 2 ? "array" : "");
-    *out = wrap(mx::fast::scaled_dot_product_attention(q->a, k->a, v->a, scale, mode,
-                                                       mask_mode == 2 ? opt(mask) : std::nullopt));
+    *out = wrap(mx::fast::scaled_dot_product_attention(
+        q->a, k->a, v->a, scale, mode, mask_mode == 2 ? opt(mask) : std::nullopt, opt(sinks)));
   });
 }
 

@@ -65,10 +65,13 @@ pub enum Part {
     SharedUp,
     /// The shared expert's down projection.
     SharedDown,
+    /// One learned logit per attention head that joins every softmax
+    /// (gpt-oss); Hugging Face names it without a `.weight` suffix.
+    Sinks,
 }
 
 /// Every part of a layer, in file order.
-pub const PARTS: [Part; 21] = [
+pub const PARTS: [Part; 22] = [
     Part::AttnNorm,
     Part::Q,
     Part::K,
@@ -90,6 +93,7 @@ pub const PARTS: [Part; 21] = [
     Part::SharedGate,
     Part::SharedUp,
     Part::SharedDown,
+    Part::Sinks,
 ];
 
 impl Part {
@@ -116,6 +120,7 @@ impl Part {
             Part::SharedGate => "ffn_gate_shexp",
             Part::SharedUp => "ffn_up_shexp",
             Part::SharedDown => "ffn_down_shexp",
+            Part::Sinks => "attn_sinks",
         }
     }
 
@@ -123,7 +128,13 @@ impl Part {
         let sandwich = arch.post_norms();
         // MLX-community checkpoints hold the experts stacked (`switch_mlp`).
         let mixtral = arch == Architecture::Mixtral;
+        let gpt_oss = arch == Architecture::GptOss;
         match self {
+            Part::Router if gpt_oss => "mlp.router",
+            Part::ExpertGate if gpt_oss => "mlp.experts.gate_proj",
+            Part::ExpertUp if gpt_oss => "mlp.experts.up_proj",
+            Part::ExpertDown if gpt_oss => "mlp.experts.down_proj",
+            Part::Sinks => "self_attn.sinks",
             Part::Router if mixtral => "block_sparse_moe.gate",
             Part::ExpertGate if mixtral => "block_sparse_moe.switch_mlp.gate_proj",
             Part::ExpertUp if mixtral => "block_sparse_moe.switch_mlp.up_proj",
@@ -197,6 +208,17 @@ impl Weight {
         }
     }
 
+    /// The name of the weight's tensor `suffix` (`weight`, `bias`, `scales`,
+    /// `biases`) in `layout`: the prefix and the suffix, except for gpt-oss's
+    /// sinks, which Hugging Face names by the prefix alone.
+    pub fn tensor(self, layout: Layout, arch: Architecture, suffix: &str) -> String {
+        let prefix = self.prefix(layout, arch);
+        match (layout, self) {
+            (Layout::Mlx, Weight::Layer(_, Part::Sinks)) if suffix == "weight" => prefix,
+            _ => format!("{prefix}.{suffix}"),
+        }
+    }
+
     /// The weight a GGUF tensor-name prefix names.
     pub fn from_gguf_prefix(prefix: &str) -> Option<Weight> {
         match prefix {
@@ -259,6 +281,16 @@ mod tests {
         assert_eq!(
             hf(Part::Router, Architecture::Qwen3Moe),
             "model.layers.0.mlp.gate"
+        );
+        let gpt_oss = Architecture::GptOss;
+        assert_eq!(hf(Part::Router, gpt_oss), "model.layers.0.mlp.router");
+        assert_eq!(
+            Weight::Layer(5, Part::Sinks).tensor(Layout::Mlx, gpt_oss, "weight"),
+            "model.layers.5.self_attn.sinks"
+        );
+        assert_eq!(
+            Weight::Layer(5, Part::Sinks).tensor(Layout::Gguf, gpt_oss, "weight"),
+            "blk.5.attn_sinks.weight"
         );
         assert_eq!(Weight::from_gguf_prefix("blk.x.attn_q"), None);
         assert_eq!(Weight::from_gguf_prefix("rope_freqs"), None);

@@ -252,6 +252,23 @@ fn every_boundary(layers: usize) -> Vec<Vec<Range<usize>>> {
     all
 }
 
+/// gpt-oss: sliding and global layers in turn, sinks, YaRN, experts with
+/// biases; split at every boundary (each between a sliding and a global
+/// layer, one way or the other).
+#[test]
+fn gpt_oss_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("gpt_oss", every_boundary);
+}
+
+/// gpt-oss as MLX-community publishes it quantized: 4-bit experts and
+/// attention, the router in 8 bits (groups of 64).
+#[test]
+fn a_4_bit_gpt_oss_matches_mlx_lm_on_both_engines() {
+    check_model("gpt_oss, 4-bit", &tiny_quantized("gpt_oss", 4), |layers| {
+        vec![vec![0..layers], vec![0..1, 1..layers]]
+    });
+}
+
 /// Qwen3-MoE with a dense second layer: split between routed and dense
 /// layers both ways.
 #[test]

@@ -107,6 +107,14 @@ pub(super) struct DecodeRow<'a> {
     pub first: usize,
 }
 
+/// The heads of one layer's attention, and the scale of its scores.
+pub(super) struct HeadShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
 /// Attention of one query row per sequence against each sequence's cache,
 /// written into `out` (`rows × heads × head dim`): threads take one query
 /// head of one sequence at a time (enough pieces to share out even when a
@@ -114,30 +122,32 @@ pub(super) struct DecodeRow<'a> {
 /// the core's cache between them).
 pub(super) fn decode_attention(
     rows: &[DecodeRow<'_>],
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    scale: f32,
+    shape: &HeadShape,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let rep = heads / kv_heads;
+    let (heads, head_dim) = (shape.heads, shape.head_dim);
+    let rep = heads / shape.kv_heads;
     debug_assert_eq!(out.len(), rows.len() * heads * head_dim);
     out.par_chunks_mut(head_dim)
         .enumerate()
         .for_each(|(unit, out)| {
             let (row, head) = (&rows[unit / heads], unit % heads);
             let q = &row.q[head * head_dim..(head + 1) * head_dim];
-            attend(row, q, head / rep, head_dim, scale, out);
+            let sink = sinks.map(|s| s[head]);
+            attend(row, q, head / rep, head_dim, shape.scale, sink, out);
         });
 }
 
-/// Query head `q` of KV head `group` of one row.
+/// Query head `q` of KV head `group` of one row; `sink`, a logit that
+/// joins the softmax without a value.
 fn attend(
     row: &DecodeRow<'_>,
     q: &[f32],
     group: usize,
     head_dim: usize,
     scale: f32,
+    sink: Option<f32>,
     out: &mut [f32],
 ) {
     let kv = row.kv;
@@ -145,8 +155,12 @@ fn attend(
     let mut scores: Vec<f32> = (row.first..kv.len())
         .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * scale)
         .collect();
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
+    let max = scores
+        .iter()
+        .copied()
+        .chain(sink)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = sink.map_or(0.0, |s| (s - max).exp());
     for x in scores.iter_mut() {
         *x = (*x - max).exp();
         sum += *x;
@@ -186,15 +200,15 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// The plain definition: softmax(q·kᵀ·scale)·v per head, keys `first..`.
+    /// The plain definition: softmax(q·kᵀ·scale)·v per head, keys `first..`;
+    /// with a sink, one more term in the softmax's sum.
     fn reference(
         q: &[f32],
         kv: &LayerKv,
         first: usize,
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
+        (heads, kv_heads, hd): (usize, usize, usize),
         scale: f32,
+        sinks: Option<&[f32]>,
     ) -> Vec<f32> {
         let rep = heads / kv_heads;
         let mut out = vec![0f32; heads * hd];
@@ -207,9 +221,14 @@ mod tests {
                     qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() * f64::from(scale)
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sink = sinks.map(|s| f64::from(s[h]));
+            let max = scores
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let sum: f64 = e.iter().sum();
+            let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (i, t) in (first..kv.len()).enumerate() {
                 let v = &kv.v[t * kv.width + g * hd..][..hd];
                 for d in 0..hd {
@@ -255,13 +274,33 @@ mod tests {
                 first: firsts[s],
             })
             .collect();
-        let mut out = vec![f32::NAN; 3 * heads * hd];
-        decode_attention(&rows, heads, kv_heads, hd, 0.125, &mut out);
-        for s in 0..3 {
-            let want = reference(&qs[s], &caches[s], firsts[s], heads, kv_heads, hd, 0.125);
-            let got = &out[s * heads * hd..(s + 1) * heads * hd];
-            for (a, b) in got.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-5, "sequence {s}: {a} vs {b}");
+        let shape = HeadShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            scale: 0.125,
+        };
+        // Sinks above and below the scores, so they take visible weight.
+        let sinks: Vec<f32> = (0..heads).map(|h| h as f32 - 4.0).collect();
+        for sinks in [None, Some(sinks.as_slice())] {
+            let mut out = vec![f32::NAN; 3 * heads * hd];
+            decode_attention(&rows, &shape, sinks, &mut out);
+            for s in 0..3 {
+                let want = reference(
+                    &qs[s],
+                    &caches[s],
+                    firsts[s],
+                    (heads, kv_heads, hd),
+                    0.125,
+                    sinks,
+                );
+                let got = &out[s * heads * hd..(s + 1) * heads * hd];
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "sequence {s}, sinks {sinks:?}: {a} vs {b}"
+                    );
+                }
             }
         }
     }

@@ -431,7 +431,17 @@ impl CandleStage {
                 })
                 .collect();
             let mut out = vec![0f32; decoding.len() * q_width];
-            kv::decode_attention(&queries, heads, kv_heads, hd, cfg.attention_scale, &mut out);
+            let sinks = match &w.sinks {
+                Some(t) => Some(t.to_vec1::<f32>()?),
+                None => None,
+            };
+            let head_shape = kv::HeadShape {
+                heads,
+                kv_heads,
+                head_dim: hd,
+                scale: cfg.attention_scale,
+            };
+            kv::decode_attention(&queries, &head_shape, sinks.as_deref(), &mut out);
             for (i, o) in decoding.iter().zip(out.chunks_exact(q_width)) {
                 y[i.offset * q_width..(i.offset + 1) * q_width].copy_from_slice(o);
             }
@@ -446,7 +456,15 @@ impl CandleStage {
             let first = item.first_key(shape.window);
             let (k_all, v_all) =
                 self.sequences[&item.seq].layers[l].tensors(first, hd, &self.device)?;
-            let yi = attention(&qi, &k_all, &v_all, item, first, &heads_shape)?;
+            let yi = attention(
+                &qi,
+                &k_all,
+                &v_all,
+                item,
+                first,
+                &heads_shape,
+                w.sinks.as_ref(),
+            )?;
             y[item.offset * q_width..(item.offset + item.len) * q_width]
                 .copy_from_slice(&yi.flatten_all()?.to_vec1::<f32>()?);
         }
@@ -544,6 +562,9 @@ struct AttentionShape {
 /// values from position `first` on (all a sliding layer's window can
 /// reach), without copying them per query head: the query heads sharing a
 /// KV head are laid out as extra rows.
+///
+/// With `sinks` (one logit per query head), each head's softmax has one
+/// more term that takes weight but adds no value.
 fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -551,6 +572,7 @@ fn attention(
     item: &Item,
     first: usize,
     s: &AttentionShape,
+    sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (heads, kv_heads, hd) = (s.heads, s.kv_heads, s.head_dim);
     let rep = heads / kv_heads;
@@ -567,8 +589,19 @@ fn attention(
         }
         None => att,
     };
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
-    let y = att.matmul(v)?;
+    let att = match sinks {
+        Some(sinks) => {
+            // Heads are laid out KV-head-major (`kv_head · rep + r`), as `q` is.
+            let column = sinks
+                .reshape((1, kv_heads, rep, 1, 1))?
+                .broadcast_as((1, kv_heads, rep, n, 1))?
+                .reshape((1, kv_heads, rep * n, 1))?;
+            candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&att, &column], 3)?)?
+                .narrow(3, 0, keys)?
+        }
+        None => candle_nn::ops::softmax_last_dim(&att)?,
+    };
+    let y = att.contiguous()?.matmul(v)?;
     Ok(y.reshape((1, heads, n, hd))?
         .transpose(1, 2)?
         .reshape((n, heads * hd))?)
@@ -584,14 +617,13 @@ struct RopeTables {
 impl RopeTables {
     fn new(cfg: &ModelConfig, context: usize, device: &Device) -> Result<Self> {
         let table =
-            |theta: f32, scale: f32| rope_table(cfg.head_dim, theta, scale, context, device);
-        let sliding = match cfg.sliding {
-            Some(s) => Some(table(s.rope_theta, 1.0)?),
-            None => None,
-        };
+            |a: LayerAttention| rope_table(&a.inverse_frequencies(cfg.head_dim), context, device);
         Ok(RopeTables {
-            global: table(cfg.rope_theta, cfg.rope_scale)?,
-            sliding,
+            global: table(cfg.global_attention())?,
+            sliding: cfg
+                .sliding
+                .map(|s| table(cfg.sliding_attention(s)))
+                .transpose()?,
         })
     }
 
@@ -626,19 +658,9 @@ impl RopeTables {
     }
 }
 
-/// cos and sin of `position / scale * theta^(-2i/head_dim)`.
-fn rope_table(
-    head_dim: usize,
-    theta: f32,
-    scale: f32,
-    context: usize,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32) / scale)
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, half), device)?;
+/// cos and sin of `position × inverse frequency`, for every position.
+fn rope_table(inv: &[f32], context: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let inv = Tensor::from_slice(inv, (1, inv.len()), device)?;
     let positions = Tensor::arange(0u32, context as u32, device)?
         .to_dtype(DType::F32)?
         .reshape((context, 1))?;

@@ -12,9 +12,9 @@
 //! each expert runs once over all the rows that chose it, so a batch reads
 //! an expert's weights once however many of its tokens chose it.
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 
+use super::weights::Linear;
 use crate::config::Activation;
 use crate::error::Result;
 
@@ -22,9 +22,9 @@ use crate::error::Result;
 pub(super) enum FeedForward {
     /// `down(act(gate x) · up x)`.
     Dense {
-        gate: QMatMul,
-        up: QMatMul,
-        down: QMatMul,
+        gate: Linear,
+        up: Linear,
+        down: Linear,
     },
     /// Routed experts.
     Experts(Box<Experts>),
@@ -33,11 +33,11 @@ pub(super) enum FeedForward {
 /// The routed experts of one layer.
 pub(super) struct Experts {
     /// hidden → one logit per expert.
-    pub router: QMatMul,
+    pub router: Linear,
     /// Per expert: gate, up and down projections.
-    pub gate: Vec<QMatMul>,
-    pub up: Vec<QMatMul>,
-    pub down: Vec<QMatMul>,
+    pub gate: Vec<Linear>,
+    pub up: Vec<Linear>,
+    pub down: Vec<Linear>,
     /// Experts each token uses.
     pub per_token: usize,
     /// Whether the chosen experts' weights are renormalised to sum to one.
@@ -50,9 +50,9 @@ pub(super) struct Experts {
 pub(super) struct Shared {
     /// `[hidden]`: the gate's logit is its dot product with the row.
     pub gate_inp: Tensor,
-    pub gate: QMatMul,
-    pub up: QMatMul,
-    pub down: QMatMul,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 impl FeedForward {
@@ -67,18 +67,25 @@ impl FeedForward {
 
 /// A gated feed-forward block.
 fn glu(
-    gate: &QMatMul,
-    up: &QMatMul,
-    down: &QMatMul,
+    gate: &Linear,
+    up: &Linear,
+    down: &Linear,
     x: &Tensor,
     activation: Activation,
 ) -> Result<Tensor> {
-    let g = gate.forward(x)?;
-    let g = match activation {
-        Activation::Silu => candle_nn::ops::silu(&g)?,
-        Activation::GeluTanh => g.gelu()?,
+    let (g, u) = (gate.forward(x)?, up.forward(x)?);
+    let h = match activation {
+        Activation::Silu => (candle_nn::ops::silu(&g)? * u)?,
+        Activation::GeluTanh => (g.gelu()? * u)?,
+        Activation::SwigluOai => {
+            let limit = f64::from(Activation::SWIGLU_LIMIT);
+            let g = g.minimum(limit)?;
+            let u = u.clamp(-limit, limit)?;
+            let sig = candle_nn::ops::sigmoid(&(&g * f64::from(Activation::SWIGLU_ALPHA))?)?;
+            ((g * sig)? * (u + 1.0)?)?
+        }
     };
-    Ok(down.forward(&(g * up.forward(x)?)?)?)
+    down.forward(&h)
 }
 
 impl Experts {

@@ -110,7 +110,7 @@ impl SafetensorsDir {
             reason: format!("no Hugging Face name is known for {gguf}"),
         })?;
         Ok((
-            format!("{}.{suffix}", weight.prefix(Layout::Mlx, self.architecture)),
+            weight.tensor(Layout::Mlx, self.architecture, suffix),
             weight,
         ))
     }

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use super::moe::{Experts, FeedForward, Shared};
 use super::safetensors::SafetensorsDir;
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::tensor::RankShare;
@@ -147,8 +147,40 @@ impl TensorLoader<'_> {
         Ok(v.narrow(0, range.start, range.len())?.contiguous()?)
     }
 
+    /// Stacked `[experts, out, in]` matrices `{prefix}.weight`, one product
+    /// per expert, with their `[experts, out]` biases `{prefix}.bias` when
+    /// the family has them.
+    pub fn experts(&mut self, prefix: &str, experts: usize, bias: bool) -> Result<Vec<Linear>> {
+        let matrices = self.expert_matrices(&format!("{prefix}.weight"), experts)?;
+        if !bias {
+            return Ok(matrices.into_iter().map(Linear::from).collect());
+        }
+        let name = format!("{prefix}.bias");
+        let biases = self.vector(&name)?;
+        let out = match biases.dims() {
+            &[count, out] if count == experts => out,
+            dims => {
+                return Err(Error::UnsupportedTensorType {
+                    tensor: name,
+                    dtype: format!("shape {dims:?}, expected [{experts}, out]"),
+                });
+            }
+        };
+        matrices
+            .into_iter()
+            .enumerate()
+            .map(|(e, weight)| {
+                let bias = biases.get(e)?.reshape(out)?;
+                Ok(Linear {
+                    weight,
+                    bias: Some(bias),
+                })
+            })
+            .collect()
+    }
+
     /// Stacked `[experts, out, in]` matrices, one product per expert.
-    pub fn experts(&mut self, name: &str, experts: usize) -> Result<Vec<QMatMul>> {
+    fn expert_matrices(&mut self, name: &str, experts: usize) -> Result<Vec<QMatMul>> {
         let dequantize = self.dequantize && matches!(self.source, Source::Gguf { .. });
         let t = self.qtensor(name)?;
         let dims = t.shape().dims().to_vec();
@@ -281,6 +313,12 @@ pub(super) struct Linear {
     bias: Option<Tensor>,
 }
 
+impl From<QMatMul> for Linear {
+    fn from(weight: QMatMul) -> Self {
+        Linear { weight, bias: None }
+    }
+}
+
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = self.weight.forward(x)?;
@@ -304,6 +342,8 @@ pub(super) struct LayerWeights {
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub post_attn_norm: Option<Tensor>,
     pub post_ffn_norm: Option<Tensor>,
+    /// Each query head's sink logit (gpt-oss).
+    pub sinks: Option<Tensor>,
     /// The feed-forward block: dense, or routed to experts.
     pub ffn: FeedForward,
 }
@@ -341,7 +381,7 @@ impl LayerWeights {
                 bias,
             })
         };
-        let qkv_bias = matches!(arch, Architecture::Qwen2 | Architecture::Qwen2Moe);
+        let qkv_bias = arch.qkv_bias();
         let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias, q_rows.clone())?;
         let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias, kv_rows.clone())?;
         let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias, kv_rows)?;
@@ -370,6 +410,11 @@ impl LayerWeights {
         } else {
             (None, None)
         };
+        let sinks = if arch.attention_sinks() {
+            Some(l.vector_part(&name("attn_sinks.weight"), share.map(|s| s.heads.clone()))?)
+        } else {
+            None
+        };
         Ok(LayerWeights {
             attn_norm: l.vector(&name("attn_norm.weight"))?,
             q,
@@ -381,12 +426,19 @@ impl LayerWeights {
             ffn_norm: l.vector(&name("ffn_norm.weight"))?,
             post_attn_norm,
             post_ffn_norm,
+            sinks,
             ffn: match &config.moe {
                 Some(moe) if moe.routed(i) => FeedForward::Experts(Box::new(Experts {
-                    router: l.matrix(&name("ffn_gate_inp.weight"))?,
-                    gate: l.experts(&name("ffn_gate_exps.weight"), moe.experts)?,
-                    up: l.experts(&name("ffn_up_exps.weight"), moe.experts)?,
-                    down: l.experts(&name("ffn_down_exps.weight"), moe.experts)?,
+                    router: linear(
+                        l,
+                        "ffn_gate_inp.weight",
+                        "ffn_gate_inp.bias",
+                        moe.bias,
+                        None,
+                    )?,
+                    gate: l.experts(&name("ffn_gate_exps"), moe.experts, moe.bias)?,
+                    up: l.experts(&name("ffn_up_exps"), moe.experts, moe.bias)?,
+                    down: l.experts(&name("ffn_down_exps"), moe.experts, moe.bias)?,
                     per_token: moe.experts_per_token,
                     normalize: moe.normalize,
                     shared: match moe.shared_expert {
@@ -395,18 +447,23 @@ impl LayerWeights {
                             gate_inp: l
                                 .vector(&name("ffn_gate_inp_shexp.weight"))?
                                 .flatten_all()?,
-                            gate: l.matrix(&name("ffn_gate_shexp.weight"))?,
-                            up: l.matrix(&name("ffn_up_shexp.weight"))?,
-                            down: l.matrix(&name("ffn_down_shexp.weight"))?,
+                            gate: l.matrix(&name("ffn_gate_shexp.weight"))?.into(),
+                            up: l.matrix(&name("ffn_up_shexp.weight"))?.into(),
+                            down: l.matrix(&name("ffn_down_shexp.weight"))?.into(),
                         }),
                         None => None,
                     },
                 })),
                 _ => FeedForward::Dense {
                     gate: l
-                        .matrix_part(&name("ffn_gate.weight"), columns.clone().map(Part::Rows))?,
-                    up: l.matrix_part(&name("ffn_up.weight"), columns.clone().map(Part::Rows))?,
-                    down: l.matrix_part(&name("ffn_down.weight"), columns.map(Part::Columns))?,
+                        .matrix_part(&name("ffn_gate.weight"), columns.clone().map(Part::Rows))?
+                        .into(),
+                    up: l
+                        .matrix_part(&name("ffn_up.weight"), columns.clone().map(Part::Rows))?
+                        .into(),
+                    down: l
+                        .matrix_part(&name("ffn_down.weight"), columns.map(Part::Columns))?
+                        .into(),
                 },
             },
         })

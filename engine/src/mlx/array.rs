@@ -332,6 +332,15 @@ impl Array {
         })
     }
 
+    /// gpt-oss's gated unit of this gate and `up`: the gate clamped above,
+    /// the up projection both ways, `gate · sigmoid(alpha gate) · (up + 1)`.
+    pub fn swiglu_oai(&self, up: &Array, alpha: f32, limit: f32) -> Result<Array> {
+        // SAFETY: live handles for the call.
+        make("swiglu_oai", |out| unsafe {
+            ffi::spx_swiglu_oai(self.ptr(), up.ptr(), alpha, limit, out)
+        })
+    }
+
     /// Every element times `factor`.
     pub fn scale(&self, factor: f32) -> Result<Array> {
         self.multiply(&Array::from_f32(&[factor], &[1])?)
@@ -463,7 +472,8 @@ pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
 
 /// Rotary embedding of `x` (`[batch, heads, tokens, head_dim]`) for positions
 /// `offset..`, each multiplied by `scale`; `traditional` rotates interleaved
-/// pairs, else the two halves.
+/// pairs, else the two halves. The angle of pair `i` is the position over
+/// `base^(2i/dims)`, or over `periods[i]` when given (YaRN's).
 pub fn rope(
     x: &Array,
     dims: usize,
@@ -471,6 +481,7 @@ pub fn rope(
     base: f32,
     scale: f32,
     offset: usize,
+    periods: Option<&Array>,
 ) -> Result<Array> {
     let offset = c_int::try_from(offset)
         .map_err(|_| Error::InvalidInput(format!("position {offset} is too large")))?;
@@ -483,6 +494,7 @@ pub fn rope(
             base,
             scale,
             offset,
+            raw(periods),
             out,
         )
     })
@@ -501,7 +513,14 @@ pub enum Mask<'a> {
 
 /// Scaled dot-product attention (MLX's fused kernel; fewer KV heads than
 /// query heads is grouped-query attention).
-pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
+pub fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: Mask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
     let (mode, m) = match mask {
         Mask::None => (0, None),
         Mask::Causal => (1, None),
@@ -509,7 +528,16 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) ->
     };
     // SAFETY: live handles (or null) for the call.
     make("scaled_dot_product_attention", |out| unsafe {
-        ffi::spx_sdpa(q.ptr(), k.ptr(), v.ptr(), scale, mode, raw(m), out)
+        ffi::spx_sdpa(
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            scale,
+            mode,
+            raw(m),
+            raw(sinks),
+            out,
+        )
     })
 }
 

@@ -82,6 +82,13 @@ unsafe extern "C" {
     pub fn spx_silu(a: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_sigmoid(a: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_gelu_tanh(a: *const spx_array, out: *mut array) -> c_int;
+    pub fn spx_swiglu_oai(
+        gate: *const spx_array,
+        up: *const spx_array,
+        alpha: f32,
+        limit: f32,
+        out: *mut array,
+    ) -> c_int;
     pub fn spx_matmul(a: *const spx_array, b: *const spx_array, out: *mut array) -> c_int;
     pub fn spx_quantized_matmul(
         x: *const spx_array,
@@ -137,6 +144,7 @@ unsafe extern "C" {
         base: f32,
         scale: f32,
         offset: c_int,
+        freqs: *const spx_array,
         out: *mut array,
     ) -> c_int;
     pub fn spx_sdpa(
@@ -146,6 +154,7 @@ unsafe extern "C" {
         scale: f32,
         mask_mode: c_int,
         mask: *const spx_array,
+        sinks: *const spx_array,
         out: *mut array,
     ) -> c_int;
 

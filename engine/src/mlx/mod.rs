@@ -350,6 +350,15 @@ impl MlxStage {
         let v = w.v.forward(&h)?;
         let scale = cfg.attention_scale;
         let rope_scale = 1.0 / shape.rope_scale;
+        // YaRN's frequencies, as the periods MLX divides positions by.
+        let periods = match shape.yarn {
+            Some(_) => {
+                let inv = shape.inverse_frequencies(hd);
+                let periods: Vec<f32> = inv.iter().map(|f| 1.0 / f).collect();
+                Some(Array::from_f32(&periods, &[periods.len()])?)
+            }
+            None => None,
+        };
         let mut ys = Vec::with_capacity(items.len());
         for item in items {
             let (n, pos) = (item.len, item.position);
@@ -365,9 +374,19 @@ impl MlxStage {
             let qi = split(&q, heads, w.q_norm.as_ref())?;
             let ki = split(&k, kvh, w.k_norm.as_ref())?;
             let vi = split(&v, kvh, None)?;
-            let theta = shape.rope_theta;
-            let qi = rope(&qi, hd, self.traditional_rope, theta, rope_scale, pos)?;
-            let ki = rope(&ki, hd, self.traditional_rope, theta, rope_scale, pos)?;
+            let rotate = |t: &Array| {
+                let theta = shape.rope_theta;
+                rope(
+                    t,
+                    hd,
+                    self.traditional_rope,
+                    theta,
+                    rope_scale,
+                    pos,
+                    periods.as_ref(),
+                )
+            };
+            let (qi, ki) = (rotate(&qi)?, rotate(&ki)?);
             let cache = self
                 .sequences
                 .get_mut(&item.seq)
@@ -392,7 +411,7 @@ impl MlxStage {
                 (None, 1) => Mask::None,
                 (None, _) => Mask::Causal,
             };
-            let y = attention(&qi, &keys, &values, scale, mask)?;
+            let y = attention(&qi, &keys, &values, scale, mask, w.sinks.as_ref())?;
             ys.push(y.transpose(&[0, 2, 1, 3])?.reshape(&[n, heads * hd])?);
         }
         let y = if ys.len() == 1 {

@@ -49,16 +49,29 @@ pub(super) struct SharedExpert {
 }
 
 /// Every expert's matrix of one projection: quantized as the file holds it
-/// (`[experts, out, packed]`), or dense f32 `[experts, in, out]`.
+/// (`[experts, out, packed]`), or dense f32 `[experts, in, out]`; with
+/// every expert's bias (`[experts, out]`) when the family has them.
 pub(super) struct Stacked {
     pub(super) w: Array,
     pub(super) quant: Option<Quant>,
+    pub(super) bias: Option<Array>,
 }
 
 impl Stacked {
     /// `x` (`[tokens, 1, 1, in]`) times each token's experts `ids`
     /// (`[tokens, k]`): `[tokens, k, 1, out]`.
     fn forward(&self, x: &Array, ids: &Array) -> Result<Array> {
+        let y = self.product(x, ids)?;
+        let Some(bias) = &self.bias else {
+            return Ok(y);
+        };
+        // Each token's experts' biases: [tokens, k, out] → [tokens, k, 1, out].
+        let shape = y.shape();
+        let b = bias.take(ids, 0)?.reshape(&shape)?;
+        y.add(&b)
+    }
+
+    fn product(&self, x: &Array, ids: &Array) -> Result<Array> {
         match &self.quant {
             Some(q) => gather_quantized_matmul(
                 x,
@@ -75,16 +88,21 @@ impl Stacked {
 
     pub(super) fn bytes(&self) -> usize {
         self.w.nbytes()
+            + self.bias.as_ref().map_or(0, Array::nbytes)
             + self.quant.as_ref().map_or(0, |q| {
                 q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
             })
     }
 }
 
-fn activate(x: &Array, activation: Activation) -> Result<Array> {
+/// The gated unit of the gate's and the up projection's outputs.
+fn glu(gate: &Array, up: &Array, activation: Activation) -> Result<Array> {
     match activation {
-        Activation::Silu => x.silu(),
-        Activation::GeluTanh => x.gelu_tanh(),
+        Activation::Silu => gate.silu()?.multiply(up),
+        Activation::GeluTanh => gate.gelu_tanh()?.multiply(up),
+        Activation::SwigluOai => {
+            gate.swiglu_oai(up, Activation::SWIGLU_ALPHA, Activation::SWIGLU_LIMIT)
+        }
     }
 }
 
@@ -93,8 +111,7 @@ impl FeedForward {
     pub(super) fn forward(&self, x: &Array, activation: Activation) -> Result<Array> {
         match self {
             FeedForward::Dense { gate, up, down } => {
-                let g = activate(&gate.forward(x)?, activation)?;
-                down.forward(&g.multiply(&up.forward(x)?)?)
+                down.forward(&glu(&gate.forward(x)?, &up.forward(x)?, activation)?)
             }
             FeedForward::Experts(e) => e.forward(x, activation),
         }
@@ -107,8 +124,11 @@ impl Experts {
         let (tokens, hidden, k) = (shape[0], shape[1], self.per_token);
         let (ids, weights) = route(&self.router.forward(x)?, k, self.normalize)?;
         let x = x.reshape(&[tokens, 1, 1, hidden])?;
-        let g = activate(&self.gate.forward(&x, &ids)?, activation)?;
-        let h = g.multiply(&self.up.forward(&x, &ids)?)?;
+        let h = glu(
+            &self.gate.forward(&x, &ids)?,
+            &self.up.forward(&x, &ids)?,
+            activation,
+        )?;
         let y = self.down.forward(&h, &ids)?.reshape(&[tokens, k, hidden])?;
         // Σ over the chosen experts: [T, 1, k] @ [T, k, H].
         let routed = weights
@@ -119,8 +139,9 @@ impl Experts {
             return Ok(routed);
         };
         let x = x.reshape(&[tokens, hidden])?;
-        let g = activate(&s.gate.forward(&x)?, activation)?;
-        let shared = s.down.forward(&g.multiply(&s.up.forward(&x)?)?)?;
+        let shared = s
+            .down
+            .forward(&glu(&s.gate.forward(&x)?, &s.up.forward(&x)?, activation)?)?;
         let gate = s.gate_inp.forward(&x)?.sigmoid()?;
         routed.add(&shared.multiply(&gate)?)
     }

@@ -87,6 +87,8 @@ pub(super) struct LayerWeights {
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub(super) post_attn_norm: Option<Array>,
     pub(super) post_ffn_norm: Option<Array>,
+    /// Each query head's sink logit (gpt-oss).
+    pub(super) sinks: Option<Array>,
     /// The feed-forward block: dense, or routed to experts.
     pub(super) ffn: FeedForward,
 }
@@ -129,7 +131,7 @@ impl Loader {
 
     /// A norm (or other vector) weight as f32, checked against `len`.
     pub(super) fn vector(&mut self, w: Weight, len: usize) -> Result<Array> {
-        let name = format!("{}.weight", w.prefix(self.layout, self.architecture));
+        let name = w.tensor(self.layout, self.architecture, "weight");
         let a = self.get(&name)?;
         if a.shape() != [len] {
             return Err(self.bad_shape(&name, &a, &format!("[{len}]")));
@@ -196,17 +198,32 @@ impl Loader {
     }
 
     /// `experts` stacked `[out, in]` matrices, quantized when the file has
-    /// `scales` for them.
+    /// `scales` for them, with their `[experts, out]` biases when `bias`.
     pub(super) fn stacked(
         &mut self,
         w: Weight,
-        experts: usize,
-        out: usize,
-        inp: usize,
+        (experts, out, inp): (usize, usize, usize),
+        bias: bool,
     ) -> Result<Stacked> {
-        let (w, quant) = self.matrix(w, &[experts], out, inp)?;
-        let stacked = Stacked { w, quant };
+        let (weight, quant) = self.matrix(w, &[experts], out, inp)?;
+        let bias = match bias {
+            false => None,
+            true => {
+                let name = w.tensor(self.layout, self.architecture, "bias");
+                let b = self.get(&name)?;
+                if b.shape() != [experts, out] {
+                    return Err(self.bad_shape(&name, &b, &format!("[{experts}, {out}]")));
+                }
+                Some(b.astype(Dtype::F32)?)
+            }
+        };
+        let stacked = Stacked {
+            w: weight,
+            quant,
+            bias,
+        };
         let mut arrays = vec![&stacked.w];
+        arrays.extend(stacked.bias.as_ref());
         if let Some(q) = &stacked.quant {
             arrays.push(&q.scales);
             arrays.extend(q.biases.as_ref());
@@ -313,14 +330,27 @@ impl Loader {
             post_ffn_norm: sandwich
                 .then(|| self.vector(l(Part::PostFfnNorm), h))
                 .transpose()?,
+            sinks: c
+                .architecture
+                .attention_sinks()
+                .then(|| self.vector(l(Part::Sinks), c.heads))
+                .transpose()?,
             ffn: match &c.moe {
                 Some(moe) if moe.routed(n) => {
                     let (e, width) = (moe.experts, moe.expert_intermediate_size);
+                    let router = self.linear(l(Part::Router), e, h)?;
+                    if moe.bias && router.bias.is_none() {
+                        return Err(self.missing(&l(Part::Router).tensor(
+                            self.layout,
+                            self.architecture,
+                            "bias",
+                        )));
+                    }
                     FeedForward::Experts(Box::new(Experts {
-                        router: self.linear(l(Part::Router), e, h)?,
-                        gate: self.stacked(l(Part::ExpertGate), e, width, h)?,
-                        up: self.stacked(l(Part::ExpertUp), e, width, h)?,
-                        down: self.stacked(l(Part::ExpertDown), e, h, width)?,
+                        router,
+                        gate: self.stacked(l(Part::ExpertGate), (e, width, h), moe.bias)?,
+                        up: self.stacked(l(Part::ExpertUp), (e, width, h), moe.bias)?,
+                        down: self.stacked(l(Part::ExpertDown), (e, h, width), moe.bias)?,
                         per_token: moe.experts_per_token,
                         normalize: moe.normalize,
                         shared: match moe.shared_expert {

@@ -195,6 +195,7 @@ mod tests {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            yarn: None,
             moe: None,
         }
     }

@@ -123,6 +123,35 @@ FAMILIES = {
         "max_position_embeddings": 128,
         "tie_word_embeddings": False,
     },
+    # gpt-oss: four layers, sliding (window 4, shorter than the prompt) and
+    # global in turn; YaRN RoPE as the released models have it; Q/K/V/O
+    # biases and a sink per head; four experts with biases, two per token.
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 256,
+        "rope_theta": 150_000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    },
 }
 
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
@@ -148,6 +177,12 @@ def build(family, seed):
             params[name] = offset + 0.3 * mx.random.normal(p.shape)
         elif name.endswith("embed_tokens.weight"):
             params[name] = mx.random.normal(p.shape) * 0.1
+        elif name.endswith("sinks"):
+            # Large enough to take a visible share of each softmax.
+            params[name] = mx.random.normal(p.shape) * 2.0
+        elif family == "gpt_oss" and name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight")):
+            # Large enough that the activation's clamps at ±7 bite.
+            params[name] = mx.random.normal(p.shape) * (5.0 / np.sqrt(p.shape[-1]))
         else:
             scale = 1.0 / np.sqrt(p.shape[-1])
             params[name] = mx.random.normal(p.shape) * scale
@@ -363,7 +398,7 @@ def main():
     if qtype is not None:
         round_trip_blocks(model, qtype)
     write_mlx(config, model, out / "mlx")
-    if quant is None or qtype is not None:
+    if family in GGUF_ARCH and (quant is None or qtype is not None):
         write_gguf(family, config, dense, out / "model.gguf", qtype)
     (out / "reference.json").write_text(json.dumps(reference(model)))
 

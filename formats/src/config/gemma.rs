@@ -100,7 +100,7 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
 }
 
 /// A positive, finite number or an error naming `what`.
-fn positive(what: &str, x: f64) -> Result<f64> {
+pub(super) fn positive(what: &str, x: f64) -> Result<f64> {
     if x.is_finite() && x > 0.0 {
         Ok(x)
     } else {
@@ -120,7 +120,7 @@ fn round_to_bf16(x: f32) -> f32 {
 
 /// The period of Gemma's `layer_types` (`sliding_attention` layers with a
 /// `full_attention` one every `pattern` layers).
-fn layer_pattern(types: &serde_json::Value, layers: usize) -> Result<usize> {
+pub(super) fn layer_pattern(types: &serde_json::Value, layers: usize) -> Result<usize> {
     let bad = |detail: String| Error::metadata("config.json layer_types", detail);
     let types = types
         .as_array()

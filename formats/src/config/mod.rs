@@ -2,8 +2,10 @@
 //! numbers every backend and the placement planner need.
 
 mod gemma;
+mod gpt_oss;
 mod moe;
 
+pub use gpt_oss::Yarn;
 pub use moe::Moe;
 
 use crate::error::{Error, Result};
@@ -29,6 +31,11 @@ pub enum Architecture {
     Qwen2Moe,
     /// Mixtral: Llama's attention (GGUF names it `llama`), routed experts.
     Mixtral,
+    /// gpt-oss: biases on Q, K, V and O, a learned "sink" logit per head
+    /// that takes part in every softmax, sliding-window layers between
+    /// global ones, YaRN RoPE, and routed experts with biases behind a
+    /// clamped SwiGLU.
+    GptOss,
 }
 
 impl Architecture {
@@ -42,6 +49,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3moe",
             Architecture::Qwen2Moe => "qwen2moe",
             Architecture::Mixtral => "llama",
+            Architecture::GptOss => "gpt-oss",
         }
     }
 
@@ -62,6 +70,20 @@ impl Architecture {
         matches!(self, Architecture::Llama | Architecture::Mixtral)
     }
 
+    /// Whether each attention head has a learned sink: one more logit in
+    /// its softmax that takes weight but adds no value.
+    pub fn attention_sinks(self) -> bool {
+        matches!(self, Architecture::GptOss)
+    }
+
+    /// Whether Q, K and V always have biases.
+    pub fn qkv_bias(self) -> bool {
+        matches!(
+            self,
+            Architecture::Qwen2 | Architecture::Qwen2Moe | Architecture::GptOss
+        )
+    }
+
     /// Whether each layer has per-head RMS norms on queries and keys.
     pub fn qk_norm(self) -> bool {
         matches!(
@@ -80,6 +102,7 @@ impl Architecture {
     pub fn activation(self) -> Activation {
         match self {
             Architecture::Gemma3 => Activation::GeluTanh,
+            Architecture::GptOss => Activation::SwigluOai,
             _ => Activation::Silu,
         }
     }
@@ -98,6 +121,16 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation.
     GeluTanh,
+    /// gpt-oss's: the gate clamped above at 7 and the up projection to
+    /// ±7, then `gate · sigmoid(1.702 gate) · (up + 1)`.
+    SwigluOai,
+}
+
+impl Activation {
+    /// gpt-oss's clamp of the gate (above) and the up projection (both ways).
+    pub const SWIGLU_LIMIT: f32 = 7.0;
+    /// gpt-oss's sigmoid slope.
+    pub const SWIGLU_ALPHA: f32 = 1.702;
 }
 
 /// The hyper-parameters of a model.
@@ -126,7 +159,7 @@ pub struct ModelConfig {
     /// Epsilon of the RMS norms.
     pub rms_eps: f64,
     /// Scale of the attention scores (`1/sqrt(head_dim)` unless the family
-    /// says otherwise).
+    /// says otherwise; with YaRN, times its attention factor squared).
     pub attention_scale: f32,
     /// Factor the token embeddings are multiplied by (1 unless the family
     /// scales them).
@@ -135,6 +168,8 @@ pub struct ModelConfig {
     pub sliding: Option<SlidingWindow>,
     /// Linear RoPE scaling of the global layers: positions are divided by it.
     pub rope_scale: f32,
+    /// YaRN RoPE scaling of every layer, when the model has it.
+    pub yarn: Option<Yarn>,
     /// Routed experts, when the family has them.
     pub moe: Option<Moe>,
 }
@@ -161,6 +196,23 @@ pub struct LayerAttention {
     pub rope_theta: f32,
     /// Positions are divided by this before RoPE.
     pub rope_scale: f32,
+    /// YaRN's frequencies instead, when the model has them.
+    pub yarn: Option<Yarn>,
+}
+
+impl LayerAttention {
+    /// RoPE's inverse frequencies for a head of `head_dim`: `θ^(-2i/d) / scale`,
+    /// or YaRN's.
+    pub fn inverse_frequencies(&self, head_dim: usize) -> Vec<f32> {
+        match &self.yarn {
+            Some(yarn) => yarn.inverse_frequencies(self.rope_theta, head_dim),
+            None => (0..head_dim / 2)
+                .map(|i| {
+                    1.0 / self.rope_theta.powf(2.0 * i as f32 / head_dim as f32) / self.rope_scale
+                })
+                .collect(),
+        }
+    }
 }
 
 /// An error in `config.json`'s `key`.
@@ -235,6 +287,7 @@ impl ModelConfig {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            yarn: None,
             moe: None,
         };
         if architecture == Architecture::Gemma3 {
@@ -267,6 +320,7 @@ impl ModelConfig {
             "qwen3_moe" => Architecture::Qwen3Moe,
             "qwen2_moe" => Architecture::Qwen2Moe,
             "mixtral" => Architecture::Mixtral,
+            "gpt_oss" => Architecture::GptOss,
             // `gemma3` in config.json is the multimodal wrapper (`text_config`,
             // `language_model.` weights).
             "gemma3" => return Err(Error::UnsupportedArchitecture(
@@ -306,10 +360,13 @@ impl ModelConfig {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            yarn: None,
             moe: None,
         };
-        if architecture == Architecture::Gemma3 {
-            gemma::from_hf(&mut config, v)?;
+        match architecture {
+            Architecture::Gemma3 => gemma::from_hf(&mut config, v)?,
+            Architecture::GptOss => gpt_oss::from_hf(&mut config, v)?,
+            _ => {}
         }
         config.moe = moe::from_hf(architecture, &config, v)?;
         Ok(config)
@@ -318,16 +375,29 @@ impl ModelConfig {
     /// How layer `layer` attends: its window and its RoPE.
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
         match self.sliding {
-            Some(s) if !(layer + 1).is_multiple_of(s.pattern) => LayerAttention {
-                window: Some(s.window),
-                rope_theta: s.rope_theta,
-                rope_scale: 1.0,
-            },
-            _ => LayerAttention {
-                window: None,
-                rope_theta: self.rope_theta,
-                rope_scale: self.rope_scale,
-            },
+            Some(s) if !(layer + 1).is_multiple_of(s.pattern) => self.sliding_attention(s),
+            _ => self.global_attention(),
+        }
+    }
+
+    /// How a global layer attends.
+    pub fn global_attention(&self) -> LayerAttention {
+        LayerAttention {
+            window: None,
+            rope_theta: self.rope_theta,
+            rope_scale: self.rope_scale,
+            yarn: self.yarn,
+        }
+    }
+
+    /// How a sliding layer attends: its own RoPE base, no linear scaling,
+    /// the model's YaRN when it has one.
+    pub fn sliding_attention(&self, s: SlidingWindow) -> LayerAttention {
+        LayerAttention {
+            window: Some(s.window),
+            rope_theta: s.rope_theta,
+            rope_scale: 1.0,
+            yarn: self.yarn,
         }
     }
 
@@ -342,6 +412,7 @@ impl ModelConfig {
             Architecture::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
             Architecture::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             Architecture::Mixtral => ("mixtral", "MixtralForCausalLM"),
+            Architecture::GptOss => ("gpt_oss", "GptOssForCausalLM"),
         };
         let mut json = serde_json::json!({
             "architectures": [class],
@@ -380,6 +451,25 @@ impl ModelConfig {
                 json.extend(extra);
             }
         }
+        if self.architecture == Architecture::GptOss
+            && let Some(json) = json.as_object_mut()
+        {
+            let types: Vec<&str> = (0..self.layers)
+                .map(|l| match self.layer_attention(l).window {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            json.insert("layer_types".into(), serde_json::json!(types));
+            json.insert(
+                "sliding_window".into(),
+                self.sliding.map_or(0, |s| s.window).into(),
+            );
+            json.insert(
+                "rope_scaling".into(),
+                self.yarn.map_or(serde_json::Value::Null, Yarn::to_hf_json),
+            );
+        }
         json
     }
 
@@ -416,6 +506,7 @@ mod tests {
             embedding_scale: 1.0,
             sliding: None,
             rope_scale: 1.0,
+            yarn: None,
             moe: None,
         };
         let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();

@@ -31,6 +31,8 @@ pub struct Moe {
     /// Width of the shared expert every token also goes through, scaled by
     /// a sigmoid gate of its own (Qwen2-MoE), when the family has one.
     pub shared_expert: Option<usize>,
+    /// Whether the router and every expert projection add a bias (gpt-oss).
+    pub bias: bool,
 }
 
 impl Moe {
@@ -128,6 +130,7 @@ pub(super) fn from_gguf(
         normalize,
         dense_layers,
         shared_expert,
+        bias: false,
     }
     .check(&key("expert_used_count"))
     .map(Some)
@@ -151,6 +154,7 @@ pub(super) fn from_hf(
                 .unwrap_or(false),
             dense_layers,
             shared_expert,
+            bias: false,
         })
     };
     let moe = match architecture {
@@ -190,6 +194,18 @@ pub(super) fn from_hf(
             normalize: true,
             dense_layers: Vec::new(),
             shared_expert: None,
+            bias: false,
+        },
+        // Every layer routed; a softmax over the chosen experts' logits.
+        Architecture::GptOss => Moe {
+            experts: hf_int(v, "num_local_experts")?,
+            experts_per_token: hf_int(v, "num_experts_per_tok")
+                .or_else(|_| hf_int(v, "experts_per_token"))?,
+            expert_intermediate_size: config.intermediate_size,
+            normalize: true,
+            dense_layers: Vec::new(),
+            shared_expert: None,
+            bias: true,
         },
         _ => return Ok(None),
     };
@@ -203,7 +219,7 @@ pub(super) fn to_hf_json(
     layers: usize,
 ) -> serde_json::Value {
     match architecture {
-        Architecture::Mixtral => serde_json::json!({
+        Architecture::Mixtral | Architecture::GptOss => serde_json::json!({
             "num_local_experts": moe.experts,
             "num_experts_per_tok": moe.experts_per_token,
         }),
