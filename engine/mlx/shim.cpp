@@ -242,12 +242,13 @@ int spx_matmul(const spx_array* a, const spx_array* b, spx_array** out) {
   return guard([&] { *out = wrap(mx::matmul(a->a, b->a)); });
 }
 
+// `mode`: MLX's quantization mode ("affine", "mxfp4").
 int spx_quantized_matmul(const spx_array* x, const spx_array* w, const spx_array* scales,
                          const spx_array* biases, int transpose, int group_size, int bits,
-                         spx_array** out) {
+                         const char* mode, spx_array** out) {
   return guard([&] {
     *out = wrap(mx::quantized_matmul(x->a, w->a, scales->a, opt(biases), transpose != 0, group_size,
-                                     bits));
+                                     bits, mode));
   });
 }
 
@@ -276,10 +277,10 @@ int spx_route(const spx_array* logits, int k, int normalize, spx_array** indices
 // in] packed, as mlx.nn's QuantizedSwitchLinear holds them).
 int spx_gather_qmm(const spx_array* x, const spx_array* w, const spx_array* scales,
                    const spx_array* biases, const spx_array* rhs_indices, int group_size,
-                   int bits, spx_array** out) {
+                   int bits, const char* mode, spx_array** out) {
   return guard([&] {
     *out = wrap(mx::gather_qmm(x->a, w->a, scales->a, opt(biases), std::nullopt, rhs_indices->a,
-                               true, group_size, bits));
+                               true, group_size, bits, mode));
   });
 }
 
@@ -290,9 +291,9 @@ int spx_gather_mm(const spx_array* x, const spx_array* w, const spx_array* rhs_i
 }
 
 int spx_dequantize(const spx_array* w, const spx_array* scales, const spx_array* biases,
-                   int group_size, int bits, spx_array** out) {
+                   int group_size, int bits, const char* mode, spx_array** out) {
   return guard(
-      [&] { *out = wrap(mx::dequantize(w->a, scales->a, opt(biases), group_size, bits)); });
+      [&] { *out = wrap(mx::dequantize(w->a, scales->a, opt(biases), group_size, bits, mode)); });
 }
 
 int spx_rms_norm(const spx_array* x, const spx_array* weight, float eps, spx_array** out) {

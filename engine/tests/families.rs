@@ -269,6 +269,29 @@ fn a_4_bit_gpt_oss_matches_mlx_lm_on_both_engines() {
     });
 }
 
+/// gpt-oss in MXFP4 (4-bit floats sharing a power of two per 32), the
+/// mode MLX-community's gpt-oss checkpoints use, with the router in affine
+/// 8 bits beside it: both modes in one file. Seed 6: its smallest greedy
+/// margin is 0.029 of a logit range near 6 (seed 0 has a near-tie).
+#[test]
+fn an_mxfp4_gpt_oss_matches_mlx_lm_on_both_engines() {
+    let t = tiny_with("gpt_oss", &["6", "mxfp4"]);
+    check_model("gpt_oss, MXFP4", &t, |layers| {
+        vec![vec![0..layers], vec![0..1, 1..layers]]
+    });
+    // A mode it cannot read is named, not read as another.
+    let path = t.mlx.join("config.json");
+    let config = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, config.replace("\"mxfp4\"", "\"nvfp4\"")).unwrap();
+    let layout = StageLayout::new(0..t.layers, t.layers).unwrap();
+    let e = CandleStage::load(&t.mlx, layout, &LoadOptions::default()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("\"nvfp4\" (affine and mxfp4 are read)"),
+        "{e}"
+    );
+}
+
 /// Qwen3-MoE with a dense second layer: split between routed and dense
 /// layers both ways.
 #[test]

@@ -137,11 +137,12 @@ impl SafetensorsDir {
             "F16" => DType::F16,
             "BF16" => DType::BF16,
             "U32" => DType::U32,
+            "U8" => DType::U8,
             other => {
                 return Err(Error::UnsupportedTensorType {
                     tensor: name.to_string(),
                     dtype: format!(
-                        "safetensors {other} (candle reads F32, F16, BF16 and MLX's U32 packs)"
+                        "safetensors {other} (candle reads F32, F16, BF16, and MLX's U32 packs and U8 scales)"
                     ),
                 });
             }
@@ -183,13 +184,17 @@ impl SafetensorsDir {
         let scales = format!("{module}.scales");
         let quantized = name.ends_with(".weight") && self.tensors.contains_key(&scales);
         let mut values = if quantized {
-            let (bits, group) = self.quantization_of(module)?;
+            let q = self.quantization_of(module)?;
+            let biases = format!("{module}.biases");
+            let biases = match q.mode {
+                QuantMode::Affine => Some(self.tensor(&biases, device)?),
+                QuantMode::Mxfp4 => None,
+            };
             self.dequantize(
                 &self.tensor(&name, device)?,
                 &self.tensor(&scales, device)?,
-                &self.tensor(&format!("{module}.biases"), device)?,
-                bits,
-                group,
+                biases.as_ref(),
+                q,
                 &name,
             )?
         } else {
@@ -201,9 +206,10 @@ impl SafetensorsDir {
         Ok(values)
     }
 
-    /// Bits and group size of `module`: its own entry in `quantization`, else
-    /// the default there.
-    fn quantization_of(&self, module: &str) -> Result<(usize, usize)> {
+    /// How `module` is quantized: its own entry in `quantization` (a module
+    /// entry without `mode` is affine, as mlx-lm reads it), else the default
+    /// there.
+    fn quantization_of(&self, module: &str) -> Result<Quantization> {
         let q = self
             .quantization
             .as_ref()
@@ -211,7 +217,8 @@ impl SafetensorsDir {
                 path: self.origin.clone(),
                 reason: format!("{module} is quantized but config.json has no quantization entry"),
             })?;
-        let entry = q.get(module).filter(|e| e.is_object()).unwrap_or(q);
+        let own = q.get(module).filter(|e| e.is_object());
+        let entry = own.unwrap_or(q);
         let number = |key: &str| {
             entry
                 .get(key)
@@ -219,8 +226,18 @@ impl SafetensorsDir {
                 .and_then(serde_json::Value::as_u64)
                 .map(|x| x as usize)
         };
+        let mode = match entry.get("mode").and_then(serde_json::Value::as_str) {
+            None | Some("affine") => QuantMode::Affine,
+            Some("mxfp4") => QuantMode::Mxfp4,
+            Some(other) => {
+                return Err(Error::UnsupportedTensorType {
+                    tensor: module.to_string(),
+                    dtype: format!("MLX quantization mode {other:?} (affine and mxfp4 are read)"),
+                });
+            }
+        };
         match (number("bits"), number("group_size")) {
-            (Some(bits), Some(group)) => Ok((bits, group)),
+            (Some(bits), Some(group)) => Ok(Quantization { bits, group, mode }),
             _ => Err(Error::CorruptModel {
                 path: self.origin.clone(),
                 reason: format!(
@@ -230,28 +247,38 @@ impl SafetensorsDir {
         }
     }
 
-    /// MLX's affine quantization undone: a row's codes are one little-endian
+    /// MLX's quantization undone: a row's codes are one little-endian
     /// stream of `bits`-bit values (so a 3-, 5- or 6-bit code may straddle
     /// two u32 words); each group of `group` values along a row shares a
-    /// scale and a bias.
+    /// scale and (affine) a bias: `scale · code + bias`. In MXFP4 each code
+    /// is a 4-bit float (E2M1) and each group of 32 shares a power of two
+    /// (E8M0, a byte: `2^(s − 127)`).
     fn dequantize(
         &self,
         packed: &Tensor,
         scales: &Tensor,
-        biases: &Tensor,
-        bits: usize,
-        group: usize,
+        biases: Option<&Tensor>,
+        q: Quantization,
         name: &str,
     ) -> Result<Tensor> {
+        let Quantization { bits, group, mode } = q;
         let bad = |reason: String| Error::CorruptModel {
             path: self.origin.clone(),
             reason: format!("tensor {name}: {reason}"),
         };
-        if !matches!(bits, 2..=6 | 8) || group == 0 {
+        let supported = match mode {
+            QuantMode::Affine => matches!(bits, 2..=6 | 8) && group > 0 && biases.is_some(),
+            QuantMode::Mxfp4 => bits == 4 && group == 32 && scales.dtype() == DType::U8,
+        };
+        if !supported {
             return Err(Error::UnsupportedTensorType {
                 tensor: name.to_string(),
                 dtype: format!(
-                    "MLX {bits}-bit groups of {group} (MLX writes 2 to 6 and 8 bits, in groups)"
+                    "MLX {mode:?} {bits}-bit groups of {group} with {} scales{} (MLX writes \
+                     affine 2 to 6 and 8 bits with biases, and MXFP4 as 4 bits in groups of 32 \
+                     with byte scales)",
+                    scales.dtype().as_str(),
+                    if biases.is_some() { " and biases" } else { "" },
                 ),
             });
         }
@@ -267,21 +294,29 @@ impl SafetensorsDir {
         if !(words * 32).is_multiple_of(bits)
             || scale_lead != lead
             || groups * group != cols
-            || biases.dims() != scales.dims()
+            || biases.is_some_and(|b| b.dims() != scales.dims())
         {
             return Err(bad(format!(
                 "{:?} packed words do not match scales {:?} and biases {:?} at {bits} bits in groups of {group}",
                 packed.dims(),
                 scales.dims(),
-                biases.dims()
+                biases.map(Tensor::dims)
             )));
         }
         let codes: Vec<u32> = packed
             .flatten_all()?
             .to_vec1()
             .map_err(|e| bad(e.to_string()))?;
-        let scales: Vec<f32> = scales.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let biases: Vec<f32> = biases.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let (scales, biases): (Vec<f32>, Vec<f32>) = match biases {
+            Some(b) => (
+                scales.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+                b.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+            ),
+            None => {
+                let exponents: Vec<u8> = scales.flatten_all()?.to_vec1()?;
+                (exponents.iter().map(|&e| e8m0(e)).collect(), Vec::new())
+            }
+        };
         let mask = (1u64 << bits) - 1;
         let mut values = Vec::with_capacity(rows * cols);
         for r in 0..rows {
@@ -293,11 +328,45 @@ impl SafetensorsDir {
                     q |= u64::from(row[word + 1]) << (32 - shift);
                 }
                 let g = r * groups + c / group;
-                values.push(scales[g] * (q & mask) as f32 + biases[g]);
+                values.push(match mode {
+                    QuantMode::Affine => scales[g] * (q & mask) as f32 + biases[g],
+                    QuantMode::Mxfp4 => scales[g] * E2M1[(q & mask) as usize],
+                });
             }
         }
         let mut shape = lead;
         shape.push(cols);
         Ok(Tensor::from_vec(values, shape, packed.device())?)
+    }
+}
+
+/// How MLX quantized a module.
+#[derive(Debug, Clone, Copy)]
+struct Quantization {
+    bits: usize,
+    group: usize,
+    mode: QuantMode,
+}
+
+/// MLX's quantization modes that candle reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QuantMode {
+    /// `scale · code + bias` per group.
+    Affine,
+    /// 4-bit floats (E2M1) sharing a power-of-two scale per 32.
+    Mxfp4,
+}
+
+/// The values of the sixteen E2M1 codes (sign, two exponent bits, one
+/// mantissa bit).
+const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// An E8M0 scale: `2^(e − 127)` (255 is not a number).
+fn e8m0(e: u8) -> f32 {
+    match e {
+        255 => f32::NAN,
+        e => 2f32.powi(i32::from(e) - 127),
     }
 }

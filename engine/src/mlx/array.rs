@@ -355,47 +355,74 @@ impl Array {
     }
 }
 
-/// `x @ dequantize(w).T` without dequantizing: MLX's affine quantization
-/// (`w` packed in u32, one scale and bias per `group_size` values).
-pub fn quantized_matmul(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    group_size: usize,
-    bits: usize,
-) -> Result<Array> {
-    // SAFETY: live handles (or null for no biases) for the call.
+/// MLX's quantization modes the backend reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantMode {
+    /// `scale · code + bias` per group (f32 scales and biases).
+    Affine,
+    /// 4-bit floats (E2M1) sharing a power-of-two byte scale (E8M0) per 32.
+    Mxfp4,
+}
+
+impl QuantMode {
+    fn name(self) -> &'static CStr {
+        match self {
+            QuantMode::Affine => c"affine",
+            QuantMode::Mxfp4 => c"mxfp4",
+        }
+    }
+}
+
+/// How a matrix is quantized: per-group scales (and, affine, biases).
+pub struct Quant {
+    /// One per group: f32 (affine) or an E8M0 byte (MXFP4).
+    pub scales: Array,
+    /// One per group (affine only).
+    pub biases: Option<Array>,
+    /// Values per group.
+    pub group_size: usize,
+    /// Bits per value.
+    pub bits: usize,
+    /// What the codes and scales mean.
+    pub mode: QuantMode,
+}
+
+impl Quant {
+    /// Bytes of the scales and biases.
+    pub fn bytes(&self) -> usize {
+        self.scales.nbytes() + self.biases.as_ref().map_or(0, Array::nbytes)
+    }
+}
+
+/// `x @ dequantize(w).T` without dequantizing.
+pub fn quantized_matmul(x: &Array, w: &Array, q: &Quant) -> Result<Array> {
+    // SAFETY: live handles (or null for no biases) and a static string for the call.
     make("quantized_matmul", |out| unsafe {
         ffi::spx_quantized_matmul(
             x.ptr(),
             w.ptr(),
-            scales.ptr(),
-            raw(biases),
+            q.scales.ptr(),
+            raw(q.biases.as_ref()),
             1,
-            group_size as c_int,
-            bits as c_int,
+            q.group_size as c_int,
+            q.bits as c_int,
+            q.mode.name().as_ptr(),
             out,
         )
     })
 }
 
 /// The float matrix a quantized one stands for.
-pub fn dequantize(
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    group_size: usize,
-    bits: usize,
-) -> Result<Array> {
-    // SAFETY: live handles (or null) for the call.
+pub fn dequantize(w: &Array, q: &Quant) -> Result<Array> {
+    // SAFETY: live handles (or null) and a static string for the call.
     make("dequantize", |out| unsafe {
         ffi::spx_dequantize(
             w.ptr(),
-            scales.ptr(),
-            raw(biases),
-            group_size as c_int,
-            bits as c_int,
+            q.scales.ptr(),
+            raw(q.biases.as_ref()),
+            q.group_size as c_int,
+            q.bits as c_int,
+            q.mode.name().as_ptr(),
             out,
         )
     })
@@ -429,25 +456,18 @@ pub fn route(logits: &Array, k: usize, normalize: bool) -> Result<(Array, Array)
 
 /// `x @ w[e]ᵀ` for each expert `e` of `indices`, `w` stacked and quantized
 /// (`[experts, out, in × bits / 32]`).
-pub fn gather_quantized_matmul(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    indices: &Array,
-    group_size: usize,
-    bits: usize,
-) -> Result<Array> {
-    // SAFETY: live handles (or null for no biases) for the call.
+pub fn gather_quantized_matmul(x: &Array, w: &Array, q: &Quant, indices: &Array) -> Result<Array> {
+    // SAFETY: live handles (or null for no biases) and a static string for the call.
     make("gather_qmm", |out| unsafe {
         ffi::spx_gather_qmm(
             x.ptr(),
             w.ptr(),
-            scales.ptr(),
-            raw(biases),
+            q.scales.ptr(),
+            raw(q.biases.as_ref()),
             indices.ptr(),
-            group_size as c_int,
-            bits as c_int,
+            q.group_size as c_int,
+            q.bits as c_int,
+            q.mode.name().as_ptr(),
             out,
         )
     })

@@ -98,6 +98,7 @@ unsafe extern "C" {
         transpose: c_int,
         group_size: c_int,
         bits: c_int,
+        mode: *const c_char,
         out: *mut array,
     ) -> c_int;
     pub fn spx_route(
@@ -115,6 +116,7 @@ unsafe extern "C" {
         rhs_indices: *const spx_array,
         group_size: c_int,
         bits: c_int,
+        mode: *const c_char,
         out: *mut array,
     ) -> c_int;
     pub fn spx_gather_mm(
@@ -129,6 +131,7 @@ unsafe extern "C" {
         biases: *const spx_array,
         group_size: c_int,
         bits: c_int,
+        mode: *const c_char,
         out: *mut array,
     ) -> c_int;
     pub fn spx_rms_norm(

@@ -34,8 +34,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::names::{Layout, Weight};
 pub use array::{
-    Array, Dtype, Mask, TensorMap, attention, blas, dequantize, quantized_matmul, rms_norm, rope,
-    version,
+    Array, Dtype, Mask, Quant, QuantMode, TensorMap, attention, blas, dequantize, quantized_matmul,
+    rms_norm, rope, version,
 };
 use weights::{LayerWeights, Linear, Loader};
 

@@ -7,8 +7,9 @@
 //!                 ──► gather (q)mm: down [T, k, 1, H] ──► weights [T, 1, k] @ ──► [T, H]
 //! ```
 
+use super::array::Quant;
 use super::array::{Array, gather_matmul, gather_quantized_matmul, route};
-use super::weights::{Linear, Quant};
+use super::weights::Linear;
 use crate::config::Activation;
 use crate::error::Result;
 
@@ -73,15 +74,7 @@ impl Stacked {
 
     fn product(&self, x: &Array, ids: &Array) -> Result<Array> {
         match &self.quant {
-            Some(q) => gather_quantized_matmul(
-                x,
-                &self.w,
-                &q.scales,
-                q.biases.as_ref(),
-                ids,
-                q.group_size,
-                q.bits,
-            ),
+            Some(q) => gather_quantized_matmul(x, &self.w, q, ids),
             None => gather_matmul(x, &self.w, ids),
         }
     }
@@ -89,9 +82,7 @@ impl Stacked {
     pub(super) fn bytes(&self) -> usize {
         self.w.nbytes()
             + self.bias.as_ref().map_or(0, Array::nbytes)
-            + self.quant.as_ref().map_or(0, |q| {
-                q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
-            })
+            + self.quant.as_ref().map_or(0, Quant::bytes)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::array::{Array, Dtype, TensorMap, dequantize, quantized_matmul};
+use super::array::{Array, Dtype, Quant, QuantMode, TensorMap, dequantize, quantized_matmul};
 use super::moe::{Experts, FeedForward, SharedExpert, Stacked};
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
@@ -18,25 +18,10 @@ pub(super) struct Linear {
     pub(super) bias: Option<Array>,
 }
 
-/// MLX's affine quantization of a matrix: per-group scales and biases.
-pub(super) struct Quant {
-    pub(super) scales: Array,
-    pub(super) biases: Option<Array>,
-    pub(super) group_size: usize,
-    pub(super) bits: usize,
-}
-
 impl Linear {
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.quant {
-            Some(q) => quantized_matmul(
-                x,
-                &self.w,
-                &q.scales,
-                q.biases.as_ref(),
-                q.group_size,
-                q.bits,
-            )?,
+            Some(q) => quantized_matmul(x, &self.w, q)?,
             // Dense weights are kept transposed, `[in, out]`.
             None => x.matmul(&self.w)?,
         };
@@ -49,18 +34,14 @@ impl Linear {
     /// Rows `ids` of the matrix as f32 (an embedding lookup).
     pub(super) fn rows(&self, ids: &Array) -> Result<Array> {
         match &self.quant {
-            Some(q) => dequantize(
-                &self.w.take(ids, 0)?,
-                &q.scales.take(ids, 0)?,
-                q.biases
-                    .as_ref()
-                    .map(|b| b.take(ids, 0))
-                    .transpose()?
-                    .as_ref(),
-                q.group_size,
-                q.bits,
-            )?
-            .astype(Dtype::F32),
+            Some(q) => {
+                let rows = Quant {
+                    scales: q.scales.take(ids, 0)?,
+                    biases: q.biases.as_ref().map(|b| b.take(ids, 0)).transpose()?,
+                    ..*q
+                };
+                dequantize(&self.w.take(ids, 0)?, &rows)?.astype(Dtype::F32)
+            }
             None => self.w.transpose(&[1, 0])?.take(ids, 0),
         }
     }
@@ -68,9 +49,7 @@ impl Linear {
     pub(super) fn bytes(&self) -> usize {
         self.w.nbytes()
             + self.bias.as_ref().map_or(0, Array::nbytes)
-            + self.quant.as_ref().map_or(0, |q| {
-                q.scales.nbytes() + q.biases.as_ref().map_or(0, Array::nbytes)
-            })
+            + self.quant.as_ref().map_or(0, Quant::bytes)
     }
 }
 
@@ -280,11 +259,37 @@ impl Loader {
                 Some(_) => Some(self.get(&biases_name)?.astype(Dtype::F32)?),
                 None => None,
             };
+            // MXFP4 keeps byte scales (powers of two) and no biases; affine
+            // scales are floats.
+            let (mode, scales) = match scales.dtype() {
+                Some(Dtype::U8) => (QuantMode::Mxfp4, scales),
+                _ => (QuantMode::Affine, scales.astype(Dtype::F32)?),
+            };
+            let group_size = inp / groups;
+            let fits = match mode {
+                QuantMode::Mxfp4 => bits == 4 && group_size == 32 && biases.is_none(),
+                QuantMode::Affine => biases.is_some(),
+            };
+            if !fits {
+                return Err(Error::UnsupportedTensorType {
+                    tensor: name,
+                    dtype: format!(
+                        "MLX {mode:?} {bits}-bit groups of {group_size}{} (MLX writes affine \
+                         groups with biases, and MXFP4 as 4 bits in groups of 32 without)",
+                        if biases.is_some() {
+                            " with biases"
+                        } else {
+                            " without biases"
+                        }
+                    ),
+                });
+            }
             Some(Quant {
-                scales: scales.astype(Dtype::F32)?,
+                scales,
                 biases,
-                group_size: inp / groups,
+                group_size,
                 bits,
+                mode,
             })
         } else {
             let expected: Vec<usize> = lead.iter().copied().chain([out, inp]).collect();
@@ -297,8 +302,7 @@ impl Loader {
         let swap: Vec<usize> = (0..n).chain([n + 1, n]).collect();
         Ok(match quant {
             Some(q) if self.dequantize => {
-                let dense =
-                    dequantize(&weight, &q.scales, q.biases.as_ref(), q.group_size, q.bits)?;
+                let dense = dequantize(&weight, &q)?;
                 (dense.astype(Dtype::F32)?.transpose(&swap)?, None)
             }
             Some(q) => (weight, Some(q)),

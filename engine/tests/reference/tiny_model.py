@@ -6,7 +6,7 @@ MLX-community layout and as GGUF, with mlx-lm's logits as the reference.
 OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names)
 OUT_DIR/model.gguf   the same weights as llama.cpp's converter writes them
 
-With BITS 4 or 8, the model is quantized first as mlx-lm's converter
+With BITS 4 or 8 (or mxfp4), the model is quantized first as mlx-lm's converter
 quantizes it (groups of 32, the family's own exceptions, such as Qwen3-MoE's
 8-bit router), the reference is the quantized model's, and only the MLX
 layout is written. With BITS q8_0 or q4_0, the GGUF's matrices (not the
@@ -392,7 +392,13 @@ def main():
     if quant is not None and qtype is None:
         from mlx_lm.utils import quantize_model
 
-        model, config = quantize_model(model, config, group_size=32, bits=int(quant))
+        if quant == "mxfp4":
+            # The mode MLX-community's gpt-oss uses: 4-bit floats sharing a
+            # power of two per 32 (the model's own exceptions, such as
+            # gpt-oss's router, stay affine).
+            model, config = quantize_model(model, config, group_size=32, bits=4, mode="mxfp4")
+        else:
+            model, config = quantize_model(model, config, group_size=32, bits=int(quant))
         mx.eval(model.parameters())
     dense = {k: np.array(v, dtype=np.float32) for k, v in tree_flatten(model.parameters())}
     if qtype is not None:
