@@ -28,11 +28,12 @@ cargo test --workspace --locked --release --features shardplane/mlx "$@"
 # messages, model-file headers (GGUF, safetensors, config.json), whose
 # single allocations must stay under 64 MiB for inputs of a few KiB, and the
 # request bodies of every API the gateway speaks and the server-sent events of
-# external endpoints, and stop-string matching (from the seeds in fuzz/seeds/). Sanitizer
+# external endpoints, stop-string matching, and chat-template rendering of
+# hostile messages (from the seeds in fuzz/seeds/). Sanitizer
 # builds go to their own target directory; RUSTC_BOOTSTRAP lets stable rustc
 # take the sanitizer flags cargo-fuzz passes.
 if [ $# -eq 0 ]; then
-  for target in dataplane_messages model_headers api_requests sse_events stop_strings; do
+  for target in dataplane_messages model_headers api_requests sse_events stop_strings chat_templates; do
     echo "== cargo fuzz ($target, ${SHARDPLANE_FUZZ_SECONDS:-30} s)" >&2
     log="$state/fuzz-$target.log"
     # Committed seed inputs (fuzz/seeds/TARGET) start the corpus, which

@@ -16,6 +16,14 @@ use crate::error::{Error, Result};
 use crate::reasoning::{THINK_CLOSE, prompt_opens_reasoning};
 use crate::tools::ToolCall;
 
+/// Instructions one rendering may run (a template's loops over a long
+/// conversation take a few per message; a template that loops for ever
+/// fails within about a second instead).
+const RENDER_FUEL: u64 = 50_000_000;
+
+/// The longest prompt text a rendering may give (far beyond any context).
+const MAX_PROMPT_BYTES: usize = 32 << 20;
+
 /// The names a template always gets, which a request cannot set.
 const STANDARD_VARS: &[&str] = &[
     "messages",
@@ -138,6 +146,7 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| {
                 Error::ChatTemplate(format!("the model's template does not compile: {e}"))
@@ -225,9 +234,15 @@ impl ChatTemplate {
             eos_token => self.eos_token.as_str(),
             ..minijinja::Value::from(minijinja::value::Serde(&vars))
         };
-        let mut text = template
-            .render(ctx)
-            .map_err(|e| Error::ChatTemplate(e.to_string()))?;
+        let mut out = Capped(Vec::new());
+        template.render_captured_to(ctx, &mut out).map_err(|e| {
+            Error::ChatTemplate(match out.0.len() >= MAX_PROMPT_BYTES {
+                true => format!("the rendered prompt passes {MAX_PROMPT_BYTES} bytes"),
+                false => e.to_string(),
+            })
+        })?;
+        let mut text = String::from_utf8(out.0)
+            .map_err(|e| Error::ChatTemplate(format!("the rendered prompt is not UTF-8: {e}")))?;
         if add_generation_prompt && options.thinking == Some(false) && prompt_opens_reasoning(&text)
         {
             text.truncate(text.trim_end().len());
@@ -239,10 +254,59 @@ impl ChatTemplate {
     }
 }
 
+/// A buffer that refuses to grow past [`MAX_PROMPT_BYTES`].
+struct Capped(Vec<u8>);
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_PROMPT_BYTES {
+            self.0.resize(MAX_PROMPT_BYTES, 0);
+            return Err(std::io::Error::other("prompt too long"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A template that would loop for ever or print without end fails
+    /// soon, naming why; a long conversation still renders.
+    #[test]
+    fn runaway_templates_fail_and_long_conversations_render() {
+        let hi = [ChatMessage::new("user", "Hi")];
+        let forever = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}";
+        let started = std::time::Instant::now();
+        let e = ChatTemplate::new(forever, "", "")
+            .unwrap()
+            .render(&hi, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fuel"), "{e}");
+        eprintln!("out of fuel after {:?}", started.elapsed());
+        let huge = "{% for a in range(100000) %}{{ 'x' * 10000 }}{% endfor %}";
+        let e = ChatTemplate::new(huge, "", "")
+            .unwrap()
+            .render(&hi, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("passes 33554432 bytes"), "{e}");
+        let long: Vec<ChatMessage> = (0..20_000)
+            .map(|i| ChatMessage::new(["user", "assistant"][i % 2], format!("message {i}")))
+            .collect();
+        let text = ChatTemplate::new(CHATML, "", "")
+            .unwrap()
+            .render(&long, true)
+            .unwrap();
+        assert!(text.contains("message 19999"));
+    }
 
     /// Qwen 3's switch: an empty reasoning when `enable_thinking` is false.
     const HYBRID: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}{{ style | default('') }}";
