@@ -310,17 +310,7 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     assert!(ping(None).is_err(), "node-0 answered plain TCP");
     // node-0 counts the refused handshakes and shows when its certificate
     // expires (a week from now: the agents ask for seven days).
-    let agent_metrics = || {
-        runtime.block_on(async {
-            let r = shardplane_models::http_client()
-                .unwrap()
-                .get("http://127.0.0.1:9100/metrics")
-                .send()
-                .await
-                .unwrap();
-            r.text().await.unwrap()
-        })
-    };
+    let agent_metrics = || scrape(&runtime, "http://127.0.0.1:9100/metrics");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let seen = loop {
         let seen = agent_metrics();
@@ -406,15 +396,7 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     }
 
     // Each refusal is counted on the operator's metrics.
-    let metrics = runtime.block_on(async {
-        let r = shardplane_models::http_client()
-            .unwrap()
-            .get("http://127.0.0.1:9090/metrics")
-            .send()
-            .await
-            .unwrap();
-        r.text().await.unwrap()
-    });
+    let metrics = scrape(&runtime, "http://127.0.0.1:9090/metrics");
     for (kind, outcome) in [
         ("leases", "forbidden"),
         ("shards", "forbidden"),
@@ -573,4 +555,17 @@ fn the_readme_main_command_starts_setup_cleanly_under_cargo_run_on_a_cold_machin
         !cold.path().join("target").exists(),
         "something wrote under cargo's OUT_DIR"
     );
+}
+
+/// The text a metrics endpoint serves.
+fn scrape(runtime: &tokio::runtime::Runtime, url: &str) -> String {
+    runtime.block_on(async {
+        let r = shardplane_models::http_client()
+            .unwrap()
+            .get(url)
+            .send()
+            .await
+            .unwrap();
+        r.text().await.unwrap()
+    })
 }

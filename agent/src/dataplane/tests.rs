@@ -172,7 +172,7 @@ pub(super) async fn serve_with(
     (endpoint, dir)
 }
 
-fn open() -> dp::ForwardRequest {
+pub(super) fn open() -> dp::ForwardRequest {
     dp::ForwardRequest {
         message: Some(dp::forward_request::Message::Open(dp::Open {
             shard: Some(dp::ShardRef {

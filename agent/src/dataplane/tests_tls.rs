@@ -9,7 +9,7 @@ use shardplane_dataplane::tls::{Material, Tls};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
-use super::tests::{NS, middle_stage, serve_with, shard, token};
+use super::tests::{middle_stage, open, serve_with, shard, token};
 
 /// A CA and its certificates for nodes.
 struct Ca {
@@ -44,21 +44,6 @@ impl Ca {
             identity,
         })
         .unwrap()
-    }
-}
-
-fn open() -> dp::ForwardRequest {
-    dp::ForwardRequest {
-        message: Some(dp::forward_request::Message::Open(dp::Open {
-            shard: Some(dp::ShardRef {
-                namespace: NS.into(),
-                name: "d-0-1".into(),
-            }),
-            sequence: 1,
-            sampling: Some(dp::Sampling::default()),
-            prompt: vec![1, 2, 3],
-            ..Default::default()
-        })),
     }
 }
 

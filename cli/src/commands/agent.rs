@@ -238,11 +238,6 @@ impl RunArgs {
         if let Some(t) = &self.token_file {
             put("token-file", path(t));
         }
-        a.extend(self.tls.to_args());
-        let mut put = |flag: &str, value: String| {
-            a.push(format!("--{flag}"));
-            a.push(value);
-        };
         put("probe-links-seconds", self.probe_links_seconds.to_string());
         put("lease-seconds", self.lease_seconds.to_string());
         put("engine", engine.to_string());
@@ -259,6 +254,7 @@ impl RunArgs {
         );
         put("decode-step-millis", self.decode_step_millis.to_string());
         put("prefix-cache", self.prefix_cache.clone());
+        a.extend(self.tls.to_args());
         a
     }
 }
