@@ -3,7 +3,8 @@ MLX-community layout and as GGUF, with mlx-lm's logits as the reference.
 
     python tiny_model.py OUT_DIR FAMILY [SEED] [BITS]
 
-OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names)
+OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names),
+                     tokenizer.json + tokenizer_config.json (a byte-level BPE)
 OUT_DIR/model.gguf   the same weights as llama.cpp's converter writes them
 
 With BITS 4 or 8 (or mxfp4), the model is quantized first as mlx-lm's converter
@@ -302,12 +303,10 @@ def round_trip_blocks(model, qtype):
     mx.eval(model.parameters())
 
 
-def add_byte_tokenizer(w, vocab):
-    """A byte-level BPE: token i is byte i (GPT-2's printable spelling),
-    except token 0, which is the one merge " t" (a merge list cannot be
-    empty); so tools that need a tokenizer (benchmarks, llama.cpp) can load
-    the file."""
-    assert vocab == 256, "one token per byte"
+def byte_tokens():
+    """A byte-level BPE's tokens: token i is byte i (GPT-2's printable
+    spelling), except token 0, which is the one merge " t" (a merge list
+    cannot be empty); and the spelling of the space."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     spelled, extra = {}, 0
     for b in range(256):
@@ -318,11 +317,40 @@ def add_byte_tokenizer(w, vocab):
             extra += 1
     tokens = [spelled[b] for b in range(256)]
     tokens[0] = spelled[32] + "t"
+    return tokens, spelled[32]
+
+
+def write_tokenizer_files(out, vocab):
+    """The byte-level BPE as tokenizer.json and a tokenizer_config.json
+    (ChatML), so the MLX layout is a model directory tools can load
+    (benchmarks, agents)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    assert vocab == 256, "one token per byte"
+    tokens, space = byte_tokens()
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[(space, "t")])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = {"chat_template": chatml, "eos_token": tokens[1], "add_bos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def add_byte_tokenizer(w, vocab):
+    """The byte-level BPE (`byte_tokens`) as GGUF metadata, so tools that
+    need a tokenizer (benchmarks, llama.cpp) can load the file."""
+    assert vocab == 256, "one token per byte"
+    tokens, space = byte_tokens()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.NORMAL] * 256)
-    w.add_token_merges([f"{spelled[32]} t"])
+    w.add_token_merges([f"{space} t"])
     w.add_eos_token_id(1)
     w.add_add_bos_token(False)
 
@@ -404,6 +432,7 @@ def main():
     if qtype is not None:
         round_trip_blocks(model, qtype)
     write_mlx(config, model, out / "mlx")
+    write_tokenizer_files(out / "mlx", config["vocab_size"])
     if family in GGUF_ARCH and (quant is None or qtype is not None):
         write_gguf(family, config, dense, out / "model.gguf", qtype)
     (out / "reference.json").write_text(json.dumps(reference(model)))
