@@ -431,17 +431,13 @@ impl CandleStage {
                 })
                 .collect();
             let mut out = vec![0f32; decoding.len() * q_width];
-            let sinks = match &w.sinks {
-                Some(t) => Some(t.to_vec1::<f32>()?),
-                None => None,
-            };
             let head_shape = kv::HeadShape {
                 heads,
                 kv_heads,
                 head_dim: hd,
                 scale: cfg.attention_scale,
             };
-            kv::decode_attention(&queries, &head_shape, sinks.as_deref(), &mut out);
+            kv::decode_attention(&queries, &head_shape, w.sinks.as_deref(), &mut out);
             for (i, o) in decoding.iter().zip(out.chunks_exact(q_width)) {
                 y[i.offset * q_width..(i.offset + 1) * q_width].copy_from_slice(o);
             }
@@ -463,7 +459,7 @@ impl CandleStage {
                 item,
                 first,
                 &heads_shape,
-                w.sinks.as_ref(),
+                w.sinks.as_deref(),
             )?;
             y[item.offset * q_width..(item.offset + item.len) * q_width]
                 .copy_from_slice(&yi.flatten_all()?.to_vec1::<f32>()?);
@@ -572,7 +568,7 @@ fn attention(
     item: &Item,
     first: usize,
     s: &AttentionShape,
-    sinks: Option<&Tensor>,
+    sinks: Option<&[f32]>,
 ) -> Result<Tensor> {
     let (heads, kv_heads, hd) = (s.heads, s.kv_heads, s.head_dim);
     let rep = heads / kv_heads;
@@ -592,8 +588,7 @@ fn attention(
     let att = match sinks {
         Some(sinks) => {
             // Heads are laid out KV-head-major (`kv_head · rep + r`), as `q` is.
-            let column = sinks
-                .reshape((1, kv_heads, rep, 1, 1))?
+            let column = Tensor::from_slice(sinks, (1, kv_heads, rep, 1, 1), q.device())?
                 .broadcast_as((1, kv_heads, rep, n, 1))?
                 .reshape((1, kv_heads, rep * n, 1))?;
             candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&att, &column], 3)?)?

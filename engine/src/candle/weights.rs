@@ -342,8 +342,9 @@ pub(super) struct LayerWeights {
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub post_attn_norm: Option<Tensor>,
     pub post_ffn_norm: Option<Tensor>,
-    /// Each query head's sink logit (gpt-oss).
-    pub sinks: Option<Tensor>,
+    /// Each query head's sink logit (gpt-oss), on the host: the decode loop
+    /// reads it every step.
+    pub sinks: Option<Vec<f32>>,
     /// The feed-forward block: dense, or routed to experts.
     pub ffn: FeedForward,
 }
@@ -411,7 +412,9 @@ impl LayerWeights {
             (None, None)
         };
         let sinks = if arch.attention_sinks() {
-            Some(l.vector_part(&name("attn_sinks.weight"), share.map(|s| s.heads.clone()))?)
+            let sinks =
+                l.vector_part(&name("attn_sinks.weight"), share.map(|s| s.heads.clone()))?;
+            Some(sinks.to_vec1::<f32>()?)
         } else {
             None
         };

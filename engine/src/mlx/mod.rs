@@ -78,6 +78,9 @@ pub struct MlxStage {
     layout: StageLayout,
     context_length: usize,
     traditional_rope: bool,
+    /// Per layer, YaRN's frequencies as the periods MLX divides positions
+    /// by (`None`: RoPE from its base).
+    rope_periods: Vec<Option<Array>>,
     embedding: Option<Linear>,
     layers: Vec<LayerWeights>,
     head: Option<(Array, Linear)>,
@@ -198,7 +201,27 @@ impl MlxStage {
         } else {
             None
         };
+        let rope_periods = layout
+            .layers
+            .clone()
+            .map(|l| {
+                let shape = config.layer_attention(l);
+                if shape.yarn.is_none() {
+                    return Ok(None);
+                }
+                let periods: Vec<f32> = shape
+                    .inverse_frequencies(config.head_dim)
+                    .iter()
+                    .map(|f| 1.0 / f)
+                    .collect();
+                let a = Array::from_f32(&periods, &[periods.len()])?;
+                // Made on the loading thread: evaluate it here (see `Loader::vector`).
+                Array::eval(&[&a])?;
+                Ok(Some(a))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(MlxStage {
+            rope_periods,
             // GGUF Llama permutes Q/K for interleaved RoPE; the converter (and
             // Hugging Face) keep the halves layout.
             traditional_rope: file_layout == Layout::Gguf && config.architecture.interleaved_rope(),
@@ -350,15 +373,7 @@ impl MlxStage {
         let v = w.v.forward(&h)?;
         let scale = cfg.attention_scale;
         let rope_scale = 1.0 / shape.rope_scale;
-        // YaRN's frequencies, as the periods MLX divides positions by.
-        let periods = match shape.yarn {
-            Some(_) => {
-                let inv = shape.inverse_frequencies(hd);
-                let periods: Vec<f32> = inv.iter().map(|f| 1.0 / f).collect();
-                Some(Array::from_f32(&periods, &[periods.len()])?)
-            }
-            None => None,
-        };
+        let periods = self.rope_periods[l].as_ref();
         let mut ys = Vec::with_capacity(items.len());
         for item in items {
             let (n, pos) = (item.len, item.position);
@@ -383,7 +398,7 @@ impl MlxStage {
                     theta,
                     rope_scale,
                     pos,
-                    periods.as_ref(),
+                    periods,
                 )
             };
             let (qi, ki) = (rotate(&qi)?, rotate(&ki)?);

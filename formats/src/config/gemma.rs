@@ -151,17 +151,26 @@ pub(super) fn layer_pattern(types: &serde_json::Value, layers: usize) -> Result<
     Ok(pattern)
 }
 
-/// The linear factor of a `rope_scaling` entry (1 when there is none).
-fn hf_rope_scaling(v: Option<&serde_json::Value>) -> Result<f32> {
-    let bad = |detail: String| Error::metadata("config.json rope_scaling", detail);
-    let Some(v) = v.filter(|v| !v.is_null()) else {
-        return Ok(1.0);
-    };
+/// A `rope_scaling` entry that is there and not null, with its type
+/// (`rope_type`, or the older `type`; `default` when it names none).
+pub(super) fn rope_scaling_kind(
+    v: Option<&serde_json::Value>,
+) -> Option<(&str, &serde_json::Value)> {
+    let v = v.filter(|v| !v.is_null())?;
     let kind = v
         .get("rope_type")
         .or_else(|| v.get("type"))
         .and_then(|t| t.as_str())
         .unwrap_or("default");
+    Some((kind, v))
+}
+
+/// The linear factor of a `rope_scaling` entry (1 when there is none).
+fn hf_rope_scaling(v: Option<&serde_json::Value>) -> Result<f32> {
+    let bad = |detail: String| Error::metadata("config.json rope_scaling", detail);
+    let Some((kind, v)) = rope_scaling_kind(v) else {
+        return Ok(1.0);
+    };
     match kind {
         "default" => Ok(1.0),
         "linear" => {

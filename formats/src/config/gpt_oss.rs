@@ -9,7 +9,7 @@
 //!           ones and ones slowed by `factor`, scores × attention factor²
 //! ```
 
-use super::gemma::{layer_pattern, positive};
+use super::gemma::{layer_pattern, positive, rope_scaling_kind};
 use super::{ModelConfig, SlidingWindow, hf_bad, hf_float, hf_int};
 use crate::error::Result;
 
@@ -173,29 +173,19 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
             rope_theta: config.rope_theta,
         });
     }
-    match v.get("rope_scaling").filter(|s| !s.is_null()) {
-        None => {}
-        Some(s) => {
-            let kind = s
-                .get("rope_type")
-                .or_else(|| s.get("type"))
-                .and_then(|t| t.as_str())
-                .unwrap_or("default");
-            match kind {
-                "default" => {}
-                "yarn" => {
-                    let yarn = Yarn::from_hf(s, config.context_length)?;
-                    // Queries and keys both scaled: the scores by its square.
-                    config.attention_scale *= yarn.attention_factor * yarn.attention_factor;
-                    config.yarn = Some(yarn);
-                }
-                other => {
-                    return Err(hf_bad(
-                        "rope_scaling",
-                        &format!("RoPE scaling {other:?} is not supported for gpt-oss (yarn is)"),
-                    ));
-                }
-            }
+    match rope_scaling_kind(v.get("rope_scaling")) {
+        None | Some(("default", _)) => {}
+        Some(("yarn", s)) => {
+            let yarn = Yarn::from_hf(s, config.context_length)?;
+            // Queries and keys both scaled: the scores by its square.
+            config.attention_scale *= yarn.attention_factor * yarn.attention_factor;
+            config.yarn = Some(yarn);
+        }
+        Some((other, _)) => {
+            return Err(hf_bad(
+                "rope_scaling",
+                &format!("RoPE scaling {other:?} is not supported for gpt-oss (yarn is)"),
+            ));
         }
     }
     Ok(())
