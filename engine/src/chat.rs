@@ -134,8 +134,24 @@ fn raise_exception(message: String) -> std::result::Result<String, minijinja::Er
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
 }
 
+/// `strftime_now(format)`: the local time now, formatted as Python's
+/// `strftime` formats it (templates write today's date into the prompt:
+/// gpt-oss's, Llama 3.1's).
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+        minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} is not a date format"),
+        )
+    })?;
+    Ok(out)
+}
+
 impl ChatTemplate {
-    /// Compiles `source` as Hugging Face does (trimmed blocks, Python string methods).
+    /// Compiles `source` as Hugging Face does (trimmed blocks, Python string
+    /// methods, `raise_exception` and `strftime_now`).
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
@@ -146,6 +162,7 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| {

@@ -7,6 +7,8 @@
 //! - [`candle`]: the candle backend; `mlx` (feature `mlx`): the MLX backend,
 //!   through a C++ shim over libmlx;
 //! - engine-independent parts every backend shares: [`tokenizer`], [`chat`],
+//!   [`text_model`] (a model's tokenizer, template and answer format),
+//!   [`harmony`] (gpt-oss's answer format),
 //!   [`detokenizer`], [`sampler`], [`constraint`] (output that must follow a
 //!   grammar), [`tools`] (tool calling: prompts, call grammars, parsing),
 //!   [`text_output`] (tokens to the text a client
@@ -18,6 +20,7 @@
 //!
 //! This crate knows nothing of Kubernetes or the network.
 
+pub mod answer;
 pub mod bench;
 pub mod candle;
 pub mod chat;
@@ -27,6 +30,7 @@ pub mod detokenizer;
 pub mod error;
 pub mod generation;
 pub mod gguf;
+pub mod harmony;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 pub mod names;
@@ -37,6 +41,7 @@ pub mod sampler;
 pub mod stage;
 pub mod stop;
 pub mod tensor;
+pub mod text_model;
 pub mod text_output;
 pub mod tokenizer;
 pub mod tools;

@@ -8,19 +8,16 @@
 //! ```
 
 use std::ops::Range;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::candle::CandleStage;
-use crate::chat::{ChatMessage, ChatOptions, ChatTemplate};
-use crate::constraint::{Constraint, Grammar, Grammars};
 use crate::error::{Error, Result};
 pub use crate::generation::FinishReason;
 use crate::generation::{Decoder, ValidRequest};
 use crate::gguf::GgufFile;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::stage::{LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput};
-use crate::tokenizer::Tokenizer;
+pub use crate::text_model::TextModel;
 
 /// The engines a stage can run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -298,167 +295,6 @@ impl Generation {
     /// Generated tokens per second after the first.
     pub fn decode_tokens_per_second(&self) -> f64 {
         (self.tokens.len().saturating_sub(1)) as f64 / self.decode_time.as_secs_f64()
-    }
-}
-
-/// The text-side parts of a model: tokenizer and chat template.
-#[derive(Debug)]
-pub struct TextModel {
-    /// The tokenizer.
-    pub tokenizer: Tokenizer,
-    /// The chat template.
-    pub template: ChatTemplate,
-    /// The grammar compiler for this tokenizer, built on first use.
-    grammars: OnceLock<Grammars>,
-}
-
-impl TextModel {
-    /// Compiles `grammar` for this model's tokenizer (the first call reads
-    /// the vocabulary).
-    pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint> {
-        let grammars = match self.grammars.get() {
-            Some(g) => g,
-            None => {
-                let built = Grammars::new(&self.tokenizer)?;
-                self.grammars.get_or_init(|| built)
-            }
-        };
-        grammars.compile(grammar)
-    }
-
-    /// Builds both from a GGUF file.
-    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
-        let tokenizer = Tokenizer::from_gguf(file.header())?;
-        let name = |id: Option<u32>| id.and_then(|i| tokenizer.token(i)).unwrap_or_default();
-        let bos = name(tokenizer.bos_token());
-        let eos = name(tokenizer.stop_tokens().first().copied());
-        let template = ChatTemplate::from_gguf(file.header(), &bos, &eos)?;
-        Ok(TextModel {
-            tokenizer,
-            template,
-            grammars: OnceLock::new(),
-        })
-    }
-
-    /// Builds both from a model directory in the safetensors layouts
-    /// (`tokenizer.json`, and `tokenizer_config.json` for the chat template,
-    /// BOS and EOS; `config.json`'s `eos_token_id` adds stop tokens).
-    pub fn from_dir(dir: &std::path::Path) -> Result<Self> {
-        let read = |name: &str| -> Result<serde_json::Value> {
-            let path = dir.join(name);
-            let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            serde_json::from_str(&text).map_err(|e| Error::CorruptModel {
-                path,
-                reason: e.to_string(),
-            })
-        };
-        let tok_cfg = read("tokenizer_config.json")?;
-        let config = read("config.json")?;
-        let token_name = |key: &str| -> Option<String> {
-            match tok_cfg.get(key) {
-                Some(serde_json::Value::String(s)) => Some(s.clone()),
-                // {"content": "<s>", ...} objects in older files.
-                Some(v) => v.get("content").and_then(|c| c.as_str()).map(String::from),
-                None => None,
-            }
-        };
-        let mut eos: Vec<u32> = match config.get("eos_token_id") {
-            Some(serde_json::Value::Array(ids)) => ids
-                .iter()
-                .filter_map(|v| v.as_u64())
-                .map(|v| v as u32)
-                .collect(),
-            Some(v) => v.as_u64().map(|v| v as u32).into_iter().collect(),
-            None => Vec::new(),
-        };
-        let probe = Tokenizer::from_file(dir.join("tokenizer.json"), &[], None)?;
-        let bos_name = token_name("bos_token");
-        let eos_name = token_name("eos_token");
-        let bos = config
-            .get("bos_token_id")
-            .and_then(|v| v.as_u64())
-            .map(|v| v as u32)
-            .or_else(|| bos_name.as_deref().and_then(|n| probe.token_id(n)));
-        if let Some(id) = eos_name.as_deref().and_then(|n| probe.token_id(n)) {
-            eos.push(id);
-        }
-        eos.sort_unstable();
-        eos.dedup();
-        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"), &eos, bos)?;
-        tokenizer
-            .set_adds_bos(tok_cfg.get("add_bos_token").and_then(|v| v.as_bool()) == Some(true));
-        let template = match tok_cfg.get("chat_template").and_then(|v| v.as_str()) {
-            Some(source) => ChatTemplate::new(
-                source,
-                bos_name.as_deref().unwrap_or_default(),
-                eos_name.as_deref().unwrap_or_default(),
-            )?,
-            None => {
-                return Err(Error::MissingMetadata {
-                    what: format!(
-                        "chat_template in {}",
-                        dir.join("tokenizer_config.json").display()
-                    ),
-                    detail: "the key is absent".into(),
-                });
-            }
-        };
-        Ok(TextModel {
-            tokenizer,
-            template,
-            grammars: OnceLock::new(),
-        })
-    }
-
-    /// The same tokenizer with another chat template (one given apart from
-    /// the model's files).
-    pub fn with_template(&self, template: ChatTemplate) -> TextModel {
-        TextModel {
-            tokenizer: self.tokenizer.clone(),
-            template,
-            grammars: OnceLock::new(),
-        }
-    }
-
-    /// Token ids of a conversation, ready for the assistant's reply.
-    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        self.conversation_prompt(messages, None, &ChatOptions::default())
-    }
-
-    /// Token ids of a chat prompt that offers `tools`, or holds earlier tool
-    /// calls and results (see [`crate::tools::render`]).
-    pub fn tool_prompt(
-        &self,
-        messages: &[ChatMessage],
-        tools: Option<&crate::tools::ToolSet>,
-    ) -> Result<Vec<u32>> {
-        self.conversation_prompt(messages, tools, &ChatOptions::default())
-    }
-
-    /// Token ids of a conversation rendered with `options`: with the
-    /// tools' prompt when it offers `tools` or holds earlier calls and
-    /// results, with the plain template otherwise.
-    pub fn conversation_prompt(
-        &self,
-        messages: &[ChatMessage],
-        tools: Option<&crate::tools::ToolSet>,
-        options: &ChatOptions,
-    ) -> Result<Vec<u32>> {
-        let text = if tools.is_some() || messages.iter().any(ChatMessage::is_tool_exchange) {
-            crate::tools::render(&self.template, messages, tools, options)?
-        } else {
-            self.template.render_with(messages, true, options)?
-        };
-        // The template writes BOS itself where the model wants it.
-        self.tokenizer.encode(&text, false)
-    }
-
-    /// Token ids of a raw prompt (BOS added where the model wants it).
-    pub fn raw_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
-        self.tokenizer.encode(prompt, true)
     }
 }
 

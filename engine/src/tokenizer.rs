@@ -49,6 +49,7 @@ pub struct Tokenizer {
     bos: Option<u32>,
     add_bos: bool,
     stop_tokens: Vec<u32>,
+    keeps_markup: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -290,6 +291,7 @@ impl Tokenizer {
             bos,
             add_bos,
             stop_tokens,
+            keeps_markup: false,
         })
     }
 
@@ -306,6 +308,7 @@ impl Tokenizer {
             bos,
             add_bos: false,
             stop_tokens: eos_token_ids.to_vec(),
+            keeps_markup: false,
         })
     }
 
@@ -318,6 +321,24 @@ impl Tokenizer {
     /// `tokenizer_config.json`'s `add_bos_token`).
     pub fn set_adds_bos(&mut self, add_bos: bool) {
         self.add_bos = add_bos && self.bos.is_some();
+    }
+
+    /// Whether a generation's text keeps special tokens (a model whose
+    /// answers are structured by them, as harmony's are).
+    pub fn keeps_markup(&self) -> bool {
+        self.keeps_markup
+    }
+
+    /// Sets whether a generation's text keeps special tokens.
+    pub fn set_keeps_markup(&mut self, keep: bool) {
+        self.keeps_markup = keep;
+    }
+
+    /// Adds tokens that end a generation (kept sorted, without repeats).
+    pub fn add_stop_tokens(&mut self, ids: &[u32]) {
+        self.stop_tokens.extend_from_slice(ids);
+        self.stop_tokens.sort_unstable();
+        self.stop_tokens.dedup();
     }
 
     /// The tokenizer as a `tokenizer.json` document (the format safetensors

@@ -493,3 +493,115 @@ fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
         check_against_llama_cpp(family);
     }
 }
+
+/// gpt-oss answers in the harmony format. Its tiny model has the harmony
+/// markup as special tokens, the tests' harmony template and `<|return|>`
+/// and `<|call|>` as stops (from generation_config.json). Under the grammar
+/// of its tools, or of a JSON answer, its random weights still write
+/// harmony: reasoning (or none, with reasoning off), then a call or a final
+/// message. The reader gives back the call and the answer with the markup
+/// gone, as a head stage gives them to the gateway.
+#[test]
+fn gpt_oss_calls_tools_and_answers_json_in_the_harmony_format() {
+    use shardplane_engine::answer::{AnswerReader, Ending, Split};
+    use shardplane_engine::chat::{ChatMessage, ChatOptions};
+    use shardplane_engine::constraint::Grammar;
+    use shardplane_engine::generation::ValidRequest;
+    use shardplane_engine::pipeline::{FinishReason, Generation, TextModel, generate_request};
+    use shardplane_engine::sampler::SamplingParams;
+    use shardplane_engine::tools::{Tool, ToolChoice, ToolSet};
+    let t = tiny("gpt_oss");
+    let text = TextModel::from_dir(&t.mlx).unwrap();
+    assert!(text.harmony());
+    for stop in ["<|return|>", "<|call|>", "<|endoftext|>"] {
+        let id = text.tokenizer.token_id(stop).unwrap();
+        assert!(text.tokenizer.stop_tokens().contains(&id), "{stop}");
+    }
+    // The harmony prompt is longer than the tiny model's 128 positions.
+    let options = LoadOptions {
+        dequantize: true,
+        context_length: Some(4096),
+        ..Default::default()
+    };
+    let layout = StageLayout::new(0..t.layers, t.layers).unwrap();
+    let stage = CandleStage::load(&t.mlx, layout, &options).unwrap();
+    let mut p = LocalPipeline::from_stages(vec![Box::new(stage)]);
+    let weather = ToolSet {
+        tools: vec![Tool {
+            name: "get_weather".into(),
+            description: "The weather in a city.".into(),
+            parameters: serde_json::json!({"type": "object", "additionalProperties": false,
+                "required": ["city"],
+                "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}),
+        }],
+        choice: ToolChoice::Required,
+        parallel: false,
+    };
+    let messages = [ChatMessage::new("user", "What is the weather in Paris?")];
+    let mut run = |thinking: Option<bool>,
+                   tools: Option<&ToolSet>,
+                   answer: Option<Grammar>,
+                   seed: u64|
+     -> (Generation, Split, Ending) {
+        let options = ChatOptions::new(Default::default(), thinking).unwrap();
+        let prompt = text
+            .conversation_prompt(&messages, tools, &options)
+            .unwrap();
+        let grammar = text.answer_grammar(answer, tools).unwrap().unwrap();
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            max_tokens: 3000,
+            ..Default::default()
+        };
+        let request = ValidRequest::new(prompt.clone(), Vec::new(), params, 256, 4096)
+            .unwrap()
+            .with_constraint(text.constraint(&grammar).unwrap())
+            .unwrap();
+        let g = generate_request(&mut p, &text, seed, &request, |_| {}).unwrap();
+        let mut reader = AnswerReader::new(&text, &prompt, true, tools.is_some());
+        let split = reader.push(&g.text).unwrap();
+        let ending = reader.finish(g.finish == FinishReason::Stop).unwrap();
+        (g, split, ending)
+    };
+    for (thinking, seed) in [(Some(false), 1), (None, 2)] {
+        let (g, split, ending) = run(thinking, Some(&weather), None, seed);
+        let what = format!("thinking {thinking:?}: {:?}", g.text);
+        assert_eq!(g.finish, FinishReason::Stop, "{what}");
+        let calls = [split.tool_calls, ending.split.tool_calls].concat();
+        assert!(ending.called && !ending.cut && calls.len() == 1, "{what}");
+        assert_eq!(calls[0].name, "get_weather", "{what}");
+        let args: serde_json::Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        let city = args["city"].as_str().unwrap();
+        assert!(
+            (1..=12).contains(&city.chars().count()) && args.as_object().unwrap().len() == 1,
+            "{what}"
+        );
+        assert!(
+            !split.text.contains("<|") && !split.reasoning.contains("<|"),
+            "{what}"
+        );
+    }
+    // Reasoning off: the prompt holds an empty analysis message.
+    let off = ChatOptions::new(Default::default(), Some(false)).unwrap();
+    let prompt = text.conversation_prompt(&messages, None, &off).unwrap();
+    let prompt = text.tokenizer.decode(&prompt, false).unwrap();
+    assert!(
+        prompt
+            .ends_with("<|start|>assistant<|channel|>analysis<|message|><|end|><|start|>assistant"),
+        "{prompt}"
+    );
+    // A JSON answer: the final message is the JSON, the reasoning apart.
+    let schema = serde_json::json!({"type": "object", "additionalProperties": false,
+        "required": ["ok"], "properties": {"ok": {"type": "boolean"}}});
+    let (g, split, ending) = run(None, None, Some(Grammar::JsonSchema(schema)), 3);
+    let answer = split.text + &ending.split.text;
+    let value: serde_json::Value = serde_json::from_str(&answer)
+        .unwrap_or_else(|e| panic!("{e}: {answer:?} from {:?}", g.text));
+    assert!(value["ok"].is_boolean(), "{answer}");
+    assert!(
+        !ending.called && g.finish == FinishReason::Stop,
+        "{:?}",
+        g.text
+    );
+}

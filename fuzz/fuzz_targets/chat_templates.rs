@@ -1,8 +1,9 @@
 //! Chat-template rendering with hostile content: messages, tools and
 //! template variables built from the input, rendered with the templates
 //! models commonly ship (Hermes tool calls, Llama 3, Mistral, a thinking
-//! template) and with one that prints every message as it is. Rendering must
-//! end (the renderer's fuel), stay bounded and never panic, whatever the
+//! template, gpt-oss's harmony with its `strftime_now`) and with one that
+//! prints every message as it is. Rendering must end (the renderer's
+//! fuel), stay bounded and never panic, whatever the
 //! shapes (contents that are lists or objects, unknown roles, odd tool
 //! calls); and a message's content is data: Jinja syntax inside it comes out
 //! verbatim, never evaluated. The renderer's own source file is compiled
@@ -42,11 +43,12 @@ mod chat;
 use chat::{ChatMessage, ChatOptions, ChatTemplate};
 use libfuzzer_sys::fuzz_target;
 
-const TEMPLATES: [&str; 4] = [
+const TEMPLATES: [&str; 5] = [
     include_str!("../../engine/tests/fixtures/chat_templates/hermes.jinja"),
     include_str!("../../engine/tests/fixtures/chat_templates/llama3.jinja"),
     include_str!("../../engine/tests/fixtures/chat_templates/mistral.jinja"),
     include_str!("../../engine/tests/fixtures/chat_templates/thinking.jinja"),
+    include_str!("../../engine/tests/fixtures/chat_templates/harmony.jinja"),
 ];
 
 /// Prints each message's role and content between markers, untouched.

@@ -12,12 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shardplane_dataplane as dp;
+use shardplane_engine::answer::{AnswerReader, Ending, Split};
 use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
-use shardplane_engine::reasoning::{THINK_CLOSE, ThinkSplitter, prompt_opens_reasoning};
 use shardplane_engine::sampler::{Logprobs, Sampler};
-use shardplane_engine::tools::{CallDetector, CallSyntax};
 use shardplane_engine::{SequenceId, StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -79,15 +78,9 @@ impl Service {
             stage.worker.context_length,
         )
         .map_err(engine_status)?;
-        let grammar = match (wire::grammar(req.grammar.as_ref())?, &tools) {
-            (Some(_), Some(_)) => {
-                return Err(Status::invalid_argument(
-                    "an output grammar cannot go with tools: the answer's grammar is the tools'",
-                ));
-            }
-            (grammar, None) => grammar,
-            (None, Some(tools)) => Some(tools.grammar(CallSyntax::of(&text.template))),
-        };
+        let grammar = text
+            .answer_grammar(wire::grammar(req.grammar.as_ref())?, tools.as_ref())
+            .map_err(engine_status)?;
         if let Some(grammar) = grammar {
             // Compiling (and, the first time, reading the vocabulary) is
             // CPU work: off the async threads.
@@ -461,44 +454,12 @@ impl Generation {
         let text = self.text.clone();
         let mut decoder = Decoder::new(&text.tokenizer, &self.request).map_err(engine_status)?;
         let mut first_token_at = None;
-        // A chat's reasoning (between <think> and </think>, opened by the
-        // answer or by the template) is told from its text, then, with
-        // tools, calls from the text; the text resumed tokens released
-        // (given, or held, before) goes through both first.
-        let opened = self.chat && {
-            let prompt = self.request.prompt();
-            let tail = &prompt[prompt.len().saturating_sub(4)..];
-            text.tokenizer
-                .decode(tail, false)
-                .is_ok_and(|t| prompt_opens_reasoning(&t))
-        };
-        let mut thoughts = self.chat.then(|| ThinkSplitter::new(opened));
-        let syntax = CallSyntax::of(&text.template);
-        let mut calls = self.tools.then(|| CallDetector::new(syntax));
-        let replayed = match &mut thoughts {
-            Some(t) => t.push(decoder.replayed()).1,
-            None => decoder.replayed().to_string(),
-        };
-        if let Some(d) = &mut calls {
-            d.push(&replayed).map_err(engine_status)?;
-        }
-        let mut split = |piece: String| -> Result<Split, Status> {
-            let (reasoning, text) = match &mut thoughts {
-                Some(t) => t.push(&piece),
-                None => (String::new(), piece),
-            };
-            let thinking = thoughts.as_ref().is_some_and(ThinkSplitter::in_reasoning);
-            let (text, tool_calls) = match &mut calls {
-                Some(d) => d.push(&text).map_err(engine_status)?,
-                None => (text, Vec::new()),
-            };
-            Ok(Split {
-                reasoning,
-                text,
-                tool_calls: tool_calls.into_iter().map(wire::tool_call).collect(),
-                thinking,
-            })
-        };
+        // A chat's reasoning, answer and calls are told apart in the
+        // model's format; the text resumed tokens released (given, or held,
+        // before) goes through the reader first.
+        let mut reader = AnswerReader::new(&text, self.request.prompt(), self.chat, self.tools);
+        reader.push(decoder.replayed()).map_err(engine_status)?;
+        let opened = reader.opened_reasoning();
         // A reasoning budget: once spent, the model is held, token by token,
         // to the text that closes the reasoning. (An answer under a grammar
         // is held to the grammar instead.)
@@ -508,7 +469,7 @@ impl Generation {
         let close = match budget {
             Some(_) => text
                 .tokenizer
-                .encode(&format!("\n{THINK_CLOSE}\n\n"), false)
+                .encode(&reader.reasoning_close(), false)
                 .map_err(engine_status)?,
             None => Vec::new(),
         };
@@ -527,15 +488,10 @@ impl Generation {
                 .into_iter()
                 .collect();
             let piece = decoder.accept(token).map_err(engine_status)?;
-            let Split {
-                reasoning,
-                text,
-                tool_calls,
-                thinking,
-            } = split(piece.text)?;
+            let split = reader.push(&piece.text).map_err(engine_status)?;
             // A token counts against the budget when it is written inside
-            // the reasoning (`<think>` itself does not).
-            let counts = std::mem::replace(&mut inside, thinking);
+            // the reasoning (the marker that opens it does not).
+            let counts = std::mem::replace(&mut inside, split.thinking);
             if counts && let Some(left) = &mut budget {
                 *left = left.saturating_sub(1);
                 if *left == 0 {
@@ -543,56 +499,23 @@ impl Generation {
                     forced.extend(close.iter().copied());
                 }
             }
-            self.emit(Event::Delta(dp::Delta {
-                text,
-                tokens: vec![token],
-                tool_calls,
-                logprobs,
-                reasoning,
-            }))
-            .await?;
+            self.emit(delta(split, vec![token], logprobs)).await?;
         }
         let generated = decoder.generated();
         let (tail, finish) = decoder.finish().map_err(engine_status)?;
-        let Split {
-            mut reasoning,
-            text: mut tail,
-            mut tool_calls,
-            ..
-        } = split(tail)?;
-        // What the splitter still holds: reasoning cut short, or text.
-        let held = match thoughts {
-            Some(t) => {
-                let (r, held) = t.finish();
-                reasoning.push_str(&r);
-                held
-            }
-            None => String::new(),
-        };
-        let (called, cut) = match calls {
-            Some(mut d) => {
-                let (text, more) = d.push(&held).map_err(engine_status)?;
-                tail.push_str(&text);
-                tool_calls.extend(more.into_iter().map(wire::tool_call));
-                let called = d.called();
-                let (held, cut) = d.finish();
-                tail.push_str(&held);
-                (called, cut)
-            }
-            None => {
-                tail.push_str(&held);
-                (false, false)
-            }
-        };
-        if !tail.is_empty() || !tool_calls.is_empty() || !reasoning.is_empty() {
-            self.emit(Event::Delta(dp::Delta {
-                text: tail,
-                tokens: Vec::new(),
-                tool_calls,
-                logprobs: Vec::new(),
-                reasoning,
-            }))
-            .await?;
+        let mut last = reader.push(&tail).map_err(engine_status)?;
+        let Ending {
+            split: held,
+            called,
+            cut,
+        } = reader
+            .finish(finish == FinishReason::Stop)
+            .map_err(engine_status)?;
+        last.reasoning.push_str(&held.reasoning);
+        last.text.push_str(&held.text);
+        last.tool_calls.extend(held.tool_calls);
+        if !last.text.is_empty() || !last.tool_calls.is_empty() || !last.reasoning.is_empty() {
+            self.emit(delta(last, Vec::new(), Vec::new())).await?;
         }
         let done = Instant::now();
         let first_token_at = first_token_at.unwrap_or(done);
@@ -616,11 +539,17 @@ impl Generation {
     }
 }
 
-/// A piece of an answer, told apart: reasoning, text and completed calls.
-struct Split {
-    reasoning: String,
-    text: String,
-    tool_calls: Vec<dp::ToolCall>,
-    /// Whether the answer is still in its reasoning after the piece.
-    thinking: bool,
+/// A piece of the answer as the client gets it.
+fn delta(
+    split: Split,
+    tokens: Vec<u32>,
+    logprobs: Vec<dp::TokenLogprobs>,
+) -> dp::generate_response::Event {
+    dp::generate_response::Event::Delta(dp::Delta {
+        text: split.text,
+        tokens,
+        tool_calls: split.tool_calls.into_iter().map(wire::tool_call).collect(),
+        logprobs,
+        reasoning: split.reasoning,
+    })
 }

@@ -3,10 +3,11 @@
 use std::io::Write;
 
 use clap::Args;
+use shardplane_engine::answer::{AnswerReader, Split};
 use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::constraint::Grammar;
 use shardplane_engine::generation::ValidRequest;
-use shardplane_engine::pipeline::generate_request;
+use shardplane_engine::pipeline::{FinishReason, generate_request};
 use shardplane_engine::sampler::SamplingParams;
 
 use super::model_args::ModelArgs;
@@ -128,16 +129,41 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         text.tokenizer.vocab_size(),
         pipeline.context_length(),
     )?;
-    if let Some(grammar) = args.grammar()? {
+    // A chat with a harmony model (gpt-oss) keeps its channels around a
+    // grammar, and its answer is read out of them: the reasoning to stderr,
+    // the answer to stdout.
+    let harmony = args.chat && text.harmony();
+    let grammar = match args.grammar()? {
+        Some(g) if harmony => text.answer_grammar(Some(g), None)?,
+        g => g,
+    };
+    if let Some(grammar) = grammar {
         request = request.with_constraint(text.constraint(&grammar)?)?;
     }
+    let mut reader = harmony.then(|| AnswerReader::new(&text, &prompt, true, false));
     let mut stdout = std::io::stdout().lock();
-    let generation = generate_request(&mut pipeline, &text, 1, &request, |piece| {
+    let mut write = |split: Split| {
+        eprint!("{}", split.reasoning);
         // A closed stdout (e.g. `| head`) ends the output, not the program with a panic.
         let _ = stdout
-            .write_all(piece.as_bytes())
+            .write_all(split.text.as_bytes())
             .and_then(|()| stdout.flush());
+    };
+    let generation = generate_request(&mut pipeline, &text, 1, &request, |piece| {
+        let split = match &mut reader {
+            // Without tools, reading never fails.
+            Some(r) => r.push(piece).unwrap_or_default(),
+            None => Split {
+                text: piece.to_string(),
+                ..Split::default()
+            },
+        };
+        write(split);
     })?;
+    if let Some(r) = reader {
+        write(r.finish(generation.finish == FinishReason::Stop)?.split);
+    }
+    let mut stdout = std::io::stdout().lock();
     writeln!(stdout)?;
     if args.print_tokens {
         eprintln!("prompt: {prompt:?}");

@@ -72,6 +72,14 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
+/// A fresh call id (`call_` and 24 letters and digits).
+pub fn call_id() -> String {
+    let id: String = (0..24)
+        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
+        .collect();
+    format!("call_{id}")
+}
+
 impl ToolSet {
     /// Checks the set: tools with distinct names that are not empty,
     /// arguments schemas that are objects, and a named choice among them.
@@ -184,7 +192,11 @@ pub fn render(
     tools: Option<&ToolSet>,
     options: &ChatOptions,
 ) -> Result<String> {
-    if let Some(syntax) = CallSyntax::native(template) {
+    let native = CallSyntax::native(template);
+    // A harmony template presents tools and reads calls itself (calls and
+    // results are matched by order, not id).
+    if native.is_some() || crate::harmony::speaks(template.source()) {
+        let template_id = |id: &str| native.map_or(id.to_string(), |s| s.template_id(id));
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -196,13 +208,13 @@ pub fn render(
                         .map(|c| {
                             let arguments: Value =
                                 serde_json::from_str(&c.arguments).unwrap_or(Value::Null);
-                            json!({"id": syntax.template_id(&c.id), "type": "function",
+                            json!({"id": template_id(&c.id), "type": "function",
                                    "function": {"name": c.name, "arguments": arguments}})
                         })
                         .collect();
                 }
                 if let Some(id) = &m.tool_call_id {
-                    v["tool_call_id"] = json!(syntax.template_id(id));
+                    v["tool_call_id"] = json!(template_id(id));
                 }
                 v
             })

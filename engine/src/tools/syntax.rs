@@ -205,11 +205,8 @@ impl CallSyntax {
             (Value::Null, Value::Null) => "{}".to_string(),
             (Value::Null, a) | (a, _) => a.to_string(),
         };
-        let id: String = (0..24)
-            .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
-            .collect();
         Ok(ToolCall {
-            id: format!("call_{id}"),
+            id: super::call_id(),
             name: name.to_string(),
             arguments,
         })

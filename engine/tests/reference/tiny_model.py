@@ -4,7 +4,8 @@ MLX-community layout and as GGUF, with mlx-lm's logits as the reference.
     python tiny_model.py OUT_DIR FAMILY [SEED] [BITS]
 
 OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names),
-                     tokenizer.json + tokenizer_config.json (a byte-level BPE)
+                     tokenizer.json + tokenizer_config.json (a byte-level BPE;
+                     gpt_oss's has the harmony markup, its template and stops)
 OUT_DIR/model.gguf   the same weights as llama.cpp's converter writes them
 
 With BITS 4 or 8 (or mxfp4), the model is quantized first as mlx-lm's converter
@@ -155,6 +156,33 @@ FAMILIES = {
     },
 }
 
+# Llama 3.1-3.3's RoPE scaling (rope_type llama3) on a dense Llama. The
+# original context is shrunk to 64 so that, at the prompt's positions, the
+# three kinds of frequency differ visibly: kept (wavelength under 16),
+# blended (16 to 64) and divided by the factor (over 64).
+FAMILIES["llama3"] = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "rope_theta": 10_000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
 FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
@@ -259,7 +287,28 @@ GGUF_ARCH = {
     "qwen3_moe_routed": "qwen3moe",
     "qwen2_moe": "qwen2moe",
     "mixtral": "llama",
+    "llama3": "llama",
 }
+
+
+def llama3_rope_factors(c):
+    """What llama.cpp's converter stores as `rope_freqs.weight` for a
+    `llama3` rope_scaling: each frequency's divisor."""
+    s = c["rope_scaling"]
+    dims = c["head_dim"]
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * np.pi * c["rope_theta"] ** (i / dims)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def gguf_name(family, name):
@@ -320,24 +369,44 @@ def byte_tokens():
     return tokens, spelled[32]
 
 
-def write_tokenizer_files(out, vocab):
+# gpt-oss's harmony markup. In its tiny model these take the ids of bytes
+# 0xF8-0xFF, which never occur in UTF-8 text.
+HARMONY = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+           "<|return|>", "<|call|>", "<|endoftext|>"]
+
+
+def write_tokenizer_files(out, vocab, harmony=False):
     """The byte-level BPE as tokenizer.json and a tokenizer_config.json
     (ChatML), so the MLX layout is a model directory tools can load
-    (benchmarks, agents)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    (benchmarks, agents). With `harmony`, the harmony markup as special
+    tokens, the tests' harmony template as chat_template.jinja, and its
+    stop tokens in generation_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     assert vocab == 256, "one token per byte"
     tokens, space = byte_tokens()
+    if harmony:
+        tokens[256 - len(HARMONY):] = HARMONY
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[(space, "t")])
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    if harmony:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY])
+        assert [tok.token_to_id(t) for t in HARMONY] == list(range(248, 256))
     tok.save(str(out / "tokenizer.json"))
-    chatml = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    config = {"chat_template": chatml, "eos_token": tokens[1], "add_bos_token": False}
+    if harmony:
+        fixture = Path(__file__).parent.parent / "fixtures/chat_templates/harmony.jinja"
+        (out / "chat_template.jinja").write_text(fixture.read_text())
+        config = {"eos_token": "<|return|>", "add_bos_token": False}
+        stops = [tok.token_to_id(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}) + "\n")
+    else:
+        chatml = (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
+        config = {"chat_template": chatml, "eos_token": tokens[1], "add_bos_token": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -388,6 +457,8 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_byte_tokenizer(w, c["vocab_size"])
+    if (c.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(c))
     for name, a in weights.items():
         if family.startswith("gemma") and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norms as 1 + w.
@@ -432,7 +503,7 @@ def main():
     if qtype is not None:
         round_trip_blocks(model, qtype)
     write_mlx(config, model, out / "mlx")
-    write_tokenizer_files(out / "mlx", config["vocab_size"])
+    write_tokenizer_files(out / "mlx", config["vocab_size"], harmony=family == "gpt_oss")
     if family in GGUF_ARCH and (quant is None or qtype is not None):
         write_gguf(family, config, dense, out / "model.gguf", qtype)
     (out / "reference.json").write_text(json.dumps(reference(model)))
