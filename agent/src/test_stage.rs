@@ -50,6 +50,7 @@ impl Echo {
             sliding: None,
             rope_scale: 1.0,
             yarn: None,
+            rope_factors: None,
             moe: None,
         };
         let layout = if last {

@@ -13,6 +13,9 @@ use shardplane_formats::{GgmlType, GgufHeader};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
+/// Llama 3's RoPE factors, as llama.cpp's converter stores them.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// A GGUF file whose header has been read.
 #[derive(Debug)]
 pub struct GgufFile {
@@ -22,14 +25,48 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
-    /// Opens `path` and reads its header and model configuration.
+    /// Opens `path` and reads its header and model configuration (with
+    /// Llama 3's RoPE factors, a tensor, when the file has them).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|source| Error::Io {
             path: path.clone(),
             source,
         })?;
-        Self::from_header(&path.to_string_lossy(), &mut BufReader::new(file))
+        let mut reader = BufReader::new(file);
+        let mut opened = Self::from_header(&path.to_string_lossy(), &mut reader)?;
+        if opened.has_tensor(ROPE_FREQS) {
+            opened.config.rope_factors = Some(opened.rope_factors(&mut reader)?);
+        }
+        Ok(opened)
+    }
+
+    /// Llama 3's RoPE factors (`rope_freqs.weight`): one positive number per
+    /// frequency of a head.
+    fn rope_factors(&self, reader: &mut BufReader<File>) -> Result<Vec<f32>> {
+        let tensor = self.read_tensor(reader, ROPE_FREQS, &Device::Cpu)?;
+        let corrupt = |reason: String| Error::CorruptModel {
+            path: self.path.clone(),
+            reason: format!("tensor {ROPE_FREQS}: {reason}"),
+        };
+        let factors: Vec<f32> = tensor
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .map_err(|e| corrupt(e.to_string()))?;
+        let want = self.config.head_dim / 2;
+        if factors.len() != want {
+            return Err(corrupt(format!(
+                "{} factors for heads of {} dimensions (want {want})",
+                factors.len(),
+                self.config.head_dim
+            )));
+        }
+        if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+            return Err(corrupt(format!(
+                "a factor of {bad} (they must be positive)"
+            )));
+        }
+        Ok(factors)
     }
 
     /// Reads a header from `reader` (e.g. the first bytes of a remote file);

@@ -252,6 +252,13 @@ fn every_boundary(layers: usize) -> Vec<Vec<Range<usize>>> {
     all
 }
 
+/// Llama 3.1-3.3's RoPE scaling (`llama3`): from config.json's
+/// `rope_scaling`, and from the GGUF's `rope_freqs` tensor.
+#[test]
+fn llama3_rope_scaling_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("llama3", every_boundary);
+}
+
 /// gpt-oss: sliding and global layers in turn, sinks, YaRN, experts with
 /// biases; split at every boundary (each between a sliding and a global
 /// layer, one way or the other).
@@ -489,7 +496,13 @@ fn check_against_llama_cpp(family: &str) {
 
 #[test]
 fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
-    for family in ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral"] {
+    for family in [
+        "gemma3_text",
+        "qwen3_moe_routed",
+        "qwen2_moe",
+        "mixtral",
+        "llama3",
+    ] {
         check_against_llama_cpp(family);
     }
 }

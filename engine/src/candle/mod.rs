@@ -611,8 +611,7 @@ struct RopeTables {
 
 impl RopeTables {
     fn new(cfg: &ModelConfig, context: usize, device: &Device) -> Result<Self> {
-        let table =
-            |a: LayerAttention| rope_table(&a.inverse_frequencies(cfg.head_dim), context, device);
+        let table = |a: LayerAttention| rope_table(&cfg.inverse_frequencies(&a), context, device);
         Ok(RopeTables {
             global: table(cfg.global_attention())?,
             sliding: cfg

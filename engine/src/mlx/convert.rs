@@ -59,6 +59,13 @@ fn unpermute(a: &Array, heads: usize) -> Result<Array> {
 pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
     let file = GgufFile::open(gguf)?;
     let config = file.config().clone();
+    if config.rope_factors.is_some() {
+        return Err(Error::UnsupportedArchitecture(
+            "converting a GGUF with Llama 3's RoPE factors (rope_freqs): config.json has no \
+             place for them (serve the GGUF itself, or convert the Hugging Face checkpoint)"
+                .into(),
+        ));
+    }
     let text = TextModel::from_gguf(&file)?;
     let io = |path: &Path, source| Error::Io {
         path: path.to_path_buf(),

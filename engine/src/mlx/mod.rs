@@ -206,11 +206,11 @@ impl MlxStage {
             .clone()
             .map(|l| {
                 let shape = config.layer_attention(l);
-                if shape.yarn.is_none() {
+                if !config.rope_frequencies_scaled() {
                     return Ok(None);
                 }
-                let periods: Vec<f32> = shape
-                    .inverse_frequencies(config.head_dim)
+                let periods: Vec<f32> = config
+                    .inverse_frequencies(&shape)
                     .iter()
                     .map(|f| 1.0 / f)
                     .collect();
@@ -372,8 +372,12 @@ impl MlxStage {
         let k = w.k.forward(&h)?;
         let v = w.v.forward(&h)?;
         let scale = cfg.attention_scale;
-        let rope_scale = 1.0 / shape.rope_scale;
         let periods = self.rope_periods[l].as_ref();
+        // Periods made at load hold the linear scale already.
+        let rope_scale = match periods {
+            Some(_) => 1.0,
+            None => 1.0 / shape.rope_scale,
+        };
         let mut ys = Vec::with_capacity(items.len());
         for item in items {
             let (n, pos) = (item.len, item.position);

@@ -196,6 +196,7 @@ mod tests {
             sliding: None,
             rope_scale: 1.0,
             yarn: None,
+            rope_factors: None,
             moe: None,
         }
     }

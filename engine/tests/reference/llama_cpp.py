@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures" / "llama-cpp"
-FAMILIES = ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral"]
+FAMILIES = ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral", "llama3"]
 
 
 def free_port():

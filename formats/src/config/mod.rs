@@ -4,9 +4,11 @@
 mod gemma;
 mod gpt_oss;
 mod moe;
+mod rope;
 
 pub use gpt_oss::Yarn;
 pub use moe::Moe;
+pub use rope::Llama3Rope;
 
 use crate::error::{Error, Result};
 use crate::gguf::{Array, GgufHeader, Value};
@@ -170,6 +172,10 @@ pub struct ModelConfig {
     pub rope_scale: f32,
     /// YaRN RoPE scaling of every layer, when the model has it.
     pub yarn: Option<Yarn>,
+    /// What each RoPE frequency of the global layers is divided by, when the
+    /// model scales them one by one (Llama 3.1–3.3: from `rope_scaling` of
+    /// type `llama3`, or GGUF's `rope_freqs` tensor).
+    pub rope_factors: Option<Vec<f32>>,
     /// Routed experts, when the family has them.
     pub moe: Option<Moe>,
 }
@@ -288,10 +294,13 @@ impl ModelConfig {
             sliding: None,
             rope_scale: 1.0,
             yarn: None,
+            rope_factors: None,
             moe: None,
         };
-        if architecture == Architecture::Gemma3 {
-            gemma::from_gguf(&mut config, header, &key)?;
+        match architecture {
+            Architecture::Gemma3 => gemma::from_gguf(&mut config, header, &key)?,
+            Architecture::GptOss => {}
+            _ => rope::from_gguf(&mut config, header, &key)?,
         }
         config.moe = moe::from_gguf(&config, header, &key)?;
         if config.moe.is_some() && architecture == Architecture::Llama {
@@ -361,15 +370,35 @@ impl ModelConfig {
             sliding: None,
             rope_scale: 1.0,
             yarn: None,
+            rope_factors: None,
             moe: None,
         };
         match architecture {
             Architecture::Gemma3 => gemma::from_hf(&mut config, v)?,
             Architecture::GptOss => gpt_oss::from_hf(&mut config, v)?,
-            _ => {}
+            _ => rope::from_hf(&mut config, v)?,
         }
         config.moe = moe::from_hf(architecture, &config, v)?;
         Ok(config)
+    }
+
+    /// RoPE's inverse frequencies of a layer that attends as `attention`:
+    /// its own ([`LayerAttention::inverse_frequencies`]), each divided by
+    /// the model's factor on a global layer when it has them.
+    pub fn inverse_frequencies(&self, attention: &LayerAttention) -> Vec<f32> {
+        let mut frequencies = attention.inverse_frequencies(self.head_dim);
+        if let (None, Some(factors)) = (attention.window, &self.rope_factors) {
+            for (f, d) in frequencies.iter_mut().zip(factors) {
+                *f /= d;
+            }
+        }
+        frequencies
+    }
+
+    /// Whether some layer's RoPE frequencies are not the plain ones of its
+    /// base and linear scale (YaRN, or per-frequency factors).
+    pub fn rope_frequencies_scaled(&self) -> bool {
+        self.yarn.is_some() || self.rope_factors.is_some()
     }
 
     /// How layer `layer` attends: its window and its RoPE.
@@ -402,7 +431,8 @@ impl ModelConfig {
     }
 
     /// The configuration as a Hugging Face `config.json` (what
-    /// [`ModelConfig::from_hf_json`] reads back).
+    /// [`ModelConfig::from_hf_json`] reads back). Per-frequency RoPE factors
+    /// have no place in it and are left out: callers refuse such models.
     pub fn to_hf_json(&self, tie_word_embeddings: bool) -> serde_json::Value {
         let (model_type, class) = match self.architecture {
             Architecture::Llama => ("llama", "LlamaForCausalLM"),
@@ -450,6 +480,14 @@ impl ModelConfig {
             if let (Some(json), serde_json::Value::Object(extra)) = (json.as_object_mut(), gemma) {
                 json.extend(extra);
             }
+        }
+        if !matches!(
+            self.architecture,
+            Architecture::Gemma3 | Architecture::GptOss
+        ) && self.rope_scale != 1.0
+        {
+            json["rope_scaling"] =
+                serde_json::json!({"rope_type": "linear", "factor": self.rope_scale});
         }
         if self.architecture == Architecture::GptOss
             && let Some(json) = json.as_object_mut()
@@ -507,6 +545,7 @@ mod tests {
             sliding: None,
             rope_scale: 1.0,
             yarn: None,
+            rope_factors: None,
             moe: None,
         };
         let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();
