@@ -259,6 +259,13 @@ fn llama3_rope_scaling_matches_mlx_lm_on_every_engine_format_and_split() {
     check_family("llama3", every_boundary);
 }
 
+/// YaRN on a plain family (Qwen 2.5 and 3 for long contexts): from
+/// config.json's `rope_scaling`, and from the GGUF's `rope.scaling` keys.
+#[test]
+fn qwen2_yarn_matches_mlx_lm_on_every_engine_format_and_split() {
+    check_family("qwen2_yarn", every_boundary);
+}
+
 /// gpt-oss: sliding and global layers in turn, sinks, YaRN, experts with
 /// biases; split at every boundary (each between a sliding and a global
 /// layer, one way or the other).

@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures" / "llama-cpp"
-FAMILIES = ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral", "llama3"]
+FAMILIES = ["gemma3_text", "qwen3_moe_routed", "qwen2_moe", "mixtral", "llama3", "qwen2_yarn"]
 
 
 def free_port():

@@ -183,6 +183,25 @@ FAMILIES["llama3"] = {
     "tie_word_embeddings": False,
 }
 
+# YaRN on a dense Qwen2 (as Qwen 2.5 is run for long contexts): an original
+# context of 1024 puts the ramp across the middle of the 8 frequencies, and
+# the attention factor (0.1 ln 4 + 1) scales the scores.
+FAMILIES["qwen2_yarn"] = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 256,
+    "rope_theta": 10_000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
 FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
@@ -288,6 +307,7 @@ GGUF_ARCH = {
     "qwen2_moe": "qwen2moe",
     "mixtral": "llama",
     "llama3": "llama",
+    "qwen2_yarn": "qwen2",
 }
 
 
@@ -452,6 +472,10 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    if (c.get("rope_scaling") or {}).get("type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+        w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
     if family == "mixtral":
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])

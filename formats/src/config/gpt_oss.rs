@@ -12,6 +12,7 @@
 use super::gemma::{layer_pattern, positive, rope_scaling_kind};
 use super::{ModelConfig, SlidingWindow, hf_bad, hf_float, hf_int};
 use crate::error::Result;
+use crate::gguf::GgufHeader;
 
 /// YaRN ("Yet another RoPE extension"): each RoPE frequency is blended
 /// between its trained value (fast rotations, kept) and the value slowed
@@ -102,6 +103,64 @@ impl Yarn {
         })
     }
 
+    /// Reads GGUF's YaRN keys (`key` makes the architecture's keys): the
+    /// factor, the original context (else `context_length`), and the betas
+    /// when given. GGUF has no `truncate`: llama.cpp rounds the ramp.
+    pub(super) fn from_gguf(
+        header: &GgufHeader,
+        key: &dyn Fn(&str) -> String,
+        context_length: usize,
+    ) -> Result<Self> {
+        let number = |k: &str, default: f32| -> Result<f64> {
+            match header.get(&key(k)) {
+                Err(_) => Ok(f64::from(default)),
+                Ok(_) => Ok(f64::from(header.get_f32(&key(k))?)),
+            }
+        };
+        let factor = positive(
+            &key("rope.scaling.factor"),
+            number("rope.scaling.factor", f32::NAN)?,
+        )?;
+        let original = match header.get_u32(&key("rope.scaling.original_context_length")) {
+            Ok(n) if n > 0 => n as usize,
+            _ => context_length,
+        };
+        let beta_fast = positive(
+            &key("rope.scaling.yarn_beta_fast"),
+            number("rope.scaling.yarn_beta_fast", 32.0)?,
+        )?;
+        let beta_slow = positive(
+            &key("rope.scaling.yarn_beta_slow"),
+            number("rope.scaling.yarn_beta_slow", 1.0)?,
+        )?;
+        if beta_slow >= beta_fast {
+            return Err(crate::error::Error::metadata(
+                key("rope.scaling.yarn_beta_fast"),
+                "YaRN needs beta_fast above beta_slow",
+            ));
+        }
+        Ok(Yarn {
+            factor: factor as f32,
+            original_context: original,
+            beta_fast: beta_fast as f32,
+            beta_slow: beta_slow as f32,
+            truncate: true,
+            attention_factor: if factor <= 1.0 {
+                1.0
+            } else {
+                (0.1 * factor.ln() + 1.0) as f32
+            },
+        })
+    }
+
+    /// Makes `config` use this scaling: its frequencies on every layer, and
+    /// queries and keys scaled by the attention factor (so the scores by
+    /// its square).
+    pub(super) fn apply(self, config: &mut ModelConfig) {
+        config.attention_scale *= self.attention_factor * self.attention_factor;
+        config.yarn = Some(self);
+    }
+
     /// The inverse frequencies of a head of `head_dim` with RoPE base `theta`.
     pub fn inverse_frequencies(&self, theta: f32, head_dim: usize) -> Vec<f32> {
         let (theta, dims) = (f64::from(theta), head_dim as f64);
@@ -175,12 +234,7 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
     }
     match rope_scaling_kind(v.get("rope_scaling")) {
         None | Some(("default", _)) => {}
-        Some(("yarn", s)) => {
-            let yarn = Yarn::from_hf(s, config.context_length)?;
-            // Queries and keys both scaled: the scores by its square.
-            config.attention_scale *= yarn.attention_factor * yarn.attention_factor;
-            config.yarn = Some(yarn);
-        }
+        Some(("yarn", s)) => Yarn::from_hf(s, config.context_length)?.apply(config),
         Some((other, _)) => {
             return Err(hf_bad(
                 "rope_scaling",

@@ -1,8 +1,9 @@
 //! RoPE scaling of the families that have no rules of their own (Llama and
 //! Mistral, Qwen 2 and 3, the mixture-of-experts families): from
 //! `config.json`'s `rope_scaling`, `linear` (positions divided by the
-//! factor) or `llama3` (Llama 3.1–3.3: each frequency divided by its own
-//! factor); from GGUF, `rope.scaling.type` linear. Llama 3's factors in a
+//! factor), `llama3` (Llama 3.1–3.3: each frequency divided by its own
+//! factor) or `yarn` (Qwen 2.5 and 3 for long contexts: see [`Yarn`]); from
+//! GGUF, `rope.scaling.type` linear or yarn. Llama 3's factors in a
 //! GGUF file are a tensor (`rope_freqs.weight`, as llama.cpp's converter
 //! writes them), which the engine reads when it opens the file.
 //!
@@ -12,11 +13,11 @@
 //!                                          s = (original/λ − low)/(high − low)
 //! ```
 //!
-//! Any other scaling (YaRN, dynamic NTK, LongRoPE) is refused by name
+//! Any other scaling (dynamic NTK, LongRoPE) is refused by name
 //! rather than run unscaled.
 
 use super::gemma::{positive, rope_scaling_kind};
-use super::{ModelConfig, hf_bad};
+use super::{ModelConfig, Yarn, hf_bad};
 use crate::error::{Error, Result};
 use crate::gguf::GgufHeader;
 
@@ -100,11 +101,12 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
             let scaling = Llama3Rope::from_hf(entry)?;
             config.rope_factors = Some(scaling.factors(config.rope_theta, config.head_dim));
         }
+        "yarn" => Yarn::from_hf(entry, config.context_length)?.apply(config),
         other => {
             return Err(hf_bad(
                 "rope_scaling",
                 &format!(
-                    "RoPE scaling {other:?} is not supported for {} (linear and llama3 are)",
+                    "RoPE scaling {other:?} is not supported for {} (linear, llama3 and yarn are)",
                     config.architecture.gguf_name()
                 ),
             ));
@@ -129,12 +131,13 @@ pub(super) fn from_gguf(
             let factor = header.get_f32(&key("rope.scaling.factor"))?;
             config.rope_scale = positive(&key("rope.scaling.factor"), factor as f64)? as f32;
         }
+        "yarn" => Yarn::from_gguf(header, key, config.context_length)?.apply(config),
         other => {
             return Err(Error::metadata(
                 key("rope.scaling.type"),
                 format!(
-                    "RoPE scaling {other:?} is not supported for {} (linear is; Llama 3's \
-                     comes as the rope_freqs tensor)",
+                    "RoPE scaling {other:?} is not supported for {} (linear and yarn are; \
+                     Llama 3's comes as the rope_freqs tensor)",
                     config.architecture.gguf_name()
                 ),
             ));
@@ -186,7 +189,7 @@ mod tests {
     }
 
     #[test]
-    fn plain_families_read_linear_and_llama3_scaling_and_refuse_the_rest() {
+    fn plain_families_read_linear_llama3_and_yarn_scaling_and_refuse_the_rest() {
         let c = llama(serde_json::Value::Null).unwrap();
         assert_eq!((c.rope_scale, c.rope_factors.is_none()), (1.0, true));
         let c = llama(serde_json::json!({"type": "linear", "factor": 4.0})).unwrap();
@@ -207,10 +210,22 @@ mod tests {
         let scaled = c.inverse_frequencies(&c.global_attention());
         assert_eq!(scaled[0], plain[0]);
         assert_eq!(scaled[7], plain[7] / 8.0);
+        // YaRN: its frequencies, and the scores scaled by its factor squared.
+        let c = llama(serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 256}))
+        .unwrap();
+        let yarn = c.yarn.unwrap();
+        assert_eq!((yarn.original_context, yarn.truncate), (256, true));
+        let f = 0.1 * 4f32.ln() + 1.0;
+        assert!(
+            (c.attention_scale - f * f / 4.0).abs() < 1e-6,
+            "{}",
+            c.attention_scale
+        );
         for (bad, says) in [
             (
-                serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
-                "\"yarn\" is not supported for llama",
+                serde_json::json!({"rope_type": "longrope", "factor": 4.0}),
+                "\"longrope\" is not supported for llama",
             ),
             (
                 serde_json::json!({"rope_type": "dynamic", "factor": 2.0}),
