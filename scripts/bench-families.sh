@@ -7,9 +7,9 @@
 #   LLAMA_BENCH=/path/to/llama-bench scripts/bench-families.sh [--threads N] [--runs N]
 #
 # Families: gemma3_text, qwen3_moe_routed (Qwen3-MoE with every layer routed,
-# as released models are and as llama.cpp requires), mixtral, and gpt_oss
-# (from its MLX-community layout: the engines read no gpt-oss GGUF yet, so
-# llama.cpp is not run on it). Tiny models
+# as released models are and as llama.cpp requires), mixtral, gpt_oss (f32),
+# and gpt_oss with its experts in GGUF's MXFP4 blocks, as gpt-oss GGUF files
+# come (candle and llama.cpp only: MLX does not read those blocks). Tiny models
 # (hidden 64, a few layers) measure per-token overhead more than arithmetic:
 # read the ratios, not the absolute rates. Prints one line per family and
 # engine: medians of tokens/s over the runs.
@@ -31,30 +31,35 @@ python="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}/reference/bin/python"
 work=$(mktemp -d /tmp/shardplane-families.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
-printf '%-18s %-10s %14s %14s\n' family engine "prefill tok/s" "decode tok/s"
-for family in gemma3_text qwen3_moe_routed mixtral gpt_oss; do
-  "$python" engine/tests/reference/tiny_model.py "$work/$family" "$family" >/dev/null
-  gguf="$work/$family/model.gguf"
-  # gpt-oss is read from the MLX-community layout only (no GGUF yet).
+printf '%-26s %-10s %14s %14s\n' family engine "prefill tok/s" "decode tok/s"
+for entry in gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4; do
+  family=${entry%%:*}
+  quant=${entry#"$family"}
+  quant=${quant#:}
+  label=$family${quant:+ ($quant)}
+  "$python" engine/tests/reference/tiny_model.py "$work/$entry" "$family" ${quant:+0 "$quant"} >/dev/null
+  gguf="$work/$entry/model.gguf"
   model="$gguf"
-  [ -f "$gguf" ] || model="$work/$family/mlx"
-  for engine in candle mlx; do
+  [ -f "$gguf" ] || model="$work/$entry/mlx"
+  engines="candle mlx"
+  [ "$quant" = gguf_mxfp4 ] && engines=candle
+  for engine in $engines; do
     "$bin" bench --model "$model" --engine "$engine" --threads "$THREADS" --runs "$RUNS" \
       --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --json 2>/dev/null >"$work/report.json"
-    "$python" - "$work/report.json" "$family" "$engine" <<'PY'
+    "$python" - "$work/report.json" "$label" "$engine" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]:<18} {sys.argv[3]:<10} {r['prefill_tokens_per_second']['median']:>14.1f} {r['decode_tokens_per_second']['median']:>14.1f}")
+print(f"{sys.argv[2]:<26} {sys.argv[3]:<10} {r['prefill_tokens_per_second']['median']:>14.1f} {r['decode_tokens_per_second']['median']:>14.1f}")
 PY
   done
   if [ -n "${LLAMA_BENCH:-}" ] && [ -f "$gguf" ]; then
     "$LLAMA_BENCH" -m "$gguf" -t "$THREADS" -r "$RUNS" -p "$PROMPT" -n "$GEN" -o json 2>/dev/null >"$work/llama.json"
-    "$python" - "$work/llama.json" "$family" <<'PY'
+    "$python" - "$work/llama.json" "$label" <<'PY'
 import json, sys
 import statistics
 rows = json.load(open(sys.argv[1]))
 rate = {("prefill" if r["n_prompt"] else "decode"): statistics.median(r["samples_ts"]) for r in rows}
-print(f"{sys.argv[2]:<18} {'llama.cpp':<10} {rate['prefill']:>14.1f} {rate['decode']:>14.1f}")
+print(f"{sys.argv[2]:<26} {'llama.cpp':<10} {rate['prefill']:>14.1f} {rate['decode']:>14.1f}")
 PY
   fi
 done

@@ -102,12 +102,18 @@ impl GgufFile {
         self.header.tensors.contains_key(name)
     }
 
+    /// The type a tensor is stored in, when the file has it.
+    pub fn tensor_type(&self, name: &str) -> Option<GgmlType> {
+        self.header.tensors.get(name).map(|t| t.dtype)
+    }
+
     /// Bytes a tensor takes in the file (0 when absent).
     pub fn tensor_bytes(&self, name: &str) -> u64 {
         self.header.tensor_bytes(name)
     }
 
-    /// Reads one tensor through `reader` (a handle on the same file).
+    /// Reads one tensor through `reader` (a handle on the same file); MXFP4
+    /// blocks, which candle lacks, come back as their exact f32 values.
     pub(crate) fn read_tensor(
         &self,
         reader: &mut BufReader<File>,
@@ -115,10 +121,18 @@ impl GgufFile {
         device: &Device,
     ) -> Result<QTensor> {
         let info = self.header.tensor(name)?;
-        let dtype = candle_type(info.dtype).ok_or_else(|| Error::UnsupportedTensorType {
-            tensor: name.to_string(),
-            dtype: info.dtype.name().to_string(),
-        })?;
+        let mxfp4 = info.dtype == GgmlType::MXFP4;
+        let dtype = match candle_type(info.dtype) {
+            Some(t) => t,
+            // candle has no MXFP4: its values are read out exactly, as f32.
+            None if mxfp4 => GgmlDType::F32,
+            None => {
+                return Err(Error::UnsupportedTensorType {
+                    tensor: name.to_string(),
+                    dtype: info.dtype.name().to_string(),
+                });
+            }
+        };
         let (start, len) = self.header.tensor_range(name)?;
         let corrupt = |reason: String| Error::CorruptModel {
             path: self.path.clone(),
@@ -131,7 +145,13 @@ impl GgufFile {
             .and_then(|_| reader.read_exact(&mut raw))
             .map_err(|e| corrupt(format!("{e} (truncated file?)")))?;
         // candle wants the outermost dimension first; GGUF lists it last.
-        let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
+        let dims: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
+        if mxfp4 {
+            let values = crate::mxfp4::decode_gguf(&raw).map_err(|e| corrupt(e.to_string()))?;
+            let t = candle_core::Tensor::from_vec(values, dims, device)
+                .map_err(|e| corrupt(e.to_string()))?;
+            return Ok(QTensor::quantize(&t, GgmlDType::F32)?);
+        }
         candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &raw, dims, device)
             .map_err(|e| corrupt(e.to_string()))
     }

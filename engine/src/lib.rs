@@ -33,6 +33,7 @@ pub mod gguf;
 pub mod harmony;
 #[cfg(feature = "mlx")]
 pub mod mlx;
+pub mod mxfp4;
 pub mod names;
 pub mod pipeline;
 pub mod prefix;

@@ -200,6 +200,11 @@ impl Weight {
             (Layout::Gguf, Weight::Embedding) => "token_embd".into(),
             (Layout::Gguf, Weight::Head) => "output".into(),
             (Layout::Gguf, Weight::FinalNorm) => "output_norm".into(),
+            // llama.cpp names gpt-oss's norm before the experts as it names
+            // the attention's post-norm.
+            (Layout::Gguf, Weight::Layer(n, Part::FfnNorm)) if arch == Architecture::GptOss => {
+                format!("blk.{n}.post_attention_norm")
+            }
             (Layout::Gguf, Weight::Layer(n, p)) => format!("blk.{n}.{}", p.gguf()),
             (Layout::Mlx, Weight::Embedding) => "model.embed_tokens".into(),
             (Layout::Mlx, Weight::Head) => "lm_head".into(),

@@ -211,8 +211,6 @@ fn check_family(family: &str, splits: fn(usize) -> Vec<Vec<Range<usize>>>) {
 
 /// Every engine on every format `t` has.
 fn check_model(family: &str, t: &Tiny, splits: fn(usize) -> Vec<Vec<Range<usize>>>) {
-    let r = &t.reference;
-    let [whole, sliced] = schedules(r.prompt.len());
     let gguf = t.gguf.exists();
     let mut engines = vec![("candle, safetensors", candle(&t.mlx))];
     if gguf {
@@ -226,16 +224,24 @@ fn check_model(family: &str, t: &Tiny, splits: fn(usize) -> Vec<Vec<Range<usize>
         }
     }
     for (engine, load) in &engines {
-        for ranges in splits(t.layers) {
-            let what = format!("{family} on {engine}, stages {ranges:?}");
-            let stages = ranges
-                .iter()
-                .map(|r| load(StageLayout::new(r.clone(), t.layers).unwrap()))
-                .collect();
-            let mut p = LocalPipeline::from_stages(stages);
-            let worst = check(&what, &mut p, r, &[&whole, &sliced]);
-            eprintln!("{what}: largest gap {worst:.2e} of the logit range");
-        }
+        check_splits(&format!("{family} on {engine}"), load, t, &splits(t.layers));
+    }
+}
+
+/// One engine at each split: every logit row and greedy token as the
+/// reference's, with both schedules.
+fn check_splits(what: &str, load: &Loader<'_>, t: &Tiny, splits: &[Vec<Range<usize>>]) {
+    let r = &t.reference;
+    let [whole, sliced] = schedules(r.prompt.len());
+    for ranges in splits {
+        let what = format!("{what}, stages {ranges:?}");
+        let stages = ranges
+            .iter()
+            .map(|r| load(StageLayout::new(r.clone(), t.layers).unwrap()))
+            .collect();
+        let mut p = LocalPipeline::from_stages(stages);
+        let worst = check(&what, &mut p, r, &[&whole, &sliced]);
+        eprintln!("{what}: largest gap {worst:.2e} of the logit range");
     }
 }
 
@@ -274,13 +280,20 @@ fn gpt_oss_matches_mlx_lm_on_every_engine_format_and_split() {
     check_family("gpt_oss", every_boundary);
 }
 
+/// The whole model, and its first layer apart from the rest.
+fn whole_and_first_layer(layers: usize) -> Vec<Vec<Range<usize>>> {
+    vec![vec![0..layers], vec![0..1, 1..layers]]
+}
+
 /// gpt-oss as MLX-community publishes it quantized: 4-bit experts and
 /// attention, the router in 8 bits (groups of 64).
 #[test]
 fn a_4_bit_gpt_oss_matches_mlx_lm_on_both_engines() {
-    check_model("gpt_oss, 4-bit", &tiny_quantized("gpt_oss", 4), |layers| {
-        vec![vec![0..layers], vec![0..1, 1..layers]]
-    });
+    check_model(
+        "gpt_oss, 4-bit",
+        &tiny_quantized("gpt_oss", 4),
+        whole_and_first_layer,
+    );
 }
 
 /// gpt-oss in MXFP4 (4-bit floats sharing a power of two per 32), the
@@ -290,9 +303,7 @@ fn a_4_bit_gpt_oss_matches_mlx_lm_on_both_engines() {
 #[test]
 fn an_mxfp4_gpt_oss_matches_mlx_lm_on_both_engines() {
     let t = tiny_with("gpt_oss", &["6", "mxfp4"]);
-    check_model("gpt_oss, MXFP4", &t, |layers| {
-        vec![vec![0..layers], vec![0..1, 1..layers]]
-    });
+    check_model("gpt_oss, MXFP4", &t, whole_and_first_layer);
     // A mode it cannot read is named, not read as another.
     let path = t.mlx.join("config.json");
     let config = std::fs::read_to_string(&path).unwrap();
@@ -304,6 +315,39 @@ fn an_mxfp4_gpt_oss_matches_mlx_lm_on_both_engines() {
             .contains("\"nvfp4\" (affine and mxfp4 are read)"),
         "{e}"
     );
+}
+
+/// gpt-oss from GGUF with its experts in GGUF's MXFP4 blocks (17 bytes per
+/// 32 values), as llama.cpp's converter writes it: candle reads them out
+/// exactly (and, by default, keeps them as Q8_0, close to them); MLX, whose
+/// GGUF reader lacks the type, refuses the file by name.
+#[test]
+fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx_refuses_it_by_name() {
+    let t = tiny_with("gpt_oss", &["0", "gguf_mxfp4"]);
+    let r = &t.reference;
+    let splits = whole_and_first_layer(t.layers);
+    check_splits(
+        "gpt_oss, MXFP4 GGUF on candle",
+        &candle(&t.gguf),
+        &t,
+        &splits,
+    );
+    // Kept as Q8_0: close, not exact.
+    let layout = StageLayout::new(0..t.layers, t.layers).unwrap();
+    let stage = CandleStage::load(&t.gguf, layout.clone(), &LoadOptions::default()).unwrap();
+    let mut p = LocalPipeline::from_stages(vec![Box::new(stage)]);
+    let row = greedy_rows(&mut p, &r.prompt, 1).remove(0);
+    let q8 = gap(&row, &r.logits[0]);
+    eprintln!("gpt_oss, MXFP4 GGUF as Q8_0 on candle: gap {q8:.2e} of the logit range");
+    assert!(q8 < 0.05, "{q8}");
+    #[cfg(feature = "mlx")]
+    {
+        use shardplane_engine::mlx::MlxStage;
+        let Err(e) = MlxStage::load(&t.gguf, layout, &LoadOptions::default()) else {
+            panic!("MLX refuses MXFP4 GGUF blocks");
+        };
+        assert!(e.to_string().contains("MXFP4"), "{e}");
+    }
 }
 
 /// Qwen3-MoE with a dense second layer: split between routed and dense
@@ -509,6 +553,8 @@ fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
         "qwen2_moe",
         "mixtral",
         "llama3",
+        "qwen2_yarn",
+        "gpt_oss",
     ] {
         check_against_llama_cpp(family);
     }

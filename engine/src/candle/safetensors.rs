@@ -20,6 +20,7 @@ use shardplane_formats::safetensors::{MAX_HEADER, header_len, parse_tensors};
 
 use crate::config::Architecture;
 use crate::error::{Error, Result};
+use crate::mxfp4::{E2M1, e8m0};
 use crate::names::{Layout, Weight};
 
 /// Where one tensor lies.
@@ -355,18 +356,4 @@ enum QuantMode {
     Affine,
     /// 4-bit floats (E2M1) sharing a power-of-two scale per 32.
     Mxfp4,
-}
-
-/// The values of the sixteen E2M1 codes (sign, two exponent bits, one
-/// mantissa bit).
-const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-
-/// An E8M0 scale: `2^(e − 127)` (255 is not a number).
-fn e8m0(e: u8) -> f32 {
-    match e {
-        255 => f32::NAN,
-        e => 2f32.powi(i32::from(e) - 127),
-    }
 }

@@ -8,12 +8,14 @@ use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use shardplane_formats::GgmlType;
 
 use super::moe::{Experts, FeedForward, Shared};
 use super::safetensors::SafetensorsDir;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::names::{self, Layout, Weight};
 use crate::tensor::RankShare;
 
 /// The part of a matrix a tensor rank holds.
@@ -65,6 +67,13 @@ impl TensorLoader<'_> {
             }
             Source::Gguf { file, reader } => {
                 let t = file.read_tensor(reader, name, &self.device)?;
+                if file.tensor_type(name) == Some(GgmlType::MXFP4) && !self.dequantize {
+                    // Read out as f32; Q8_0 keeps them close in a fast type
+                    // (twice MXFP4's bytes).
+                    let t = QTensor::quantize(&t.dequantize(&self.device)?, GgmlDType::Q8_0)?;
+                    self.bytes += t.storage_size_in_bytes();
+                    return Ok(t);
+                }
                 match t.dtype() {
                     GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if self.requantize => {
                         // candle has no SIMD dot product for these types; Q8_0 has one.
@@ -426,7 +435,11 @@ impl LayerWeights {
             o,
             q_norm,
             k_norm,
-            ffn_norm: l.vector(&name("ffn_norm.weight"))?,
+            ffn_norm: l.vector(&Weight::Layer(i, names::Part::FfnNorm).tensor(
+                Layout::Gguf,
+                arch,
+                "weight",
+            ))?,
             post_attn_norm,
             post_ffn_norm,
             sinks,

@@ -140,6 +140,21 @@ impl MlxStage {
 
     /// Loads a stage from a GGUF file whose header is already read.
     pub fn load_gguf(file: &GgufFile, layout: StageLayout, options: &LoadOptions) -> Result<Self> {
+        // MLX's GGUF reader gives no tensors at all for a file holding a
+        // type it lacks; say which instead of naming a missing tensor.
+        if let Some((name, _)) = file
+            .header()
+            .tensors
+            .iter()
+            .find(|(_, t)| t.dtype == shardplane_formats::GgmlType::MXFP4)
+        {
+            return Err(Error::UnsupportedTensorType {
+                tensor: name.clone(),
+                dtype: "MXFP4 blocks in GGUF, which MLX does not read (serve this file with \
+                        candle, or the MLX-community safetensors, MXFP4 included, with MLX)"
+                    .into(),
+            });
+        }
         let _guard = lock();
         let map = TensorMap::load_gguf(file.path()).map_err(|e| Error::CorruptModel {
             path: file.path().to_path_buf(),

@@ -14,7 +14,9 @@ quantizes it (groups of 32, the family's own exceptions, such as Qwen3-MoE's
 layout is written. With BITS q8_0 or q4_0, the GGUF's matrices (not the
 norms, nor the router, as llama.cpp's quantizer leaves them) are written in
 that block type, and the model (so the reference and the MLX layout) holds
-the values those blocks decode to.
+the values those blocks decode to. With BITS gguf_mxfp4 (gpt_oss), likewise
+for GGUF's MXFP4 blocks, on the experts only, as llama.cpp's converter
+writes gpt-oss.
 OUT_DIR/reference.json
     prompt   token ids
     tokens   16 greedy tokens after the prompt
@@ -308,6 +310,17 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "llama3": "llama",
     "qwen2_yarn": "qwen2",
+    "gpt_oss": "gpt-oss",
+}
+
+# gpt-oss's names in llama.cpp's converter (the norm before the experts is
+# its `post_attention_norm`; the sinks have no suffix in Hugging Face's).
+GPT_OSS_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 
 
@@ -340,10 +353,12 @@ def gguf_name(family, name):
         return "output.weight"
     parts = name.split(".")
     layer, role, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-    if kind == "bias":
-        return f"blk.{layer}.{COMMON_LAYER[role]}.bias"
+    if name.endswith("self_attn.sinks"):
+        return f"blk.{layer}.attn_sinks.weight"
     table = GEMMA3_LAYER if family.startswith("gemma") else COMMON_LAYER
-    return f"blk.{layer}.{table[role]}.weight"
+    if family == "gpt_oss":
+        table = {**COMMON_LAYER, **GPT_OSS_LAYER}
+    return f"blk.{layer}.{table[role]}.{'bias' if kind == 'bias' else 'weight'}"
 
 
 def permute(w, heads):
@@ -352,12 +367,19 @@ def permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def block_quantizable(name, a):
+def block_quantizable(name, a, qtype):
     router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+    if qtype == gguf.GGMLQuantizationType.MXFP4:
+        # As llama.cpp's converter writes gpt-oss: the experts only.
+        return ".experts." in name and name.endswith("_proj.weight")
     return a.ndim >= 2 and a.shape[-1] % 32 == 0 and not router
 
 
-GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+GGUF_TYPES = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "gguf_mxfp4": gguf.GGMLQuantizationType.MXFP4,
+}
 
 
 def round_trip_blocks(model, qtype):
@@ -365,7 +387,7 @@ def round_trip_blocks(model, qtype):
     params = {}
     for name, v in tree_flatten(model.parameters()):
         a = np.array(v, dtype=np.float32)
-        if block_quantizable(name, a):
+        if block_quantizable(name, a, qtype):
             a = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
         params[name] = mx.array(a)
     model.load_weights(list(params.items()))
@@ -476,6 +498,14 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
         w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
+    if family == "gpt_oss":
+        w.add_expert_count(c["num_local_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["intermediate_size"])
+        w.add_sliding_window(c["sliding_window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+        w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
     if family == "mixtral":
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
@@ -495,7 +525,7 @@ def write_gguf(family, config, weights, path, qtype=None):
             # llama.cpp reads the shared expert's gate as a vector.
             a = a.reshape(-1)
         a = np.ascontiguousarray(a)
-        if qtype is not None and block_quantizable(name, a):
+        if qtype is not None and block_quantizable(name, a, qtype):
             w.add_tensor(gguf_name(family, name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(family, name), a)

@@ -204,6 +204,36 @@ impl Yarn {
 }
 
 /// Reads gpt-oss's `config.json` keys into `config`.
+/// Reads what gpt-oss's GGUF metadata says beyond the common numbers
+/// (`key` makes the architecture's keys): the sliding window, with sliding
+/// and global layers in turn from the first (as llama.cpp fixes them), and
+/// YaRN.
+pub(super) fn from_gguf(
+    config: &mut ModelConfig,
+    header: &GgufHeader,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let window = header.get_u32(&key("attention.sliding_window"))? as usize;
+    if window > 0 {
+        config.sliding = Some(SlidingWindow {
+            window,
+            pattern: 2,
+            rope_theta: config.rope_theta,
+        });
+    }
+    match header.get_str(&key("rope.scaling.type")) {
+        Err(_) | Ok("none") => {}
+        Ok("yarn") => Yarn::from_gguf(header, key, config.context_length)?.apply(config),
+        Ok(other) => {
+            return Err(crate::error::Error::metadata(
+                key("rope.scaling.type"),
+                format!("RoPE scaling {other:?} is not supported for gpt-oss (yarn is)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result<()> {
     // Defaults as mlx-lm's gpt-oss arguments have them.
     config.rope_theta = hf_float(v, "rope_theta", 150_000.0)? as f32;

@@ -63,6 +63,7 @@ impl Architecture {
             "gemma3" => Ok(Architecture::Gemma3),
             "qwen3moe" => Ok(Architecture::Qwen3Moe),
             "qwen2moe" => Ok(Architecture::Qwen2Moe),
+            "gpt-oss" => Ok(Architecture::GptOss),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -299,7 +300,7 @@ impl ModelConfig {
         };
         match architecture {
             Architecture::Gemma3 => gemma::from_gguf(&mut config, header, &key)?,
-            Architecture::GptOss => {}
+            Architecture::GptOss => gpt_oss::from_gguf(&mut config, header, &key)?,
             _ => rope::from_gguf(&mut config, header, &key)?,
         }
         config.moe = moe::from_gguf(&config, header, &key)?;

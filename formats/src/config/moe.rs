@@ -109,8 +109,13 @@ pub(super) fn from_gguf(
             "a qwen2moe model names the width of its shared expert",
         ));
     }
+    // gpt-oss: biases on the router and every expert; a softmax over the
+    // chosen experts' logits (llama.cpp's gating 3), which renormalising a
+    // softmax over all of them gives too.
+    let gpt_oss = config.architecture == Architecture::GptOss;
     if let Ok(func) = header.get_u32(&key("expert_gating_func"))
         && func != 1
+        && !(gpt_oss && func == 3)
     {
         return Err(Error::metadata(
             key("expert_gating_func"),
@@ -127,10 +132,10 @@ pub(super) fn from_gguf(
         experts,
         experts_per_token: header.get_u32(&key("expert_used_count"))? as usize,
         expert_intermediate_size,
-        normalize,
+        normalize: normalize || gpt_oss,
         dense_layers,
         shared_expert,
-        bias: false,
+        bias: gpt_oss,
     }
     .check(&key("expert_used_count"))
     .map(Some)
