@@ -2,7 +2,8 @@
 //! (SmolLM2-135M-Instruct: 9 query heads in 3 KV groups, 1536 MLP columns):
 //! two and three ranks, an uneven 2:1 split, a pipeline of two tensor
 //! groups; the ranks joined over loopback TCP by the data plane's
-//! all-reduce. And a group whose rank fails stops, saying so.
+//! all-reduce; and mixture-of-experts layers on tiny models of three
+//! families. And a group whose rank fails stops, saying so.
 //!
 //! With exact (f32) weights a split changes only the order of the sums:
 //! logits agree within 1e-4 of the row's scale. With quantized weights
@@ -53,7 +54,7 @@ fn grouped(
     let stages = ranges
         .iter()
         .map(|r| {
-            let layout = StageLayout::new(r.clone(), LAYERS).unwrap();
+            let layout = StageLayout::new(r.clone(), config.layers).unwrap();
             let ranks = collectives(weights.len());
             let group = CandleStage::load_group(path, layout, options, &split, ranks).unwrap();
             Box::new(group) as Box<dyn Stage>
@@ -63,7 +64,8 @@ fn grouped(
 }
 
 fn whole(path: &Path, options: &LoadOptions) -> LocalPipeline {
-    let stage = CandleStage::load(path, StageLayout::whole(LAYERS), options).unwrap();
+    let layers = GgufFile::open(path).unwrap().config().layers;
+    let stage = CandleStage::load(path, StageLayout::whole(layers), options).unwrap();
     LocalPipeline::from_stages(vec![Box::new(stage)])
 }
 
@@ -204,6 +206,40 @@ fn quantized_splits_stay_within_the_quantization_noise() {
             "{what}: the split is {gap:.2e} from the whole model, far more than the \
              quantization's own {noise:.2e}"
         );
+    }
+}
+
+/// Mixture-of-experts layers split across ranks: each rank holds every
+/// expert's share of its columns and routes every token itself. Tiny
+/// models of three families (written by `reference/tiny_model.py`, f32
+/// GGUF): Qwen3-MoE with a dense layer among the routed ones, Qwen2-MoE
+/// with its gated shared expert, and gpt-oss with biases on the router and
+/// every expert (the down projection's added by one rank), attention sinks
+/// and sliding layers. Two KV heads each: two ranks, even and 2:1.
+#[test]
+fn mixture_of_experts_layers_split_like_dense_ones() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tiny_model.py");
+    for family in ["qwen3_moe", "qwen2_moe", "gpt_oss"] {
+        let dir = tempfile::tempdir().unwrap();
+        shardplane_testkit::run_reference(&script, &[dir.path().as_os_str(), family.as_ref()]);
+        let path = dir.path().join("model.gguf");
+        let layers = GgufFile::open(&path).unwrap().config().layers;
+        let prompts = vec![
+            vec![2, 17, 201, 5, 99, 64, 130, 7, 250, 33, 12],
+            (40..80).collect(),
+        ];
+        let mut reference = whole(&path, &exact());
+        for (what, weights) in [("tensor 2", vec![1.0, 1.0]), ("tensor 2:1", vec![2.0, 1.0])] {
+            let whole_range = 0..layers;
+            let mut split = grouped(
+                &path,
+                std::slice::from_ref(&whole_range),
+                &weights,
+                &exact(),
+            );
+            let what = format!("{family}, {what}");
+            check_exact(&what, &mut reference, &mut split, &prompts);
+        }
     }
 }
 

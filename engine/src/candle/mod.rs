@@ -525,20 +525,36 @@ fn check_share(config: &ModelConfig, share: &crate::tensor::RankShare) -> Result
         && share.heads.len() * config.kv_heads == share.kv_heads.len() * config.heads
         && share.intermediate.end <= config.intermediate_size
         && !share.intermediate.is_empty();
-    if config.moe.is_some() {
-        return Err(Error::Tensor(
-            "tensor groups do not split mixture-of-experts layers yet".into(),
-        ));
-    }
+    let fits = fits
+        && match &config.moe {
+            Some(moe) => {
+                share.expert_intermediate.end <= moe.expert_intermediate_size
+                    && !share.expert_intermediate.is_empty()
+                    && match moe.shared_expert {
+                        Some(width) => {
+                            share.shared_intermediate.end <= width
+                                && !share.shared_intermediate.is_empty()
+                        }
+                        None => true,
+                    }
+            }
+            None => true,
+        };
     if !fits {
         return Err(Error::Tensor(format!(
-            "rank {}'s share (KV heads {:?}, columns {:?}) does not fit a model of {} KV heads \
-             and {} columns",
+            "rank {}'s share (KV heads {:?}, columns {:?}, expert columns {:?}, shared expert \
+             columns {:?}) does not fit a model of {} KV heads, {} columns and experts of {}",
             share.rank,
             share.kv_heads,
             share.intermediate,
+            share.expert_intermediate,
+            share.shared_intermediate,
             config.kv_heads,
-            config.intermediate_size
+            config.intermediate_size,
+            config
+                .moe
+                .as_ref()
+                .map_or(0, |m| m.expert_intermediate_size),
         )));
     }
     Ok(())

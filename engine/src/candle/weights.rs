@@ -157,15 +157,31 @@ impl TensorLoader<'_> {
     }
 
     /// Stacked `[experts, out, in]` matrices `{prefix}.weight`, one product
-    /// per expert, with their `[experts, out]` biases `{prefix}.bias` when
-    /// the family has them.
-    pub fn experts(&mut self, prefix: &str, experts: usize, bias: bool) -> Result<Vec<Linear>> {
-        let matrices = self.expert_matrices(&format!("{prefix}.weight"), experts)?;
+    /// per expert (each cut to a tensor rank's `part` when given), with
+    /// their `[experts, out]` biases `{prefix}.bias` when `bias` (cut to
+    /// the part's rows).
+    pub fn experts(
+        &mut self,
+        prefix: &str,
+        experts: usize,
+        bias: bool,
+        part: Option<Part>,
+    ) -> Result<Vec<Linear>> {
+        let matrices = self.expert_matrices(&format!("{prefix}.weight"), experts, part.clone())?;
         if !bias {
             return Ok(matrices.into_iter().map(Linear::from).collect());
         }
         let name = format!("{prefix}.bias");
-        let biases = self.vector(&name)?;
+        let mut biases = self.vector(&name)?;
+        if let (Some(Part::Rows(rows)), &[_, out]) = (&part, biases.dims()) {
+            if rows.end > out || rows.is_empty() {
+                return Err(Error::Tensor(format!(
+                    "{name} has {out} values per expert, the share needs {rows:?}"
+                )));
+            }
+            self.bytes -= (out - rows.len()) * experts * 4;
+            biases = biases.narrow(1, rows.start, rows.len())?.contiguous()?;
+        }
         let out = match biases.dims() {
             &[count, out] if count == experts => out,
             dims => {
@@ -188,8 +204,14 @@ impl TensorLoader<'_> {
             .collect()
     }
 
-    /// Stacked `[experts, out, in]` matrices, one product per expert.
-    fn expert_matrices(&mut self, name: &str, experts: usize) -> Result<Vec<QMatMul>> {
+    /// Stacked `[experts, out, in]` matrices, one product per expert (its
+    /// `part`, when given).
+    fn expert_matrices(
+        &mut self,
+        name: &str,
+        experts: usize,
+        part: Option<Part>,
+    ) -> Result<Vec<QMatMul>> {
         let dequantize = self.dequantize && matches!(self.source, Source::Gguf { .. });
         let t = self.qtensor(name)?;
         let dims = t.shape().dims().to_vec();
@@ -210,22 +232,25 @@ impl TensorLoader<'_> {
         let slab = data.len() / experts.max(1);
         let dtype = t.dtype();
         let mut matrices = Vec::with_capacity(experts);
+        let cut = part.map(|p| p.ranges(out, inp, name)).transpose()?;
         for e in 0..experts {
             let bytes = std::borrow::Cow::Borrowed(&data[e * slab..(e + 1) * slab]);
             let storage = QStorage::from_data(bytes, &self.device, dtype)?;
-            let q = QTensor::new(storage, (out, inp))?;
+            let mut q = QTensor::new(storage, (out, inp))?;
+            if let Some((rows, cols)) = &cut {
+                q = slice_quantized(&q, rows.clone(), cols.clone(), &self.device)?;
+            }
             matrices.push(if dequantize {
                 let dense = q.dequantize(&self.device)?;
                 self.bytes += dense.elem_count() * 4;
                 QMatMul::Tensor(dense)
             } else {
+                self.bytes += q.storage_size_in_bytes();
                 QMatMul::from_qtensor(q)?
             });
         }
-        if dequantize {
-            // Counted as f32 above instead.
-            self.bytes -= t.storage_size_in_bytes();
-        }
+        // Counted per expert above instead.
+        self.bytes -= t.storage_size_in_bytes();
         Ok(matrices)
     }
 
@@ -404,6 +429,9 @@ impl LayerWeights {
             },
         };
         let columns = share.map(|s| s.intermediate.clone());
+        let expert_columns = share.map(|s| s.expert_intermediate.clone());
+        let shared_columns = share.map(|s| s.shared_intermediate.clone());
+        let leader = share.is_none_or(|s| s.is_leader());
         let (q_norm, k_norm) = if arch.qk_norm() {
             (
                 Some(l.vector(&name("attn_q_norm.weight"))?),
@@ -452,9 +480,25 @@ impl LayerWeights {
                         moe.bias,
                         None,
                     )?,
-                    gate: l.experts(&name("ffn_gate_exps"), moe.experts, moe.bias)?,
-                    up: l.experts(&name("ffn_up_exps"), moe.experts, moe.bias)?,
-                    down: l.experts(&name("ffn_down_exps"), moe.experts, moe.bias)?,
+                    gate: l.experts(
+                        &name("ffn_gate_exps"),
+                        moe.experts,
+                        moe.bias,
+                        expert_columns.clone().map(Part::Rows),
+                    )?,
+                    up: l.experts(
+                        &name("ffn_up_exps"),
+                        moe.experts,
+                        moe.bias,
+                        expert_columns.clone().map(Part::Rows),
+                    )?,
+                    // Each rank's sums add up: the bias goes in once.
+                    down: l.experts(
+                        &name("ffn_down_exps"),
+                        moe.experts,
+                        moe.bias && leader,
+                        expert_columns.clone().map(Part::Columns),
+                    )?,
                     per_token: moe.experts_per_token,
                     normalize: moe.normalize,
                     shared: match moe.shared_expert {
@@ -463,9 +507,24 @@ impl LayerWeights {
                             gate_inp: l
                                 .vector(&name("ffn_gate_inp_shexp.weight"))?
                                 .flatten_all()?,
-                            gate: l.matrix(&name("ffn_gate_shexp.weight"))?.into(),
-                            up: l.matrix(&name("ffn_up_shexp.weight"))?.into(),
-                            down: l.matrix(&name("ffn_down_shexp.weight"))?.into(),
+                            gate: l
+                                .matrix_part(
+                                    &name("ffn_gate_shexp.weight"),
+                                    shared_columns.clone().map(Part::Rows),
+                                )?
+                                .into(),
+                            up: l
+                                .matrix_part(
+                                    &name("ffn_up_shexp.weight"),
+                                    shared_columns.clone().map(Part::Rows),
+                                )?
+                                .into(),
+                            down: l
+                                .matrix_part(
+                                    &name("ffn_down_shexp.weight"),
+                                    shared_columns.clone().map(Part::Columns),
+                                )?
+                                .into(),
                         }),
                         None => None,
                     },

@@ -8,7 +8,10 @@
 //!
 //! Attention is split by KV heads, each with the query heads that share it,
 //! so no key or value is needed by two ranks; the MLP by intermediate
-//! columns, in units that keep quantized blocks whole. Shares follow each
+//! columns, in units that keep quantized blocks whole — with experts, every
+//! rank holds every expert's share of its columns (and of a shared
+//! expert's), and routes every token itself, as every rank sees the same
+//! rows. Shares follow each
 //! rank's weight (its memory, or a number the user gives), rounded by
 //! largest remainder, and every rank gets at least one unit of each.
 
@@ -30,6 +33,11 @@ pub struct RankShare {
     pub heads: Range<usize>,
     /// The MLP's intermediate columns this rank computes.
     pub intermediate: Range<usize>,
+    /// Each routed expert's intermediate columns this rank computes (every
+    /// rank holds every expert's share; empty without experts).
+    pub expert_intermediate: Range<usize>,
+    /// The shared expert's columns this rank computes (empty without one).
+    pub shared_intermediate: Range<usize>,
 }
 
 impl RankShare {
@@ -61,13 +69,6 @@ impl TensorSplit {
         if let Some(w) = weights.iter().find(|w| !(w.is_finite() && **w > 0.0)) {
             return bad(format!("rank weight {w} is not a positive number"));
         }
-        if config.moe.is_some() {
-            return bad(format!(
-                "{} routes its MLP to experts, which tensor groups do not split yet \
-                 (dense models only; run it as a pipeline)",
-                config.architecture.gguf_name()
-            ));
-        }
         if config.kv_heads == 0 || !config.heads.is_multiple_of(config.kv_heads) {
             return bad(format!(
                 "{} query heads do not share {} KV heads evenly",
@@ -81,28 +82,32 @@ impl TensorSplit {
                 config.kv_heads
             ));
         }
-        let unit = column_unit(config.intermediate_size, ranks).ok_or_else(|| {
-            Error::Tensor(format!(
-                "the MLP's {} columns cannot be split across {ranks} ranks",
-                config.intermediate_size
-            ))
-        })?;
+        let intermediate = columns(config.intermediate_size, weights, "the MLP")?;
+        let (experts, shared) = match &config.moe {
+            Some(moe) => (
+                columns(moe.expert_intermediate_size, weights, "each expert")?,
+                match moe.shared_expert {
+                    Some(width) => columns(width, weights, "the shared expert")?,
+                    None => vec![0..0; ranks],
+                },
+            ),
+            None => (vec![0..0; ranks], vec![0..0; ranks]),
+        };
         let rep = config.heads / config.kv_heads;
         let groups = apportion(config.kv_heads, weights);
-        let units = apportion(config.intermediate_size / unit, weights);
-        let (mut g, mut u) = (0, 0);
+        let mut g = 0;
         let shares = (0..ranks)
             .map(|rank| {
                 let kv_heads = g..g + groups[rank];
-                let intermediate = u * unit..(u + units[rank]) * unit;
                 g = kv_heads.end;
-                u += units[rank];
                 RankShare {
                     rank,
                     ranks,
                     heads: kv_heads.start * rep..kv_heads.end * rep,
                     kv_heads,
-                    intermediate,
+                    intermediate: intermediate[rank].clone(),
+                    expert_intermediate: experts[rank].clone(),
+                    shared_intermediate: shared[rank].clone(),
                 }
             })
             .collect();
@@ -113,6 +118,26 @@ impl TensorSplit {
     pub fn shares(&self) -> &[RankShare] {
         &self.shares
     }
+}
+
+/// `width` columns (of `what`) split in proportion to `weights`, in the
+/// widest units [`column_unit`] allows.
+fn columns(width: usize, weights: &[f64], what: &str) -> Result<Vec<Range<usize>>> {
+    let ranks = weights.len();
+    let unit = column_unit(width, ranks).ok_or_else(|| {
+        Error::Tensor(format!(
+            "{what}'s {width} columns cannot be split across {ranks} ranks"
+        ))
+    })?;
+    let mut u = 0;
+    Ok(apportion(width / unit, weights)
+        .into_iter()
+        .map(|n| {
+            let range = u * unit..(u + n) * unit;
+            u += n;
+            range
+        })
+        .collect())
 }
 
 /// The widest unit of MLP columns (256: K-quant blocks; 32: Q8_0 and Q4
@@ -249,6 +274,50 @@ mod tests {
         assert!(e.to_string().contains("positive"), "{e}");
         assert!(parse_weights("2:x").is_err());
         assert_eq!(parse_weights("2:1").unwrap(), [2.0, 1.0]);
+    }
+
+    #[test]
+    fn experts_and_a_shared_expert_are_split_by_their_own_columns() {
+        let mut c = config(8, 4, 1024);
+        c.moe = Some(crate::config::Moe {
+            experts: 8,
+            experts_per_token: 2,
+            expert_intermediate_size: 96,
+            normalize: true,
+            dense_layers: vec![0],
+            shared_expert: Some(64),
+            bias: false,
+        });
+        let split = TensorSplit::weighted(&c, &[2.0, 1.0]).unwrap();
+        let s = split.shares();
+        // 96 = 3 units of 32: two and one; 64 = 2 units: one each.
+        assert_eq!(
+            (
+                s[0].expert_intermediate.clone(),
+                s[1].expert_intermediate.clone()
+            ),
+            (0..64, 64..96)
+        );
+        assert_eq!(
+            (
+                s[0].shared_intermediate.clone(),
+                s[1].shared_intermediate.clone()
+            ),
+            (0..32, 32..64)
+        );
+        // The dense layer keeps the MLP's own split.
+        assert_eq!(s[1].intermediate, 768..1024);
+        // Three ranks: 96 in units of 32, 64 column by column.
+        let three = TensorSplit::even(&c, 3).unwrap();
+        let s = three.shares();
+        assert_eq!(s[1].expert_intermediate, 32..64);
+        assert_eq!(
+            (
+                s[0].shared_intermediate.clone(),
+                s[2].shared_intermediate.end
+            ),
+            (0..22, 64)
+        );
     }
 
     #[test]
