@@ -10,8 +10,9 @@
 //!
 //! With TLS on, the calls only agents make need the caller's node
 //! certificate: `ReadBlob` from any node, `Forward` from the node of the
-//! Shard's previous stage (when the watch store knows it). `Generate`, from
-//! the gateway, needs only the token.
+//! Shard's previous stage (refused, as unavailable, while the watch store
+//! does not know that Shard). `Generate`, from the gateway, needs only the
+//! token.
 //!
 //! A sequence lives as long as its streams: when the client of `Generate`
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
@@ -139,19 +140,33 @@ impl Service {
         }
     }
 
-    /// Refuses a `Forward` into `stage` from any node but its previous
-    /// stage's (when the watch store knows that Shard).
+    /// With TLS on (a `caller` node), refuses a `Forward` into `stage` from
+    /// any node but its previous stage's. It fails closed: a stage without
+    /// a previous one takes no `Forward`, and while the watch store does not
+    /// know the previous Shard (not seen yet, or gone) the call is refused
+    /// as unavailable, so the sender tries again or elsewhere.
     fn check_previous(&self, stage: &ServedStage, caller: Option<&str>) -> Result<(), Status> {
-        let (Some(caller), Some(previous)) = (caller, stage.spec.previous.as_deref()) else {
+        let Some(caller) = caller else {
             return Ok(());
+        };
+        let Some(previous) = stage.spec.previous.as_deref() else {
+            return Err(Status::permission_denied(format!(
+                "shard {}/{} runs the first layers: nothing forwards into it",
+                stage.namespace, stage.name
+            )));
         };
         let key = kube::runtime::reflector::ObjectRef::new(previous).within(&stage.namespace);
         match self.directory.get(&key) {
-            Some(shard) if shard.spec.node != caller => Err(Status::permission_denied(format!(
+            Some(shard) if shard.spec.node == caller => Ok(()),
+            Some(shard) => Err(Status::permission_denied(format!(
                 "node {caller} may not drive shard {}/{}: its previous stage {previous} is on node {}",
                 stage.namespace, stage.name, shard.spec.node
             ))),
-            _ => Ok(()),
+            None => Err(Status::unavailable(format!(
+                "shard {}/{}'s previous stage {previous} is not known on node {} (yet): a \
+                 Forward from node {caller} cannot be checked",
+                stage.namespace, stage.name, self.node
+            ))),
         }
     }
 

@@ -105,3 +105,24 @@ async fn calls_between_agents_need_the_right_node_certificate() {
     // Any node may copy weights: this one is simply not in the cache.
     assert_eq!(read(Some("node-2")).await, Some(Code::NotFound));
 }
+
+#[tokio::test]
+async fn a_forward_whose_sender_cannot_be_checked_is_refused() {
+    let ca = Ca::new();
+    let (stage, me) = middle_stage();
+    // The watch store has not seen the previous stage d-0-0.
+    let (endpoint, _dir) = serve_with(stage, vec![me], Some(ca.tls(Some("node-1")))).await;
+    let tls = ca.tls(Some("node-0"));
+    let mut c = dp::client(
+        dp::channel(&endpoint, Some((&tls, "node-1"))).unwrap(),
+        token(),
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(open()).await.unwrap();
+    let e = match c.forward(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner().message().await.unwrap_err(),
+        Err(e) => e,
+    };
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(e.message().contains("is not known"), "{e}");
+}
