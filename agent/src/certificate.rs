@@ -226,9 +226,10 @@ async fn request(
         .map_err(|e| e.to_string())?;
     let short: String = node.chars().take(40).collect();
     let mut labels = BTreeMap::new();
-    if node.len() <= 63 {
-        labels.insert(shardplane_crds::NODE_LABEL.to_string(), node.to_string());
-    }
+    labels.insert(
+        shardplane_crds::NODE_LABEL.to_string(),
+        shardplane_crds::node_label_value(node),
+    );
     let object = CertificateSigningRequest {
         metadata: ObjectMeta {
             generate_name: Some(format!("shardplane-node-{short}-")),

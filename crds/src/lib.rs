@@ -35,8 +35,27 @@ pub use v1alpha1::*;
 /// The API group of every shardplane kind.
 pub const GROUP: &str = "shardplane.dev";
 
-/// The label on a `Shard` naming the `InferenceNode` it is bound to.
+/// The label on a `Shard` naming the `InferenceNode` it is bound to (its
+/// value is [`node_label_value`] of the node's name).
 pub const NODE_LABEL: &str = "shardplane.dev/node";
+
+/// The value of [`NODE_LABEL`] for node `node`: the name itself when it fits
+/// a label value (63 characters); a longer name (node names may have 253)
+/// keeps its first 46 characters and gets `-` and 16 hex digits of its
+/// SHA-256, so every node still has a label of its own.
+pub fn node_label_value(node: &str) -> String {
+    const MAX: usize = 63;
+    if node.len() <= MAX {
+        return node.to_string();
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(node.as_bytes());
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    // The kept part must end in a letter or digit before the `-`.
+    let kept: String = node.chars().take(MAX - 1 - hash.len()).collect();
+    format!("{}-{hash}", kept.trim_end_matches(['-', '.']))
+}
+
 /// The label on a `Shard` naming the `ModelDeployment` that owns it.
 pub const DEPLOYMENT_LABEL: &str = "shardplane.dev/deployment";
 /// The label on a `Shard` giving the index of the instance it belongs to.
@@ -118,4 +137,30 @@ pub fn crd_files() -> Result<Vec<(String, String)>, serde_saphyr::SerializeError
             Ok((format!("{name}.yaml"), serde_saphyr::to_string(&crd)?))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod node_label_tests {
+    use super::node_label_value;
+
+    #[test]
+    fn long_node_names_get_label_values_of_their_own() {
+        assert_eq!(node_label_value("studio-1"), "studio-1");
+        let exact = "a".repeat(63);
+        assert_eq!(node_label_value(&exact), exact);
+        let long = format!("{}.{}", "a".repeat(45), "b".repeat(100));
+        let other = format!("{}.{}", "a".repeat(45), "c".repeat(100));
+        let (v, w) = (node_label_value(&long), node_label_value(&other));
+        assert_ne!(v, w);
+        for v in [&v, &w] {
+            // 45 a's (the dot trimmed), '-', 16 hex digits.
+            assert_eq!(v.len(), 62, "{v}");
+            assert!(
+                v.starts_with(&"a".repeat(45)) && v[45..].starts_with('-'),
+                "{v}"
+            );
+            assert!(v[46..].chars().all(|c| c.is_ascii_hexdigit()), "{v}");
+        }
+        assert_eq!(node_label_value(&long), v, "the same name, the same value");
+    }
 }

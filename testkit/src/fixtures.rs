@@ -163,7 +163,10 @@ pub fn shard(
     };
     shard.metadata.labels = Some(
         [
-            (NODE_LABEL.to_string(), node.to_string()),
+            (
+                NODE_LABEL.to_string(),
+                shardplane_crds::node_label_value(node),
+            ),
             (DEPLOYMENT_LABEL.to_string(), deployment.to_string()),
             (INSTANCE_LABEL.to_string(), "0".to_string()),
         ]

@@ -16,7 +16,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    AGENT_MANAGER, Engine, NODE_LABEL, Shard, ShardPhase, ShardSpec, ShardStatus,
+    AGENT_MANAGER, Engine, NODE_LABEL, Shard, ShardPhase, ShardSpec, ShardStatus, node_label_value,
 };
 use shardplane_engine::pipeline::{EngineKind, TextModel, load_model_stage};
 use shardplane_engine::{LoadOptions, StageLayout};
@@ -232,7 +232,8 @@ pub async fn run(
     sources: Sources,
 ) {
     let api: Api<Shard> = Api::all(client.clone());
-    let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
+    let config =
+        watcher::Config::default().labels(&format!("{NODE_LABEL}={}", node_label_value(&node)));
     let mut seen_during_init: HashSet<Key> = HashSet::new();
     // The cache key each of this node's Shards wants: partial downloads of
     // any other model are swept once the Shards are known and when one goes.

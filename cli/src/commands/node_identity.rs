@@ -22,7 +22,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use shardplane_crds::identity::node_service_account;
-use shardplane_crds::{FIELD_MANAGER, NODE_LABEL};
+use shardplane_crds::{FIELD_MANAGER, NODE_LABEL, node_label_value};
 
 /// The RBAC of node agents that `up` applies (the Helm chart holds the same
 /// rules; its test checks they agree): `NAMESPACE` and `ACCOUNT` are
@@ -32,7 +32,7 @@ const AGENT_RBAC: &str = include_str!("agent_rbac.yaml");
 fn labels(node: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         ("app.kubernetes.io/managed-by".into(), "shardplane".into()),
-        (NODE_LABEL.into(), node.into()),
+        (NODE_LABEL.into(), node_label_value(node)),
     ])
 }
 

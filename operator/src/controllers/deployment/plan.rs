@@ -225,7 +225,7 @@ fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) ->
             .collect();
         for (i, s) in inst.stages.iter().enumerate() {
             let labels = BTreeMap::from([
-                (NODE_LABEL.to_string(), s.node.clone()),
+                (NODE_LABEL.to_string(), node_label_value(&s.node)),
                 (DEPLOYMENT_LABEL.to_string(), name.clone()),
                 (INSTANCE_LABEL.to_string(), inst.index.to_string()),
                 (TIER_LABEL.to_string(), v.pool.spec.tier.to_string()),
