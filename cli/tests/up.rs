@@ -412,6 +412,21 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
             "no {series} in the operator's metrics"
         );
     }
+    // The webhook's answer times are measured (their mean, for the record).
+    let total = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let count = total("shardplane_operator_admission_review_duration_seconds_count");
+    let sum = total("shardplane_operator_admission_review_duration_seconds_sum");
+    assert!(count >= 5.0, "{count} reviews timed");
+    eprintln!(
+        "admission webhook: {count} reviews, {:.2} ms each on average",
+        1000.0 * sum / count
+    );
     // Three agents' certificates issued, node-0's claim on node-1 denied.
     for outcome in ["issued", "denied"] {
         let series =

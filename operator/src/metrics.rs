@@ -23,6 +23,8 @@ pub struct Metrics {
     pub leader: prometheus::IntGauge,
     /// Admission reviews answered, by kind reviewed and outcome.
     pub admission_reviews: IntCounterVec,
+    /// Time the webhook takes to answer a review, by kind reviewed.
+    pub admission_review_duration: HistogramVec,
     /// Data-plane certificate requests answered, by outcome.
     pub certificates: IntCounterVec,
 }
@@ -83,6 +85,15 @@ impl Metrics {
             &["kind", "outcome"],
         )
         .expect("valid metric");
+        let admission_review_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "shardplane_operator_admission_review_duration_seconds",
+                "Time the admission webhook takes to answer a review, from its body read to its answer (a served name's check reads the API server), by what was reviewed.",
+            )
+            .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0]),
+            &["kind"],
+        )
+        .expect("valid metric");
         let certificates = IntCounterVec::new(
             Opts::new(
                 "shardplane_operator_data_plane_certificates_total",
@@ -101,6 +112,7 @@ impl Metrics {
                 Box::new(instances.clone()),
                 Box::new(leader.clone()),
                 Box::new(admission_reviews.clone()),
+                Box::new(admission_review_duration.clone()),
                 Box::new(certificates.clone()),
             ],
         );
@@ -114,6 +126,7 @@ impl Metrics {
             instances,
             leader,
             admission_reviews,
+            admission_review_duration,
             certificates,
         }
     }

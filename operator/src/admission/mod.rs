@@ -356,6 +356,7 @@ async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, state: Sha
 }
 
 async fn validate(State((client, metrics)): State<Shared>, body: Bytes) -> Response {
+    let started = std::time::Instant::now();
     let review: AdmissionReview<DynamicObject> = match serde_json::from_slice(&body) {
         Ok(review) => review,
         Err(e) => {
@@ -397,6 +398,10 @@ async fn validate(State((client, metrics)): State<Shared>, body: Bytes) -> Respo
         .with_label_values(&[resource, decision])
         .inc();
     let response = review::respond(&request, outcome);
+    metrics
+        .admission_review_duration
+        .with_label_values(&[resource])
+        .observe(started.elapsed().as_secs_f64());
     if !response.allowed {
         tracing::info!(
             user = request.user_info.username.as_deref().unwrap_or_default(),
