@@ -41,8 +41,9 @@ pub const NODE_LABEL: &str = "shardplane.dev/node";
 
 /// The value of [`NODE_LABEL`] for node `node`: the name itself when it fits
 /// a label value (63 characters); a longer name (node names may have 253)
-/// keeps its first 46 characters and gets `-` and 16 hex digits of its
-/// SHA-256, so every node still has a label of its own.
+/// keeps its first 46 characters (less any `-` or `.` they end with) and
+/// gets `-` and 16 hex digits of its SHA-256, so every node still has a
+/// label of its own.
 pub fn node_label_value(node: &str) -> String {
     const MAX: usize = 63;
     if node.len() <= MAX {

@@ -1,7 +1,7 @@
 //! An answer's text told apart as it streams: reasoning, the answer, and
 //! tool calls, each read in the model's own format. Head stages give the
-//! three apart to the gateway; the CLI and the tests read answers the same
-//! way.
+//! three apart to the gateway; `generate --chat` reads a harmony model's
+//! answers with it too.
 //!
 //! ```text
 //!  plain:   text ─► ThinkSplitter (<think>…</think>) ─► CallDetector (the template's call syntax) ─► Split
@@ -57,19 +57,23 @@ impl AnswerReader {
     /// prompt is a chat (only then are reasoning and calls told apart),
     /// `tools` when the chat offered tools.
     pub fn new(text: &TextModel, prompt: &[u32], chat: bool, tools: bool) -> Self {
+        // The prompt's last tokens, special ones spelled out.
+        let tail = |n: usize| {
+            text.tokenizer
+                .decode(&prompt[prompt.len().saturating_sub(n)..], false)
+                .unwrap_or_default()
+        };
         if chat && text.harmony() {
+            // A generation prompt leaves the model at the answer's first
+            // header; a prompt that began the answer itself, inside it.
+            let at_header = tail(16).ends_with(harmony::ASSISTANT_TURN);
             return AnswerReader {
-                inner: Inner::Harmony(HarmonyReader::new(tools)),
+                inner: Inner::Harmony(HarmonyReader::after(tools, at_header)),
                 opened: false,
             };
         }
         // R1-style templates end the generation prompt with `<think>`.
-        let opened = chat && {
-            let tail = &prompt[prompt.len().saturating_sub(4)..];
-            text.tokenizer
-                .decode(tail, false)
-                .is_ok_and(|t| prompt_opens_reasoning(&t))
-        };
+        let opened = chat && prompt_opens_reasoning(&tail(4));
         AnswerReader {
             inner: Inner::Plain {
                 thoughts: chat.then(|| ThinkSplitter::new(opened)),

@@ -120,12 +120,35 @@ impl GgufFile {
         name: &str,
         device: &Device,
     ) -> Result<QTensor> {
+        self.read(reader, name, device, GgmlDType::F32)
+    }
+
+    /// Like [`GgufFile::read_tensor`], with MXFP4 blocks re-quantized to
+    /// Q8_0 a chunk at a time (never the whole tensor in f32).
+    pub(crate) fn read_tensor_q8_0(
+        &self,
+        reader: &mut BufReader<File>,
+        name: &str,
+        device: &Device,
+    ) -> Result<QTensor> {
+        self.read(reader, name, device, GgmlDType::Q8_0)
+    }
+
+    /// Reads one tensor; MXFP4 blocks come back as `mxfp4_as` (F32: their
+    /// exact values; Q8_0).
+    fn read(
+        &self,
+        reader: &mut BufReader<File>,
+        name: &str,
+        device: &Device,
+        mxfp4_as: GgmlDType,
+    ) -> Result<QTensor> {
         let info = self.header.tensor(name)?;
         let mxfp4 = info.dtype == GgmlType::MXFP4;
         let dtype = match candle_type(info.dtype) {
             Some(t) => t,
-            // candle has no MXFP4: its values are read out exactly, as f32.
-            None if mxfp4 => GgmlDType::F32,
+            // candle has no MXFP4.
+            None if mxfp4 => mxfp4_as,
             None => {
                 return Err(Error::UnsupportedTensorType {
                     tensor: name.to_string(),
@@ -147,10 +170,12 @@ impl GgufFile {
         // candle wants the outermost dimension first; GGUF lists it last.
         let dims: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
         if mxfp4 {
-            let values = crate::mxfp4::decode_gguf(&raw).map_err(|e| corrupt(e.to_string()))?;
-            let t = candle_core::Tensor::from_vec(values, dims, device)
-                .map_err(|e| corrupt(e.to_string()))?;
-            return Ok(QTensor::quantize(&t, GgmlDType::F32)?);
+            raw = match dtype {
+                GgmlDType::Q8_0 => mxfp4_to_q8_0(&raw),
+                _ => crate::mxfp4::decode_gguf(&raw)
+                    .map(|v| v.into_iter().flat_map(f32::to_le_bytes).collect()),
+            }
+            .map_err(|e| corrupt(e.to_string()))?;
         }
         candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &raw, dims, device)
             .map_err(|e| corrupt(e.to_string()))
@@ -164,6 +189,20 @@ impl GgufFile {
         })?;
         Ok(BufReader::new(file))
     }
+}
+
+/// GGUF MXFP4 blocks as Q8_0 blocks (each 32 values one block of each),
+/// decoded a chunk at a time.
+fn mxfp4_to_q8_0(raw: &[u8]) -> Result<Vec<u8>> {
+    const CHUNK_BLOCKS: usize = 1 << 15;
+    let mut out = Vec::with_capacity(raw.len() / crate::mxfp4::BLOCK_BYTES * 34);
+    for chunk in raw.chunks(CHUNK_BLOCKS * crate::mxfp4::BLOCK_BYTES) {
+        let values = crate::mxfp4::decode_gguf(chunk)?;
+        let n = values.len();
+        let t = candle_core::Tensor::from_vec(values, n, &Device::Cpu)?;
+        out.extend_from_slice(&QTensor::quantize(&t, GgmlDType::Q8_0)?.data()?);
+    }
+    Ok(out)
 }
 
 /// candle's name for a tensor type it computes with.

@@ -54,7 +54,7 @@ const MAX_HEADER: usize = 256;
 pub const CLOSE_REASONING: &str = "<|end|><|start|>assistant<|channel|>final<|message|>";
 
 /// What a generation prompt ends with: the answer's first header follows.
-const ASSISTANT_TURN: &str = "<|start|>assistant";
+pub const ASSISTANT_TURN: &str = "<|start|>assistant";
 
 /// An empty reasoning message and the next turn: a prompt that ends so
 /// leaves the model at its final message (reasoning off).
@@ -114,6 +114,11 @@ pub struct HarmonyReader {
     /// Whether calls are read as calls (tools were offered); otherwise a
     /// message to a recipient is given as reasoning.
     tools: bool,
+    /// Whether the current message has given no text yet.
+    fresh: bool,
+    /// Whether reasoning, and answer text, were given by an earlier message
+    /// (a new message's text is set apart from it by a blank line).
+    given: [bool; 2],
     calls: usize,
 }
 
@@ -148,8 +153,20 @@ impl HarmonyReader {
     /// `<|start|>assistant`, so the first header follows); `tools` when the
     /// request offered tools.
     pub fn new(tools: bool) -> Self {
+        Self::after(tools, true)
+    }
+
+    /// A reader at an answer's start: at a header when the prompt ended
+    /// with `<|start|>assistant` (`at_header`), else inside a final message
+    /// (the prompt began the answer itself).
+    pub fn after(tools: bool, at_header: bool) -> Self {
         HarmonyReader {
-            state: State::Header,
+            state: match at_header {
+                true => State::Header,
+                false => State::Body(Kind::Answer),
+            },
+            fresh: false,
+            given: [false; 2],
             pending: String::new(),
             arguments: String::new(),
             tools,
@@ -182,12 +199,20 @@ impl HarmonyReader {
 
     /// Gives `text` of the current message to where it goes.
     fn give(&mut self, text: &str, out: &mut Read) {
-        match &self.state {
-            State::Body(Kind::Reasoning) => out.reasoning.push_str(text),
-            State::Body(Kind::Answer) => out.text.push_str(text),
-            State::Body(Kind::Call(_)) => self.arguments.push_str(text),
-            State::Header => {}
+        let (slot, sink) = match &self.state {
+            State::Body(Kind::Reasoning) => (0, &mut out.reasoning),
+            State::Body(Kind::Answer) => (1, &mut out.text),
+            State::Body(Kind::Call(_)) => return self.arguments.push_str(text),
+            State::Header => return,
+        };
+        if text.is_empty() {
+            return;
         }
+        if std::mem::take(&mut self.fresh) && self.given[slot] {
+            sink.push_str("\n\n");
+        }
+        self.given[slot] = true;
+        sink.push_str(text);
     }
 
     /// Ends the current message; a call's arguments must be JSON.
@@ -222,6 +247,7 @@ impl HarmonyReader {
                         let kind = self.kind(&self.pending[..at]);
                         self.pending.drain(..at + MESSAGE.len());
                         self.state = State::Body(kind);
+                        self.fresh = true;
                     } else if self.pending.len() > MAX_HEADER {
                         // Not markup: the model left the format.
                         self.state = State::Body(Kind::Answer);
@@ -252,16 +278,31 @@ impl HarmonyReader {
     }
 
     /// Ends the answer. `stopped`: it ended on a stop token (`<|call|>` and
-    /// `<|return|>` end their message) rather than at the token limit.
-    /// Returns what was still held, and whether a call was left unfinished
-    /// (cut by the limit; it is dropped, never given as text).
+    /// `<|return|>` end their message) or a stop string, rather than at the
+    /// token limit. Returns what was still held, and whether a call was left
+    /// unfinished (cut by the limit, or by a stop string inside its
+    /// arguments; it is dropped, never given as text).
     pub fn finish(mut self, stopped: bool) -> Result<(Read, bool)> {
         let mut out = Read::default();
         let rest = std::mem::take(&mut self.pending);
         match &self.state {
-            // A header cut short is markup, not text.
+            // Held text with no markup in it is text the model wrote without
+            // a header; a header cut short is markup, not text.
+            State::Header if !rest.contains("<|") => {
+                self.state = State::Body(Kind::Answer);
+                self.give(&rest, &mut out);
+                Ok((out, false))
+            }
             State::Header => Ok((out, false)),
             State::Body(Kind::Call(_)) if !stopped => Ok((out, true)),
+            State::Body(Kind::Call(_)) => {
+                self.give(&rest, &mut out);
+                match self.end_message(&mut out) {
+                    Ok(()) => Ok((out, false)),
+                    // A stop string inside the arguments cut the call.
+                    Err(_) => Ok((out, true)),
+                }
+            }
             State::Body(_) => {
                 self.give(&rest, &mut out);
                 self.end_message(&mut out)?;
@@ -271,12 +312,16 @@ impl HarmonyReader {
     }
 }
 
-/// The grammar of a harmony answer: any reasoning (and, with tools,
-/// preambles) first,
+/// The grammar of a harmony answer: any reasoning (unless `reasoning` is
+/// off) and, with tools, preambles first,
 /// then, with tools, one call (required) or a call or a final message
 /// (auto); without tools, a final message that follows `answer`. One call
 /// per answer: `<|call|>` ends it.
-pub fn grammar(tools: Option<&ToolSet>, answer: Option<&Grammar>) -> Result<Grammar> {
+pub fn grammar(
+    tools: Option<&ToolSet>,
+    answer: Option<&Grammar>,
+    reasoning: bool,
+) -> Result<Grammar> {
     let final_text = match answer {
         None => "/[\\s\\S]*/".to_string(),
         Some(Grammar::JsonObject) => {
@@ -294,15 +339,24 @@ pub fn grammar(tools: Option<&ToolSet>, answer: Option<&Grammar>) -> Result<Gram
             ));
         }
     };
-    // Preambles (commentary to no one) come before calls only: the final
-    // message alone is the answer a grammar shapes.
-    let aside = match tools {
-        Some(_) => "aside: <|channel|> (\"analysis\" | \"commentary\") <|message|> TEXT\n",
-        None => "aside: <|channel|> \"analysis\" <|message|> TEXT\n",
+    // Reasoning (when it is on), and preambles (commentary to no one)
+    // before calls only: the final message alone is the answer a grammar
+    // shapes.
+    let channels: Vec<&str> = [
+        (reasoning, "\"analysis\""),
+        (tools.is_some(), "\"commentary\""),
+    ]
+    .into_iter()
+    .filter_map(|(on, channel)| on.then_some(channel))
+    .collect();
+    let mut lark = match channels.is_empty() {
+        true => "start: ending\n".to_string(),
+        false => format!(
+            "start: (aside <|end|> <|start|> \"assistant\")* ending\n\
+             aside: <|channel|> ({}) <|message|> TEXT\nTEXT: /[\\s\\S]*/\n",
+            channels.join(" | ")
+        ),
     };
-    let mut lark = format!(
-        "start: (aside <|end|> <|start|> \"assistant\")* ending\n{aside}TEXT: /[\\s\\S]*/\n"
-    );
     let final_rule = format!("final: <|channel|> \"final\" <|message|> {final_text}\n");
     match tools {
         None => {
@@ -400,6 +454,36 @@ mod tests {
             false,
         );
         assert_eq!((got.calls[0].name.as_str(), got.text.as_str()), ("f", ""));
+    }
+
+    #[test]
+    fn messages_of_one_kind_are_set_apart_and_headerless_text_is_kept() {
+        let (got, _) = read(
+            true,
+            &[
+                "<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis",
+                "<|message|>Two.<|end|><|start|>assistant<|channel|>commentary<|message|>Hm.",
+                "<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+            ],
+            true,
+        );
+        assert_eq!(
+            (got.reasoning.as_str(), got.text.as_str()),
+            ("One.\n\nTwo.", "Hm.\n\nDone.")
+        );
+        // A prompt that began the answer itself: the text is the answer.
+        let mut r = HarmonyReader::after(false, false);
+        assert_eq!(r.push("Paris.").unwrap().text, "Paris.");
+        // Text the model wrote without a header is not lost at the end.
+        let (got, _) = read(false, &["Paris."], true);
+        assert_eq!(got.text, "Paris.");
+        // A stop string inside a call's arguments cuts it.
+        let (got, cut) = read(
+            true,
+            &["<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1"],
+            true,
+        );
+        assert!(got.calls.is_empty() && cut);
     }
 
     #[test]
@@ -504,22 +588,37 @@ mod tests {
             choice,
             parallel: true,
         };
-        let Grammar::Lark(auto) = grammar(Some(&set(ToolChoice::Auto)), None).unwrap() else {
+        let Grammar::Lark(auto) = grammar(Some(&set(ToolChoice::Auto)), None, true).unwrap() else {
             panic!()
         };
         assert!(auto.contains("ending: final | call0 | call1"), "{auto}");
         assert!(auto.contains("\"commentary to=functions.b \""), "{auto}");
         let Grammar::Lark(named) =
-            grammar(Some(&set(ToolChoice::Function("b".into()))), None).unwrap()
+            grammar(Some(&set(ToolChoice::Function("b".into()))), None, true).unwrap()
         else {
             panic!()
         };
         assert!(named.contains("ending: call0\n") && !named.contains("functions.a"));
-        let Grammar::Lark(json) = grammar(None, Some(&Grammar::JsonObject)).unwrap() else {
+        let Grammar::Lark(json) = grammar(None, Some(&Grammar::JsonObject), true).unwrap() else {
             panic!()
         };
         assert!(json.contains("<|message|> %json"), "{json}");
-        let e = grammar(None, Some(&Grammar::Regex("a+".into()))).unwrap_err();
+        let e = grammar(None, Some(&Grammar::Regex("a+".into())), true).unwrap_err();
         assert!(e.to_string().contains("harmony"), "{e}");
+        // Reasoning off: no analysis; without tools, nothing before the end.
+        let Grammar::Lark(off) = grammar(Some(&set(ToolChoice::Auto)), None, false).unwrap() else {
+            panic!()
+        };
+        assert!(
+            off.contains("(\"commentary\")") && !off.contains("analysis"),
+            "{off}"
+        );
+        let Grammar::Lark(off) = grammar(None, None, false).unwrap() else {
+            panic!()
+        };
+        assert!(
+            off.starts_with("start: ending\n") && !off.contains("aside"),
+            "{off}"
+        );
     }
 }

@@ -7,6 +7,9 @@
 //!  byte 0: e (the scale)   bytes 1..17: qs[j], low nibble = value j, high nibble = value j + 16
 //!  value = E2M1[code] · 2^(e − 127)     (ggml writes it as a doubled table times 2^(e − 128))
 //! ```
+//!
+//! A scale of 255 is not a number here (as OCP's MX format defines it);
+//! ggml reads it as 2^127. No trained weight uses it.
 
 use crate::error::{Error, Result};
 

@@ -62,7 +62,8 @@ fn template_source(value: &Value) -> Option<&str> {
 
 impl TextModel {
     /// A model's text side; a template in the harmony format makes its
-    /// answers keep their markup and end on `<|return|>` and `<|call|>`.
+    /// answers keep their markup and end on `<|return|>` and `<|call|>`
+    /// (never on `<|end|>`).
     fn new(mut tokenizer: Tokenizer, template: ChatTemplate) -> Self {
         let harmony = harmony::speaks(template.source());
         tokenizer.set_keeps_markup(harmony);
@@ -72,6 +73,11 @@ impl TextModel {
                 .filter_map(|t| tokenizer.token_id(t))
                 .collect();
             tokenizer.add_stop_tokens(&stops);
+            // `<|end|>` ends a message, not the answer (GGUF files may name
+            // it as their end-of-turn token).
+            if let Some(end) = tokenizer.token_id(harmony::END) {
+                tokenizer.remove_stop_tokens(&[end]);
+            }
         }
         TextModel {
             tokenizer,
@@ -98,20 +104,25 @@ impl TextModel {
         grammars.compile(grammar)
     }
 
-    /// The grammar a chat's answer follows: the request's own (`answer`),
-    /// or its tools' calls in the model's syntax, or none. The two cannot
-    /// go together. A harmony model keeps its format around either.
+    /// The grammar an answer follows: the request's own (`answer`), or its
+    /// tools' calls in the model's syntax, or none. The two cannot go
+    /// together. A chat (`chat`: its options) with a harmony model keeps
+    /// the format around either, without reasoning when it is off.
     pub fn answer_grammar(
         &self,
         answer: Option<Grammar>,
         tools: Option<&ToolSet>,
+        chat: Option<&ChatOptions>,
     ) -> Result<Option<Grammar>> {
         match (answer, tools) {
             (Some(_), Some(_)) => Err(Error::InvalidInput(
                 "an output grammar cannot go with tools: the answer's grammar is the tools'".into(),
             )),
             (None, None) => Ok(None),
-            (answer, tools) if self.harmony() => harmony::grammar(tools, answer.as_ref()).map(Some),
+            (answer, tools) if self.harmony() && chat.is_some() => {
+                let reasoning = chat.and_then(ChatOptions::thinking) != Some(false);
+                harmony::grammar(tools, answer.as_ref(), reasoning).map(Some)
+            }
             (answer, None) => Ok(answer),
             (None, Some(tools)) => Ok(Some(tools.grammar(CallSyntax::of(&self.template)))),
         }

@@ -341,6 +341,11 @@ impl Tokenizer {
         self.stop_tokens.dedup();
     }
 
+    /// Takes tokens out of those that end a generation.
+    pub fn remove_stop_tokens(&mut self, ids: &[u32]) {
+        self.stop_tokens.retain(|t| !ids.contains(t));
+    }
+
     /// The tokenizer as a `tokenizer.json` document (the format safetensors
     /// models ship and [`Tokenizer::from_file`] reads).
     pub fn to_json(&self) -> Result<String> {

@@ -613,7 +613,10 @@ fn gpt_oss_calls_tools_and_answers_json_in_the_harmony_format() {
         let prompt = text
             .conversation_prompt(&messages, tools, &options)
             .unwrap();
-        let grammar = text.answer_grammar(answer, tools).unwrap().unwrap();
+        let grammar = text
+            .answer_grammar(answer, tools, Some(&options))
+            .unwrap()
+            .unwrap();
         let params = SamplingParams {
             temperature: 1.0,
             seed: Some(seed),
@@ -647,6 +650,13 @@ fn gpt_oss_calls_tools_and_answers_json_in_the_harmony_format() {
             !split.text.contains("<|") && !split.reasoning.contains("<|"),
             "{what}"
         );
+        if thinking == Some(false) {
+            // The grammar holds it to its answer: no analysis at all.
+            assert!(
+                !g.text.contains("analysis") && split.reasoning.is_empty(),
+                "{what}"
+            );
+        }
     }
     // Reasoning off: the prompt holds an empty analysis message.
     let off = ChatOptions::new(Default::default(), Some(false)).unwrap();

@@ -58,11 +58,13 @@ impl Service {
         if tools.is_some() && !matches!(req.input, Some(Input::Chat(_))) {
             return Err(Status::invalid_argument("tools go with a chat"));
         }
+        // A chat's options also shape its answer's grammar.
+        let mut chat = None;
         let prompt = match &req.input {
             Some(Input::Chat(c)) => {
                 let messages: Vec<_> = c.messages.iter().map(wire::chat_message).collect();
-                let options = wire::chat_options(c)?;
-                text.conversation_prompt(&messages, tools.as_ref(), &options)
+                let options = chat.insert(wire::chat_options(c)?);
+                text.conversation_prompt(&messages, tools.as_ref(), options)
                     .map_err(engine_status)?
             }
             Some(Input::Prompt(p)) => text.raw_prompt(p).map_err(engine_status)?,
@@ -79,7 +81,11 @@ impl Service {
         )
         .map_err(engine_status)?;
         let grammar = text
-            .answer_grammar(wire::grammar(req.grammar.as_ref())?, tools.as_ref())
+            .answer_grammar(
+                wire::grammar(req.grammar.as_ref())?,
+                tools.as_ref(),
+                chat.as_ref(),
+            )
             .map_err(engine_status)?;
         if let Some(grammar) = grammar {
             // Compiling (and, the first time, reading the vocabulary) is

@@ -4,7 +4,7 @@ use std::io::Write;
 
 use clap::Args;
 use shardplane_engine::answer::{AnswerReader, Split};
-use shardplane_engine::chat::ChatMessage;
+use shardplane_engine::chat::{ChatMessage, ChatOptions};
 use shardplane_engine::constraint::Grammar;
 use shardplane_engine::generation::ValidRequest;
 use shardplane_engine::pipeline::{FinishReason, generate_request};
@@ -134,7 +134,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // the answer to stdout.
     let harmony = args.chat && text.harmony();
     let grammar = match args.grammar()? {
-        Some(g) if harmony => text.answer_grammar(Some(g), None)?,
+        Some(g) if harmony => text.answer_grammar(Some(g), None, Some(&ChatOptions::default()))?,
         g => g,
     };
     if let Some(grammar) = grammar {

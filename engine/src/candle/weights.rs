@@ -66,14 +66,13 @@ impl TensorLoader<'_> {
                 safetensors_matrix(dir, name, &self.device, self.dequantize)?
             }
             Source::Gguf { file, reader } => {
-                let t = file.read_tensor(reader, name, &self.device)?;
                 if file.tensor_type(name) == Some(GgmlType::MXFP4) && !self.dequantize {
-                    // Read out as f32; Q8_0 keeps them close in a fast type
-                    // (twice MXFP4's bytes).
-                    let t = QTensor::quantize(&t.dequantize(&self.device)?, GgmlDType::Q8_0)?;
+                    // Q8_0 keeps them close in a fast type (twice MXFP4's bytes).
+                    let t = file.read_tensor_q8_0(reader, name, &self.device)?;
                     self.bytes += t.storage_size_in_bytes();
                     return Ok(t);
                 }
+                let t = file.read_tensor(reader, name, &self.device)?;
                 match t.dtype() {
                     GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if self.requantize => {
                         // candle has no SIMD dot product for these types; Q8_0 has one.

@@ -203,7 +203,6 @@ impl Yarn {
     }
 }
 
-/// Reads gpt-oss's `config.json` keys into `config`.
 /// Reads what gpt-oss's GGUF metadata says beyond the common numbers
 /// (`key` makes the architecture's keys): the sliding window, with sliding
 /// and global layers in turn from the first (as llama.cpp fixes them), and
@@ -234,6 +233,7 @@ pub(super) fn from_gguf(
     Ok(())
 }
 
+/// Reads gpt-oss's `config.json` keys into `config`.
 pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result<()> {
     // Defaults as mlx-lm's gpt-oss arguments have them.
     config.rope_theta = hf_float(v, "rope_theta", 150_000.0)? as f32;

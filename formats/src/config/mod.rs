@@ -485,10 +485,14 @@ impl ModelConfig {
         if !matches!(
             self.architecture,
             Architecture::Gemma3 | Architecture::GptOss
-        ) && self.rope_scale != 1.0
-        {
-            json["rope_scaling"] =
-                serde_json::json!({"rope_type": "linear", "factor": self.rope_scale});
+        ) {
+            if self.rope_scale != 1.0 {
+                json["rope_scaling"] =
+                    serde_json::json!({"rope_type": "linear", "factor": self.rope_scale});
+            }
+            if let Some(yarn) = self.yarn {
+                json["rope_scaling"] = yarn.to_hf_json();
+            }
         }
         if self.architecture == Architecture::GptOss
             && let Some(json) = json.as_object_mut()

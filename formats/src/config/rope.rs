@@ -216,6 +216,11 @@ mod tests {
         .unwrap();
         let yarn = c.yarn.unwrap();
         assert_eq!((yarn.original_context, yarn.truncate), (256, true));
+        let back = ModelConfig::from_hf_json(&c.to_hf_json(false)).unwrap();
+        assert_eq!(
+            (back.yarn, back.attention_scale),
+            (c.yarn, c.attention_scale)
+        );
         let f = 0.1 * 4f32.ln() + 1.0;
         assert!(
             (c.attention_scale - f * f / 4.0).abs() < 1e-6,
