@@ -52,6 +52,7 @@ impl Echo {
             yarn: None,
             rope_factors: None,
             moe: None,
+            latent: None,
         };
         let layout = if last {
             StageLayout::new(1..2, 2).unwrap()

@@ -37,9 +37,7 @@ fn shardplane(args: &[&str]) -> Process {
 
 /// The download cache of the agent of `node` (under the tests' scratch directory).
 fn cache_dir(node: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("agent-cache")
-        .join(node)
+    shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), node)
 }
 
 /// Starts an agent for `node`; returns it and its admin address.

@@ -27,9 +27,7 @@ fn agent(node: &str) -> Process {
 }
 
 fn cache_of(node: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("agent-cache")
-        .join(node)
+    shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), node)
 }
 
 fn agent_with_admin(node: &str, admin: &str) -> Process {

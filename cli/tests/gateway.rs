@@ -24,9 +24,7 @@ fn shardplane(args: &[&str]) -> Process {
 }
 
 fn agent(node: &str, admin: &str) -> Process {
-    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("agent-cache")
-        .join(node);
+    let cache = shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), node);
     shardplane(&[
         "agent",
         "--node-name",

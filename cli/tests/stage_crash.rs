@@ -49,9 +49,7 @@ async fn generate(endpoint: &str, ns: &str, shard: &str) -> Result<String, dp::t
 async fn a_stage_whose_thread_panics_fails_its_shard_answers_unavailable_and_comes_back() {
     let client = control_plane().client().await.unwrap();
     let node = unique_name("crash");
-    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("agent-cache")
-        .join(&node);
+    let cache = shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), &node);
     let admin = free_address().to_string();
     let _agent = shardplane_testkit::spawn_component_with(
         env!("CARGO_BIN_EXE_shardplane"),

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use shardplane_formats::config::{
-    Activation, Architecture, LayerAttention, ModelConfig, Moe, SlidingWindow,
+    Activation, Architecture, LatentAttention, LayerAttention, ModelConfig, Moe, Routing,
+    SlidingWindow,
 };
 
 /// Reads the configuration of a safetensors model directory (the

@@ -68,10 +68,32 @@ pub enum Part {
     /// One learned logit per attention head that joins every softmax
     /// (gpt-oss); Hugging Face names it without a `.weight` suffix.
     Sinks,
+    /// Latent attention (DeepSeek V3): the query's down projection.
+    QA,
+    /// Its norm.
+    QANorm,
+    /// The query's up projection to every head (`[nope │ rope]` each).
+    QB,
+    /// hidden → `[latent │ k_rope]`.
+    KvA,
+    /// The latent's norm.
+    KvANorm,
+    /// latent → every head's `[k_nope │ v]` (older checkpoints; split into
+    /// the two below when loaded).
+    KvB,
+    /// Per head, `[latent, nope]`: a query's non-rotated part into latent
+    /// space (mlx-lm's `embed_q`, llama.cpp's `attn_k_b`).
+    EmbedQ,
+    /// Per head, `[value, latent]`: the attended latent out to the head's
+    /// value (mlx-lm's `unembed_out`, llama.cpp's `attn_v_b`).
+    UnembedOut,
+    /// A bias per expert added to its score for the choice only (DeepSeek
+    /// V3's `e_score_correction_bias`).
+    ExpertBias,
 }
 
 /// Every part of a layer, in file order.
-pub const PARTS: [Part; 22] = [
+pub const PARTS: [Part; 31] = [
     Part::AttnNorm,
     Part::Q,
     Part::K,
@@ -94,6 +116,15 @@ pub const PARTS: [Part; 22] = [
     Part::SharedUp,
     Part::SharedDown,
     Part::Sinks,
+    Part::QA,
+    Part::QANorm,
+    Part::QB,
+    Part::KvA,
+    Part::KvANorm,
+    Part::KvB,
+    Part::EmbedQ,
+    Part::UnembedOut,
+    Part::ExpertBias,
 ];
 
 impl Part {
@@ -121,6 +152,15 @@ impl Part {
             Part::SharedUp => "ffn_up_shexp",
             Part::SharedDown => "ffn_down_shexp",
             Part::Sinks => "attn_sinks",
+            Part::QA => "attn_q_a",
+            Part::QANorm => "attn_q_a_norm",
+            Part::QB => "attn_q_b",
+            Part::KvA => "attn_kv_a_mqa",
+            Part::KvANorm => "attn_kv_a_norm",
+            Part::KvB => "attn_kv_b",
+            Part::EmbedQ => "attn_k_b",
+            Part::UnembedOut => "attn_v_b",
+            Part::ExpertBias => "exp_probs_b",
         }
     }
 
@@ -129,7 +169,20 @@ impl Part {
         // MLX-community checkpoints hold the experts stacked (`switch_mlp`).
         let mixtral = arch == Architecture::Mixtral;
         let gpt_oss = arch == Architecture::GptOss;
+        let deepseek = arch == Architecture::DeepSeekV3;
         match self {
+            Part::QA => "self_attn.q_a_proj",
+            Part::QANorm => "self_attn.q_a_layernorm",
+            Part::QB => "self_attn.q_b_proj",
+            Part::KvA => "self_attn.kv_a_proj_with_mqa",
+            Part::KvANorm => "self_attn.kv_a_layernorm",
+            Part::KvB => "self_attn.kv_b_proj",
+            Part::EmbedQ => "self_attn.embed_q",
+            Part::UnembedOut => "self_attn.unembed_out",
+            Part::ExpertBias => "mlp.gate",
+            Part::SharedGate if deepseek => "mlp.shared_experts.gate_proj",
+            Part::SharedUp if deepseek => "mlp.shared_experts.up_proj",
+            Part::SharedDown if deepseek => "mlp.shared_experts.down_proj",
             Part::Router if gpt_oss => "mlp.router",
             Part::ExpertGate if gpt_oss => "mlp.experts.gate_proj",
             Part::ExpertUp if gpt_oss => "mlp.experts.up_proj",
@@ -188,6 +241,8 @@ impl Weight {
                         | Part::FfnNorm
                         | Part::PostAttnNorm
                         | Part::PostFfnNorm
+                        | Part::QANorm
+                        | Part::KvANorm
                 )
         )
     }
@@ -215,11 +270,15 @@ impl Weight {
 
     /// The name of the weight's tensor `suffix` (`weight`, `bias`, `scales`,
     /// `biases`) in `layout`: the prefix and the suffix, except for gpt-oss's
-    /// sinks, which Hugging Face names by the prefix alone.
+    /// sinks, which Hugging Face names by the prefix alone, and DeepSeek's
+    /// expert bias, which it keeps beside the router's weight.
     pub fn tensor(self, layout: Layout, arch: Architecture, suffix: &str) -> String {
         let prefix = self.prefix(layout, arch);
         match (layout, self) {
             (Layout::Mlx, Weight::Layer(_, Part::Sinks)) if suffix == "weight" => prefix,
+            (Layout::Mlx, Weight::Layer(_, Part::ExpertBias)) if suffix == "bias" => {
+                format!("{prefix}.e_score_correction_bias")
+            }
             _ => format!("{prefix}.{suffix}"),
         }
     }
@@ -296,6 +355,23 @@ mod tests {
         assert_eq!(
             Weight::Layer(5, Part::Sinks).tensor(Layout::Gguf, gpt_oss, "weight"),
             "blk.5.attn_sinks.weight"
+        );
+        let deepseek = Architecture::DeepSeekV3;
+        assert_eq!(
+            Weight::Layer(4, Part::ExpertBias).tensor(Layout::Mlx, deepseek, "bias"),
+            "model.layers.4.mlp.gate.e_score_correction_bias"
+        );
+        assert_eq!(
+            Weight::Layer(4, Part::ExpertBias).tensor(Layout::Gguf, deepseek, "bias"),
+            "blk.4.exp_probs_b.bias"
+        );
+        assert_eq!(
+            hf(Part::SharedUp, deepseek),
+            "model.layers.0.mlp.shared_experts.up_proj"
+        );
+        assert_eq!(
+            hf(Part::EmbedQ, deepseek),
+            "model.layers.0.self_attn.embed_q"
         );
         assert_eq!(Weight::from_gguf_prefix("blk.x.attn_q"), None);
         assert_eq!(Weight::from_gguf_prefix("rope_freqs"), None);

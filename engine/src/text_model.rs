@@ -114,17 +114,17 @@ impl TextModel {
         tools: Option<&ToolSet>,
         chat: Option<&ChatOptions>,
     ) -> Result<Option<Grammar>> {
-        match (answer, tools) {
-            (Some(_), Some(_)) => Err(Error::InvalidInput(
+        match (answer, tools, chat.filter(|_| self.harmony())) {
+            (Some(_), Some(_), _) => Err(Error::InvalidInput(
                 "an output grammar cannot go with tools: the answer's grammar is the tools'".into(),
             )),
-            (None, None) => Ok(None),
-            (answer, tools) if self.harmony() && chat.is_some() => {
-                let reasoning = chat.and_then(ChatOptions::thinking) != Some(false);
+            (None, None, _) => Ok(None),
+            (answer, tools, Some(harmony_chat)) => {
+                let reasoning = harmony_chat.thinking() != Some(false);
                 harmony::grammar(tools, answer.as_ref(), reasoning).map(Some)
             }
-            (answer, None) => Ok(answer),
-            (None, Some(tools)) => Ok(Some(tools.grammar(CallSyntax::of(&self.template)))),
+            (answer, None, None) => Ok(answer),
+            (None, Some(tools), None) => Ok(Some(tools.grammar(CallSyntax::of(&self.template)))),
         }
     }
 

@@ -431,6 +431,52 @@ fn qwen2_moe_matches_mlx_lm_on_every_engine_format_and_split() {
     check_family("qwen2_moe", every_boundary);
 }
 
+/// DeepSeek V3 (Kimi K2's family) on candle from safetensors, at every
+/// boundary (the dense layer against the routed ones): latent attention
+/// with its compressed cache, YaRN on interleaved pairs, sigmoid routing
+/// within groups with a choice bias, a shared expert. MLX refuses it by
+/// name for now.
+#[test]
+fn deepseek_v3_matches_mlx_lm_on_candle_at_every_split() {
+    let t = tiny("deepseek_v3");
+    let load = candle(&t.mlx);
+    check_splits(
+        "deepseek_v3 on candle, safetensors",
+        &load,
+        &t,
+        &every_boundary(t.layers),
+    );
+    // Its cache holds one row of latent and rotated key per token and layer.
+    let stage = load(StageLayout::new(0..t.layers, t.layers).unwrap());
+    let per_token = stage.config().kv_bytes_per_token_per_layer();
+    assert_eq!(per_token, (32 + 16) * 4);
+    #[cfg(feature = "mlx")]
+    {
+        use shardplane_engine::mlx::MlxStage;
+        let e = MlxStage::load(
+            &t.mlx,
+            StageLayout::new(0..t.layers, t.layers).unwrap(),
+            &LoadOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("deepseek_v3 on the MLX engine"), "{e}");
+    }
+}
+
+/// DeepSeek V3 as mlx-lm quantizes it (4 bits, groups of 32): the per-head
+/// latent maps are quantized stacks too.
+#[test]
+fn a_4_bit_deepseek_v3_matches_mlx_lm_on_candle() {
+    let t = tiny_quantized("deepseek_v3", 4);
+    check_splits(
+        "deepseek_v3, 4-bit, on candle",
+        &candle(&t.mlx),
+        &t,
+        &whole_and_first_layer(t.layers),
+    );
+}
+
 /// Mixtral: GGUF names it llama (Q/K permuted for interleaved RoPE), the
 /// experts' weights a softmax over the chosen two.
 #[test]

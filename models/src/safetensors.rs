@@ -113,7 +113,13 @@ pub fn status_from(
         embedding_bytes: Some(embedding),
         output_bytes: Some(head.saturating_add(sum("model.norm."))),
         kv_bytes_per_token: Some(
-            kv_bytes_per_token_per_layer(kv_heads, head_dim).saturating_mul(layers),
+            match parsed.latent {
+                // Latent attention caches one row per token: the latent and
+                // the rotated key part (f32).
+                Some(latent) => (latent.cache_width() as u64).saturating_mul(4),
+                None => kv_bytes_per_token_per_layer(kv_heads, head_dim),
+            }
+            .saturating_mul(layers),
         ),
         total_bytes: Some(sum("")),
         layer_bytes,

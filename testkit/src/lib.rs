@@ -279,6 +279,43 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{}-{n}-{t:x}", std::process::id())
 }
 
+/// The download cache of an agent for `node`, under `scratch` (a test
+/// binary's `CARGO_TARGET_TMPDIR`) in `agent-cache/`.
+///
+/// The scratch directory outlives test runs, and each agent cache holds a
+/// model, so the first call in a process removes the caches that earlier
+/// test processes left: those whose name carries (as [`unique_name`] writes
+/// it) the id of a process no longer running. A cache of this process is
+/// kept, so an agent restarted on the same node finds its files.
+pub fn agent_cache(scratch: &str, node: &str) -> PathBuf {
+    static SWEPT: OnceLock<()> = OnceLock::new();
+    let root = Path::new(scratch).join("agent-cache");
+    SWEPT.get_or_init(|| sweep_stale(&root));
+    root.join(node)
+}
+
+/// Removes the entries of `root` named by [`unique_name`] for a process that
+/// is gone.
+fn sweep_stale(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.split('-').find(|part| part.parse::<u32>().is_ok()))
+        else {
+            continue;
+        };
+        let running = pid.parse::<u32>().ok() == Some(std::process::id())
+            || Path::new("/proc").join(pid).exists();
+        if !running {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// The line `shardplane generate --print-tokens` writes to stderr with the
 /// generated token ids.
 pub fn tokens_line(stderr: &str) -> String {

@@ -28,6 +28,9 @@ pub(super) struct LayerKv {
     v: Vec<f32>,
     /// Floats per token: KV heads × head dim.
     width: usize,
+    /// Latent attention: no values of their own; each token's value is the
+    /// first this many floats of its key row (one KV head).
+    values_in_keys: Option<usize>,
 }
 
 impl LayerKv {
@@ -36,6 +39,27 @@ impl LayerKv {
             k: Vec::new(),
             v: Vec::new(),
             width,
+            values_in_keys: None,
+        }
+    }
+
+    /// A cache of latent attention's rows of `width` floats, whose first
+    /// `values` floats are also the values.
+    pub fn latent(width: usize, values: usize) -> Self {
+        LayerKv {
+            values_in_keys: Some(values.min(width)),
+            ..LayerKv::new(width)
+        }
+    }
+
+    /// Token `t`'s value row of KV head `group` (`dim` floats).
+    fn value(&self, t: usize, group: usize, dim: usize) -> &[f32] {
+        match self.values_in_keys {
+            Some(_) => &self.k[t * self.width..t * self.width + dim],
+            None => {
+                let at = t * self.width + group * dim;
+                &self.v[at..at + dim]
+            }
         }
     }
 
@@ -53,13 +77,19 @@ impl LayerKv {
     /// by whole chunks of `chunk` tokens; running out of memory is an error,
     /// not an abort.
     pub fn append(&mut self, k: &[f32], v: &[f32], chunk: usize) -> Result<()> {
-        debug_assert_eq!(k.len(), v.len());
+        let own_values = self.values_in_keys.is_none();
+        debug_assert_eq!(v.len(), if own_values { k.len() } else { 0 });
         debug_assert_eq!(k.len() % self.width, 0);
         let needed = self.k.len() + k.len();
         if needed > self.k.capacity() {
             let tokens = needed.div_ceil(self.width).div_ceil(chunk) * chunk;
             let more = tokens * self.width - self.k.len();
-            for buffer in [&mut self.k, &mut self.v] {
+            let buffers = if own_values {
+                vec![&mut self.k, &mut self.v]
+            } else {
+                vec![&mut self.k]
+            };
+            for buffer in buffers {
                 buffer.try_reserve_exact(more).map_err(|e| {
                     Error::InvalidInput(format!("no memory for {tokens} tokens of KV cache: {e}"))
                 })?;
@@ -73,11 +103,16 @@ impl LayerKv {
     /// The rows of tokens `range` (a prefix-cache block).
     pub fn rows(&self, range: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
         let span = range.start * self.width..range.end * self.width;
-        (self.k[span.clone()].to_vec(), self.v[span].to_vec())
+        let v = match self.values_in_keys {
+            Some(_) => Vec::new(),
+            None => self.v[span.clone()].to_vec(),
+        };
+        (self.k[span].to_vec(), v)
     }
 
     /// Keys and values from token `first` on as `[1, kv heads, tokens,
-    /// head dim]` tensors (a copy, for candle's products).
+    /// head dim]` tensors (a copy, for candle's products); latent
+    /// attention's values are its keys' first columns.
     pub fn tensors(
         &self,
         first: usize,
@@ -95,7 +130,12 @@ impl LayerKv {
             .transpose(1, 2)?
             .contiguous()?)
         };
-        Ok((view(&self.k)?, view(&self.v)?))
+        let k = view(&self.k)?;
+        let v = match self.values_in_keys {
+            Some(dim) => k.narrow(3, 0, dim)?.contiguous()?,
+            None => view(&self.v)?,
+        };
+        Ok((k, v))
     }
 }
 
@@ -111,12 +151,15 @@ pub(super) struct DecodeRow<'a> {
 pub(super) struct HeadShape {
     pub heads: usize,
     pub kv_heads: usize,
+    /// Floats of a query or key head.
     pub head_dim: usize,
+    /// Floats of a value head (the head dim, but for latent attention).
+    pub value_dim: usize,
     pub scale: f32,
 }
 
 /// Attention of one query row per sequence against each sequence's cache,
-/// written into `out` (`rows × heads × head dim`): threads take one query
+/// written into `out` (`rows × heads × value dim`): threads take one query
 /// head of one sequence at a time (enough pieces to share out even when a
 /// single sequence decodes; the keys a KV head's query heads share stay in
 /// the core's cache between them).
@@ -128,14 +171,14 @@ pub(super) fn decode_attention(
 ) {
     let (heads, head_dim) = (shape.heads, shape.head_dim);
     let rep = heads / shape.kv_heads;
-    debug_assert_eq!(out.len(), rows.len() * heads * head_dim);
-    out.par_chunks_mut(head_dim)
+    debug_assert_eq!(out.len(), rows.len() * heads * shape.value_dim);
+    out.par_chunks_mut(shape.value_dim)
         .enumerate()
         .for_each(|(unit, out)| {
             let (row, head) = (&rows[unit / heads], unit % heads);
             let q = &row.q[head * head_dim..(head + 1) * head_dim];
             let sink = sinks.map(|s| s[head]);
-            attend(row, q, head / rep, head_dim, shape.scale, sink, out);
+            attend(row, q, head / rep, shape, sink, out);
         });
 }
 
@@ -145,15 +188,14 @@ fn attend(
     row: &DecodeRow<'_>,
     q: &[f32],
     group: usize,
-    head_dim: usize,
-    scale: f32,
+    shape: &HeadShape,
     sink: Option<f32>,
     out: &mut [f32],
 ) {
-    let kv = row.kv;
+    let (kv, head_dim) = (row.kv, shape.head_dim);
     let at = |t: usize| t * kv.width + group * head_dim;
     let mut scores: Vec<f32> = (row.first..kv.len())
-        .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * scale)
+        .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * shape.scale)
         .collect();
     let max = scores
         .iter()
@@ -167,7 +209,7 @@ fn attend(
     }
     out.fill(0.0);
     for (t, p) in (row.first..kv.len()).zip(&scores) {
-        axpy(p / sum, &kv.v[at(t)..at(t) + head_dim], out);
+        axpy(p / sum, kv.value(t, group, shape.value_dim), out);
     }
 }
 
@@ -278,6 +320,7 @@ mod tests {
             heads,
             kv_heads,
             head_dim: hd,
+            value_dim: hd,
             scale: 0.125,
         };
         // Sinks above and below the scores, so they take visible weight.

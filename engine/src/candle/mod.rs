@@ -14,7 +14,9 @@
 //!     ─► o ─► + ─► norm ─► MLP ─► +
 //! ```
 
+mod attention;
 mod kv;
+mod latent;
 mod moe;
 mod safetensors;
 mod weights;
@@ -34,9 +36,10 @@ use crate::stage::{
     plan_step,
 };
 use crate::tensor::{AllReduce, TensorGroup, TensorRank, TensorSplit};
-use kv::{DecodeRow, LayerKv};
+use attention::{AttentionShape, StepRows, attend_cached};
+use kv::LayerKv;
 use safetensors::SafetensorsDir;
-use weights::{LayerWeights, Source, TensorLoader};
+use weights::{LayerWeights, Projections, Source, TensorLoader};
 
 /// KV caches grow in steps of this many tokens.
 const KV_CHUNK: usize = 256;
@@ -85,11 +88,17 @@ struct SequenceCache {
 }
 
 impl SequenceCache {
-    /// Empty, for `layers` layers of `width` floats per token.
-    fn new(layers: usize, width: usize) -> Self {
+    /// Empty, for `layers` layers of `width` key floats per token; with
+    /// `values_in_keys`, latent attention's (values are the keys' first
+    /// columns).
+    fn new(layers: usize, width: usize, values_in_keys: Option<usize>) -> Self {
+        let layer = || match values_in_keys {
+            Some(values) => LayerKv::latent(width, values),
+            None => LayerKv::new(width),
+        };
         SequenceCache {
             position: 0,
-            layers: (0..layers).map(|_| LayerKv::new(width)).collect(),
+            layers: (0..layers).map(|_| layer()).collect(),
             tokens: Vec::new(),
         }
     }
@@ -210,9 +219,10 @@ impl CandleStage {
             .unwrap_or(config.context_length)
             .max(1);
         // GGUF Llama permutes Q/K for interleaved RoPE; Hugging Face keeps
-        // the halves layout.
-        let interleaved_rope =
-            matches!(source, Source::Gguf { .. }) && config.architecture.interleaved_rope();
+        // the halves layout. DeepSeek rotates pairs in both.
+        let interleaved_rope = (matches!(source, Source::Gguf { .. })
+            && config.architecture.interleaved_rope())
+            || config.architecture.traditional_rope();
         let mut loader = TensorLoader {
             source,
             device: device.clone(),
@@ -278,14 +288,19 @@ impl CandleStage {
         Ok(Tensor::from_vec(values, shape, partial.device())?)
     }
 
-    /// Floats per token in one layer's keys (or values): this stage's KV
-    /// heads (its share, in a tensor group) × head dim.
-    fn kv_width(&self) -> usize {
+    /// An empty cache for a new sequence: per token and layer, this stage's
+    /// KV heads (its share, in a tensor group) × head dim of keys and of
+    /// values, or latent attention's one row.
+    fn new_cache(&self) -> SequenceCache {
+        let layers = self.layers.len();
+        if let Some(latent) = &self.config.latent {
+            return SequenceCache::new(layers, latent.cache_width(), Some(latent.kv_lora_rank));
+        }
         let kv_heads = match &self.tensor {
             Some(t) => t.share.kv_heads.len(),
             None => self.config.kv_heads,
         };
-        kv_heads * self.config.head_dim
+        SequenceCache::new(layers, kv_heads * self.config.head_dim, None)
     }
 
     /// Stacks the inputs into rows and plans each sequence's share.
@@ -333,11 +348,11 @@ impl CandleStage {
 
     fn run(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>> {
         let (mut x, items) = self.stack(&batch)?;
-        let (layers, width) = (self.layers.len(), self.kv_width());
         for item in &items {
-            self.sequences
-                .entry(item.seq)
-                .or_insert_with(|| SequenceCache::new(layers, width));
+            if !self.sequences.contains_key(&item.seq) {
+                let cache = self.new_cache();
+                self.sequences.insert(item.seq, cache);
+            }
         }
         let result = (|| {
             // Each row's RoPE angles, gathered once for every layer.
@@ -382,89 +397,75 @@ impl CandleStage {
         let w = &self.layers[l];
         let shape = cfg.layer_attention(self.layout.layers.start + l);
         let (cos, sin) = rope.for_layer(&shape);
-        let heads_shape = AttentionShape {
-            heads,
-            kv_heads,
-            head_dim: hd,
-            scale: f64::from(cfg.attention_scale),
-            window: shape.window,
-        };
         let rows = x.dim(0)?;
         let h = candle_nn::ops::rms_norm(x, &w.attn_norm, eps)?;
-        let mut q = w.q.forward(&h)?.reshape((rows, heads, hd))?;
-        let mut k = w.k.forward(&h)?.reshape((rows, kv_heads, hd))?;
-        let v = w.v.forward(&h)?;
-        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            q = candle_nn::ops::rms_norm(&q, qn, eps)?;
-            k = candle_nn::ops::rms_norm(&k, kn, eps)?;
-        }
         // RoPE of every row at its own position, in one operation.
-        let rotate = if self.interleaved_rope {
-            candle_nn::rotary_emb::rope_i
-        } else {
-            candle_nn::rotary_emb::rope
+        let rotate = |t: &Tensor| -> Result<Tensor> {
+            Ok(match self.interleaved_rope {
+                true => candle_nn::rotary_emb::rope_i(t, cos, sin)?,
+                false => candle_nn::rotary_emb::rope(t, cos, sin)?,
+            })
         };
-        let q = rotate(&q.reshape((rows, heads, 1, hd))?, cos, sin)?;
-        let k = rotate(&k.reshape((rows, kv_heads, 1, hd))?, cos, sin)?;
-        let (q_width, kv_width) = (heads * hd, kv_heads * hd);
-        let q_rows = q.flatten_all()?.to_vec1::<f32>()?;
-        let k_rows = k.flatten_all()?.to_vec1::<f32>()?;
-        let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
-        for item in items {
-            let span = item.offset * kv_width..(item.offset + item.len) * kv_width;
-            self.sequences
-                .get_mut(&item.seq)
-                .expect("cache made in run")
-                .layers[l]
-                .append(&k_rows[span.clone()], &v_rows[span], KV_CHUNK)?;
-        }
-        let mut y = vec![0f32; rows * q_width];
-        // Every sequence that adds one row, in one pass.
-        let decoding: Vec<&Item> = items.iter().filter(|i| i.len == 1).collect();
-        if !decoding.is_empty() {
-            let queries: Vec<DecodeRow> = decoding
-                .iter()
-                .map(|i| DecodeRow {
-                    q: &q_rows[i.offset * q_width..(i.offset + 1) * q_width],
-                    kv: &self.sequences[&i.seq].layers[l],
-                    first: i.first_key(shape.window),
-                })
-                .collect();
-            let mut out = vec![0f32; decoding.len() * q_width];
-            let head_shape = kv::HeadShape {
-                heads,
-                kv_heads,
-                head_dim: hd,
-                scale: cfg.attention_scale,
-            };
-            kv::decode_attention(&queries, &head_shape, w.sinks.as_deref(), &mut out);
-            for (i, o) in decoding.iter().zip(out.chunks_exact(q_width)) {
-                y[i.offset * q_width..(i.offset + 1) * q_width].copy_from_slice(o);
+        let (step, heads_shape) = match &w.projections {
+            Projections::Heads {
+                q,
+                k,
+                v,
+                q_norm,
+                k_norm,
+            } => {
+                let mut q = q.forward(&h)?.reshape((rows, heads, hd))?;
+                let mut k = k.forward(&h)?.reshape((rows, kv_heads, hd))?;
+                let v = v.forward(&h)?;
+                if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+                    q = candle_nn::ops::rms_norm(&q, qn, eps)?;
+                    k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+                }
+                let q = rotate(&q.reshape((rows, heads, 1, hd))?)?;
+                let k = rotate(&k.reshape((rows, kv_heads, 1, hd))?)?;
+                let step = StepRows {
+                    q: q.flatten_all()?.to_vec1::<f32>()?,
+                    k: k.flatten_all()?.to_vec1::<f32>()?,
+                    v: v.flatten_all()?.to_vec1::<f32>()?,
+                };
+                let shape = AttentionShape {
+                    heads,
+                    kv_heads,
+                    head_dim: hd,
+                    value_dim: hd,
+                    scale: cfg.attention_scale,
+                    window: shape.window,
+                };
+                (step, shape)
             }
-        }
-        // A prompt's rows: candle's products over its visible keys.
-        for item in items.iter().filter(|i| i.len > 1) {
-            let qi = q
-                .narrow(0, item.offset, item.len)?
-                .reshape((1, item.len, heads, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            let first = item.first_key(shape.window);
-            let (k_all, v_all) =
-                self.sequences[&item.seq].layers[l].tensors(first, hd, &self.device)?;
-            let yi = attention(
-                &qi,
-                &k_all,
-                &v_all,
-                item,
-                first,
-                &heads_shape,
-                w.sinks.as_deref(),
-            )?;
-            y[item.offset * q_width..(item.offset + item.len) * q_width]
-                .copy_from_slice(&yi.flatten_all()?.to_vec1::<f32>()?);
-        }
-        let y = Tensor::from_vec(y, (rows, q_width), &self.device)?;
+            // Every head attends to one shared latent row per token.
+            Projections::Latent(latent) => {
+                let shape = AttentionShape {
+                    heads,
+                    kv_heads: 1,
+                    head_dim: latent.key_width(),
+                    value_dim: latent.value_width(),
+                    scale: cfg.attention_scale,
+                    window: shape.window,
+                };
+                (latent.rows(&h, &rotate)?, shape)
+            }
+        };
+        let attended = attend_cached(
+            &mut self.sequences,
+            l,
+            items,
+            &step,
+            &heads_shape,
+            w.sinks.as_deref(),
+            &self.device,
+        )?;
+        let y = match &w.projections {
+            Projections::Latent(latent) => latent.values(attended, &self.device)?,
+            Projections::Heads { .. } => {
+                Tensor::from_vec(attended, (rows, heads * hd), &self.device)?
+            }
+        };
         let post = |t: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
             match norm {
                 Some(n) => Ok(candle_nn::ops::rms_norm(&t, n, eps)?),
@@ -520,6 +521,13 @@ impl CandleStage {
 /// Checks that a tensor rank's share fits the model (it was planned for
 /// the model the caller expected).
 fn check_share(config: &ModelConfig, share: &crate::tensor::RankShare) -> Result<()> {
+    if config.latent.is_some() {
+        return Err(Error::Tensor(
+            "tensor groups do not split latent attention (DeepSeek V3, Kimi K2) yet; run the \
+             model whole or in a pipeline"
+                .into(),
+        ));
+    }
     let fits = share.kv_heads.end <= config.kv_heads
         && !share.kv_heads.is_empty()
         && share.heads.len() * config.kv_heads == share.kv_heads.len() * config.heads
@@ -558,64 +566,6 @@ fn check_share(config: &ModelConfig, share: &crate::tensor::RankShare) -> Result
         )));
     }
     Ok(())
-}
-
-/// The attention of one layer: head counts, score scale and window.
-struct AttentionShape {
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    scale: f64,
-    /// Positions a query sees, itself included (sliding layers).
-    window: Option<usize>,
-}
-
-/// Grouped-query attention of one sequence's queries against the keys and
-/// values from position `first` on (all a sliding layer's window can
-/// reach), without copying them per query head: the query heads sharing a
-/// KV head are laid out as extra rows.
-///
-/// With `sinks` (one logit per query head), each head's softmax has one
-/// more term that takes weight but adds no value.
-fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    item: &Item,
-    first: usize,
-    s: &AttentionShape,
-    sinks: Option<&[f32]>,
-) -> Result<Tensor> {
-    let (heads, kv_heads, hd) = (s.heads, s.kv_heads, s.head_dim);
-    let rep = heads / kv_heads;
-    let n = item.len;
-    let keys = item.position + n - first;
-    let q = q.reshape((1, kv_heads, rep * n, hd))?;
-    let att = (q.matmul(&k.t()?)? * s.scale)?;
-    let att = match item.mask(first, s.window) {
-        Some(mask) => {
-            let mask = Tensor::from_vec(mask, (n, keys), q.device())?;
-            att.reshape((1, kv_heads, rep, n, keys))?
-                .broadcast_add(&mask)?
-                .reshape((1, kv_heads, rep * n, keys))?
-        }
-        None => att,
-    };
-    let att = match sinks {
-        Some(sinks) => {
-            // Heads are laid out KV-head-major (`kv_head · rep + r`), as `q` is.
-            let column = Tensor::from_slice(sinks, (1, kv_heads, rep, 1, 1), q.device())?
-                .broadcast_as((1, kv_heads, rep, n, 1))?
-                .reshape((1, kv_heads, rep * n, 1))?;
-            candle_nn::ops::softmax_last_dim(&Tensor::cat(&[&att, &column], 3)?)?
-                .narrow(3, 0, keys)?
-        }
-        None => candle_nn::ops::softmax_last_dim(&att)?,
-    };
-    let y = att.contiguous()?.matmul(v)?;
-    Ok(y.reshape((1, heads, n, hd))?
-        .transpose(1, 2)?
-        .reshape((n, heads * hd))?)
 }
 
 /// RoPE tables: the global layers', and the sliding layers' when their
@@ -708,14 +658,13 @@ impl Stage for CandleStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
-        let (layers, width) = (self.layers.len(), self.kv_width());
         let block_tokens = self.prefix.block_tokens();
+        let mut cache = self.new_cache();
         let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
         if blocks.is_empty() {
             return 0;
         }
         let seeded = (|| -> Result<SequenceCache> {
-            let mut cache = SequenceCache::new(layers, width);
             for (l, kv) in cache.layers.iter_mut().enumerate() {
                 for block in &blocks {
                     kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;

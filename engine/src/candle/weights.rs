@@ -10,9 +10,10 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use shardplane_formats::GgmlType;
 
+use super::latent::LatentWeights;
 use super::moe::{Experts, FeedForward, Shared};
 use super::safetensors::SafetensorsDir;
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Routing};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::names::{self, Layout, Weight};
@@ -362,15 +363,26 @@ impl Linear {
     }
 }
 
+/// How a layer makes its queries, keys and values.
+pub(super) enum Projections {
+    /// Query, key and value heads, with per-head query and key norms in
+    /// some families.
+    Heads {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        q_norm: Option<Tensor>,
+        k_norm: Option<Tensor>,
+    },
+    /// Multi-head latent attention (DeepSeek V3).
+    Latent(Box<LatentWeights>),
+}
+
 /// The weights of one transformer layer.
 pub(super) struct LayerWeights {
     pub attn_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    pub projections: Projections,
     pub o: Linear,
-    pub q_norm: Option<Tensor>,
-    pub k_norm: Option<Tensor>,
     pub ffn_norm: Tensor,
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub post_attn_norm: Option<Tensor>,
@@ -415,12 +427,35 @@ impl LayerWeights {
                 bias,
             })
         };
-        let qkv_bias = arch.qkv_bias();
-        let q = linear(l, "attn_q.weight", "attn_q.bias", qkv_bias, q_rows.clone())?;
-        let k = linear(l, "attn_k.weight", "attn_k.bias", qkv_bias, kv_rows.clone())?;
-        let v = linear(l, "attn_v.weight", "attn_v.bias", qkv_bias, kv_rows)?;
+        let projections = if config.latent.is_some() {
+            Projections::Latent(Box::new(LatentWeights::load(l, i, config)?))
+        } else {
+            let qkv_bias = arch.qkv_bias();
+            let (q_norm, k_norm) = if arch.qk_norm() {
+                (
+                    Some(l.vector(&name("attn_q_norm.weight"))?),
+                    Some(l.vector(&name("attn_k_norm.weight"))?),
+                )
+            } else {
+                (None, None)
+            };
+            Projections::Heads {
+                q: linear(l, "attn_q.weight", "attn_q.bias", qkv_bias, q_rows.clone())?,
+                k: linear(l, "attn_k.weight", "attn_k.bias", qkv_bias, kv_rows.clone())?,
+                v: linear(l, "attn_v.weight", "attn_v.bias", qkv_bias, kv_rows)?,
+                q_norm,
+                k_norm,
+            }
+        };
+        // Latent attention's output takes heads × value dims.
+        let o_columns = match config.latent {
+            Some(latent) => {
+                share.map(|s| s.heads.start * latent.value_dim..s.heads.end * latent.value_dim)
+            }
+            None => q_rows,
+        };
         let o = Linear {
-            weight: l.matrix_part(&name("attn_output.weight"), q_rows.map(Part::Columns))?,
+            weight: l.matrix_part(&name("attn_output.weight"), o_columns.map(Part::Columns))?,
             // Added once to the sum: by rank 0.
             bias: match l.has(&name("attn_output.bias")) && share.is_none_or(|s| s.is_leader()) {
                 true => Some(l.vector(&name("attn_output.bias"))?),
@@ -431,14 +466,6 @@ impl LayerWeights {
         let expert_columns = share.map(|s| s.expert_intermediate.clone());
         let shared_columns = share.map(|s| s.shared_intermediate.clone());
         let leader = share.is_none_or(|s| s.is_leader());
-        let (q_norm, k_norm) = if arch.qk_norm() {
-            (
-                Some(l.vector(&name("attn_q_norm.weight"))?),
-                Some(l.vector(&name("attn_k_norm.weight"))?),
-            )
-        } else {
-            (None, None)
-        };
         let (post_attn_norm, post_ffn_norm) = if arch.post_norms() {
             (
                 Some(l.vector(&name("post_attention_norm.weight"))?),
@@ -456,12 +483,8 @@ impl LayerWeights {
         };
         Ok(LayerWeights {
             attn_norm: l.vector(&name("attn_norm.weight"))?,
-            q,
-            k,
-            v,
+            projections,
             o,
-            q_norm,
-            k_norm,
             ffn_norm: l.vector(&Weight::Layer(i, names::Part::FfnNorm).tensor(
                 Layout::Gguf,
                 arch,
@@ -500,12 +523,25 @@ impl LayerWeights {
                     )?,
                     per_token: moe.experts_per_token,
                     normalize: moe.normalize,
+                    routing: moe.routing,
+                    choice_bias: match moe.routing {
+                        Routing::SigmoidGroups { .. } => Some(
+                            l.vector(&name("exp_probs_b.bias"))?
+                                .flatten_all()?
+                                .to_vec1::<f32>()?,
+                        ),
+                        Routing::Softmax => None,
+                    },
                     shared: match moe.shared_expert {
                         Some(_) => Some(Shared {
                             // `[hidden]` in GGUF, `[1, hidden]` from Hugging Face.
-                            gate_inp: l
-                                .vector(&name("ffn_gate_inp_shexp.weight"))?
-                                .flatten_all()?,
+                            gate_inp: match moe.shared_gate {
+                                true => Some(
+                                    l.vector(&name("ffn_gate_inp_shexp.weight"))?
+                                        .flatten_all()?,
+                                ),
+                                false => None,
+                            },
                             gate: l
                                 .matrix_part(
                                     &name("ffn_gate_shexp.weight"),

@@ -125,6 +125,13 @@ impl MlxStage {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, _) = read_dir_config(path)?;
+            if config.latent.is_some() {
+                return Err(Error::UnsupportedArchitecture(
+                    "deepseek_v3 on the MLX engine (its latent attention runs on candle for \
+                     now: `--engine candle`)"
+                        .into(),
+                ));
+            }
             let files = safetensors_files(path)?;
             let _guard = lock();
             let maps = files

@@ -223,6 +223,7 @@ mod tests {
             yarn: None,
             rope_factors: None,
             moe: None,
+            latent: None,
         }
     }
 
@@ -286,7 +287,9 @@ mod tests {
             normalize: true,
             dense_layers: vec![0],
             shared_expert: Some(64),
+            shared_gate: true,
             bias: false,
+            routing: crate::config::Routing::Softmax,
         });
         let split = TensorSplit::weighted(&c, &[2.0, 1.0]).unwrap();
         let s = split.shares();

@@ -204,6 +204,53 @@ FAMILIES["qwen2_yarn"] = {
     "tie_word_embeddings": False,
 }
 
+# DeepSeek V3 (and Kimi K2, the same classes): latent attention with a
+# low-rank query, interleaved RoPE on part of each head with YaRN (whose
+# mscale_all_dim scales the scores), one dense layer, then experts chosen by
+# sigmoid scores within the best two of four groups (a random choice bias
+# per expert), a shared expert, the routed sum scaled by 2.5. Widths of 32
+# so that mlx-lm quantizes every matrix (its per-head maps included).
+FAMILIES["deepseek_v3"] = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 256,
+    "rope_theta": 10_000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
 FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
@@ -494,7 +541,8 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
-    if (c.get("rope_scaling") or {}).get("type") == "yarn":
+    scaling = c.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
         w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
@@ -503,9 +551,6 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c["intermediate_size"])
         w.add_sliding_window(c["sliding_window"])
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
-        w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
     if family == "mixtral":
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])

@@ -1,13 +1,15 @@
 //! What a model is, read from its GGUF metadata or its `config.json`: the
 //! numbers every backend and the placement planner need.
 
+mod deepseek;
 mod gemma;
 mod gpt_oss;
 mod moe;
 mod rope;
 
+pub use deepseek::LatentAttention;
 pub use gpt_oss::Yarn;
-pub use moe::Moe;
+pub use moe::{Moe, Routing};
 pub use rope::Llama3Rope;
 
 use crate::error::{Error, Result};
@@ -38,6 +40,10 @@ pub enum Architecture {
     /// global ones, YaRN RoPE, and routed experts with biases behind a
     /// clamped SwiGLU.
     GptOss,
+    /// DeepSeek V3 and Kimi K2: multi-head latent attention (a compressed
+    /// KV cache), interleaved RoPE on part of each head, sigmoid routing
+    /// within groups beside shared experts, dense first layers.
+    DeepSeekV3,
 }
 
 impl Architecture {
@@ -52,6 +58,7 @@ impl Architecture {
             Architecture::Qwen2Moe => "qwen2moe",
             Architecture::Mixtral => "llama",
             Architecture::GptOss => "gpt-oss",
+            Architecture::DeepSeekV3 => "deepseek2",
         }
     }
 
@@ -64,6 +71,11 @@ impl Architecture {
             "qwen3moe" => Ok(Architecture::Qwen3Moe),
             "qwen2moe" => Ok(Architecture::Qwen2Moe),
             "gpt-oss" => Ok(Architecture::GptOss),
+            "deepseek2" => Err(Error::UnsupportedArchitecture(
+                "deepseek2 (DeepSeek V3 and Kimi K2 from GGUF are not supported yet; their \
+                 safetensors, deepseek_v3 in config.json, are)"
+                    .into(),
+            )),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -71,6 +83,12 @@ impl Architecture {
     /// Whether RoPE rotates interleaved pairs (GGUF Llama) rather than halves (NeoX).
     pub fn interleaved_rope(self) -> bool {
         matches!(self, Architecture::Llama | Architecture::Mixtral)
+    }
+
+    /// Whether the family's own definition rotates interleaved pairs (in
+    /// every layout, not only in GGUF's permuted Llama weights).
+    pub fn traditional_rope(self) -> bool {
+        matches!(self, Architecture::DeepSeekV3)
     }
 
     /// Whether each attention head has a learned sink: one more logit in
@@ -179,6 +197,9 @@ pub struct ModelConfig {
     pub rope_factors: Option<Vec<f32>>,
     /// Routed experts, when the family has them.
     pub moe: Option<Moe>,
+    /// Multi-head latent attention's widths (DeepSeek V3), when the family
+    /// has it; `head_dim` is then the rotated part of a head.
+    pub latent: Option<LatentAttention>,
 }
 
 /// Sliding-window attention: every `pattern`-th layer is global, the others
@@ -297,6 +318,7 @@ impl ModelConfig {
             yarn: None,
             rope_factors: None,
             moe: None,
+            latent: None,
         };
         match architecture {
             Architecture::Gemma3 => gemma::from_gguf(&mut config, header, &key)?,
@@ -331,6 +353,7 @@ impl ModelConfig {
             "qwen2_moe" => Architecture::Qwen2Moe,
             "mixtral" => Architecture::Mixtral,
             "gpt_oss" => Architecture::GptOss,
+            "deepseek_v3" | "kimi_k2" => Architecture::DeepSeekV3,
             // `gemma3` in config.json is the multimodal wrapper (`text_config`,
             // `language_model.` weights).
             "gemma3" => return Err(Error::UnsupportedArchitecture(
@@ -373,10 +396,12 @@ impl ModelConfig {
             yarn: None,
             rope_factors: None,
             moe: None,
+            latent: None,
         };
         match architecture {
             Architecture::Gemma3 => gemma::from_hf(&mut config, v)?,
             Architecture::GptOss => gpt_oss::from_hf(&mut config, v)?,
+            Architecture::DeepSeekV3 => deepseek::from_hf(&mut config, v)?,
             _ => rope::from_hf(&mut config, v)?,
         }
         config.moe = moe::from_hf(architecture, &config, v)?;
@@ -444,6 +469,7 @@ impl ModelConfig {
             Architecture::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             Architecture::Mixtral => ("mixtral", "MixtralForCausalLM"),
             Architecture::GptOss => ("gpt_oss", "GptOssForCausalLM"),
+            Architecture::DeepSeekV3 => ("deepseek_v3", "DeepseekV3ForCausalLM"),
         };
         let mut json = serde_json::json!({
             "architectures": [class],
@@ -482,7 +508,15 @@ impl ModelConfig {
                 json.extend(extra);
             }
         }
-        if !matches!(
+        if let (Some(latent), Some(object)) = (&self.latent, json.as_object_mut()) {
+            if let serde_json::Value::Object(extra) = deepseek::latent_to_hf_json(latent) {
+                object.extend(extra);
+            }
+            if let Some(yarn) = self.yarn {
+                json["rope_scaling"] =
+                    deepseek::yarn_to_hf_json(yarn, self.attention_scale, latent);
+            }
+        } else if !matches!(
             self.architecture,
             Architecture::Gemma3 | Architecture::GptOss
         ) {
@@ -521,9 +555,14 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|m| m.routed(layer))
     }
 
-    /// Bytes of KV cache one token takes in one layer (keys and values, f32).
+    /// Bytes of KV cache one token takes in one layer (keys and values, or
+    /// latent attention's compressed row; f32).
     pub fn kv_bytes_per_token_per_layer(&self) -> usize {
-        2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+        let floats = match &self.latent {
+            Some(latent) => latent.cache_width(),
+            None => 2 * self.kv_heads * self.head_dim,
+        };
+        floats * std::mem::size_of::<f32>()
     }
 }
 
@@ -552,6 +591,7 @@ mod tests {
             yarn: None,
             rope_factors: None,
             moe: None,
+            latent: None,
         };
         let back = ModelConfig::from_hf_json(&c.to_hf_json(true)).unwrap();
         assert_eq!(back.architecture, c.architecture);

@@ -1,8 +1,9 @@
 //! Mixture of experts: what GGUF metadata and `config.json` say about a
-//! family's routed feed-forward blocks (Qwen3-MoE, Mixtral).
+//! family's routed feed-forward blocks (Qwen3-MoE, Mixtral, DeepSeek V3).
 //!
 //! ```text
 //!  h ──► router (hidden → experts) ──► softmax ──► top k ──► renormalise?
+//!  │          (DeepSeek: sigmoid; the choice in the best groups, with a bias)
 //!  │                                                 │ ids, weights
 //!  └──────────► expert e: down(act(gate_e h) · up_e h) ┴─► Σ weight · expert
 //! ```
@@ -15,8 +16,29 @@ use super::{Architecture, ModelConfig, hf_bad, hf_int};
 use crate::error::{Error, Result};
 use crate::gguf::GgufHeader;
 
+/// How a router's logits become the chosen experts and their weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// A softmax over every expert, the top k (renormalised when the
+    /// [`Moe`] says so).
+    Softmax,
+    /// DeepSeek V3's: a sigmoid score per expert; the choice adds a learned
+    /// bias per expert and is limited to the `top_groups` best of `groups`
+    /// equal groups (a group scored by its two best experts); the weights
+    /// are the chosen experts' scores (without the bias), renormalised when
+    /// the [`Moe`] says so, times `scale`.
+    SigmoidGroups {
+        /// Groups the experts fall into, in order.
+        groups: usize,
+        /// Groups a token may choose from.
+        top_groups: usize,
+        /// Factor on the routed experts' sum.
+        scale: f32,
+    },
+}
+
 /// The routed feed-forward blocks of a mixture-of-experts model.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Moe {
     /// Experts per routed layer.
     pub experts: usize,
@@ -28,11 +50,16 @@ pub struct Moe {
     pub normalize: bool,
     /// Layers with a dense feed-forward block instead (ascending).
     pub dense_layers: Vec<usize>,
-    /// Width of the shared expert every token also goes through, scaled by
-    /// a sigmoid gate of its own (Qwen2-MoE), when the family has one.
+    /// Width of the shared expert every token also goes through, when the
+    /// family has one.
     pub shared_expert: Option<usize>,
+    /// Whether the shared expert's output is scaled by a sigmoid gate of its
+    /// own (Qwen2-MoE; DeepSeek's shared experts are not gated).
+    pub shared_gate: bool,
     /// Whether the router and every expert projection add a bias (gpt-oss).
     pub bias: bool,
+    /// How the router chooses.
+    pub routing: Routing,
 }
 
 impl Moe {
@@ -41,7 +68,7 @@ impl Moe {
         self.dense_layers.binary_search(&layer).is_err()
     }
 
-    fn check(self, what: &str) -> Result<Self> {
+    pub(super) fn check(self, what: &str) -> Result<Self> {
         if self.experts == 0 || self.experts_per_token == 0 {
             return Err(Error::metadata(
                 what,
@@ -59,6 +86,30 @@ impl Moe {
         }
         if self.expert_intermediate_size == 0 {
             return Err(Error::metadata(what, "experts of width 0"));
+        }
+        if let Routing::SigmoidGroups {
+            groups, top_groups, ..
+        } = self.routing
+        {
+            let per_group = self.experts.checked_div(groups).unwrap_or(0);
+            if groups == 0
+                || !self.experts.is_multiple_of(groups)
+                || top_groups == 0
+                || top_groups > groups
+                || per_group < 2
+                || top_groups * per_group < self.experts_per_token
+            {
+                return Err(Error::metadata(
+                    what,
+                    format!(
+                        "{} experts in {groups} groups, {top_groups} groups per token and \
+                         {} experts per token cannot be routed (groups must divide the \
+                         experts, hold two or more each, and the chosen groups hold \
+                         enough experts)",
+                        self.experts, self.experts_per_token
+                    ),
+                ));
+            }
         }
         Ok(self)
     }
@@ -133,9 +184,11 @@ pub(super) fn from_gguf(
         experts_per_token: header.get_u32(&key("expert_used_count"))? as usize,
         expert_intermediate_size,
         normalize: normalize || gpt_oss,
+        shared_gate: shared_expert.is_some(),
         dense_layers,
         shared_expert,
         bias: gpt_oss,
+        routing: Routing::Softmax,
     }
     .check(&key("expert_used_count"))
     .map(Some)
@@ -157,9 +210,11 @@ pub(super) fn from_hf(
                 .get("norm_topk_prob")
                 .and_then(serde_json::Value::as_bool)
                 .unwrap_or(false),
+            shared_gate: shared_expert.is_some(),
             dense_layers,
             shared_expert,
             bias: false,
+            routing: Routing::Softmax,
         })
     };
     let moe = match architecture {
@@ -199,7 +254,9 @@ pub(super) fn from_hf(
             normalize: true,
             dense_layers: Vec::new(),
             shared_expert: None,
+            shared_gate: false,
             bias: false,
+            routing: Routing::Softmax,
         },
         // Every layer routed; a softmax over the chosen experts' logits.
         Architecture::GptOss => Moe {
@@ -210,7 +267,13 @@ pub(super) fn from_hf(
             normalize: true,
             dense_layers: Vec::new(),
             shared_expert: None,
+            shared_gate: false,
             bias: true,
+            routing: Routing::Softmax,
+        },
+        Architecture::DeepSeekV3 => match super::deepseek::moe(config, v)? {
+            Some(moe) => moe,
+            None => return Ok(None),
         },
         _ => return Ok(None),
     };
@@ -228,6 +291,7 @@ pub(super) fn to_hf_json(
             "num_local_experts": moe.experts,
             "num_experts_per_tok": moe.experts_per_token,
         }),
+        Architecture::DeepSeekV3 => super::deepseek::moe_to_hf_json(moe),
         Architecture::Qwen2Moe => serde_json::json!({
             "num_experts": moe.experts,
             "num_experts_per_tok": moe.experts_per_token,

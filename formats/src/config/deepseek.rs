@@ -1,0 +1,367 @@
+//! DeepSeek V3 and Kimi K2 (`deepseek_v3`, `kimi_k2` in `config.json`):
+//! multi-head latent attention, and experts chosen by sigmoid scores within
+//! the best groups, beside shared experts, after a few dense layers.
+//!
+//! ```text
+//!  x ─► q: q_b(norm(q_a x)) (or q_proj x) ─► per head [nope │ rope]
+//!  x ─► kv_a x ─► [latent (kv_lora_rank) │ k_rope] ─► norm(latent)
+//!  cache per token and layer: [latent │ RoPE'd k_rope]  (one row for all heads)
+//!  score_h = scale · ( (W_k,h q_nope,h) · latent + RoPE(q_rope,h) · k_rope )
+//!  out_h   = W_v,h Σ softmax · latent         ─► o_proj
+//! ```
+//!
+//! The cache holds the compressed latent, not per-head keys and values: a
+//! token costs `kv_lora_rank + qk_rope_head_dim` floats per layer (576 for
+//! DeepSeek V3, against 128 heads × 320 uncompressed).
+
+use super::moe::{Moe, Routing};
+use super::{ModelConfig, Yarn, hf_bad, hf_float, hf_int};
+use crate::error::Result;
+
+/// The widest rank or head dimension latent attention may claim (DeepSeek
+/// V3's widest is 1536).
+const MAX_LATENT_WIDTH: usize = 1 << 16;
+
+/// Multi-head latent attention's widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentAttention {
+    /// Rank of the query's low-rank projection, or `None` for a plain
+    /// query projection (DeepSeek V2 Lite).
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed key/value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dimensions without RoPE.
+    pub nope_dim: usize,
+    /// Per-head query/key dimensions with RoPE (shared by all heads on the
+    /// key side).
+    pub rope_dim: usize,
+    /// Per-head value dimension.
+    pub value_dim: usize,
+}
+
+impl LatentAttention {
+    /// A query head's width: `nope_dim + rope_dim`.
+    pub fn query_dim(&self) -> usize {
+        self.nope_dim + self.rope_dim
+    }
+
+    /// Floats one token keeps in one layer's cache: the latent and the
+    /// rotated key part.
+    pub fn cache_width(&self) -> usize {
+        self.kv_lora_rank + self.rope_dim
+    }
+}
+
+/// Reads the attention and RoPE of a DeepSeek V3 `config.json` into `config`
+/// (whose `head_dim` becomes the rotated width, what RoPE tables need).
+pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result<()> {
+    let q_lora_rank = match v.get("q_lora_rank") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(_) => Some(hf_int(v, "q_lora_rank")?),
+    };
+    let latent = LatentAttention {
+        q_lora_rank,
+        kv_lora_rank: hf_int(v, "kv_lora_rank")?,
+        nope_dim: hf_int(v, "qk_nope_head_dim")?,
+        rope_dim: hf_int(v, "qk_rope_head_dim")?,
+        value_dim: hf_int(v, "v_head_dim")?,
+    };
+    if latent.kv_lora_rank == 0
+        || latent.nope_dim == 0
+        || latent.value_dim == 0
+        || q_lora_rank == Some(0)
+    {
+        return Err(hf_bad(
+            "kv_lora_rank",
+            "latent attention needs non-zero ranks and head dimensions",
+        ));
+    }
+    let widest = [
+        latent.kv_lora_rank,
+        latent.nope_dim,
+        latent.rope_dim,
+        latent.value_dim,
+        q_lora_rank.unwrap_or(0),
+    ];
+    if widest.iter().any(|&w| w > MAX_LATENT_WIDTH) {
+        return Err(hf_bad(
+            "kv_lora_rank",
+            &format!("latent attention wider than {MAX_LATENT_WIDTH} is implausible"),
+        ));
+    }
+    if latent.rope_dim == 0 || !latent.rope_dim.is_multiple_of(2) {
+        return Err(hf_bad(
+            "qk_rope_head_dim",
+            "expected an even number above 0",
+        ));
+    }
+    if v.get("attention_bias").and_then(serde_json::Value::as_bool) == Some(true) {
+        return Err(hf_bad(
+            "attention_bias",
+            "latent attention with biases is not supported",
+        ));
+    }
+    config.head_dim = latent.rope_dim;
+    config.kv_heads = config.heads;
+    let mut scale = 1.0 / (latent.query_dim() as f64).sqrt();
+    match v.get("rope_scaling") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(scaling) => {
+            let kind = scaling
+                .get("type")
+                .or_else(|| scaling.get("rope_type"))
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("default");
+            match kind {
+                "default" => {}
+                "yarn" | "deepseek_yarn" => {
+                    let yarn = Yarn::from_hf(scaling, config.context_length)?;
+                    // The rotated parts would be scaled apart from the rest.
+                    if (yarn.attention_factor - 1.0).abs() > 1e-6 {
+                        return Err(hf_bad(
+                            "rope_scaling",
+                            "YaRN whose mscale differs from mscale_all_dim is not supported \
+                             with latent attention",
+                        ));
+                    }
+                    let all_dims = hf_float(scaling, "mscale_all_dim", 0.0)?;
+                    if all_dims != 0.0 && yarn.factor > 1.0 {
+                        let m = 0.1 * all_dims * f64::from(yarn.factor).ln() + 1.0;
+                        scale *= m * m;
+                    }
+                    config.yarn = Some(yarn);
+                }
+                other => {
+                    return Err(hf_bad(
+                        "rope_scaling",
+                        &format!(
+                            "RoPE scaling {other:?} is not supported for deepseek_v3 (yarn is)"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    config.attention_scale = scale as f32;
+    config.latent = Some(latent);
+    Ok(())
+}
+
+/// Reads the experts of a DeepSeek V3 `config.json`, or `None` when it has
+/// none (`n_routed_experts` absent or null).
+pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<Moe>> {
+    if v.get("n_routed_experts")
+        .is_none_or(serde_json::Value::is_null)
+    {
+        return Ok(None);
+    }
+    let text = |key: &str, default: &'static str| -> Result<String> {
+        match v.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(default.to_string()),
+            Some(x) => x
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| hf_bad(key, "expected a string")),
+        }
+    };
+    let method = text("topk_method", "noaux_tc")?;
+    if method != "noaux_tc" {
+        return Err(hf_bad(
+            "topk_method",
+            &format!("{method:?} is not supported (noaux_tc, DeepSeek V3's, is)"),
+        ));
+    }
+    let scoring = text("scoring_func", "sigmoid")?;
+    if scoring != "sigmoid" {
+        return Err(hf_bad(
+            "scoring_func",
+            &format!("{scoring:?} is not supported (sigmoid is)"),
+        ));
+    }
+    let optional = |key: &str, default: usize| -> Result<usize> {
+        match v.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(default),
+            Some(_) => hf_int(v, key),
+        }
+    };
+    let first_dense = optional("first_k_dense_replace", 0)?;
+    let step = optional("moe_layer_freq", 1)?;
+    if step == 0 {
+        return Err(hf_bad("moe_layer_freq", "expected at least 1"));
+    }
+    let expert_width = hf_int(v, "moe_intermediate_size")?;
+    let shared = optional("n_shared_experts", 0)?;
+    Moe {
+        experts: hf_int(v, "n_routed_experts")?,
+        experts_per_token: hf_int(v, "num_experts_per_tok")?,
+        expert_intermediate_size: expert_width,
+        normalize: v
+            .get("norm_topk_prob")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true),
+        dense_layers: (0..config.layers)
+            .filter(|&l| l < first_dense || !l.is_multiple_of(step))
+            .collect(),
+        shared_expert: (shared > 0).then_some(shared * expert_width),
+        shared_gate: false,
+        bias: false,
+        routing: Routing::SigmoidGroups {
+            groups: optional("n_group", 1)?,
+            top_groups: optional("topk_group", 1)?,
+            scale: hf_float(v, "routed_scaling_factor", 1.0)? as f32,
+        },
+    }
+    .check("config.json n_group")
+    .map(Some)
+}
+
+/// The `config.json` keys of DeepSeek V3's experts (one shared expert of
+/// the whole shared width).
+pub(super) fn moe_to_hf_json(moe: &Moe) -> serde_json::Value {
+    let (groups, top_groups, scale) = match moe.routing {
+        Routing::SigmoidGroups {
+            groups,
+            top_groups,
+            scale,
+        } => (groups, top_groups, scale),
+        Routing::Softmax => (1, 1, 1.0),
+    };
+    let first_dense = (moe.dense_layers.iter().enumerate())
+        .take_while(|&(i, &l)| i == l)
+        .count();
+    serde_json::json!({
+        "n_routed_experts": moe.experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "moe_intermediate_size": moe.expert_intermediate_size,
+        "n_shared_experts": moe.shared_expert.map_or(0, |w| w / moe.expert_intermediate_size),
+        "norm_topk_prob": moe.normalize,
+        "first_k_dense_replace": first_dense,
+        "n_group": groups,
+        "topk_group": top_groups,
+        "routed_scaling_factor": scale,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    })
+}
+
+/// DeepSeek's `rope_scaling` for `yarn`: its own keys, and `mscale` and
+/// `mscale_all_dim` as the attention scale implies them.
+pub(super) fn yarn_to_hf_json(
+    yarn: Yarn,
+    attention_scale: f32,
+    latent: &LatentAttention,
+) -> serde_json::Value {
+    let mut json = yarn.to_hf_json();
+    let squared = f64::from(attention_scale) * (latent.query_dim() as f64).sqrt();
+    let ln = f64::from(yarn.factor).ln();
+    let all_dims = if ln > 0.0 {
+        (squared.sqrt() - 1.0) / (0.1 * ln)
+    } else {
+        0.0
+    };
+    json["mscale"] = all_dims.into();
+    json["mscale_all_dim"] = all_dims.into();
+    json
+}
+
+/// The `config.json` keys of latent attention.
+pub(super) fn latent_to_hf_json(latent: &LatentAttention) -> serde_json::Value {
+    serde_json::json!({
+        "q_lora_rank": latent.q_lora_rank,
+        "kv_lora_rank": latent.kv_lora_rank,
+        "qk_nope_head_dim": latent.nope_dim,
+        "qk_rope_head_dim": latent.rope_dim,
+        "v_head_dim": latent.value_dim,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Architecture, ModelConfig, Routing};
+
+    /// DeepSeek V3's own configuration (671B).
+    fn v3() -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168, "num_hidden_layers": 61, "intermediate_size": 18432,
+            "num_attention_heads": 128, "num_key_value_heads": 128,
+            "vocab_size": 129280, "max_position_embeddings": 163840,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+            "norm_topk_prob": true, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+        })
+    }
+
+    #[test]
+    fn deepseek_v3_reads_its_latent_attention_routing_and_yarn() {
+        let c = ModelConfig::from_hf_json(&v3()).unwrap();
+        assert_eq!(c.architecture, Architecture::DeepSeekV3);
+        let latent = c.latent.unwrap();
+        assert_eq!(
+            (latent.q_lora_rank, latent.cache_width()),
+            (Some(1536), 576)
+        );
+        assert_eq!(c.head_dim, 64);
+        // 576 f32 per token and layer.
+        assert_eq!(c.kv_bytes_per_token_per_layer(), 576 * 4);
+        let m = 0.1 * 40f32.ln() + 1.0;
+        assert!((c.attention_scale - m * m / 192f32.sqrt()).abs() < 1e-6);
+        assert_eq!(c.yarn.unwrap().original_context, 4096);
+        let moe = c.moe.clone().unwrap();
+        assert_eq!(moe.dense_layers, vec![0, 1, 2]);
+        assert_eq!(moe.shared_expert, Some(2048));
+        assert!(!moe.shared_gate);
+        assert_eq!(
+            moe.routing,
+            Routing::SigmoidGroups {
+                groups: 8,
+                top_groups: 4,
+                scale: 2.5
+            }
+        );
+        let back = ModelConfig::from_hf_json(&c.to_hf_json(false)).unwrap();
+        assert_eq!(back.moe, c.moe);
+        assert_eq!(back.latent, c.latent);
+        assert_eq!(back.yarn, c.yarn);
+        assert!((back.attention_scale - c.attention_scale).abs() < 1e-7);
+        // Kimi K2 names itself so, with the same classes.
+        let mut k2 = v3();
+        k2["model_type"] = "kimi_k2".into();
+        let k2 = ModelConfig::from_hf_json(&k2).unwrap();
+        assert_eq!(k2.architecture, Architecture::DeepSeekV3);
+    }
+
+    #[test]
+    fn impossible_deepseek_configurations_name_themselves() {
+        let bad = |key: &str, value: serde_json::Value, want: &str| {
+            let mut v = v3();
+            v[key] = value;
+            let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+            assert!(e.contains(want), "{key}: {e}");
+        };
+        bad("n_group", 7.into(), "cannot be routed");
+        bad("topk_group", 9.into(), "cannot be routed");
+        bad("num_experts_per_tok", 300.into(), "experts per token");
+        bad("scoring_func", "softmax".into(), "scoring_func");
+        bad("topk_method", "greedy".into(), "topk_method");
+        bad("qk_rope_head_dim", 63.into(), "qk_rope_head_dim");
+        bad("kv_lora_rank", 0.into(), "kv_lora_rank");
+        bad(
+            "rope_scaling",
+            serde_json::json!({"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096}),
+            "mscale",
+        );
+        bad(
+            "rope_scaling",
+            serde_json::json!({"type": "dynamic", "factor": 2}),
+            "\"dynamic\" is not supported",
+        );
+    }
+}
