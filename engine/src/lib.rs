@@ -38,6 +38,7 @@ pub mod names;
 pub mod pipeline;
 pub mod prefix;
 pub mod reasoning;
+mod routing;
 pub mod sampler;
 pub mod stage;
 pub mod stop;

@@ -431,49 +431,94 @@ fn qwen2_moe_matches_mlx_lm_on_every_engine_format_and_split() {
     check_family("qwen2_moe", every_boundary);
 }
 
-/// DeepSeek V3 (Kimi K2's family) on candle from safetensors, at every
-/// boundary (the dense layer against the routed ones): latent attention
-/// with its compressed cache, YaRN on interleaved pairs, sigmoid routing
-/// within groups with a choice bias, a shared expert. MLX refuses it by
-/// name for now.
+/// DeepSeek V3 (Kimi K2's family) from safetensors on both engines, at
+/// every boundary (the dense layer against the routed ones): latent
+/// attention with its compressed cache, YaRN on interleaved pairs, sigmoid
+/// routing within groups with a choice bias, a shared expert.
 #[test]
-fn deepseek_v3_matches_mlx_lm_on_candle_at_every_split() {
+fn deepseek_v3_matches_mlx_lm_on_both_engines_at_every_split() {
     let t = tiny("deepseek_v3");
-    let load = candle(&t.mlx);
-    check_splits(
-        "deepseek_v3 on candle, safetensors",
-        &load,
-        &t,
-        &every_boundary(t.layers),
-    );
+    check_model("deepseek_v3", &t, every_boundary);
     // Its cache holds one row of latent and rotated key per token and layer.
-    let stage = load(StageLayout::new(0..t.layers, t.layers).unwrap());
-    let per_token = stage.config().kv_bytes_per_token_per_layer();
-    assert_eq!(per_token, (32 + 16) * 4);
+    let stage = candle(&t.mlx)(StageLayout::new(0..t.layers, t.layers).unwrap());
+    assert_eq!(stage.config().kv_bytes_per_token_per_layer(), (32 + 16) * 4);
+}
+
+/// DeepSeek V3's latent cache rows go through the prefix cache: a prompt of
+/// two whole blocks and a few tokens, run again after its first sequence
+/// left, starts from the cached blocks and gives the same logits.
+#[test]
+fn deepseek_v3_starts_from_cached_latent_blocks_on_both_engines() {
+    use shardplane_engine::{StageInput, StageOutput};
+    let t = tiny("deepseek_v3");
+    let options = LoadOptions {
+        dequantize: true,
+        prefix_cache_bytes: 64 << 20,
+        ..Default::default()
+    };
+    let block = shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS;
+    let prompt: Vec<u32> = (0..2 * block as u32 + 6)
+        .map(|i| (i * 37 + 11) % 256)
+        .collect();
+    let logits = |out: StageOutput| match out {
+        StageOutput::Logits(l) => l,
+        StageOutput::Hidden(_) => panic!("a whole model gives logits"),
+    };
+    let mut engines: Vec<(&str, Box<dyn Stage>)> = vec![(
+        "candle",
+        Box::new(CandleStage::load(&t.mlx, StageLayout::whole(t.layers), &options).unwrap()),
+    )];
     #[cfg(feature = "mlx")]
-    {
-        use shardplane_engine::mlx::MlxStage;
-        let e = MlxStage::load(
-            &t.mlx,
-            StageLayout::new(0..t.layers, t.layers).unwrap(),
-            &LoadOptions::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("deepseek_v3 on the MLX engine"), "{e}");
+    engines.push((
+        "MLX",
+        Box::new(
+            shardplane_engine::mlx::MlxStage::load(&t.mlx, StageLayout::whole(t.layers), &options)
+                .unwrap(),
+        ),
+    ));
+    for (engine, mut stage) in engines {
+        let whole = logits(
+            stage
+                .forward(1, StageInput::Tokens(prompt.clone()))
+                .unwrap(),
+        );
+        assert!(stage.release(1));
+        let reused = stage.reuse_prefix(2, &prompt);
+        assert_eq!(
+            reused,
+            2 * block,
+            "{engine}: the whole blocks come from the cache"
+        );
+        let rest = StageInput::Tokens(prompt[reused..].to_vec());
+        let again = logits(stage.forward(2, rest).unwrap());
+        let g = gap(&again, &whole);
+        assert!(
+            g < 1e-5,
+            "{engine}: {g} of the logit range from the uncached run"
+        );
+        assert_eq!(stage.prefix_cache().hit_tokens, 2 * block as u64);
     }
+}
+
+/// DeepSeek V3 as checkpoints converted by older mlx-lm hold it: the per-head
+/// maps joined in one `kv_b_proj`, split when loaded.
+#[test]
+fn a_deepseek_v3_with_a_joined_kv_b_proj_matches_mlx_lm_on_both_engines() {
+    check_model(
+        "deepseek_v3 with kv_b_proj",
+        &tiny("deepseek_v3_kv_b"),
+        whole_and_first_layer,
+    );
 }
 
 /// DeepSeek V3 as mlx-lm quantizes it (4 bits, groups of 32): the per-head
 /// latent maps are quantized stacks too.
 #[test]
-fn a_4_bit_deepseek_v3_matches_mlx_lm_on_candle() {
-    let t = tiny_quantized("deepseek_v3", 4);
-    check_splits(
-        "deepseek_v3, 4-bit, on candle",
-        &candle(&t.mlx),
-        &t,
-        &whole_and_first_layer(t.layers),
+fn a_4_bit_deepseek_v3_matches_mlx_lm_on_both_engines() {
+    check_model(
+        "deepseek_v3, 4-bit",
+        &tiny_quantized("deepseek_v3", 4),
+        whole_and_first_layer,
     );
 }
 

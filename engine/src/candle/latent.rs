@@ -22,9 +22,6 @@ use super::weights::{Linear, TensorLoader};
 use crate::config::{LatentAttention, ModelConfig};
 use crate::error::{Error, Result};
 
-/// Epsilon of the query's and the latent's norms (fixed by the family).
-const NORM_EPS: f32 = 1e-6;
-
 /// How queries are made.
 enum Query {
     /// One projection (DeepSeek V2 Lite).
@@ -133,9 +130,11 @@ impl LatentWeights {
         let rows = h.dim(0)?;
         let q = match &self.query {
             Query::Plain(q) => q.forward(h)?,
-            Query::LowRank { a, norm, b } => {
-                b.forward(&candle_nn::ops::rms_norm(&a.forward(h)?, norm, NORM_EPS)?)?
-            }
+            Query::LowRank { a, norm, b } => b.forward(&candle_nn::ops::rms_norm(
+                &a.forward(h)?,
+                norm,
+                LatentAttention::NORM_EPS,
+            )?)?,
         };
         let q = q.reshape((rows, self.heads, w.query_dim()))?;
         let q_nope = q.narrow(2, 0, w.nope_dim)?.transpose(0, 1)?.contiguous()?;
@@ -151,7 +150,7 @@ impl LatentWeights {
         let latent = candle_nn::ops::rms_norm(
             &kv.narrow(1, 0, w.kv_lora_rank)?.contiguous()?,
             &self.kv_norm,
-            NORM_EPS,
+            LatentAttention::NORM_EPS,
         )?;
         let k_rope = kv
             .narrow(1, w.kv_lora_rank, w.rope_dim)?

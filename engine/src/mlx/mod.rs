@@ -25,6 +25,7 @@ mod array;
 pub mod convert;
 pub mod distributed;
 mod ffi;
+mod latent;
 mod moe;
 mod weights;
 
@@ -37,7 +38,7 @@ pub use array::{
     Array, Dtype, Mask, Quant, QuantMode, TensorMap, attention, blas, dequantize, quantized_matmul,
     rms_norm, rope, version,
 };
-use weights::{LayerWeights, Linear, Loader};
+use weights::{LayerWeights, Linear, Loader, Projections};
 
 use crate::config::{ModelConfig, read_dir_config, safetensors_files};
 use crate::error::{Error, Result};
@@ -58,7 +59,9 @@ pub fn lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One sequence's KV cache in one layer: `[1, kv_heads, capacity, head_dim]`.
+/// One sequence's KV cache in one layer: `[1, kv_heads, capacity, head_dim]`
+/// each (latent attention: `k` the latent, `v` the rotated key part, one
+/// head each).
 struct LayerCache {
     k: Array,
     v: Array,
@@ -125,13 +128,6 @@ impl MlxStage {
         let path = path.as_ref();
         if path.is_dir() {
             let (config, _) = read_dir_config(path)?;
-            if config.latent.is_some() {
-                return Err(Error::UnsupportedArchitecture(
-                    "deepseek_v3 on the MLX engine (its latent attention runs on candle for \
-                     now: `--engine candle`)"
-                        .into(),
-                ));
-            }
             let files = safetensors_files(path)?;
             let _guard = lock();
             let maps = files
@@ -246,7 +242,10 @@ impl MlxStage {
             rope_periods,
             // GGUF Llama permutes Q/K for interleaved RoPE; the converter (and
             // Hugging Face) keep the halves layout.
-            traditional_rope: file_layout == Layout::Gguf && config.architecture.interleaved_rope(),
+            // DeepSeek rotates pairs in both.
+            traditional_rope: (file_layout == Layout::Gguf
+                && config.architecture.interleaved_rope())
+                || config.architecture.traditional_rope(),
             weight_bytes: loader.bytes,
             config,
             layout,
@@ -346,9 +345,22 @@ impl MlxStage {
         }
     }
 
+    /// A layer cache's KV heads, and the floats per head of its keys and of
+    /// its values (latent attention: one head of latent and rotated key).
+    fn cache_widths(&self) -> (usize, usize, usize) {
+        match &self.config.latent {
+            Some(latent) => (1, latent.kv_lora_rank, latent.rope_dim),
+            None => (
+                self.config.kv_heads,
+                self.config.head_dim,
+                self.config.head_dim,
+            ),
+        }
+    }
+
     /// Makes room in `item`'s caches for its new tokens.
     fn reserve(&mut self, item: &Item) -> Result<()> {
-        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let (kvh, kw, vw) = self.cache_widths();
         let layers = self.layers.len();
         let cache = self
             .sequences
@@ -365,7 +377,7 @@ impl MlxStage {
         }
         let capacity = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
         for slot in &mut cache.layers {
-            let grown = |old: Option<&Array>| -> Result<Array> {
+            let grown = |old: Option<&Array>, hd: usize| -> Result<Array> {
                 let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
                 match old {
                     Some(old) if item.position > 0 => {
@@ -375,8 +387,8 @@ impl MlxStage {
                     _ => Ok(fresh),
                 }
             };
-            let k = grown(slot.as_ref().map(|c| &c.k))?;
-            let v = grown(slot.as_ref().map(|c| &c.v))?;
+            let k = grown(slot.as_ref().map(|c| &c.k), kw)?;
+            let v = grown(slot.as_ref().map(|c| &c.v), vw)?;
             *slot = Some(LayerCache { k, v });
         }
         cache.capacity = capacity;
@@ -390,9 +402,6 @@ impl MlxStage {
         let w = &self.layers[l];
         let shape = cfg.layer_attention(self.layout.layers.start + l);
         let h = rms_norm(x, &w.attn_norm, eps)?;
-        let q = w.q.forward(&h)?;
-        let k = w.k.forward(&h)?;
-        let v = w.v.forward(&h)?;
         let scale = cfg.attention_scale;
         let periods = self.rope_periods[l].as_ref();
         // Periods made at load hold the linear scale already.
@@ -401,6 +410,45 @@ impl MlxStage {
             None => 1.0 / shape.rope_scale,
         };
         let mut ys = Vec::with_capacity(items.len());
+        let rotate_at = |t: &Array, pos: usize| {
+            rope(
+                t,
+                hd,
+                self.traditional_rope,
+                shape.rope_theta,
+                rope_scale,
+                pos,
+                periods,
+            )
+        };
+        let (q, k, v, q_norm, k_norm) = match &w.projections {
+            Projections::Heads {
+                q,
+                k,
+                v,
+                q_norm,
+                k_norm,
+            } => (
+                q.forward(&h)?,
+                k.forward(&h)?,
+                v.forward(&h)?,
+                q_norm.as_ref(),
+                k_norm.as_ref(),
+            ),
+            Projections::Latent(latent) => {
+                let rows = latent.project(&h)?;
+                for item in items {
+                    let cache = self
+                        .sequences
+                        .get_mut(&item.seq)
+                        .and_then(|s| s.layers[l].as_mut())
+                        .expect("reserved before the layers");
+                    let rotate = |t: &Array| rotate_at(t, item.position);
+                    ys.push(latent.attend((&rows.0, &rows.1), item, cache, &rotate, scale)?);
+                }
+                return self.finish_layer(l, x, items, ys);
+            }
+        };
         for item in items {
             let (n, pos) = (item.len, item.position);
             // Rows of this sequence as [1, heads, n, head_dim].
@@ -412,22 +460,10 @@ impl MlxStage {
                 }
                 r.transpose(&[0, 2, 1, 3])
             };
-            let qi = split(&q, heads, w.q_norm.as_ref())?;
-            let ki = split(&k, kvh, w.k_norm.as_ref())?;
+            let qi = split(&q, heads, q_norm)?;
+            let ki = split(&k, kvh, k_norm)?;
             let vi = split(&v, kvh, None)?;
-            let rotate = |t: &Array| {
-                let theta = shape.rope_theta;
-                rope(
-                    t,
-                    hd,
-                    self.traditional_rope,
-                    theta,
-                    rope_scale,
-                    pos,
-                    periods,
-                )
-            };
-            let (qi, ki) = (rotate(&qi)?, rotate(&ki)?);
+            let (qi, ki) = (rotate_at(&qi, pos)?, rotate_at(&ki, pos)?);
             let cache = self
                 .sequences
                 .get_mut(&item.seq)
@@ -455,6 +491,22 @@ impl MlxStage {
             let y = attention(&qi, &keys, &values, scale, mask, w.sinks.as_ref())?;
             ys.push(y.transpose(&[0, 2, 1, 3])?.reshape(&[n, heads * hd])?);
         }
+        self.finish_layer(l, x, items, ys)
+    }
+
+    /// The rest of layer `l` once each sequence's attention rows `ys` are
+    /// made: the output projection, the feed-forward block, and the
+    /// evaluation that writes the caches.
+    fn finish_layer(
+        &self,
+        l: usize,
+        x: &Array,
+        items: &[Item],
+        mut ys: Vec<Array>,
+    ) -> Result<Array> {
+        let cfg = &self.config;
+        let eps = cfg.rms_eps as f32;
+        let w = &self.layers[l];
         let y = if ys.len() == 1 {
             ys.pop().expect("one item")
         } else {
@@ -545,7 +597,7 @@ impl Stage for MlxStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
-        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let (kvh, kw, vw) = self.cache_widths();
         let block_tokens = self.prefix.block_tokens();
         let _guard = lock();
         let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
@@ -557,7 +609,7 @@ impl Stage for MlxStage {
         let seeded = (|| -> Result<Vec<Option<LayerCache>>> {
             let mut layers = Vec::with_capacity(self.layers.len());
             for l in 0..self.layers.len() {
-                let fill = |part: fn(&LayerCache) -> &Array| -> Result<Array> {
+                let fill = |part: fn(&LayerCache) -> &Array, hd: usize| -> Result<Array> {
                     let parts: Vec<&Array> = blocks.iter().map(|b| part(&b[l])).collect();
                     let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
                     fresh.slice_update(
@@ -566,7 +618,7 @@ impl Stage for MlxStage {
                         &[1, kvh, held, hd],
                     )
                 };
-                let (k, v) = (fill(|c| &c.k)?, fill(|c| &c.v)?);
+                let (k, v) = (fill(|c| &c.k, kw)?, fill(|c| &c.v, vw)?);
                 Array::eval(&[&k, &v])?;
                 layers.push(Some(LayerCache { k, v }));
             }
@@ -600,12 +652,12 @@ impl Stage for MlxStage {
         if cache.tokens.len() != cache.position {
             return;
         }
-        let (kvh, hd) = (self.config.kv_heads, self.config.head_dim);
+        let (kvh, kw, vw) = self.cache_widths();
         let _guard = lock();
         let stored = self.prefix.insert(&cache.tokens, |range| {
             let n = range.len();
             // A copy of the block, so the sequence's whole cache is not kept.
-            let copy = |a: &Array| -> Result<Array> {
+            let copy = |a: &Array, hd: usize| -> Result<Array> {
                 let part = a.slice(&[0, 0, range.start, 0], &[1, kvh, range.end, hd])?;
                 Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
                     &part,
@@ -616,7 +668,7 @@ impl Stage for MlxStage {
             let mut layers = Vec::with_capacity(cache.layers.len());
             let mut bytes = 0;
             for c in cache.layers.iter().flatten() {
-                let (k, v) = (copy(&c.k)?, copy(&c.v)?);
+                let (k, v) = (copy(&c.k, kw)?, copy(&c.v, vw)?);
                 Array::eval(&[&k, &v])?;
                 bytes += k.nbytes() + v.nbytes();
                 layers.push(LayerCache { k, v });

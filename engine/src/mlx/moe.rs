@@ -1,5 +1,6 @@
 //! The feed-forward block of a layer on MLX: dense, or a mixture of experts
-//! whose routing and expert products stay in MLX's graph (no read-back).
+//! whose routing and expert products stay in MLX's graph (no read-back),
+//! but for DeepSeek's group routing, chosen on the host.
 //!
 //! ```text
 //!  x [T, H] ──► router ──► route: ids [T, k], weights [T, k]
@@ -8,9 +9,9 @@
 //! ```
 
 use super::array::Quant;
-use super::array::{Array, gather_matmul, gather_quantized_matmul, route};
+use super::array::{Array, Dtype, gather_matmul, gather_quantized_matmul, route};
 use super::weights::Linear;
-use crate::config::Activation;
+use crate::config::{Activation, Routing};
 use crate::error::Result;
 
 /// A layer's feed-forward block.
@@ -36,6 +37,10 @@ pub(super) struct Experts {
     pub(super) per_token: usize,
     /// Whether the chosen experts' weights are renormalised to sum to one.
     pub(super) normalize: bool,
+    /// How the router's logits choose.
+    pub(super) routing: Routing,
+    /// A bias per expert on the choice's scores (DeepSeek V3).
+    pub(super) choice_bias: Option<Vec<f32>>,
     /// The expert every token also goes through (Qwen2-MoE).
     pub(super) shared: Option<SharedExpert>,
 }
@@ -43,7 +48,7 @@ pub(super) struct Experts {
 /// A shared expert behind a sigmoid gate of its own.
 pub(super) struct SharedExpert {
     /// hidden → the gate's logit.
-    pub(super) gate_inp: Linear,
+    pub(super) gate_inp: Option<Linear>,
     pub(super) gate: Linear,
     pub(super) up: Linear,
     pub(super) down: Linear,
@@ -110,10 +115,50 @@ impl FeedForward {
 }
 
 impl Experts {
+    /// Experts per row of router logits.
+    fn router_width(&self, logits: &Array) -> Result<usize> {
+        logits
+            .shape()
+            .last()
+            .copied()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| crate::error::Error::Mlx("router logits without experts".into()))
+    }
+
     fn forward(&self, x: &Array, activation: Activation) -> Result<Array> {
         let shape = x.shape();
         let (tokens, hidden, k) = (shape[0], shape[1], self.per_token);
-        let (ids, weights) = route(&self.router.forward(x)?, k, self.normalize)?;
+        let logits = self.router.forward(x)?;
+        let (ids, weights) = match self.routing {
+            Routing::Softmax => route(&logits, k, self.normalize)?,
+            // Chosen on the host (a few numbers per token).
+            Routing::SigmoidGroups {
+                groups,
+                top_groups,
+                scale,
+            } => {
+                let experts = self.router_width(&logits)?;
+                let all = logits.astype(Dtype::F32)?.to_f32()?;
+                let (mut ids, mut weights) = (Vec::new(), Vec::new());
+                for row in all.chunks(experts) {
+                    for (e, w) in crate::routing::route_groups(
+                        row,
+                        self.choice_bias.as_deref().unwrap_or(&[]),
+                        (groups, top_groups),
+                        k,
+                        self.normalize,
+                        scale,
+                    ) {
+                        ids.push(e as u32);
+                        weights.push(w);
+                    }
+                }
+                (
+                    Array::from_u32(&ids, &[tokens, k])?,
+                    Array::from_f32(&weights, &[tokens, k])?,
+                )
+            }
+        };
         let x = x.reshape(&[tokens, 1, 1, hidden])?;
         let h = glu(
             &self.gate.forward(&x, &ids)?,
@@ -133,7 +178,12 @@ impl Experts {
         let shared = s
             .down
             .forward(&glu(&s.gate.forward(&x)?, &s.up.forward(&x)?, activation)?)?;
-        let gate = s.gate_inp.forward(&x)?.sigmoid()?;
-        routed.add(&shared.multiply(&gate)?)
+        match &s.gate_inp {
+            Some(gate_inp) => {
+                let gate = gate_inp.forward(&x)?.sigmoid()?;
+                routed.add(&shared.multiply(&gate)?)
+            }
+            None => routed.add(&shared),
+        }
     }
 }

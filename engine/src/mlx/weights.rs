@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 
 use super::array::{Array, Dtype, Quant, QuantMode, TensorMap, dequantize, quantized_matmul};
+use super::latent::LatentWeights;
 use super::moe::{Experts, FeedForward, SharedExpert, Stacked};
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, ModelConfig, Routing};
 use crate::error::{Error, Result};
 use crate::names::{Layout, Part, Weight};
 
@@ -53,15 +54,26 @@ impl Linear {
     }
 }
 
+/// How a layer makes its queries, keys and values.
+pub(super) enum Projections {
+    /// Query, key and value heads, with per-head query and key norms in
+    /// some families.
+    Heads {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        q_norm: Option<Array>,
+        k_norm: Option<Array>,
+    },
+    /// Multi-head latent attention (DeepSeek V3).
+    Latent(Box<LatentWeights>),
+}
+
 /// One transformer layer's weights.
 pub(super) struct LayerWeights {
     pub(super) attn_norm: Array,
-    pub(super) q: Linear,
-    pub(super) k: Linear,
-    pub(super) v: Linear,
+    pub(super) projections: Projections,
     pub(super) o: Linear,
-    pub(super) q_norm: Option<Array>,
-    pub(super) k_norm: Option<Array>,
     pub(super) ffn_norm: Array,
     /// Norms of the attention and feed-forward outputs (Gemma).
     pub(super) post_attn_norm: Option<Array>,
@@ -315,18 +327,30 @@ impl Loader {
         let (h, q, kv) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let norms = c.architecture.qk_norm() || self.has(l(Part::QNorm));
         let sandwich = c.architecture.post_norms();
+        let (projections, o) = match &c.latent {
+            Some(latent) => (
+                Projections::Latent(Box::new(LatentWeights::load(self, n, c, latent)?)),
+                self.linear(l(Part::O), h, c.heads * latent.value_dim)?,
+            ),
+            None => (
+                Projections::Heads {
+                    q: self.linear(l(Part::Q), q, h)?,
+                    k: self.linear(l(Part::K), kv, h)?,
+                    v: self.linear(l(Part::V), kv, h)?,
+                    q_norm: norms
+                        .then(|| self.vector(l(Part::QNorm), c.head_dim))
+                        .transpose()?,
+                    k_norm: norms
+                        .then(|| self.vector(l(Part::KNorm), c.head_dim))
+                        .transpose()?,
+                },
+                self.linear(l(Part::O), h, q)?,
+            ),
+        };
         Ok(LayerWeights {
             attn_norm: self.vector(l(Part::AttnNorm), h)?,
-            q: self.linear(l(Part::Q), q, h)?,
-            k: self.linear(l(Part::K), kv, h)?,
-            v: self.linear(l(Part::V), kv, h)?,
-            o: self.linear(l(Part::O), h, q)?,
-            q_norm: norms
-                .then(|| self.vector(l(Part::QNorm), c.head_dim))
-                .transpose()?,
-            k_norm: norms
-                .then(|| self.vector(l(Part::KNorm), c.head_dim))
-                .transpose()?,
+            projections,
+            o,
             ffn_norm: self.vector(l(Part::FfnNorm), h)?,
             post_attn_norm: sandwich
                 .then(|| self.vector(l(Part::PostAttnNorm), h))
@@ -357,9 +381,28 @@ impl Loader {
                         down: self.stacked(l(Part::ExpertDown), (e, h, width), moe.bias)?,
                         per_token: moe.experts_per_token,
                         normalize: moe.normalize,
+                        routing: moe.routing,
+                        choice_bias: match moe.routing {
+                            Routing::SigmoidGroups { .. } => {
+                                let name = l(Part::ExpertBias).tensor(
+                                    self.layout,
+                                    self.architecture,
+                                    "bias",
+                                );
+                                let b = self.get(&name)?;
+                                if b.shape() != [e] {
+                                    return Err(self.bad_shape(&name, &b, &format!("[{e}]")));
+                                }
+                                Some(b.astype(Dtype::F32)?.to_f32()?)
+                            }
+                            Routing::Softmax => None,
+                        },
                         shared: match moe.shared_expert {
                             Some(w) => Some(SharedExpert {
-                                gate_inp: self.row(l(Part::SharedGateInp), h)?,
+                                gate_inp: match moe.shared_gate {
+                                    true => Some(self.row(l(Part::SharedGateInp), h)?),
+                                    false => None,
+                                },
                                 gate: self.linear(l(Part::SharedGate), w, h)?,
                                 up: self.linear(l(Part::SharedUp), w, h)?,
                                 down: self.linear(l(Part::SharedDown), h, w)?,

@@ -251,6 +251,10 @@ FAMILIES["deepseek_v3"] = {
     "tie_word_embeddings": False,
 }
 
+# The same model as checkpoints converted before mlx-lm split the latent
+# maps write it: one kv_b_proj per layer instead of embed_q and unembed_out.
+FAMILIES["deepseek_v3_kv_b"] = FAMILIES["deepseek_v3"]
+
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
 FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
@@ -304,9 +308,23 @@ def reference(model):
     return {"prompt": PROMPT, "tokens": out[:STEPS], "logits": rows, "margins": margins}
 
 
-def write_mlx(config, model, out):
+def joined_kv_b(weights):
+    """embed_q [heads, latent, nope] and unembed_out [heads, v, latent] as
+    the one kv_b_proj [heads × (nope + v), latent] they were split from."""
+    for name in [n for n in weights if n.endswith("self_attn.embed_q.weight")]:
+        prefix = name[: -len("embed_q.weight")]
+        k = weights.pop(name).swapaxes(1, 2)
+        v = weights.pop(prefix + "unembed_out.weight")
+        kv_b = mx.concatenate([k, v], axis=1)
+        weights[prefix + "kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+    return weights
+
+
+def write_mlx(config, model, out, family=None):
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
+    if family == "deepseek_v3_kv_b":
+        weights = joined_kv_b(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return weights
@@ -601,7 +619,7 @@ def main():
     dense = {k: np.array(v, dtype=np.float32) for k, v in tree_flatten(model.parameters())}
     if qtype is not None:
         round_trip_blocks(model, qtype)
-    write_mlx(config, model, out / "mlx")
+    write_mlx(config, model, out / "mlx", family)
     write_tokenizer_files(out / "mlx", config["vocab_size"], harmony=family == "gpt_oss")
     if family in GGUF_ARCH and (quant is None or qtype is not None):
         write_gguf(family, config, dense, out / "model.gguf", qtype)

@@ -40,6 +40,10 @@ pub struct LatentAttention {
 }
 
 impl LatentAttention {
+    /// Epsilon of the query's and the latent's RMS norms (fixed by the
+    /// family, whatever `rms_norm_eps` says).
+    pub const NORM_EPS: f32 = 1e-6;
+
     /// A query head's width: `nope_dim + rope_dim`.
     pub fn query_dim(&self) -> usize {
         self.nope_dim + self.rope_dim
