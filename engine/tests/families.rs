@@ -431,7 +431,7 @@ fn qwen2_moe_matches_mlx_lm_on_every_engine_format_and_split() {
     check_family("qwen2_moe", every_boundary);
 }
 
-/// DeepSeek V3 (Kimi K2's family) from safetensors on both engines, at
+/// DeepSeek V3 (Kimi K2's family) on both engines from both formats, at
 /// every boundary (the dense layer against the routed ones): latent
 /// attention with its compressed cache, YaRN on interleaved pairs, sigmoid
 /// routing within groups with a choice bias, a shared expert.
@@ -441,7 +441,7 @@ fn deepseek_v3_matches_mlx_lm_on_both_engines_at_every_split() {
     check_model("deepseek_v3", &t, every_boundary);
     // Its cache holds one row of latent and rotated key per token and layer.
     let stage = candle(&t.mlx)(StageLayout::new(0..t.layers, t.layers).unwrap());
-    assert_eq!(stage.config().kv_bytes_per_token_per_layer(), (32 + 16) * 4);
+    assert_eq!(stage.config().kv_bytes_per_token_per_layer(), (64 + 16) * 4);
 }
 
 /// DeepSeek V3's latent cache rows go through the prefix cache: a prompt of
@@ -646,6 +646,7 @@ fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
         "llama3",
         "qwen2_yarn",
         "gpt_oss",
+        "deepseek_v3",
     ] {
         check_against_llama_cpp(family);
     }

@@ -47,12 +47,6 @@ pub struct Unresolved {
     pub message: String,
 }
 
-/// Bytes of KV cache one token takes in one layer, as the engines hold it (f32
-/// keys and values).
-pub fn kv_bytes_per_token_per_layer(kv_heads: u64, head_dim: u64) -> u64 {
-    8u64.saturating_mul(kv_heads).saturating_mul(head_dim)
-}
-
 /// The most layers a model may claim (the largest models have about 130).
 pub const MAX_LAYERS: u64 = 4096;
 /// The widest hidden state, head count or head dimension a model may claim
@@ -259,7 +253,8 @@ fn status_from_gguf(
         .map_or(c.context_length as u32, |max| {
             max.min(c.context_length as u32)
         });
-    let kv_per_layer = kv_bytes_per_token_per_layer(c.kv_heads as u64, c.head_dim as u64);
+    // Bounded by check_shape (and the latent widths by the reader).
+    let kv_per_layer = c.kv_bytes_per_token_per_layer() as u64;
     Ok(ModelStatus {
         architecture: Some(c.architecture.gguf_name().to_string()),
         layers: Some(layers as u32),

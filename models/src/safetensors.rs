@@ -11,10 +11,7 @@ use shardplane_crds::{ModelSpec, ModelStatus};
 use shardplane_formats::safetensors::HeaderError;
 pub use shardplane_formats::safetensors::{MAX_HEADER, header_len, parse_header};
 
-use crate::{
-    Error, MAX_LAYERS, Unresolved, check_shape, format_unresolved, kv_bytes_per_token_per_layer,
-    off_runtime,
-};
+use crate::{Error, MAX_LAYERS, Unresolved, check_shape, format_unresolved, off_runtime};
 
 /// The longest `config.json` or index accepted.
 const MAX_JSON: u64 = 16 << 20;
@@ -113,13 +110,9 @@ pub fn status_from(
         embedding_bytes: Some(embedding),
         output_bytes: Some(head.saturating_add(sum("model.norm."))),
         kv_bytes_per_token: Some(
-            match parsed.latent {
-                // Latent attention caches one row per token: the latent and
-                // the rotated key part (f32).
-                Some(latent) => (latent.cache_width() as u64).saturating_mul(4),
-                None => kv_bytes_per_token_per_layer(kv_heads, head_dim),
-            }
-            .saturating_mul(layers),
+            // As the engines hold it (f32; latent attention's compressed
+            // row), bounded by check_shape and the reader.
+            (parsed.kv_bytes_per_token_per_layer() as u64).saturating_mul(layers),
         ),
         total_bytes: Some(sum("")),
         layer_bytes,
@@ -315,4 +308,35 @@ pub async fn resolve_repo(
         tensors.extend(parsed);
     }
     status_from(&config, &tensors, spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DeepSeek V3's KV bytes are its compressed row's: 576 floats per token
+    /// and layer, not 128 heads' keys and values.
+    #[test]
+    fn latent_attention_counts_its_compressed_row() {
+        let config = serde_json::json!({
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168, "num_hidden_layers": 61, "intermediate_size": 18432,
+            "num_attention_heads": 128, "num_key_value_heads": 128,
+            "vocab_size": 129280, "max_position_embeddings": 163840,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+        });
+        let tensors = BTreeMap::from([("model.layers.0.mlp.gate.weight".to_string(), 100u64)]);
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "source": {"path": {"path": "/models/deepseek-v3"}},
+            "format": "safetensors",
+        }))
+        .unwrap();
+        let status = status_from(&config, &tensors, &spec).unwrap();
+        assert_eq!(status.kv_bytes_per_token, Some(61 * 576 * 4));
+        assert_eq!(status.experts, Some(256));
+    }
 }

@@ -219,7 +219,7 @@ FAMILIES["deepseek_v3"] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 32,
-    "kv_lora_rank": 32,
+    "kv_lora_rank": 64,
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 16,
     "v_head_dim": 32,
@@ -367,6 +367,24 @@ GEMMA3_LAYER = dict(
     },
 )
 
+# DeepSeek V3's names in llama.cpp's converter (`deepseek2`): the per-head
+# latent maps are its attn_k_b and attn_v_b, the choice bias exp_probs_b.
+DEEPSEEK_LAYER = dict(
+    COMMON_LAYER,
+    **{
+        "self_attn.q_a_proj": "attn_q_a",
+        "self_attn.q_a_layernorm": "attn_q_a_norm",
+        "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+        "self_attn.embed_q": "attn_k_b",
+        "self_attn.unembed_out": "attn_v_b",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    },
+)
+
 GGUF_ARCH = {
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3moe",
@@ -376,6 +394,7 @@ GGUF_ARCH = {
     "llama3": "llama",
     "qwen2_yarn": "qwen2",
     "gpt_oss": "gpt-oss",
+    "deepseek_v3": "deepseek2",
 }
 
 # gpt-oss's names in llama.cpp's converter (the norm before the experts is
@@ -420,6 +439,10 @@ def gguf_name(family, name):
     layer, role, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
     if name.endswith("self_attn.sinks"):
         return f"blk.{layer}.attn_sinks.weight"
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return f"blk.{layer}.exp_probs_b.bias"
+    if family.startswith("deepseek"):
+        return f"blk.{layer}.{DEEPSEEK_LAYER[role]}.weight"
     table = GEMMA3_LAYER if family.startswith("gemma") else COMMON_LAYER
     if family == "gpt_oss":
         table = {**COMMON_LAYER, **GPT_OSS_LAYER}
@@ -541,9 +564,33 @@ def write_gguf(family, config, weights, path, qtype=None):
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if family.startswith("deepseek"):
+        # As llama.cpp's converter writes latent attention: one KV head of
+        # the latent and the rotated part, and the per-head widths apart.
+        rank, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(c["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(c["v_head_dim"])
+        w.add_q_lora_rank(c["q_lora_rank"])
+        w.add_kv_lora_rank(rank)
+        w.add_rope_dimension_count(rope)
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_count(c["n_routed_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(c["n_group"])
+        w.add_expert_group_used_count(c["topk_group"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
+    else:
+        w.add_head_count_kv(c["num_key_value_heads"])
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_theta"])
     if family == "gemma3_text":

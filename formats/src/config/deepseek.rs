@@ -16,7 +16,8 @@
 
 use super::moe::{Moe, Routing};
 use super::{ModelConfig, Yarn, hf_bad, hf_float, hf_int};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::gguf::GgufHeader;
 
 /// The widest rank or head dimension latent attention may claim (DeepSeek
 /// V3's widest is 1536).
@@ -70,44 +71,13 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
         rope_dim: hf_int(v, "qk_rope_head_dim")?,
         value_dim: hf_int(v, "v_head_dim")?,
     };
-    if latent.kv_lora_rank == 0
-        || latent.nope_dim == 0
-        || latent.value_dim == 0
-        || q_lora_rank == Some(0)
-    {
-        return Err(hf_bad(
-            "kv_lora_rank",
-            "latent attention needs non-zero ranks and head dimensions",
-        ));
-    }
-    let widest = [
-        latent.kv_lora_rank,
-        latent.nope_dim,
-        latent.rope_dim,
-        latent.value_dim,
-        q_lora_rank.unwrap_or(0),
-    ];
-    if widest.iter().any(|&w| w > MAX_LATENT_WIDTH) {
-        return Err(hf_bad(
-            "kv_lora_rank",
-            &format!("latent attention wider than {MAX_LATENT_WIDTH} is implausible"),
-        ));
-    }
-    if latent.rope_dim == 0 || !latent.rope_dim.is_multiple_of(2) {
-        return Err(hf_bad(
-            "qk_rope_head_dim",
-            "expected an even number above 0",
-        ));
-    }
     if v.get("attention_bias").and_then(serde_json::Value::as_bool) == Some(true) {
         return Err(hf_bad(
             "attention_bias",
             "latent attention with biases is not supported",
         ));
     }
-    config.head_dim = latent.rope_dim;
-    config.kv_heads = config.heads;
-    let mut scale = 1.0 / (latent.query_dim() as f64).sqrt();
+    let mut scale_squared = 1.0;
     match v.get("rope_scaling") {
         None | Some(serde_json::Value::Null) => {}
         Some(scaling) => {
@@ -131,7 +101,7 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
                     let all_dims = hf_float(scaling, "mscale_all_dim", 0.0)?;
                     if all_dims != 0.0 && yarn.factor > 1.0 {
                         let m = 0.1 * all_dims * f64::from(yarn.factor).ln() + 1.0;
-                        scale *= m * m;
+                        scale_squared = m * m;
                     }
                     config.yarn = Some(yarn);
                 }
@@ -146,9 +116,164 @@ pub(super) fn from_hf(config: &mut ModelConfig, v: &serde_json::Value) -> Result
             }
         }
     }
-    config.attention_scale = scale as f32;
+    apply(config, latent, scale_squared)
+}
+
+/// Reads the attention and RoPE of a DeepSeek V3 GGUF (`deepseek2`, as
+/// llama.cpp's converter writes it: one KV head of latent and rotated part,
+/// the per-head widths in `key_length_mla` and `value_length_mla`) into
+/// `config`.
+pub(super) fn from_gguf(
+    config: &mut ModelConfig,
+    header: &GgufHeader,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let optional = |k: &str| header.get(&key(k)).ok().map(|_| header.get_u32(&key(k)));
+    let rope_dim = header.get_u32(&key("rope.dimension_count"))? as usize;
+    let kv_lora_rank = header.get_u32(&key("attention.kv_lora_rank"))? as usize;
+    if optional("attention.key_length_mla").is_none() {
+        return Err(Error::metadata(
+            key("attention.key_length_mla"),
+            "a deepseek2 file from before llama.cpp split kv_b for latent attention; \
+             convert the model again with a current llama.cpp",
+        ));
+    }
+    let query_dim = header.get_u32(&key("attention.key_length_mla"))? as usize;
+    let latent = LatentAttention {
+        q_lora_rank: optional("attention.q_lora_rank")
+            .transpose()?
+            .map(|r| r as usize),
+        kv_lora_rank,
+        nope_dim: query_dim.saturating_sub(rope_dim),
+        rope_dim,
+        value_dim: header.get_u32(&key("attention.value_length_mla"))? as usize,
+    };
+    let mut scale_squared = 1.0;
+    match header.get_str(&key("rope.scaling.type")) {
+        Err(_) | Ok("none") => {}
+        Ok("yarn") => {
+            let mut yarn = Yarn::from_gguf(header, key, config.context_length)?;
+            // llama.cpp's deepseek2 scales the rotated parts by 1; the
+            // scores by mscale² with mscale = 1 + log_mul · ln factor.
+            yarn.attention_factor = 1.0;
+            let log_mul = match header.get(&key("rope.scaling.yarn_log_multiplier")) {
+                Ok(_) => f64::from(header.get_f32(&key("rope.scaling.yarn_log_multiplier"))?),
+                Err(_) => 0.0,
+            };
+            if yarn.factor > 1.0 {
+                let m = 1.0 + log_mul * f64::from(yarn.factor).ln();
+                scale_squared = m * m;
+            }
+            config.yarn = Some(yarn);
+        }
+        Ok(other) => {
+            return Err(Error::metadata(
+                key("rope.scaling.type"),
+                format!("RoPE scaling {other:?} is not supported for deepseek2 (yarn is)"),
+            ));
+        }
+    }
+    apply(config, latent, scale_squared)
+}
+
+/// Checks `latent`'s widths and sets them, with the score scale (times
+/// `scale_squared`, YaRN's mscale squared), on `config`, whose `head_dim`
+/// becomes the rotated width (what RoPE tables need).
+fn apply(config: &mut ModelConfig, latent: LatentAttention, scale_squared: f64) -> Result<()> {
+    let bad = |detail: &str| Error::metadata("latent attention", detail);
+    let widths = [
+        latent.kv_lora_rank,
+        latent.nope_dim,
+        latent.rope_dim,
+        latent.value_dim,
+        latent.q_lora_rank.unwrap_or(0),
+    ];
+    if widths.iter().any(|&w| w > MAX_LATENT_WIDTH) {
+        return Err(bad(&format!(
+            "kv_lora_rank, q_lora_rank or a head dimension above {MAX_LATENT_WIDTH} is implausible"
+        )));
+    }
+    if latent.kv_lora_rank == 0
+        || latent.nope_dim == 0
+        || latent.value_dim == 0
+        || latent.q_lora_rank == Some(0)
+    {
+        return Err(bad(
+            "kv_lora_rank, q_lora_rank, qk_nope_head_dim and v_head_dim (their GGUF keys \
+             likewise) must be above 0",
+        ));
+    }
+    if latent.rope_dim == 0 || !latent.rope_dim.is_multiple_of(2) {
+        return Err(bad(
+            "qk_rope_head_dim (GGUF rope.dimension_count) must be even and above 0",
+        ));
+    }
+    config.head_dim = latent.rope_dim;
+    config.kv_heads = config.heads;
+    config.attention_scale = (scale_squared / (latent.query_dim() as f64).sqrt()) as f32;
     config.latent = Some(latent);
     Ok(())
+}
+
+/// Reads the experts of a DeepSeek V3 GGUF, or `None` when it has none. A
+/// layer is routed when it has a router tensor.
+pub(super) fn moe_from_gguf(
+    config: &ModelConfig,
+    header: &GgufHeader,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<Moe>> {
+    let experts = header.get_u32(&key("expert_count")).unwrap_or(0) as usize;
+    if experts == 0 {
+        return Ok(None);
+    }
+    let number = |k: &str, default: u32| -> Result<usize> {
+        match header.get(&key(k)) {
+            Ok(_) => Ok(header.get_u32(&key(k))? as usize),
+            Err(_) => Ok(default as usize),
+        }
+    };
+    match number("expert_gating_func", 1)? {
+        2 => {}
+        func => {
+            return Err(Error::metadata(
+                key("expert_gating_func"),
+                format!(
+                    "gating function {func} is not supported for deepseek2 (2, sigmoid, as \
+                     DeepSeek V3 and Kimi K2 route, is; DeepSeek V2's softmax is not)"
+                ),
+            ));
+        }
+    }
+    let width = header.get_u32(&key("expert_feed_forward_length"))? as usize;
+    let shared = number("expert_shared_count", 0)?;
+    let normalize = match header.get(&key("expert_weights_norm")) {
+        Ok(v) => v.as_bool().unwrap_or(false),
+        Err(_) => false,
+    };
+    let scale = match header.get(&key("expert_weights_scale")) {
+        Ok(_) => header.get_f32(&key("expert_weights_scale"))?,
+        Err(_) => 1.0,
+    };
+    let router = |l: usize| format!("blk.{l}.ffn_gate_inp.weight");
+    Moe {
+        experts,
+        experts_per_token: header.get_u32(&key("expert_used_count"))? as usize,
+        expert_intermediate_size: width,
+        normalize,
+        dense_layers: (0..config.layers)
+            .filter(|&l| !header.tensors.contains_key(&router(l)))
+            .collect(),
+        shared_expert: (shared > 0).then_some(shared * width),
+        shared_gate: false,
+        bias: false,
+        routing: Routing::SigmoidGroups {
+            groups: number("expert_group_count", 1)?,
+            top_groups: number("expert_group_used_count", 1)?,
+            scale,
+        },
+    }
+    .check(&key("expert_group_count"))
+    .map(Some)
 }
 
 /// Reads the experts of a DeepSeek V3 `config.json`, or `None` when it has

@@ -71,11 +71,7 @@ impl Architecture {
             "qwen3moe" => Ok(Architecture::Qwen3Moe),
             "qwen2moe" => Ok(Architecture::Qwen2Moe),
             "gpt-oss" => Ok(Architecture::GptOss),
-            "deepseek2" => Err(Error::UnsupportedArchitecture(
-                "deepseek2 (DeepSeek V3 and Kimi K2 from GGUF are not supported yet; their \
-                 safetensors, deepseek_v3 in config.json, are)"
-                    .into(),
-            )),
+            "deepseek2" => Ok(Architecture::DeepSeekV3),
             other => Err(Error::UnsupportedArchitecture(other.to_string())),
         }
     }
@@ -323,9 +319,13 @@ impl ModelConfig {
         match architecture {
             Architecture::Gemma3 => gemma::from_gguf(&mut config, header, &key)?,
             Architecture::GptOss => gpt_oss::from_gguf(&mut config, header, &key)?,
+            Architecture::DeepSeekV3 => deepseek::from_gguf(&mut config, header, &key)?,
             _ => rope::from_gguf(&mut config, header, &key)?,
         }
-        config.moe = moe::from_gguf(&config, header, &key)?;
+        config.moe = match architecture {
+            Architecture::DeepSeekV3 => deepseek::moe_from_gguf(&config, header, &key)?,
+            _ => moe::from_gguf(&config, header, &key)?,
+        };
         if config.moe.is_some() && architecture == Architecture::Llama {
             config.architecture = Architecture::Mixtral;
         } else if config.moe.is_none() && architecture == Architecture::Qwen3Moe {
