@@ -5,22 +5,26 @@
 # llama.cpp's llama-bench on the same GGUF file when LLAMA_BENCH names it.
 #
 #   LLAMA_BENCH=/path/to/llama-bench scripts/bench-families.sh [--threads N] [--runs N]
+#       [--families "deepseek_v3 gpt_oss:gguf_mxfp4 ..."]
 #
 # Families: gemma3_text, qwen3_moe_routed (Qwen3-MoE with every layer routed,
 # as released models are and as llama.cpp requires), mixtral, gpt_oss (f32),
-# and gpt_oss with its experts in GGUF's MXFP4 blocks, as gpt-oss GGUF files
-# come (candle and llama.cpp only: MLX does not read those blocks). Tiny models
+# gpt_oss with its experts in GGUF's MXFP4 blocks, as gpt-oss GGUF files
+# come (candle and llama.cpp only: MLX does not read those blocks), and
+# deepseek_v3 (latent attention, group routing). Tiny models
 # (hidden 64, a few layers) measure per-token overhead more than arithmetic:
 # read the ratios, not the absolute rates. Prints one line per family and
 # engine: medians of tokens/s over the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=1 RUNS=5 PROMPT=64 GEN=64
+FAMILIES="gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4 deepseek_v3"
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) THREADS=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
-    *) echo "usage: $0 [--threads N] [--runs N]" >&2; exit 2 ;;
+    --families) FAMILIES=$2; shift 2 ;;
+    *) echo "usage: $0 [--threads N] [--runs N] [--families LIST]" >&2; exit 2 ;;
   esac
 done
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
@@ -32,7 +36,7 @@ work=$(mktemp -d /tmp/shardplane-families.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
 printf '%-26s %-10s %14s %14s\n' family engine "prefill tok/s" "decode tok/s"
-for entry in gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4; do
+for entry in $FAMILIES; do
   family=${entry%%:*}
   quant=${entry#"$family"}
   quant=${quant#:}

@@ -211,15 +211,17 @@ fn quantized_splits_stay_within_the_quantization_noise() {
 
 /// Mixture-of-experts layers split across ranks: each rank holds every
 /// expert's share of its columns and routes every token itself. Tiny
-/// models of three families (written by `reference/tiny_model.py`, f32
+/// models of four families (written by `reference/tiny_model.py`, f32
 /// GGUF): Qwen3-MoE with a dense layer among the routed ones, Qwen2-MoE
-/// with its gated shared expert, and gpt-oss with biases on the router and
+/// with its gated shared expert, gpt-oss with biases on the router and
 /// every expert (the down projection's added by one rank), attention sinks
-/// and sliding layers. Two KV heads each: two ranks, even and 2:1.
+/// and sliding layers, and DeepSeek V3, whose ranks take whole heads of its
+/// latent attention (each computing and caching the shared latent) and
+/// route within groups. Two ranks, even and 2:1.
 #[test]
 fn mixture_of_experts_layers_split_like_dense_ones() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tiny_model.py");
-    for family in ["qwen3_moe", "qwen2_moe", "gpt_oss"] {
+    for family in ["qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3"] {
         let dir = tempfile::tempdir().unwrap();
         shardplane_testkit::run_reference(&script, &[dir.path().as_os_str(), family.as_ref()]);
         let path = dir.path().join("model.gguf");

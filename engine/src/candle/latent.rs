@@ -13,14 +13,16 @@
 //!
 //! Scores are `q_nope · (W_k latent) + q_rope · k_rope`, computed as
 //! `(W_kᵀ q_nope) · latent + …`: the same sum, without expanding the cache
-//! into per-head keys.
+//! into per-head keys. A tensor rank computes its own heads; every rank
+//! computes and caches the (shared) latent.
 
 use candle_core::Tensor;
 
 use super::attention::StepRows;
-use super::weights::{Linear, TensorLoader};
+use super::weights::{Linear, Part, TensorLoader};
 use crate::config::{LatentAttention, ModelConfig};
 use crate::error::{Error, Result};
+use crate::tensor::RankShare;
 
 /// How queries are made.
 enum Query {
@@ -47,20 +49,33 @@ pub(super) struct LatentWeights {
 impl LatentWeights {
     /// Loads layer `i`'s (the per-head key and value maps from `embed_q`
     /// and `unembed_out`, or split from an older checkpoint's `kv_b_proj`).
-    pub fn load(l: &mut TensorLoader<'_>, i: usize, config: &ModelConfig) -> Result<Self> {
+    ///
+    /// A tensor rank's `share` takes its heads: their query rows and
+    /// per-head maps (its output projection's columns are cut by the
+    /// caller); the latent is every rank's, each caching it whole.
+    pub fn load(
+        l: &mut TensorLoader<'_>,
+        i: usize,
+        config: &ModelConfig,
+        share: Option<&RankShare>,
+    ) -> Result<Self> {
         let widths = config.latent.ok_or_else(|| {
             Error::InvalidInput("latent attention weights for a model without it".into())
         })?;
         let name = |s: &str| format!("blk.{i}.{s}");
-        let heads = config.heads;
+        let all_heads = 0..config.heads;
+        let own = share.map_or(all_heads, |s| s.heads.clone());
+        let qd = widths.query_dim();
+        let q_rows = share.map(|_| Part::Rows(own.start * qd..own.end * qd));
         let query = match widths.q_lora_rank {
             Some(_) => Query::LowRank {
                 a: l.matrix(&name("attn_q_a.weight"))?.into(),
                 norm: l.vector(&name("attn_q_a_norm.weight"))?,
-                b: l.matrix(&name("attn_q_b.weight"))?.into(),
+                b: l.matrix_part(&name("attn_q_b.weight"), q_rows)?.into(),
             },
-            None => Query::Plain(l.matrix(&name("attn_q.weight"))?.into()),
+            None => Query::Plain(l.matrix_part(&name("attn_q.weight"), q_rows)?.into()),
         };
+        let heads = config.heads;
         let (nope, value, rank) = (widths.nope_dim, widths.value_dim, widths.kv_lora_rank);
         let shaped = |t: Tensor, want: (usize, usize, usize), what: &str| -> Result<Tensor> {
             if t.dims() != [want.0, want.1, want.2] {
@@ -101,14 +116,20 @@ impl LatentWeights {
                 kv_b.narrow(1, nope, value)?.contiguous()?,
             )
         };
+        // This rank's heads of the per-head maps.
+        let mine = |t: Tensor| -> Result<Tensor> {
+            Ok(t.narrow(0, own.start, own.len())?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
         Ok(LatentWeights {
             query,
             kv_a: l.matrix(&name("attn_kv_a_mqa.weight"))?.into(),
             kv_norm: l.vector(&name("attn_kv_a_norm.weight"))?,
-            embed_q: embed_q.transpose(1, 2)?.contiguous()?,
-            unembed_out: unembed_out.transpose(1, 2)?.contiguous()?,
+            embed_q: mine(embed_q)?,
+            unembed_out: mine(unembed_out)?,
             widths,
-            heads,
+            heads: own.len(),
         })
     }
 

@@ -521,13 +521,6 @@ impl CandleStage {
 /// Checks that a tensor rank's share fits the model (it was planned for
 /// the model the caller expected).
 fn check_share(config: &ModelConfig, share: &crate::tensor::RankShare) -> Result<()> {
-    if config.latent.is_some() {
-        return Err(Error::Tensor(
-            "tensor groups do not split latent attention (DeepSeek V3, Kimi K2) yet; run the \
-             model whole or in a pipeline"
-                .into(),
-        ));
-    }
     let fits = share.kv_heads.end <= config.kv_heads
         && !share.kv_heads.is_empty()
         && share.heads.len() * config.kv_heads == share.kv_heads.len() * config.heads

@@ -428,7 +428,7 @@ impl LayerWeights {
             })
         };
         let projections = if config.latent.is_some() {
-            Projections::Latent(Box::new(LatentWeights::load(l, i, config)?))
+            Projections::Latent(Box::new(LatentWeights::load(l, i, config, share)?))
         } else {
             let qkv_bias = arch.qkv_bias();
             let (q_norm, k_norm) = if arch.qk_norm() {
