@@ -11,7 +11,9 @@
 //!
 //! The budget is the Shard's `kvCache` in tokens (context length ×
 //! concurrent sequences), what placement made room for on every stage of
-//! the instance; the head's generations are all that a later stage holds.
+//! the instance, capped by the head machine's free memory at load
+//! (`shards::kv_budget_tokens`); the head's generations are all that a
+//! later stage holds.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -264,6 +264,7 @@ fn serve(
         engine: config.engine,
         budget: config.budget,
         prefix_cache_bytes: config.prefix_cache_bytes,
+        memory_reserve: config.registration.memory_reserve,
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

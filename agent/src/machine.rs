@@ -136,6 +136,12 @@ fn usable_memory(total: u64) -> u64 {
     total
 }
 
+/// Bytes of memory available now (Linux: `MemAvailable`; macOS: free and
+/// inactive pages).
+pub fn available_memory() -> u64 {
+    memory().1
+}
+
 /// What Metal may wire of `total` bytes of unified memory: the
 /// `iogpu.wired_limit_mb` setting when one is set (not 0), else macOS's
 /// default, about two thirds of RAM up to 36 GiB and three quarters above

@@ -238,7 +238,8 @@ impl Metrics {
             Opts::new(
                 "shardplane_agent_kv_tokens",
                 "KV tokens of a head stage: reserved by the generations it admitted (kind=reserved) \
-                 and its budget, context length x concurrent sequences (kind=budget), by shard.",
+                 and its budget, context length x concurrent sequences, or less when the \
+                 machine's free memory at load held less (kind=budget), by shard.",
             ),
             &["shard", "kind"],
         )
