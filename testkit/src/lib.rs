@@ -297,6 +297,10 @@ pub fn agent_cache(scratch: &str, node: &str) -> PathBuf {
 /// Removes the entries of `root` named by [`unique_name`] for a process that
 /// is gone.
 fn sweep_stale(root: &Path) {
+    // Without /proc (macOS) no process can be told gone: keep everything.
+    if !Path::new("/proc").is_dir() {
+        return;
+    }
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };

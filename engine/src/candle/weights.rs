@@ -525,11 +525,20 @@ impl LayerWeights {
                     normalize: moe.normalize,
                     routing: moe.routing,
                     choice_bias: match moe.routing {
-                        Routing::SigmoidGroups { .. } => Some(
-                            l.vector(&name("exp_probs_b.bias"))?
+                        Routing::SigmoidGroups { .. } => {
+                            let bias = l
+                                .vector(&name("exp_probs_b.bias"))?
                                 .flatten_all()?
-                                .to_vec1::<f32>()?,
-                        ),
+                                .to_vec1::<f32>()?;
+                            if bias.len() != moe.experts {
+                                return Err(Error::Tensor(format!(
+                                    "layer {i}'s expert choice bias has {} values for {} experts",
+                                    bias.len(),
+                                    moe.experts
+                                )));
+                            }
+                            Some(bias)
+                        }
                         Routing::Softmax => None,
                     },
                     shared: match moe.shared_expert {

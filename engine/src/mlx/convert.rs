@@ -66,6 +66,13 @@ pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
                 .into(),
         ));
     }
+    if config.latent.is_some() {
+        return Err(Error::UnsupportedArchitecture(
+            "converting a deepseek2 GGUF (latent attention): serve the GGUF itself, or the \
+             MLX-community safetensors"
+                .into(),
+        ));
+    }
     let text = TextModel::from_gguf(&file)?;
     let io = |path: &Path, source| Error::Io {
         path: path.to_path_buf(),

@@ -78,6 +78,8 @@ impl LatentWeights {
                 .slice(&[0, nope, 0], &[heads, nope + value, rank])?
                 .transpose(&[0, 2, 1])?;
             Array::eval(&[&k, &v])?;
+            // Held in f32 beside (not instead of) what the loader counted.
+            loader.bytes += k.nbytes() + v.nbytes();
             let plain = |w: Array| Stacked {
                 w,
                 quant: None,

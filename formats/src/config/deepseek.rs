@@ -138,6 +138,13 @@ pub(super) fn from_gguf(
              convert the model again with a current llama.cpp",
         ));
     }
+    if header.get_u32(&key("nextn_predict_layers")).unwrap_or(0) > 0 {
+        return Err(Error::metadata(
+            key("nextn_predict_layers"),
+            "multi-token prediction layers counted in block_count are not supported; \
+             convert without them",
+        ));
+    }
     let query_dim = header.get_u32(&key("attention.key_length_mla"))? as usize;
     let latent = LatentAttention {
         q_lora_rank: optional("attention.q_lora_rank")
@@ -263,7 +270,12 @@ pub(super) fn moe_from_gguf(
         dense_layers: (0..config.layers)
             .filter(|&l| !header.tensors.contains_key(&router(l)))
             .collect(),
-        shared_expert: (shared > 0).then_some(shared * width),
+        shared_expert: match shared {
+            0 => None,
+            n => Some(n.checked_mul(width).ok_or_else(|| {
+                Error::metadata(key("expert_shared_count"), "shared experts too wide")
+            })?),
+        },
         shared_gate: false,
         bias: false,
         routing: Routing::SigmoidGroups {
@@ -324,14 +336,21 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
         experts: hf_int(v, "n_routed_experts")?,
         experts_per_token: hf_int(v, "num_experts_per_tok")?,
         expert_intermediate_size: expert_width,
-        normalize: v
-            .get("norm_topk_prob")
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(true),
+        // Absent: DeepSeek V3's default (true); null: off, as mlx-lm reads it.
+        normalize: match v.get("norm_topk_prob") {
+            None => true,
+            Some(x) => x.as_bool().unwrap_or(false),
+        },
         dense_layers: (0..config.layers)
             .filter(|&l| l < first_dense || !l.is_multiple_of(step))
             .collect(),
-        shared_expert: (shared > 0).then_some(shared * expert_width),
+        shared_expert: match shared {
+            0 => None,
+            n => Some(
+                n.checked_mul(expert_width)
+                    .ok_or_else(|| hf_bad("n_shared_experts", "shared experts too wide"))?,
+            ),
+        },
         shared_gate: false,
         bias: false,
         routing: Routing::SigmoidGroups {
@@ -475,6 +494,7 @@ mod tests {
             assert!(e.contains(want), "{key}: {e}");
         };
         bad("n_group", 7.into(), "cannot be routed");
+        bad("num_hidden_layers", (1u64 << 40).into(), "implausible");
         bad("topk_group", 9.into(), "cannot be routed");
         bad("num_experts_per_tok", 300.into(), "experts per token");
         bad("scoring_func", "softmax".into(), "scoring_func");

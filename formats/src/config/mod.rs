@@ -150,6 +150,10 @@ impl Activation {
     pub const SWIGLU_ALPHA: f32 = 1.702;
 }
 
+/// The most layers a configuration may claim (the largest models have
+/// about 130): per-layer lists are built from the count.
+pub const MAX_LAYERS: usize = 4096;
+
 /// The hyper-parameters of a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -293,6 +297,12 @@ impl ModelConfig {
                 .unwrap_or(0),
         };
         let layers = header.get_u32(&key("block_count"))? as usize;
+        if layers > MAX_LAYERS {
+            return Err(Error::metadata(
+                key("block_count"),
+                format!("{layers} layers is implausible (at most {MAX_LAYERS})"),
+            ));
+        }
         let mut config = ModelConfig {
             architecture,
             layers,
@@ -377,6 +387,12 @@ impl ModelConfig {
             Err(e) => return Err(e),
         };
         let layers = int("num_hidden_layers")?;
+        if layers > MAX_LAYERS {
+            return Err(hf_bad(
+                "num_hidden_layers",
+                &format!("{layers} layers is implausible (at most {MAX_LAYERS})"),
+            ));
+        }
         let mut config = ModelConfig {
             architecture,
             layers,
