@@ -494,7 +494,11 @@ mod tests {
             assert!(e.contains(want), "{key}: {e}");
         };
         bad("n_group", 7.into(), "cannot be routed");
-        bad("num_hidden_layers", (1u64 << 40).into(), "implausible");
+        bad(
+            "num_hidden_layers",
+            (1u64 << 40).into(),
+            "the number of layers is",
+        );
         bad("topk_group", 9.into(), "cannot be routed");
         bad("num_experts_per_tok", 300.into(), "experts per token");
         bad("scoring_func", "softmax".into(), "scoring_func");

@@ -154,6 +154,18 @@ impl Activation {
 /// about 130): per-layer lists are built from the count.
 pub const MAX_LAYERS: usize = 4096;
 
+/// Refuses more layers than [`MAX_LAYERS`].
+fn check_layers(layers: usize) -> Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(Error::TooLarge {
+            what: "the number of layers".into(),
+            found: layers as u64,
+            limit: MAX_LAYERS as u64,
+        });
+    }
+    Ok(())
+}
+
 /// The hyper-parameters of a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -297,12 +309,7 @@ impl ModelConfig {
                 .unwrap_or(0),
         };
         let layers = header.get_u32(&key("block_count"))? as usize;
-        if layers > MAX_LAYERS {
-            return Err(Error::metadata(
-                key("block_count"),
-                format!("{layers} layers is implausible (at most {MAX_LAYERS})"),
-            ));
-        }
+        check_layers(layers)?;
         let mut config = ModelConfig {
             architecture,
             layers,
@@ -387,12 +394,7 @@ impl ModelConfig {
             Err(e) => return Err(e),
         };
         let layers = int("num_hidden_layers")?;
-        if layers > MAX_LAYERS {
-            return Err(hf_bad(
-                "num_hidden_layers",
-                &format!("{layers} layers is implausible (at most {MAX_LAYERS})"),
-            ));
-        }
+        check_layers(layers)?;
         let mut config = ModelConfig {
             architecture,
             layers,
