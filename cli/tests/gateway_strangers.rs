@@ -195,6 +195,14 @@ async fn strangers_cannot_make_the_gateway_read_grow_or_wait() {
         413,
         "routes other than generation take small bodies"
     );
+    // Answered before its body was read: the client is told the connection
+    // closes, so its next request goes on a new one.
+    assert_eq!(
+        small.headers().get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..]),
+        "{:?}",
+        small.headers()
+    );
 
     // 10,000 requests for made-up models: each a 404, and /metrics does not
     // grow by a series.

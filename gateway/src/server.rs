@@ -7,9 +7,22 @@
 //!    └► hyper http1 (header_read_timeout, keep-alive) ─► axum routes
 //!  shutdown: stop accepting, let open requests finish (bounded), close
 //! ```
+//!
+//! A response sent before its request's body was read to the end (a 413
+//! judged from `content-length`, a 401 before the body, a 408) says
+//! `connection: close`: hyper would not reuse that connection anyway, and
+//! a client told so opens a new one instead of sending its next request
+//! into a socket that is closing.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use axum::http::{HeaderValue, Request, header};
+use axum::response::Response;
+use hyper::body::{Body as _, Frame, SizeHint};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -45,6 +58,7 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let routes = routes.layer(axum::middleware::from_fn(close_when_body_unread));
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
@@ -88,4 +102,65 @@ pub async fn serve(
         tracing::warn!("requests still open after the drain period were cut");
     }
     Ok(())
+}
+
+/// Marks the response `connection: close` when the handler answered
+/// without reading the request's body to its end.
+async fn close_when_body_unread(
+    request: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> Response {
+    let sent_body = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .is_some_and(|v| v.as_bytes() != b"0")
+        || request.headers().contains_key(header::TRANSFER_ENCODING);
+    if !sent_body {
+        return next.run(request).await;
+    }
+    let read = Arc::new(AtomicBool::new(false));
+    let watched = read.clone();
+    let request = request.map(|inner| {
+        axum::body::Body::new(Watched {
+            inner,
+            read: watched,
+        })
+    });
+    let mut response = next.run(request).await;
+    if !read.load(Ordering::Acquire) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// A request body that records when it has been read to its end.
+struct Watched {
+    inner: axum::body::Body,
+    read: Arc<AtomicBool>,
+}
+
+impl hyper::body::Body for Watched {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Release);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
