@@ -10,15 +10,15 @@
 # Families: gemma3_text, qwen3_moe_routed (Qwen3-MoE with every layer routed,
 # as released models are and as llama.cpp requires), mixtral, gpt_oss (f32),
 # gpt_oss with its experts in GGUF's MXFP4 blocks, as gpt-oss GGUF files
-# come (candle and llama.cpp only: MLX does not read those blocks), and
-# deepseek_v3 (latent attention, group routing). Tiny models
+# come, deepseek_v3 (latent attention, sigmoid group routing) and
+# deepseek_v2 (latent attention, softmax routing). Tiny models
 # (hidden 64, a few layers) measure per-token overhead more than arithmetic:
 # read the ratios, not the absolute rates. Prints one line per family and
 # engine: medians of tokens/s over the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=1 RUNS=5 PROMPT=64 GEN=64
-FAMILIES="gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4 deepseek_v3"
+FAMILIES="gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4 deepseek_v3 deepseek_v2"
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) THREADS=$2; shift 2 ;;
@@ -45,9 +45,7 @@ for entry in $FAMILIES; do
   gguf="$work/$entry/model.gguf"
   model="$gguf"
   [ -f "$gguf" ] || model="$work/$entry/mlx"
-  engines="candle mlx"
-  [ "$quant" = gguf_mxfp4 ] && engines=candle
-  for engine in $engines; do
+  for engine in candle mlx; do
     "$bin" bench --model "$model" --engine "$engine" --threads "$THREADS" --runs "$RUNS" \
       --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --json 2>/dev/null >"$work/report.json"
     "$python" - "$work/report.json" "$label" "$engine" <<'PY'

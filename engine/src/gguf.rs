@@ -156,19 +156,9 @@ impl GgufFile {
                 });
             }
         };
-        let (start, len) = self.header.tensor_range(name)?;
-        let corrupt = |reason: String| Error::CorruptModel {
-            path: self.path.clone(),
-            reason: format!("tensor {name}: {reason}"),
-        };
-        let len = usize::try_from(len).map_err(|_| corrupt(format!("{len} bytes")))?;
-        let mut raw = vec![0u8; len];
-        reader
-            .seek(SeekFrom::Start(start))
-            .and_then(|_| reader.read_exact(&mut raw))
-            .map_err(|e| corrupt(format!("{e} (truncated file?)")))?;
-        // candle wants the outermost dimension first; GGUF lists it last.
-        let dims: Vec<usize> = info.dims.iter().rev().map(|&d| d as usize).collect();
+        let mut raw = self.read_raw(reader, name)?;
+        let corrupt = |reason: String| self.corrupt(name, reason);
+        let dims = self.dims(name)?;
         if mxfp4 {
             raw = match dtype {
                 GgmlDType::Q8_0 => mxfp4_to_q8_0(&raw),
@@ -179,6 +169,39 @@ impl GgufFile {
         }
         candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &raw, dims, device)
             .map_err(|e| corrupt(e.to_string()))
+    }
+
+    /// The bytes of tensor `name` as the file stores them.
+    pub(crate) fn read_raw(&self, reader: &mut BufReader<File>, name: &str) -> Result<Vec<u8>> {
+        let (start, len) = self.header.tensor_range(name)?;
+        let len = usize::try_from(len).map_err(|_| self.corrupt(name, format!("{len} bytes")))?;
+        let mut raw = Vec::new();
+        raw.try_reserve_exact(len)
+            .map_err(|e| self.corrupt(name, format!("no memory for {len} bytes: {e}")))?;
+        raw.resize(len, 0);
+        reader
+            .seek(SeekFrom::Start(start))
+            .and_then(|_| reader.read_exact(&mut raw))
+            .map_err(|e| self.corrupt(name, format!("{e} (truncated file?)")))?;
+        Ok(raw)
+    }
+
+    /// Tensor `name`'s dimensions, outermost first (GGUF lists them
+    /// innermost first).
+    pub(crate) fn dims(&self, name: &str) -> Result<Vec<usize>> {
+        let info = self.header.tensor(name)?;
+        info.dims
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).map_err(|_| self.corrupt(name, format!("dimension {d}"))))
+            .collect()
+    }
+
+    fn corrupt(&self, name: &str, reason: String) -> Error {
+        Error::CorruptModel {
+            path: self.path.clone(),
+            reason: format!("tensor {name}: {reason}"),
+        }
     }
 
     /// A new reader on the file, for reading tensors.

@@ -320,9 +320,11 @@ fn an_mxfp4_gpt_oss_matches_mlx_lm_on_both_engines() {
 /// gpt-oss from GGUF with its experts in GGUF's MXFP4 blocks (17 bytes per
 /// 32 values), as llama.cpp's converter writes it: candle reads them out
 /// exactly (and, by default, keeps them as Q8_0, close to them); MLX, whose
-/// GGUF reader lacks the type, refuses the file by name.
+/// own GGUF reader lacks the type, reads the file through ours into its
+/// `mxfp4` mode, the same codes and scales, and matches at every split
+/// (each stage reads only its own layers).
 #[test]
-fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx_refuses_it_by_name() {
+fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx() {
     let t = tiny_with("gpt_oss", &["0", "gguf_mxfp4"]);
     let r = &t.reference;
     let splits = whole_and_first_layer(t.layers);
@@ -334,7 +336,7 @@ fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx_refuses_it_by_name() {
     );
     // Kept as Q8_0: close, not exact.
     let layout = StageLayout::new(0..t.layers, t.layers).unwrap();
-    let stage = CandleStage::load(&t.gguf, layout.clone(), &LoadOptions::default()).unwrap();
+    let stage = CandleStage::load(&t.gguf, layout, &LoadOptions::default()).unwrap();
     let mut p = LocalPipeline::from_stages(vec![Box::new(stage)]);
     let row = greedy_rows(&mut p, &r.prompt, 1).remove(0);
     let q8 = gap(&row, &r.logits[0]);
@@ -342,10 +344,16 @@ fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx_refuses_it_by_name() {
     assert!(q8 < 0.05, "{q8}");
     #[cfg(feature = "mlx")]
     {
-        use shardplane_engine::mlx::MlxStage;
-        let Err(e) = MlxStage::load(&t.gguf, layout, &LoadOptions::default()) else {
-            panic!("MLX refuses MXFP4 GGUF blocks");
-        };
+        check_splits(
+            "gpt_oss, MXFP4 GGUF on MLX",
+            &mlx(&t.gguf),
+            &t,
+            &every_boundary(t.layers),
+        );
+        // A conversion, which writes MLX's affine config, refuses the blocks
+        // by name rather than writing what it cannot describe.
+        let out = tempfile::tempdir().unwrap();
+        let e = shardplane_engine::mlx::convert::gguf_to_mlx(&t.gguf, out.path()).unwrap_err();
         assert!(e.to_string().contains("MXFP4"), "{e}");
     }
 }
@@ -442,6 +450,43 @@ fn deepseek_v3_matches_mlx_lm_on_both_engines_at_every_split() {
     // Its cache holds one row of latent and rotated key per token and layer.
     let stage = candle(&t.mlx)(StageLayout::new(0..t.layers, t.layers).unwrap());
     assert_eq!(stage.config().kv_bytes_per_token_per_layer(), (64 + 16) * 4);
+}
+
+/// DeepSeek V2 as its Lite model is, on both engines from both formats at
+/// every boundary: the query straight from `q_proj`, one `kv_b_proj` per
+/// layer (split into the per-head maps when loaded), experts chosen
+/// greedily by softmax scores, not renormalised, the routed sum scaled.
+#[test]
+fn deepseek_v2_matches_mlx_lm_on_both_engines_at_every_split() {
+    check_family("deepseek_v2", every_boundary);
+}
+
+/// DeepSeek V2's group-limited routing (a group scored by its best expert)
+/// from safetensors on both engines. A GGUF of it is refused by name: its
+/// softmax gating with groups does not say whether a group is scored by its
+/// best expert (V2) or its best two (as llama.cpp scores V3's).
+#[test]
+fn deepseek_v2_group_limited_routing_matches_mlx_lm_and_its_gguf_is_refused() {
+    let t = tiny("deepseek_v2_groups");
+    let splits = whole_and_first_layer(t.layers);
+    check_splits(
+        "deepseek_v2_groups on candle, safetensors",
+        &candle(&t.mlx),
+        &t,
+        &splits,
+    );
+    #[cfg(feature = "mlx")]
+    check_splits(
+        "deepseek_v2_groups on MLX, safetensors",
+        &mlx(&t.mlx),
+        &t,
+        &splits,
+    );
+    let whole = StageLayout::whole(t.layers);
+    let Err(e) = CandleStage::load(&t.gguf, whole, &LoadOptions::default()) else {
+        panic!("a GGUF with softmax gating in groups is refused");
+    };
+    assert!(e.to_string().contains("expert_group_count"), "{e}");
 }
 
 /// DeepSeek V3's latent cache rows go through the prefix cache: a prompt of

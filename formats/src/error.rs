@@ -43,7 +43,7 @@ pub enum Error {
 }
 
 /// The architectures the engines run, as error messages name them.
-pub const SUPPORTED: &str = "llama (SmolLM, Llama 2/3, Mistral, and Mixtral with experts), qwen2, qwen2moe, qwen3, qwen3moe, gemma3 (text), gpt-oss (gpt_oss in config.json), and DeepSeek V3 / Kimi K2 (deepseek2; deepseek_v3 or kimi_k2 in config.json)";
+pub const SUPPORTED: &str = "llama (SmolLM, Llama 2/3, Mistral, and Mixtral with experts), qwen2, qwen2moe, qwen3, qwen3moe, gemma3 (text), gpt-oss (gpt_oss in config.json), and DeepSeek V2 / V3 / Kimi K2 (deepseek2; deepseek_v2, deepseek_v3 or kimi_k2 in config.json)";
 
 impl Error {
     /// A short, bounded label for metrics and condition reasons.

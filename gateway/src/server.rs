@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use axum::http::{HeaderValue, Request, header};
 use axum::response::Response;
-use hyper::body::{Body as _, Frame, SizeHint};
+use hyper::body::{Frame, SizeHint};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;

@@ -106,17 +106,12 @@ impl Experts {
         for (r, row) in logits.iter().enumerate() {
             let chosen = match self.routing {
                 Routing::Softmax => route(row, self.per_token, self.normalize),
-                Routing::SigmoidGroups {
-                    groups,
-                    top_groups,
-                    scale,
-                } => crate::routing::route_groups(
+                grouped => crate::routing::route_groups(
                     row,
                     self.choice_bias.as_deref().unwrap_or(&[]),
-                    (groups, top_groups),
+                    grouped,
                     self.per_token,
                     self.normalize,
-                    scale,
                 ),
             };
             for (e, w) in chosen {

@@ -539,7 +539,7 @@ impl LayerWeights {
                             }
                             Some(bias)
                         }
-                        Routing::Softmax => None,
+                        Routing::Softmax | Routing::SoftmaxGroups { .. } => None,
                     },
                     shared: match moe.shared_expert {
                         Some(_) => Some(Shared {

@@ -153,6 +153,21 @@ impl Array {
         Self::from_data(data, shape, Dtype::F32)
     }
 
+    /// A 16-bit float array (`F16` or `BF16`) from the values' bits.
+    pub fn from_halves(bits: &[u16], shape: &[usize], dtype: Dtype) -> Result<Array> {
+        match dtype {
+            Dtype::F16 | Dtype::BF16 => Self::from_data(bits, shape, dtype),
+            other => Err(Error::InvalidInput(format!(
+                "{other:?} is not a 16-bit float type"
+            ))),
+        }
+    }
+
+    /// A byte array (MXFP4 scales).
+    pub fn from_bytes(data: &[u8], shape: &[usize]) -> Result<Array> {
+        Self::from_data(data, shape, Dtype::U8)
+    }
+
     /// An unsigned integer array (token ids, indices).
     pub fn from_u32(data: &[u32], shape: &[usize]) -> Result<Array> {
         Self::from_data(data, shape, Dtype::U32)
@@ -585,7 +600,9 @@ impl TensorMap {
 
     /// Every tensor of a GGUF file, read by MLX (Q4_0, Q4_1 and Q8_0 stay
     /// quantized as `name.weight` / `name.scales` / `name.biases`; other
-    /// quantized types become f16).
+    /// quantized types become f16; a file holding a type MLX lacks, such
+    /// as MXFP4, gives nothing). `shardplane convert` reads with it; stages
+    /// read through `gguf_read`.
     pub fn load_gguf(path: &Path) -> Result<Self> {
         let p = c_path(path)?;
         // SAFETY: `p` outlives the call.

@@ -73,6 +73,19 @@ pub fn gguf_to_mlx(gguf: &Path, out: &Path) -> Result<Converted> {
                 .into(),
         ));
     }
+    if let Some((name, _)) = file
+        .header()
+        .tensors
+        .iter()
+        .find(|(_, t)| t.dtype == shardplane_formats::GgmlType::MXFP4)
+    {
+        return Err(Error::UnsupportedTensorType {
+            tensor: name.clone(),
+            dtype: "MXFP4 blocks, which a conversion does not write (serve the GGUF itself: \
+                    both engines read it; or the MLX-community safetensors)"
+                .into(),
+        });
+    }
     let text = TextModel::from_gguf(&file)?;
     let io = |path: &Path, source| Error::Io {
         path: path.to_path_buf(),

@@ -25,6 +25,7 @@ mod array;
 pub mod convert;
 pub mod distributed;
 mod ffi;
+mod gguf_read;
 mod latent;
 mod moe;
 mod weights;
@@ -143,26 +144,10 @@ impl MlxStage {
 
     /// Loads a stage from a GGUF file whose header is already read.
     pub fn load_gguf(file: &GgufFile, layout: StageLayout, options: &LoadOptions) -> Result<Self> {
-        // MLX's GGUF reader gives no tensors at all for a file holding a
-        // type it lacks; say which instead of naming a missing tensor.
-        if let Some((name, _)) = file
-            .header()
-            .tensors
-            .iter()
-            .find(|(_, t)| t.dtype == shardplane_formats::GgmlType::MXFP4)
-        {
-            return Err(Error::UnsupportedTensorType {
-                tensor: name.clone(),
-                dtype: "MXFP4 blocks in GGUF, which MLX does not read (serve this file with \
-                        candle, or the MLX-community safetensors, MXFP4 included, with MLX)"
-                    .into(),
-            });
-        }
+        let total = file.config().layers;
+        StageLayout::new(layout.layers.clone(), total)?;
         let _guard = lock();
-        let map = TensorMap::load_gguf(file.path()).map_err(|e| Error::CorruptModel {
-            path: file.path().to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let map = gguf_read::load(file, layout.layers.clone(), total)?;
         Self::build(
             file.config().clone(),
             vec![map],

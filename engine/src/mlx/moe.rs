@@ -132,11 +132,7 @@ impl Experts {
         let (ids, weights) = match self.routing {
             Routing::Softmax => route(&logits, k, self.normalize)?,
             // Chosen on the host (a few numbers per token).
-            Routing::SigmoidGroups {
-                groups,
-                top_groups,
-                scale,
-            } => {
+            grouped => {
                 let experts = self.router_width(&logits)?;
                 let all = logits.astype(Dtype::F32)?.to_f32()?;
                 let (mut ids, mut weights) = (Vec::new(), Vec::new());
@@ -144,10 +140,9 @@ impl Experts {
                     for (e, w) in crate::routing::route_groups(
                         row,
                         self.choice_bias.as_deref().unwrap_or(&[]),
-                        (groups, top_groups),
+                        grouped,
                         k,
                         self.normalize,
-                        scale,
                     ) {
                         ids.push(e as u32);
                         weights.push(w);

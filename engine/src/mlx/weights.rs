@@ -395,7 +395,7 @@ impl Loader {
                                 }
                                 Some(b.astype(Dtype::F32)?.to_f32()?)
                             }
-                            Routing::Softmax => None,
+                            Routing::Softmax | Routing::SoftmaxGroups { .. } => None,
                         },
                         shared: match moe.shared_expert {
                             Some(w) => Some(SharedExpert {

@@ -255,6 +255,28 @@ FAMILIES["deepseek_v3"] = {
 # maps write it: one kv_b_proj per layer instead of embed_q and unembed_out.
 FAMILIES["deepseek_v3_kv_b"] = FAMILIES["deepseek_v3"]
 
+# DeepSeek V2 as its Lite model is: the query straight from q_proj (no
+# low rank), one kv_b_proj per layer, experts chosen greedily by softmax
+# scores (not renormalised), the routed sum scaled by 1.5.
+FAMILIES["deepseek_v2"] = dict(
+    FAMILIES["deepseek_v3"],
+    model_type="deepseek_v2",
+    architectures=["DeepseekV2ForCausalLM"],
+    q_lora_rank=None,
+    topk_method="greedy",
+    scoring_func="softmax",
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.5,
+)
+
+# DeepSeek V2 (236B)'s routing: each token's experts from the best two of
+# four groups, a group scored by its best expert.
+FAMILIES["deepseek_v2_groups"] = dict(
+    FAMILIES["deepseek_v2"], topk_method="group_limited_greedy", n_group=4, topk_group=2
+)
+
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
 FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
@@ -317,6 +339,20 @@ def joined_kv_b(weights):
         v = weights.pop(prefix + "unembed_out.weight")
         kv_b = mx.concatenate([k, v], axis=1)
         weights[prefix + "kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+    return weights
+
+
+def split_kv_b(weights, c):
+    """kv_b_proj [heads × (nope + v), latent] as llama.cpp's converter
+    splits it: embed_q [heads, latent, nope] (its attn_k_b) and unembed_out
+    [heads, v, latent] (its attn_v_b)."""
+    heads, nope = c["num_attention_heads"], c["qk_nope_head_dim"]
+    for name in [n for n in weights if n.endswith("self_attn.kv_b_proj.weight")]:
+        prefix = name[: -len("kv_b_proj.weight")]
+        kv_b = weights.pop(name)
+        kv_b = kv_b.reshape(heads, -1, kv_b.shape[-1])
+        weights[prefix + "embed_q.weight"] = np.ascontiguousarray(kv_b[:, :nope, :].swapaxes(1, 2))
+        weights[prefix + "unembed_out.weight"] = np.ascontiguousarray(kv_b[:, nope:, :])
     return weights
 
 
@@ -395,6 +431,9 @@ GGUF_ARCH = {
     "qwen2_yarn": "qwen2",
     "gpt_oss": "gpt-oss",
     "deepseek_v3": "deepseek2",
+    "deepseek_v2": "deepseek2",
+    # Written to be refused: GGUF does not say which group rule it means.
+    "deepseek_v2_groups": "deepseek2",
 }
 
 # gpt-oss's names in llama.cpp's converter (the norm before the experts is
@@ -573,7 +612,8 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_value_length(rank)
         w.add_key_length_mla(c["qk_nope_head_dim"] + rope)
         w.add_value_length_mla(c["v_head_dim"])
-        w.add_q_lora_rank(c["q_lora_rank"])
+        if c["q_lora_rank"] is not None:
+            w.add_q_lora_rank(c["q_lora_rank"])
         w.add_kv_lora_rank(rank)
         w.add_rope_dimension_count(rope)
         w.add_leading_dense_block_count(c["first_k_dense_replace"])
@@ -583,7 +623,11 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_shared_count(c["n_shared_experts"])
         w.add_expert_weights_scale(c["routed_scaling_factor"])
         w.add_expert_weights_norm(c["norm_topk_prob"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(
+            gguf.ExpertGatingFuncType.SOFTMAX
+            if c["scoring_func"] == "softmax"
+            else gguf.ExpertGatingFuncType.SIGMOID
+        )
         w.add_expert_group_count(c["n_group"])
         w.add_expert_group_used_count(c["topk_group"])
         w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_scaling"]["mscale_all_dim"])
@@ -621,6 +665,8 @@ def write_gguf(family, config, weights, path, qtype=None):
         w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_byte_tokenizer(w, c["vocab_size"])
+    if family.startswith("deepseek"):
+        weights = split_kv_b(dict(weights), c)
     if (c.get("rope_scaling") or {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(c))
     for name, a in weights.items():

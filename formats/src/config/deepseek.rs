@@ -1,6 +1,8 @@
-//! DeepSeek V3 and Kimi K2 (`deepseek_v3`, `kimi_k2` in `config.json`):
-//! multi-head latent attention, and experts chosen by sigmoid scores within
-//! the best groups, beside shared experts, after a few dense layers.
+//! DeepSeek V2, V3 and Kimi K2 (`deepseek_v2`, `deepseek_v3`, `kimi_k2` in
+//! `config.json`; `deepseek2` in GGUF): multi-head latent attention, and
+//! experts beside shared experts after a few dense layers, chosen by
+//! sigmoid scores within the best groups (V3, K2) or by softmax, greedily
+//! or within the groups of the best experts (V2).
 //!
 //! ```text
 //!  x ─► q: q_b(norm(q_a x)) (or q_proj x) ─► per head [nope │ rope]
@@ -239,17 +241,36 @@ pub(super) fn moe_from_gguf(
             Err(_) => Ok(default as usize),
         }
     };
-    match number("expert_gating_func", 1)? {
-        2 => {}
+    // 2 (sigmoid) for DeepSeek V3 and Kimi K2; 1 (softmax) or absent for
+    // DeepSeek V2, whose files llama.cpp reads as softmax.
+    let sigmoid = match number("expert_gating_func", 1)? {
+        1 => false,
+        2 => true,
         func => {
             return Err(Error::metadata(
                 key("expert_gating_func"),
                 format!(
-                    "gating function {func} is not supported for deepseek2 (2, sigmoid, as \
-                     DeepSeek V3 and Kimi K2 route, is; DeepSeek V2's softmax is not)"
+                    "gating function {func} is not supported for deepseek2 (1, softmax, as \
+                     DeepSeek V2 routes, and 2, sigmoid, as DeepSeek V3 and Kimi K2 do, are)"
                 ),
             ));
         }
+    };
+    let (groups, top_groups) = (
+        number("expert_group_count", 1)?,
+        number("expert_group_used_count", 1)?,
+    );
+    if !sigmoid && groups > 1 {
+        // DeepSeek V2's group limit scores a group by its best expert,
+        // llama.cpp every grouped router by its best two; a GGUF does not
+        // say which it means (llama.cpp's converter writes no groups for V2).
+        return Err(Error::metadata(
+            key("expert_group_count"),
+            format!(
+                "{groups} expert groups with softmax gating (DeepSeek V2's group-limited \
+                 routing) are not read from GGUF: serve the MLX-community safetensors"
+            ),
+        ));
     }
     let width = header.get_u32(&key("expert_feed_forward_length"))? as usize;
     let shared = number("expert_shared_count", 0)?;
@@ -278,10 +299,17 @@ pub(super) fn moe_from_gguf(
         },
         shared_gate: false,
         bias: false,
-        routing: Routing::SigmoidGroups {
-            groups: number("expert_group_count", 1)?,
-            top_groups: number("expert_group_used_count", 1)?,
-            scale,
+        routing: match sigmoid {
+            true => Routing::SigmoidGroups {
+                groups,
+                top_groups,
+                scale,
+            },
+            false => Routing::SoftmaxGroups {
+                groups,
+                top_groups,
+                scale,
+            },
         },
     }
     .check(&key("expert_group_count"))
@@ -305,20 +333,32 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
                 .ok_or_else(|| hf_bad(key, "expected a string")),
         }
     };
-    let method = text("topk_method", "noaux_tc")?;
-    if method != "noaux_tc" {
-        return Err(hf_bad(
-            "topk_method",
-            &format!("{method:?} is not supported (noaux_tc, DeepSeek V3's, is)"),
-        ));
-    }
-    let scoring = text("scoring_func", "sigmoid")?;
-    if scoring != "sigmoid" {
-        return Err(hf_bad(
-            "scoring_func",
-            &format!("{scoring:?} is not supported (sigmoid is)"),
-        ));
-    }
+    // DeepSeek V2 routes by softmax (greedy, or within the best groups);
+    // V3 and Kimi K2 by sigmoid scores within groups, with a choice bias.
+    let v2 = v.get("model_type").and_then(|t| t.as_str()) == Some("deepseek_v2");
+    let scoring = text("scoring_func", if v2 { "softmax" } else { "sigmoid" })?;
+    let method = text("topk_method", if v2 { "greedy" } else { "noaux_tc" })?;
+    let sigmoid = match (scoring.as_str(), method.as_str()) {
+        ("sigmoid", "noaux_tc") => true,
+        // mlx-lm's default spells it "gready".
+        ("softmax", "greedy" | "gready" | "group_limited_greedy") => false,
+        ("sigmoid" | "softmax", _) => {
+            return Err(hf_bad(
+                "topk_method",
+                &format!(
+                    "{method:?} is not supported with {scoring} scores (noaux_tc with sigmoid, \
+                     as DeepSeek V3 routes; greedy or group_limited_greedy with softmax, as \
+                     DeepSeek V2 does)"
+                ),
+            ));
+        }
+        _ => {
+            return Err(hf_bad(
+                "scoring_func",
+                &format!("{scoring:?} is not supported (sigmoid and softmax are)"),
+            ));
+        }
+    };
     let optional = |key: &str, default: usize| -> Result<usize> {
         match v.get(key) {
             None | Some(serde_json::Value::Null) => Ok(default),
@@ -336,9 +376,10 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
         experts: hf_int(v, "n_routed_experts")?,
         experts_per_token: hf_int(v, "num_experts_per_tok")?,
         expert_intermediate_size: expert_width,
-        // Absent: DeepSeek V3's default (true); null: off, as mlx-lm reads it.
+        // Absent: the family's default (V3 true, V2 false); null: off, as
+        // mlx-lm reads it.
         normalize: match v.get("norm_topk_prob") {
-            None => true,
+            None => !v2,
             Some(x) => x.as_bool().unwrap_or(false),
         },
         dense_layers: (0..config.layers)
@@ -353,10 +394,25 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
         },
         shared_gate: false,
         bias: false,
-        routing: Routing::SigmoidGroups {
-            groups: optional("n_group", 1)?,
-            top_groups: optional("topk_group", 1)?,
-            scale: hf_float(v, "routed_scaling_factor", 1.0)? as f32,
+        routing: {
+            let scale = hf_float(v, "routed_scaling_factor", 1.0)? as f32;
+            match (sigmoid, method.as_str()) {
+                (true, _) => Routing::SigmoidGroups {
+                    groups: optional("n_group", 1)?,
+                    top_groups: optional("topk_group", 1)?,
+                    scale,
+                },
+                (false, "group_limited_greedy") => Routing::SoftmaxGroups {
+                    groups: optional("n_group", 1)?,
+                    top_groups: optional("topk_group", 1)?,
+                    scale,
+                },
+                (false, _) => Routing::SoftmaxGroups {
+                    groups: 1,
+                    top_groups: 1,
+                    scale,
+                },
+            }
         },
     }
     .check("config.json n_group")
@@ -366,13 +422,11 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
 /// The `config.json` keys of DeepSeek V3's experts (one shared expert of
 /// the whole shared width).
 pub(super) fn moe_to_hf_json(moe: &Moe) -> serde_json::Value {
-    let (groups, top_groups, scale) = match moe.routing {
-        Routing::SigmoidGroups {
-            groups,
-            top_groups,
-            scale,
-        } => (groups, top_groups, scale),
-        Routing::Softmax => (1, 1, 1.0),
+    let (groups, top_groups, scale) = moe.routing.groups();
+    let (scoring, method) = match moe.routing {
+        Routing::SoftmaxGroups { groups: 1, .. } => ("softmax", "greedy"),
+        Routing::SoftmaxGroups { .. } => ("softmax", "group_limited_greedy"),
+        Routing::SigmoidGroups { .. } | Routing::Softmax => ("sigmoid", "noaux_tc"),
     };
     let first_dense = (moe.dense_layers.iter().enumerate())
         .take_while(|&(i, &l)| i == l)
@@ -387,8 +441,8 @@ pub(super) fn moe_to_hf_json(moe: &Moe) -> serde_json::Value {
         "n_group": groups,
         "topk_group": top_groups,
         "routed_scaling_factor": scale,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
+        "topk_method": method,
+        "scoring_func": scoring,
     })
 }
 
@@ -485,6 +539,80 @@ mod tests {
         assert_eq!(k2.architecture, Architecture::DeepSeekV3);
     }
 
+    /// DeepSeek-V2-Lite's configuration (16B): no low-rank query, softmax
+    /// routing without groups, no renormalisation.
+    fn v2_lite() -> serde_json::Value {
+        let mut v = v3();
+        let lite = serde_json::json!({
+            "model_type": "deepseek_v2",
+            "hidden_size": 2048, "num_hidden_layers": 27, "intermediate_size": 10944,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
+            "q_lora_rank": null, "n_routed_experts": 64, "n_shared_experts": 2,
+            "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "norm_topk_prob": false, "scoring_func": "softmax", "topk_method": "greedy",
+        });
+        for (key, value) in lite.as_object().unwrap() {
+            v[key] = value.clone();
+        }
+        v["rope_scaling"]["mscale"] = 0.707.into();
+        v["rope_scaling"]["mscale_all_dim"] = 0.707.into();
+        v
+    }
+
+    #[test]
+    fn deepseek_v2_routes_by_softmax_greedily_or_within_groups() {
+        let c = ModelConfig::from_hf_json(&v2_lite()).unwrap();
+        assert_eq!(c.architecture, Architecture::DeepSeekV3);
+        assert_eq!(c.latent.unwrap().q_lora_rank, None);
+        let moe = c.moe.clone().unwrap();
+        assert!(!moe.normalize);
+        assert_eq!(moe.dense_layers, vec![0]);
+        assert_eq!(moe.shared_expert, Some(2 * 1408));
+        assert_eq!(
+            moe.routing,
+            Routing::SoftmaxGroups {
+                groups: 1,
+                top_groups: 1,
+                scale: 1.0
+            }
+        );
+        // Written back as DeepSeek V2, and read the same.
+        let json = c.to_hf_json(false);
+        assert_eq!(json["model_type"], "deepseek_v2");
+        assert_eq!(json["topk_method"], "greedy");
+        let back = ModelConfig::from_hf_json(&json).unwrap();
+        assert_eq!(back.moe, c.moe);
+        assert_eq!(back.latent, c.latent);
+        // DeepSeek V2 (236B) limits each token to the experts of its 3 best
+        // of 8 groups, the sum scaled by 16; its defaults are V2's.
+        let mut v2 = v2_lite();
+        v2["topk_method"] = "group_limited_greedy".into();
+        v2["n_group"] = 8.into();
+        v2["topk_group"] = 3.into();
+        v2["routed_scaling_factor"] = 16.0.into();
+        for key in ["scoring_func", "norm_topk_prob"] {
+            v2.as_object_mut().unwrap().remove(key);
+        }
+        let moe = ModelConfig::from_hf_json(&v2).unwrap().moe.unwrap();
+        assert!(!moe.normalize);
+        assert_eq!(
+            moe.routing,
+            Routing::SoftmaxGroups {
+                groups: 8,
+                top_groups: 3,
+                scale: 16.0
+            }
+        );
+        // One expert per group is enough when a group is scored by its best.
+        v2["n_group"] = 64.into();
+        v2["topk_group"] = 6.into();
+        assert!(ModelConfig::from_hf_json(&v2).is_ok());
+        v2["topk_group"] = 5.into();
+        let e = ModelConfig::from_hf_json(&v2).unwrap_err().to_string();
+        assert!(e.contains("cannot be routed"), "{e}");
+    }
+
     #[test]
     fn impossible_deepseek_configurations_name_themselves() {
         let bad = |key: &str, value: serde_json::Value, want: &str| {
@@ -501,8 +629,9 @@ mod tests {
         );
         bad("topk_group", 9.into(), "cannot be routed");
         bad("num_experts_per_tok", 300.into(), "experts per token");
-        bad("scoring_func", "softmax".into(), "scoring_func");
+        bad("scoring_func", "tanh".into(), "scoring_func");
         bad("topk_method", "greedy".into(), "topk_method");
+        bad("topk_method", "noaux_tc_v2".into(), "topk_method");
         bad("qk_rope_head_dim", 63.into(), "qk_rope_head_dim");
         bad("kv_lora_rank", 0.into(), "kv_lora_rank");
         bad(

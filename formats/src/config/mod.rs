@@ -40,9 +40,10 @@ pub enum Architecture {
     /// global ones, YaRN RoPE, and routed experts with biases behind a
     /// clamped SwiGLU.
     GptOss,
-    /// DeepSeek V3 and Kimi K2: multi-head latent attention (a compressed
-    /// KV cache), interleaved RoPE on part of each head, sigmoid routing
-    /// within groups beside shared experts, dense first layers.
+    /// DeepSeek V2, V3 and Kimi K2: multi-head latent attention (a
+    /// compressed KV cache), interleaved RoPE on part of each head, experts
+    /// beside shared ones (V2 routes by softmax, V3 and K2 by sigmoid scores
+    /// within groups), dense first layers.
     DeepSeekV3,
 }
 
@@ -370,7 +371,7 @@ impl ModelConfig {
             "qwen2_moe" => Architecture::Qwen2Moe,
             "mixtral" => Architecture::Mixtral,
             "gpt_oss" => Architecture::GptOss,
-            "deepseek_v3" | "kimi_k2" => Architecture::DeepSeekV3,
+            "deepseek_v2" | "deepseek_v3" | "kimi_k2" => Architecture::DeepSeekV3,
             // `gemma3` in config.json is the multimodal wrapper (`text_config`,
             // `language_model.` weights).
             "gemma3" => return Err(Error::UnsupportedArchitecture(
@@ -487,7 +488,10 @@ impl ModelConfig {
             Architecture::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             Architecture::Mixtral => ("mixtral", "MixtralForCausalLM"),
             Architecture::GptOss => ("gpt_oss", "GptOssForCausalLM"),
-            Architecture::DeepSeekV3 => ("deepseek_v3", "DeepseekV3ForCausalLM"),
+            Architecture::DeepSeekV3 => match self.moe.as_ref().map(|m| m.routing) {
+                Some(Routing::SoftmaxGroups { .. }) => ("deepseek_v2", "DeepseekV2ForCausalLM"),
+                _ => ("deepseek_v3", "DeepseekV3ForCausalLM"),
+            },
         };
         let mut json = serde_json::json!({
             "architectures": [class],

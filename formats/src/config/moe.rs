@@ -35,6 +35,39 @@ pub enum Routing {
         /// Factor on the routed experts' sum.
         scale: f32,
     },
+    /// DeepSeek V2's: a softmax over every expert; the choice is limited to
+    /// the `top_groups` best of `groups` equal groups (a group scored by its
+    /// best expert; one group: no limit); the weights are the chosen
+    /// experts' scores, renormalised when the [`Moe`] says so, times
+    /// `scale`.
+    SoftmaxGroups {
+        /// Groups the experts fall into, in order.
+        groups: usize,
+        /// Groups a token may choose from.
+        top_groups: usize,
+        /// Factor on the routed experts' sum.
+        scale: f32,
+    },
+}
+
+impl Routing {
+    /// Groups, groups per token, and the factor on the routed sum (one
+    /// group of all, and 1, for plain top-k routing).
+    pub fn groups(self) -> (usize, usize, f32) {
+        match self {
+            Routing::Softmax => (1, 1, 1.0),
+            Routing::SigmoidGroups {
+                groups,
+                top_groups,
+                scale,
+            }
+            | Routing::SoftmaxGroups {
+                groups,
+                top_groups,
+                scale,
+            } => (groups, top_groups, scale),
+        }
+    }
 }
 
 /// The routed feed-forward blocks of a mixture-of-experts model.
@@ -87,16 +120,19 @@ impl Moe {
         if self.expert_intermediate_size == 0 {
             return Err(Error::metadata(what, "experts of width 0"));
         }
-        if let Routing::SigmoidGroups {
-            groups, top_groups, ..
-        } = self.routing
-        {
+        if self.routing != Routing::Softmax {
+            let (groups, top_groups, _) = self.routing.groups();
+            // Sigmoid groups are scored by their best two experts.
+            let least = match self.routing {
+                Routing::SigmoidGroups { .. } => 2,
+                _ => 1,
+            };
             let per_group = self.experts.checked_div(groups).unwrap_or(0);
             if groups == 0
                 || !self.experts.is_multiple_of(groups)
                 || top_groups == 0
                 || top_groups > groups
-                || per_group < 2
+                || per_group < least
                 || top_groups * per_group < self.experts_per_token
             {
                 return Err(Error::metadata(
@@ -104,7 +140,7 @@ impl Moe {
                     format!(
                         "{} experts in {groups} groups, {top_groups} groups per token and \
                          {} experts per token cannot be routed (groups must divide the \
-                         experts, hold two or more each, and the chosen groups hold \
+                         experts, hold {least} or more each, and the chosen groups hold \
                          enough experts)",
                         self.experts, self.experts_per_token
                     ),
