@@ -11,14 +11,15 @@
 # as released models are and as llama.cpp requires), mixtral, gpt_oss (f32),
 # gpt_oss with its experts in GGUF's MXFP4 blocks, as gpt-oss GGUF files
 # come, deepseek_v3 (latent attention, sigmoid group routing) and
-# deepseek_v2 (latent attention, softmax routing). Tiny models
+# deepseek_v2_lite (26 layers: llama.cpp reads a deepseek2 file without a
+# low-rank query only at the Lite models' layer counts). Tiny models
 # (hidden 64, a few layers) measure per-token overhead more than arithmetic:
 # read the ratios, not the absolute rates. Prints one line per family and
 # engine: medians of tokens/s over the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=1 RUNS=5 PROMPT=64 GEN=64
-FAMILIES="gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4 deepseek_v3 deepseek_v2"
+FAMILIES="gemma3_text qwen3_moe_routed mixtral gpt_oss gpt_oss:gguf_mxfp4 deepseek_v3 deepseek_v2_lite"
 while [ $# -gt 0 ]; do
   case "$1" in
     --threads) THREADS=$2; shift 2 ;;

@@ -692,6 +692,7 @@ fn the_tiny_ggufs_run_as_llama_cpp_runs_them() {
         "qwen2_yarn",
         "gpt_oss",
         "deepseek_v3",
+        "deepseek_v2_lite",
     ] {
         check_against_llama_cpp(family);
     }

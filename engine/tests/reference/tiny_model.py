@@ -271,6 +271,11 @@ FAMILIES["deepseek_v2"] = dict(
     routed_scaling_factor=1.5,
 )
 
+# The same with 26 layers: llama.cpp reads a deepseek2 file without a
+# low-rank query only at the layer counts of the Lite models (26 or 27;
+# with 27, seed 0's greedy path meets the end token, where llama.cpp stops).
+FAMILIES["deepseek_v2_lite"] = dict(FAMILIES["deepseek_v2"], num_hidden_layers=26)
+
 # DeepSeek V2 (236B)'s routing: each token's experts from the best two of
 # four groups, a group scored by its best expert.
 FAMILIES["deepseek_v2_groups"] = dict(
@@ -432,6 +437,7 @@ GGUF_ARCH = {
     "gpt_oss": "gpt-oss",
     "deepseek_v3": "deepseek2",
     "deepseek_v2": "deepseek2",
+    "deepseek_v2_lite": "deepseek2",
     # Written to be refused: GGUF does not say which group rule it means.
     "deepseek_v2_groups": "deepseek2",
 }
