@@ -126,5 +126,18 @@ mod tests {
         let r = route_groups(&logits, &[], one_group, 2, true);
         assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
         assert!((r[0].1 - p(0) / (p(0) + p(1))).abs() < 1e-6, "{r:?}");
+        // A group is its best expert, not its best two: group 0 (0.30,
+        // 0.01) beats group 1 (0.25, 0.24), which the sum of two would
+        // choose.
+        let logits = [0.30f32.ln(), 0.01f32.ln(), 0.25f32.ln(), 0.24f32.ln()];
+        let halves = Routing::SoftmaxGroups {
+            groups: 2,
+            top_groups: 1,
+            scale: 1.0,
+        };
+        let r = route_groups(&logits, &[], halves, 2, false);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
+        let r = route_groups(&logits, &[], v3(2, 1, 1.0), 2, false);
+        assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 3]);
     }
 }

@@ -276,10 +276,11 @@ FAMILIES["deepseek_v2"] = dict(
 # with 27, seed 0's greedy path meets the end token, where llama.cpp stops).
 FAMILIES["deepseek_v2_lite"] = dict(FAMILIES["deepseek_v2"], num_hidden_layers=26)
 
-# DeepSeek V2 (236B)'s routing: each token's experts from the best two of
-# four groups, a group scored by its best expert.
+# DeepSeek V2 (236B)'s routing: each token's experts from its best group
+# of four, a group scored by its best expert (one group, so that the limit
+# changes the choice: two groups would always hold the best two experts).
 FAMILIES["deepseek_v2_groups"] = dict(
-    FAMILIES["deepseek_v2"], topk_method="group_limited_greedy", n_group=4, topk_group=2
+    FAMILIES["deepseek_v2"], topk_method="group_limited_greedy", n_group=4, topk_group=1
 )
 
 # Qwen3-MoE as released models are (and llama.cpp requires): every layer routed.
@@ -438,7 +439,6 @@ GGUF_ARCH = {
     "deepseek_v3": "deepseek2",
     "deepseek_v2": "deepseek2",
     "deepseek_v2_lite": "deepseek2",
-    # Written to be refused: GGUF does not say which group rule it means.
     "deepseek_v2_groups": "deepseek2",
 }
 

@@ -242,7 +242,7 @@ pub(super) fn moe_from_gguf(
         }
     };
     // 2 (sigmoid) for DeepSeek V3 and Kimi K2; 1 (softmax) or absent for
-    // DeepSeek V2, whose files llama.cpp reads as softmax.
+    // DeepSeek V2, whose older files llama.cpp reads as softmax.
     let sigmoid = match number("expert_gating_func", 1)? {
         1 => false,
         2 => true,
@@ -260,18 +260,9 @@ pub(super) fn moe_from_gguf(
         number("expert_group_count", 1)?,
         number("expert_group_used_count", 1)?,
     );
-    if !sigmoid && groups > 1 {
-        // DeepSeek V2's group limit scores a group by its best expert,
-        // llama.cpp every grouped router by its best two; a GGUF does not
-        // say which it means (llama.cpp's converter writes no groups for V2).
-        return Err(Error::metadata(
-            key("expert_group_count"),
-            format!(
-                "{groups} expert groups with softmax gating (DeepSeek V2's group-limited \
-                 routing) are not read from GGUF: serve the MLX-community safetensors"
-            ),
-        ));
-    }
+    // Softmax gating in deepseek2 is DeepSeek V2, whose groups are scored by
+    // their best expert (llama.cpp scores every grouped router by its best
+    // two, and so departs from V2's own routing where groups are set).
     let width = header.get_u32(&key("expert_feed_forward_length"))? as usize;
     let shared = number("expert_shared_count", 0)?;
     let normalize = match header.get(&key("expert_weights_norm")) {
@@ -338,17 +329,19 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
     let v2 = v.get("model_type").and_then(|t| t.as_str()) == Some("deepseek_v2");
     let scoring = text("scoring_func", if v2 { "softmax" } else { "sigmoid" })?;
     let method = text("topk_method", if v2 { "greedy" } else { "noaux_tc" })?;
-    let sigmoid = match (scoring.as_str(), method.as_str()) {
-        ("sigmoid", "noaux_tc") => true,
+    // Each family routes its own way only: V3's checkpoints hold a choice
+    // bias that softmax routing would drop, V2's none that V3's needs.
+    let sigmoid = match (v2, scoring.as_str(), method.as_str()) {
+        (false, "sigmoid", "noaux_tc") => true,
         // mlx-lm's default spells it "gready".
-        ("softmax", "greedy" | "gready" | "group_limited_greedy") => false,
-        ("sigmoid" | "softmax", _) => {
+        (true, "softmax", "greedy" | "gready" | "group_limited_greedy") => false,
+        (_, "sigmoid" | "softmax", _) => {
             return Err(hf_bad(
                 "topk_method",
                 &format!(
-                    "{method:?} is not supported with {scoring} scores (noaux_tc with sigmoid, \
-                     as DeepSeek V3 routes; greedy or group_limited_greedy with softmax, as \
-                     DeepSeek V2 does)"
+                    "{method:?} with {scoring} scores is not how this family routes (DeepSeek V3 \
+                     and Kimi K2: noaux_tc with sigmoid; DeepSeek V2: greedy or \
+                     group_limited_greedy with softmax)"
                 ),
             ));
         }
@@ -372,16 +365,33 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
     }
     let expert_width = hf_int(v, "moe_intermediate_size")?;
     let shared = optional("n_shared_experts", 0)?;
+    // Absent: the family's default (V3 true, V2 false); null: off, as
+    // mlx-lm reads it.
+    let normalize = match v.get("norm_topk_prob") {
+        None => !v2,
+        Some(x) => x.as_bool().unwrap_or(false),
+    };
+    // DeepSeek V2 renormalises or scales, never both (its own modelling
+    // code); V3 renormalises, then scales.
+    let scale = match (v2, normalize) {
+        (true, true) => 1.0,
+        _ => hf_float(v, "routed_scaling_factor", 1.0)? as f32,
+    };
+    // Group-limited routing needs its groups said.
+    let groups = |key: &str| -> Result<usize> {
+        match (sigmoid, method.as_str(), v.get(key)) {
+            (false, "group_limited_greedy", None | Some(serde_json::Value::Null)) => Err(hf_bad(
+                key,
+                "group_limited_greedy routing needs n_group and topk_group",
+            )),
+            _ => optional(key, 1),
+        }
+    };
     Moe {
         experts: hf_int(v, "n_routed_experts")?,
         experts_per_token: hf_int(v, "num_experts_per_tok")?,
         expert_intermediate_size: expert_width,
-        // Absent: the family's default (V3 true, V2 false); null: off, as
-        // mlx-lm reads it.
-        normalize: match v.get("norm_topk_prob") {
-            None => !v2,
-            Some(x) => x.as_bool().unwrap_or(false),
-        },
+        normalize,
         dense_layers: (0..config.layers)
             .filter(|&l| l < first_dense || !l.is_multiple_of(step))
             .collect(),
@@ -395,16 +405,15 @@ pub(super) fn moe(config: &ModelConfig, v: &serde_json::Value) -> Result<Option<
         shared_gate: false,
         bias: false,
         routing: {
-            let scale = hf_float(v, "routed_scaling_factor", 1.0)? as f32;
             match (sigmoid, method.as_str()) {
                 (true, _) => Routing::SigmoidGroups {
-                    groups: optional("n_group", 1)?,
-                    top_groups: optional("topk_group", 1)?,
+                    groups: groups("n_group")?,
+                    top_groups: groups("topk_group")?,
                     scale,
                 },
                 (false, "group_limited_greedy") => Routing::SoftmaxGroups {
-                    groups: optional("n_group", 1)?,
-                    top_groups: optional("topk_group", 1)?,
+                    groups: groups("n_group")?,
+                    top_groups: groups("topk_group")?,
                     scale,
                 },
                 (false, _) => Routing::SoftmaxGroups {
@@ -611,6 +620,21 @@ mod tests {
         v2["topk_group"] = 5.into();
         let e = ModelConfig::from_hf_json(&v2).unwrap_err().to_string();
         assert!(e.contains("cannot be routed"), "{e}");
+        // Group-limited routing without its groups is refused, not run greedily.
+        v2["n_group"] = serde_json::Value::Null;
+        let e = ModelConfig::from_hf_json(&v2).unwrap_err().to_string();
+        assert!(e.contains("n_group"), "{e}");
+        // V2 renormalises or scales, never both; sigmoid routing is V3's.
+        let mut v = v2_lite();
+        v["norm_topk_prob"] = true.into();
+        v["routed_scaling_factor"] = 16.0.into();
+        let moe = ModelConfig::from_hf_json(&v).unwrap().moe.unwrap();
+        assert!(moe.normalize);
+        assert_eq!(moe.routing.groups().2, 1.0);
+        v["scoring_func"] = "sigmoid".into();
+        v["topk_method"] = "noaux_tc".into();
+        let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+        assert!(e.contains("not how this family routes"), "{e}");
     }
 
     #[test]
@@ -631,6 +655,12 @@ mod tests {
         bad("num_experts_per_tok", 300.into(), "experts per token");
         bad("scoring_func", "tanh".into(), "scoring_func");
         bad("topk_method", "greedy".into(), "topk_method");
+        // V3 routes by sigmoid scores only (its checkpoints hold a choice bias).
+        bad(
+            "scoring_func",
+            "softmax".into(),
+            "not how this family routes",
+        );
         bad("topk_method", "noaux_tc_v2".into(), "topk_method");
         bad("qk_rope_head_dim", 63.into(), "qk_rope_head_dim");
         bad("kv_lora_rank", 0.into(), "kv_lora_rank");
