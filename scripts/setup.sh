@@ -75,9 +75,9 @@ CACHE="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}"
 # chart test, and Selenium for the web view's browser test.
 pinned_venv "$CACHE/venv" "openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0 selenium==4.40.0"
 # The model families' reference implementations: mlx-lm's model classes on
-# the MLX CPU wheel, the gguf writer, and SentencePiece (engine/tests/families.rs
-# and sentencepiece.rs compare the engines and tokenizers with them).
-pinned_venv "$CACHE/reference" "mlx-lm==0.32.2 mlx[cpu]==0.32.4 gguf==0.19.0 sentencepiece==0.2.3"
+# the MLX CPU wheel, the gguf writer, SentencePiece and tokenizers (engine/tests/families.rs
+# and gguf_tokenizers.rs compare the engines and tokenizers with them).
+pinned_venv "$CACHE/reference" "mlx-lm==0.32.2 mlx[cpu]==0.32.4 gguf==0.19.0 sentencepiece==0.2.3 tokenizers==0.23.3"
 # cargo-fuzz runs the data-plane decoders under libFuzzer in the test command.
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --quiet --locked cargo-fuzz@0.13.2 >&2 ||

@@ -23,14 +23,139 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{Error, Result};
 
-/// GPT-2's split, also what `ByteLevel` applies with `use_regex`; listed for the
-/// pre-tokenizer types that add a split before it.
+/// GPT-2's split, also what `ByteLevel` applies with `use_regex`.
 const GPT2_SPLIT: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's split (numbers in groups of up to three).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split (every digit alone).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 3.5's split (combining marks stay with their letters).
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's (and Llama 4's) split: words split before capitals.
+const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Mistral's Tekken split: as GPT-4o's, without contractions, digits alone.
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Kimi K2's split: runs of Han characters, then GPT-4o's without them.
+const KIMI_K2_SPLIT: &str = r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Chinese, Japanese and Korean runs as DeepSeek's first tokenizers split them.
+const DEEPSEEK_CJK: &str = "[\u{4e00}-\u{9fa5}\u{800}-\u{4e00}\u{ac00}-\u{d7ff}]+";
+/// DeepSeek LLM's (and V2's) splits. The letters are escaped: several are
+/// compatibility characters that editors normalise.
+const DEEPSEEK_LLM_SPLITS: &[&str] = &[
+    r"[\r\n]",
+    concat!(
+        r"\s?[",
+        "A-Za-z\u{b5}\u{c0}-\u{d6}\u{d8}-\u{f6}\u{f8}-\u{1ba}\u{1bc}-\u{1bf}\u{1c4}-\u{293}\u{295}-\u{2af}\u{370}-\u{373}\u{376}\u{377}\u{37b}-\u{37d}\u{37f}\u{386}\u{388}-\u{38a}\u{38c}\u{38e}-\u{3a1}\u{3a3}-\u{3f5}\u{3f7}-\u{481}\u{48a}-\u{52f}\u{531}-\u{556}\u{10a0}-\u{10c5}\u{13a0}-\u{13f5}\u{13f8}-\u{13fd}\u{1c90}-\u{1cba}\u{1cbd}-\u{1cbf}\u{1d00}-\u{1d2b}\u{1d6b}-\u{1d77}\u{1d79}-\u{1d9a}\u{1e00}-\u{1f15}\u{1f18}-\u{1f1d}\u{1f20}-\u{1f45}\u{1f48}-\u{1f4d}\u{1f50}-\u{1f57}\u{1f59}\u{1f5b}\u{1f5d}\u{1f5f}-\u{1f7d}\u{1f80}-\u{1fb4}\u{1fb6}-\u{1fbc}\u{1fbe}\u{1fc2}-\u{1fc4}\u{1fc6}-\u{1fcc}\u{1fd0}-\u{1fd3}\u{1fd6}-\u{1fdb}\u{1fe0}-\u{1fec}\u{1ff2}-\u{1ff4}\u{1ff6}-\u{1ffc}\u{2102}\u{2107}\u{210a}-\u{2113}\u{2115}\u{2119}-\u{211d}\u{2124}\u{2126}\u{2128}\u{212a}-\u{212d}\u{212f}-\u{2134}\u{2139}\u{213c}-\u{213f}\u{2145}-\u{2149}\u{214e}\u{2183}\u{2184}\u{2c00}-\u{2c7b}\u{2c7e}-\u{2ce4}\u{2ceb}-\u{2cee}\u{2cf2}\u{2cf3}\u{a640}-\u{a66d}\u{a680}-\u{a69b}\u{a722}-\u{a76f}\u{a771}-\u{a787}\u{a78b}-\u{a78e}\u{ab70}-\u{abbf}\u{fb00}-\u{fb06}\u{fb13}-\u{fb17}\u{ff21}-\u{ff3a}\u{ff41}-\u{ff5a}\u{10400}-\u{1044f}\u{104b0}-\u{104d3}\u{104d8}-\u{104fb}\u{10c80}-\u{10cb2}\u{10cc0}-\u{10cf2}\u{118a0}-\u{118df}\u{1e900}-\u{1e943}",
+        "]+"
+    ),
+    concat!(
+        r"\s?[!-/:-~",
+        "\u{ff01}-\u{ff0f}\u{ff1a}-\u{ff5e}\u{2018}-\u{201f}\u{3000}-\u{3002}",
+        "]+"
+    ),
+    r"\s+$",
+    DEEPSEEK_CJK,
+    r"\p{N}+",
+];
+/// DeepSeek Coder's splits.
+const DEEPSEEK_CODER_SPLITS: &[&str] = &[
+    r"[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    DEEPSEEK_CJK,
+    r"\p{N}",
+];
+/// DeepSeek V3's (and R1's) splits.
+const DEEPSEEK_V3_SPLITS: &[&str] = &[
+    r"\p{N}{1,3}",
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
+/// How a GGUF `tokenizer.ggml.pre` type pre-tokenizes, as the family's own
+/// tokenizer does and llama.cpp reads the type: splits, each applied to the
+/// pieces of the one before; and whether a piece found whole in the
+/// vocabulary is taken as it is instead of merged (`ignore_merges`).
+struct PreType {
+    names: &'static [&'static str],
+    splits: &'static [&'static str],
+    ignore_merges: bool,
+}
+
+const fn pre(
+    names: &'static [&'static str],
+    splits: &'static [&'static str],
+    ignore_merges: bool,
+) -> PreType {
+    PreType {
+        names,
+        splits,
+        ignore_merges,
+    }
+}
+
+/// The pre-tokenizer types read, by family.
+const PRE_TYPES: &[PreType] = &[
+    pre(
+        &[
+            "gpt-2", "default", "phi-2", "jais", "mpt", "olmo", "exaone4",
+        ],
+        &[GPT2_SPLIT],
+        false,
+    ),
+    pre(
+        &[
+            "llama-bpe",
+            "llama3",
+            "llama-v3",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "lfm2",
+        ],
+        &[LLAMA3_SPLIT],
+        true,
+    ),
+    pre(
+        &["dbrx", "smaug-bpe", "chatglm-bpe"],
+        &[LLAMA3_SPLIT],
+        false,
+    ),
+    pre(&["glm4", "glm5"], &[LLAMA3_SPLIT], true),
+    pre(
+        &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+        ],
+        &[QWEN2_SPLIT],
+        false,
+    ),
+    pre(&["qwen35"], &[QWEN35_SPLIT], false),
+    // Every number character alone, then GPT-2's split.
+    pre(
+        &[
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+        ],
+        &[r"\p{N}", GPT2_SPLIT],
+        false,
+    ),
+    pre(&["deepseek-llm"], DEEPSEEK_LLM_SPLITS, false),
+    pre(&["deepseek-coder"], DEEPSEEK_CODER_SPLITS, false),
+    pre(&["deepseek-v3", "hunyuan-dense"], DEEPSEEK_V3_SPLITS, false),
+    pre(&["kimi-k2"], &[KIMI_K2_SPLIT], false),
+    pre(&["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_SPLIT], false),
+    pre(&["tekken"], &[TEKKEN_SPLIT], true),
+];
 
 /// GGUF token types (llama.cpp's): control and user-defined tokens are
 /// matched whole in text; unknown and byte tokens never come from merges.
@@ -76,34 +201,34 @@ fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
     Ok(split.into())
 }
 
-/// The pre-tokenizer for a GGUF `tokenizer.ggml.pre` value.
-fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
-    let byte_level = |use_regex| PreTokenizerWrapper::from(ByteLevel::new(false, true, use_regex));
-    Ok(match pre {
-        "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" | "falcon3" => {
-            Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)]).into()
-        }
-        "qwen2" | "deepseek-r1-qwen" | "megrez" => {
-            Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)]).into()
-        }
-        // Every number character alone, then GPT-2's split.
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
-            Sequence::new(vec![
-                split(r"\p{N}")?,
-                split(GPT2_SPLIT)?,
-                byte_level(false),
-            ])
-            .into()
-        }
-        "gpt-2" | "default" | "phi-2" | "jais" => byte_level(true),
-        other => {
-            tracing::warn!(
-                pre = other,
-                "unknown GGUF pre-tokenizer type; splitting as GPT-2 does"
-            );
-            byte_level(true)
-        }
-    })
+/// The pre-tokenizer type a GGUF `tokenizer.ggml.pre` value names; a file
+/// without one splits as GPT-2 does, as llama.cpp reads it.
+fn pre_type(name: &str) -> Result<&'static PreType> {
+    PRE_TYPES
+        .iter()
+        .find(|t| t.names.contains(&name))
+        .ok_or_else(|| {
+            let known: Vec<&str> = PRE_TYPES
+                .iter()
+                .flat_map(|t| t.names.iter().copied())
+                .collect();
+            Error::Tokenizer(format!(
+                "GGUF pre-tokenizer type (tokenizer.ggml.pre) {name:?} is not supported; \
+                 supported are {}",
+                known.join(", ")
+            ))
+        })
+}
+
+/// The splits, then bytes mapped to GPT-2's visible characters.
+fn pre_tokenizer(pre: &PreType) -> Result<PreTokenizerWrapper> {
+    let mut steps = pre
+        .splits
+        .iter()
+        .map(|pattern| split(pattern))
+        .collect::<Result<Vec<_>>>()?;
+    steps.push(ByteLevel::new(false, true, false).into());
+    Ok(Sequence::new(steps).into())
 }
 
 /// Byte-level BPE from GGUF's vocabulary and merges, split first as the
@@ -123,12 +248,13 @@ fn byte_level_bpe(header: &GgufHeader, tokens: &[String]) -> Result<tokenizers::
                 .ok_or_else(|| Error::Tokenizer(format!("merge {m:?} is not two tokens")))
         })
         .collect::<Result<Vec<_>>>()?;
+    let pre = pre_type(header.get_str("tokenizer.ggml.pre").unwrap_or("default"))?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre.ignore_merges)
         .build()
         .map_err(tok_err)?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-    let pre = header.get_str("tokenizer.ggml.pre").unwrap_or("default");
     inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(inner)

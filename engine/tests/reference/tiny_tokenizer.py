@@ -40,10 +40,10 @@ The model runs on several machines: each stage holds a range of layers and passe
 """
 
 
-def corpus_lines():
-    lines = CORPUS.splitlines()
+def corpus_lines(corpus=CORPUS):
+    lines = corpus.splitlines()
     rng = random.Random(7)
-    words = CORPUS.split()
+    words = corpus.split()
     # More text of the same words, so merges have counts to learn from.
     for _ in range(400):
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
@@ -118,13 +118,19 @@ TEXTS = [
 ]
 
 
-def cases(sp):
+def sample_texts(texts, corpus, count):
+    """The texts, then `count` slices of the corpus at random boundaries,
+    mid-word included."""
     rng = random.Random(11)
-    texts = list(TEXTS)
-    # Slices of the corpus at random boundaries, mid-word included.
-    for _ in range(200):
-        start = rng.randrange(len(CORPUS))
-        texts.append(CORPUS[start : start + rng.randint(1, 80)])
+    texts = list(texts)
+    for _ in range(count):
+        start = rng.randrange(len(corpus))
+        texts.append(corpus[start : start + rng.randint(1, 80)])
+    return texts
+
+
+def cases(sp):
+    texts = sample_texts(TEXTS, CORPUS, 200)
     out = [{"text": t, "ids": sp.encode(t), "decoded": sp.decode(sp.encode(t))} for t in texts]
     for special, rest in [
         ("<start_of_turn>", "user\nWhy is the sky blue?"),
