@@ -11,9 +11,10 @@
 //!
 //! The budget is the Shard's `kvCache` in tokens (context length ×
 //! concurrent sequences), what placement made room for on every stage of
-//! the instance, capped by the head machine's free memory at load
-//! (`shards::kv_budget_tokens`); the head's generations are all that a
-//! later stage holds.
+//! the instance, capped by each stage machine's free memory at load
+//! (`shards::kv_budget_tokens`): the head's own, and the least the later
+//! stages report in their Shards' status (`kvBudgetTokens`), since the
+//! head's generations are all that a later stage holds.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,9 +26,12 @@ use tokio::sync::Notify;
 pub struct KvLedger {
     /// Tokens of KV the generations admitted here may come to hold, at most.
     pub reserved_tokens: AtomicU64,
-    /// Tokens of KV the stage admits at most (its Shard's context length ×
-    /// concurrent sequences; 0: not set, nothing is refused).
+    /// Tokens of KV the stage holds at most (its Shard's context length ×
+    /// concurrent sequences, capped by its machine's free memory; 0: not
+    /// set).
     pub budget_tokens: AtomicU64,
+    /// The least a later stage of the instance holds (0: none reported).
+    pub downstream_tokens: AtomicU64,
     /// Generations preempted for room that wait to resume.
     pub preempted_waiting: AtomicU64,
     /// Generations that wait for a younger one to yield them room.
@@ -44,6 +48,18 @@ pub struct KvLedger {
 }
 
 impl KvLedger {
+    /// Tokens of KV the head admits at most: the least of its own budget and
+    /// its later stages' (0: neither is set, nothing is refused).
+    pub fn budget(&self) -> u64 {
+        let own = self.budget_tokens.load(Ordering::Relaxed);
+        let downstream = self.downstream_tokens.load(Ordering::Relaxed);
+        match (own, downstream) {
+            (0, d) => d,
+            (o, 0) => o,
+            (o, d) => o.min(d),
+        }
+    }
+
     /// Generations that wait for room (preempted, or to grow): a new one is
     /// not admitted before them.
     pub fn waiting(&self) -> u64 {
@@ -109,7 +125,7 @@ impl KvReservation {
         if ledger.waiting() > 0 {
             return Err((
                 ledger.reserved_tokens.load(Ordering::Relaxed),
-                ledger.budget_tokens.load(Ordering::Relaxed),
+                ledger.budget(),
             ));
         }
         r.grow(tokens)?;
@@ -126,7 +142,7 @@ impl KvReservation {
     /// the budget is taken.
     pub fn grow(&mut self, tokens: u64) -> Result<(), (u64, u64)> {
         let more = tokens.saturating_sub(self.tokens);
-        let budget = self.ledger.budget_tokens.load(Ordering::Relaxed);
+        let budget = self.ledger.budget();
         self.ledger
             .reserved_tokens
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |reserved| {

@@ -161,7 +161,7 @@ pub fn run(
             queue_waits: ran.queue_waits,
             kv_tokens: (
                 stats.kv.reserved_tokens.load(Ordering::Relaxed),
-                stats.kv.budget_tokens.load(Ordering::Relaxed),
+                stats.kv.budget(),
             ),
             prefix,
         });

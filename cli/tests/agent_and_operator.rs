@@ -162,6 +162,13 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
     .await;
     let st = ready.status.unwrap();
     assert!(st.memory_bytes.unwrap() > 50_000_000, "{st:?}");
+    // The machine has room for the whole KV cache the Shard asks for.
+    let kv = shard.spec.kv_cache;
+    assert_eq!(
+        st.kv_budget_tokens,
+        Some(u64::from(kv.context_length) * u64::from(kv.concurrent_sequences)),
+        "{st:?}"
+    );
     assert_eq!(st.engine, Some(Engine::Candle));
     assert!(
         shardplane_testkit::metrics::scrape(&admin)

@@ -130,21 +130,26 @@ impl Service {
         let most = (request.prompt().len() + request.params().max_tokens) as u64;
         let need = most.min(request.context().len() as u64 + KV_GROWTH);
         let waiting = stage.worker.stats.kv.waiting();
-        let budget = stage
-            .worker
-            .stats
-            .kv
-            .budget_tokens
-            .load(std::sync::atomic::Ordering::Relaxed);
+        // The later stages hold every token the head admits: it admits within
+        // the least any of them reports.
+        let ledger = &stage.worker.stats.kv;
+        let (downstream, least) = self.downstream_kv_tokens(&stage);
+        ledger
+            .downstream_tokens
+            .store(downstream, std::sync::atomic::Ordering::Relaxed);
+        let budget = ledger.budget();
         if budget > 0 && most > budget {
             self.metrics
                 .generations
                 .with_label_values(&["refused"])
                 .inc();
+            let holder = match least {
+                Some(shard) if downstream == budget => format!("stage {shard}'s machine"),
+                _ => format!("shard {} on node {}", stage.name, self.node),
+            };
             return Err(Status::resource_exhausted(format!(
-                "shard {} on node {} cannot hold this sequence's KV even alone: it may need {most} \
-                 tokens (prompt and max_tokens), more than the {budget} the shard holds; ask for fewer",
-                stage.name, self.node
+                "this sequence may need {most} tokens of KV (prompt and max_tokens), more than \
+                 the {budget} {holder} holds even for it alone; ask for fewer"
             )));
         }
         let reservation = KvReservation::take(&stage.worker.stats.kv, need)
@@ -386,10 +391,7 @@ impl Generation {
             if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
                 return Ok((tokens, false));
             }
-            let budget = stats
-                .kv
-                .budget_tokens
-                .load(std::sync::atomic::Ordering::Relaxed);
+            let budget = stats.kv.budget();
             if need > budget {
                 return Err(Status::resource_exhausted(format!(
                     "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",

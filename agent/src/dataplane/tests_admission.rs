@@ -55,6 +55,20 @@ async fn instance(
     Arc<TextModel>,
     Vec<tempfile::TempDir>,
 ) {
+    instance_with(pipeline, None).await
+}
+
+/// Like [`instance`]; the later stage's Shard reports `later_kv` tokens of
+/// KV (`status.kvBudgetTokens`) when given.
+async fn instance_with(
+    pipeline: bool,
+    later_kv: Option<u64>,
+) -> (
+    dp::Client,
+    StageWorker,
+    Arc<TextModel>,
+    Vec<tempfile::TempDir>,
+) {
     let mut head = shard(0, None);
     head.spec.stage_count = if pipeline { 2 } else { 1 };
     head.spec.layers = LayerRange {
@@ -82,6 +96,9 @@ async fn instance(
         directory.push(shard(1, Some(&endpoint)));
         let listed = directory.last_mut().unwrap();
         listed.spec = last.spec;
+        if let Some(status) = listed.status.as_mut() {
+            status.kv_budget_tokens = later_kv;
+        }
     }
     let (worker, text) = stage(head.spec.layers.start as usize..head.spec.layers.end as usize);
     let text = text.expect("a first stage's tokenizer");
@@ -216,6 +233,62 @@ async fn youngest_yields(pipeline: bool) {
     assert_eq!(worker.stats.kv.preemptions.load(Ordering::Relaxed), 1);
     assert!(younger_done > older_done, "the younger one waited");
     assert_eq!(worker.stats.kv.waiting(), 0);
+    reserved_becomes(&worker, 0).await;
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn a_head_admits_within_the_least_kv_its_later_stages_hold() {
+    // The later stage's machine holds 40 tokens; the head's own budget is
+    // unset (no cap of its own).
+    let (client, worker, text, _dirs) = instance_with(true, Some(40)).await;
+    let prompts: Vec<Vec<u32>> = [
+        "The three primary colours are",
+        "Water boils at a temperature of",
+    ]
+    .iter()
+    .map(|p| text.tokenizer.encode(p, true).unwrap())
+    .collect();
+    // Each prompt and 24 tokens fit; both prompts and 16 tokens each do not.
+    assert!(prompts.iter().all(|p| p.len() + 24 <= 40));
+    assert!(prompts[0].len() + prompts[1].len() + 32 > 40);
+    // More than the later stage could hold even alone: refused at once, naming it.
+    let refused = collect(&mut client.clone(), request(prompts[0].clone(), 64))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        refused.message().contains("stage d-0-1's machine"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(worker.stats.kv.budget(), 40);
+    // While one generation holds its prompt and next 16 tokens, another's
+    // do not fit beside it: refused, with the 40 tokens named; alone, it
+    // is answered.
+    use dp::generate_response::Event;
+    let mut first = client
+        .clone()
+        .generate(request(prompts[0].clone(), 24))
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        if let Some(Event::Delta(_)) = first.message().await.unwrap().unwrap().event {
+            break;
+        }
+    }
+    let busy = collect(&mut client.clone(), request(prompts[1].clone(), 24))
+        .await
+        .unwrap_err();
+    assert_eq!(busy.code(), tonic::Code::ResourceExhausted);
+    assert!(busy.message().contains("of the 40"), "{}", busy.message());
+    while first.message().await.unwrap().is_some() {}
+    reserved_becomes(&worker, 0).await;
+    let (_, tokens, _) = collect(&mut client.clone(), request(prompts[1].clone(), 24))
+        .await
+        .unwrap();
+    assert_eq!(tokens.len(), 24);
     reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;
 }

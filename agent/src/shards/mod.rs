@@ -401,14 +401,15 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
         match bring_up(&client, &shard, &shards, &metrics, &sources).await {
-            Ok(bytes) => {
+            Ok(loaded) => {
                 let status = ShardStatus {
                     phase: Some(ShardPhase::Ready),
                     reason: Some("Loaded".into()),
                     message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
                     engine: Some(crd_engine(sources.engine)),
                     endpoint: Some(shards.endpoint.to_string()),
-                    memory_bytes: Some(bytes as u64),
+                    memory_bytes: Some(loaded.bytes),
+                    kv_budget_tokens: Some(loaded.kv_budget_tokens),
                     observed_generation: shard.metadata.generation,
                     ..Default::default()
                 };
@@ -515,14 +516,14 @@ async fn write_status(
     shardplane_cluster::apply_status(&api, &k.1, AGENT_MANAGER, &status).await
 }
 
-/// Fetches and loads a shard; returns the bytes it holds.
+/// Fetches and loads a shard; returns what it holds.
 async fn bring_up(
     client: &Client,
     shard: &Shard,
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
-) -> Result<usize, Failure> {
+) -> Result<Loaded, Failure> {
     let k = key(shard);
     shard.validate().map_err(|e| Failure {
         reason: "InvalidSpec",
@@ -612,45 +613,49 @@ async fn bring_up(
         sources.budget,
         on_crash,
     );
-    if shard.spec.layers.start == 0 {
-        // Heads admit generations (see `dataplane::head`).
-        let (context, sequences) = (
-            u64::from(spec_kv.context_length),
-            u64::from(spec_kv.concurrent_sequences),
+    // What this machine holds of the Shard's KV. Heads admit generations
+    // within the least of their instance's stages (see `dataplane::head`);
+    // every stage reports its own in its status.
+    let (context, sequences) = (
+        u64::from(spec_kv.context_length),
+        u64::from(spec_kv.concurrent_sequences),
+    );
+    let shard_tokens = context * sequences;
+    let layers = u64::from(
+        shard
+            .spec
+            .layers
+            .end
+            .saturating_sub(shard.spec.layers.start),
+    );
+    let per_token = (kv_bytes_per_token as u64).saturating_mul(layers);
+    let budget = kv_budget_tokens(
+        (context, sequences),
+        crate::machine::available_memory(),
+        sources.memory_reserve,
+        sources.prefix_cache_bytes as u64,
+        per_token,
+    );
+    if budget < shard_tokens {
+        tracing::warn!(
+            shard = %k.1,
+            budget,
+            shard_tokens,
+            "the machine's free memory holds less KV than the Shard asks: the instance's head \
+             admits at most {budget} tokens"
         );
-        let shard_tokens = context * sequences;
-        let layers = u64::from(
-            shard
-                .spec
-                .layers
-                .end
-                .saturating_sub(shard.spec.layers.start),
-        );
-        let per_token = (kv_bytes_per_token as u64).saturating_mul(layers);
-        let budget = kv_budget_tokens(
-            (context, sequences),
-            crate::machine::available_memory(),
-            sources.memory_reserve,
-            sources.prefix_cache_bytes as u64,
-            per_token,
-        );
-        if budget < shard_tokens {
-            tracing::warn!(
-                shard = %k.1,
-                budget,
-                shard_tokens,
-                "the machine's free memory holds less KV than the Shard asks: its head admits \
-                 {budget} tokens"
-            );
-        }
-        worker
-            .stats
-            .kv
-            .budget_tokens
-            .store(budget, std::sync::atomic::Ordering::Relaxed);
     }
+    worker
+        .stats
+        .kv
+        .budget_tokens
+        .store(budget, std::sync::atomic::Ordering::Relaxed);
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
+    let loaded = Loaded {
+        bytes: bytes as u64,
+        kv_budget_tokens: budget,
+    };
     let replaced = shards.loaded.lock().expect("shard set lock").insert(
         k.clone(),
         Arc::new(ServedStage {
@@ -667,7 +672,15 @@ async fn bring_up(
         metrics.weight_bytes.sub(old.worker.weight_bytes as i64);
         sources.cache.unpin(&old.spec.source.cache_key());
     }
-    Ok(bytes)
+    Ok(loaded)
+}
+
+/// What a loaded stage reports.
+struct Loaded {
+    /// Memory it uses: weights (and the KV cache as it grows).
+    bytes: u64,
+    /// Tokens of KV its machine holds for it.
+    kv_budget_tokens: u64,
 }
 
 #[cfg(test)]

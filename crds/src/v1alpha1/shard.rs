@@ -148,6 +148,12 @@ pub struct ShardStatus {
     /// Memory the loaded stage uses (weights and KV cache), in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_bytes: Option<u64>,
+    /// Tokens of KV cache this stage's machine holds for the shard: its
+    /// `kvCache` (context length × concurrent sequences), or fewer when the
+    /// machine's free memory at load had room for fewer. The first stage
+    /// admits generations within the least of its instance's stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_budget_tokens: Option<u64>,
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
