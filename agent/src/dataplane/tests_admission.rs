@@ -117,15 +117,20 @@ async fn instance_with(
 /// Tokens of each answer.
 const ANSWER: u32 = 24;
 
-/// Two prompts and the greedy answer each gets alone, with no budget.
-async fn answers_alone(client: &dp::Client, text: &TextModel) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
-    let prompts: Vec<Vec<u32>> = [
+/// The two prompts the tests run, as tokens.
+fn prompts(text: &TextModel) -> Vec<Vec<u32>> {
+    [
         "The three primary colours are",
         "Water boils at a temperature of",
     ]
     .iter()
     .map(|p| text.tokenizer.encode(p, true).unwrap())
-    .collect();
+    .collect()
+}
+
+/// Two prompts and the greedy answer each gets alone, with no budget.
+async fn answers_alone(client: &dp::Client, text: &TextModel) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let prompts = prompts(text);
     let mut alone = Vec::new();
     for p in &prompts {
         let (_, tokens, _) = collect(&mut client.clone(), request(p.clone(), ANSWER))
@@ -242,13 +247,7 @@ async fn a_head_admits_within_the_least_kv_its_later_stages_hold() {
     // The later stage's machine holds 40 tokens; the head's own budget is
     // unset (no cap of its own).
     let (client, worker, text, _dirs) = instance_with(true, Some(40)).await;
-    let prompts: Vec<Vec<u32>> = [
-        "The three primary colours are",
-        "Water boils at a temperature of",
-    ]
-    .iter()
-    .map(|p| text.tokenizer.encode(p, true).unwrap())
-    .collect();
+    let prompts = prompts(&text);
     // Each prompt and 24 tokens fit; both prompts and 16 tokens each do not.
     assert!(prompts.iter().all(|p| p.len() + 24 <= 40));
     assert!(prompts[0].len() + prompts[1].len() + 32 > 40);
