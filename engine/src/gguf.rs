@@ -229,7 +229,7 @@ fn mxfp4_to_q8_0(raw: &[u8]) -> Result<Vec<u8>> {
 }
 
 /// candle's name for a tensor type it computes with.
-fn candle_type(t: GgmlType) -> Option<GgmlDType> {
+pub(crate) fn candle_type(t: GgmlType) -> Option<GgmlDType> {
     Some(match t {
         GgmlType::F32 => GgmlDType::F32,
         GgmlType::F16 => GgmlDType::F16,

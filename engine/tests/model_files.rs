@@ -337,3 +337,60 @@ fn a_layer_range_past_the_model_is_an_error() {
         .expect_err("past the end");
     assert!(matches!(e, Error::LayerRange { layers: 30, .. }), "{e}");
 }
+
+/// MLX holds K-quant and 5-bit GGUF matrices as its own groups of the same
+/// values: its logits equal those of the same file dequantized to f32
+/// (within summation order), in a fraction of the memory.
+#[cfg(feature = "mlx")]
+#[test]
+fn mlx_holds_k_quants_as_groups_of_the_same_values() {
+    use shardplane_engine::mlx::MlxStage;
+    use shardplane_engine::{Stage, StageInput, StageOutput};
+    let dir = tempfile::tempdir().unwrap();
+    let text = TextModel::from_gguf(&GgufFile::open(model()).unwrap()).unwrap();
+    let prompt = text
+        .chat_prompt(&[ChatMessage::new("user", "Why is the sky blue?")])
+        .unwrap();
+    let logits = |file: &GgufFile, dequantize: bool| {
+        let options = LoadOptions {
+            dequantize,
+            ..Default::default()
+        };
+        let mut stage = MlxStage::load_gguf(file, StageLayout::whole(30), &options).unwrap();
+        let bytes = stage.weight_bytes();
+        let out = stage
+            .forward(1, StageInput::Tokens(prompt.clone()))
+            .unwrap();
+        let StageOutput::Logits(l) = out else {
+            panic!("a whole model gives logits")
+        };
+        (l, bytes)
+    };
+    // Rows of 1536 (the feed-forward's down projection) are whole
+    // super-blocks of 256; rows of 576 get the 5-bit type of groups of 32.
+    for (dtype, fallback) in [
+        (GgmlDType::Q4K, GgmlDType::Q5_0),
+        (GgmlDType::Q5K, GgmlDType::Q5_1),
+    ] {
+        let file = GgufFile::open(convert(dtype, fallback, dir.path())).unwrap();
+        let (grouped, grouped_bytes) = logits(&file, false);
+        let (exact, f32_bytes) = logits(&file, true);
+        let range = exact.iter().cloned().fold(f32::MIN, f32::max)
+            - exact.iter().cloned().fold(f32::MAX, f32::min);
+        let gap = exact
+            .iter()
+            .zip(&grouped)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max)
+            / range;
+        eprintln!(
+            "{dtype:?}/{fallback:?} on MLX: logit gap to the f32 values {gap:.2e} of the range; \
+             {grouped_bytes} bytes as groups, {f32_bytes} as f32"
+        );
+        assert!(gap < 1e-4, "{dtype:?}: {gap}");
+        assert!(
+            grouped_bytes * 3 < f32_bytes,
+            "{grouped_bytes} vs {f32_bytes}"
+        );
+    }
+}
