@@ -12,7 +12,7 @@
 //! The budget is the Shard's `kvCache` in tokens (context length ×
 //! concurrent sequences), what placement made room for on every stage of
 //! the instance, capped by each stage machine's free memory at load
-//! (`shards::kv_budget_tokens`): the head's own, and the least the later
+//! (`shards::kv_room`, again while it runs): the head's own, and the least the later
 //! stages report in their Shards' status (`kvBudgetTokens`), since the
 //! head's generations are all that a later stage holds.
 

@@ -29,7 +29,9 @@ use crate::stage::{OnCrash, StageWorker};
 
 mod fetch;
 mod healing;
+mod kv_room;
 use healing::{fail_shard, stage_crashed};
+use kv_room::KvRoom;
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
@@ -136,31 +138,6 @@ pub struct Sources {
     /// Memory kept free for the rest of the machine (`--memory-reserve`):
     /// a head's KV budget never counts on it.
     pub memory_reserve: u64,
-}
-
-/// A head stage's KV budget in tokens: its Shard's (context length ×
-/// concurrent sequences), capped by what the machine's memory can hold
-/// once the stage is loaded: the memory available now, less the reserve
-/// and the prefix cache's budget, over the bytes one token takes in the
-/// stage's layers; but never below one whole context, so one sequence can
-/// always run (as free memory is an estimate, on macOS a low one). A Shard
-/// placed on a machine that has since filled up (other programs on a Mac)
-/// then admits fewer sequences at once instead of running out of memory.
-pub fn kv_budget_tokens(
-    (context, sequences): (u64, u64),
-    available: u64,
-    reserve: u64,
-    prefix_cache: u64,
-    bytes_per_token: u64,
-) -> u64 {
-    let shard_tokens = context.saturating_mul(sequences);
-    let room = available
-        .saturating_sub(reserve)
-        .saturating_sub(prefix_cache);
-    match room.checked_div(bytes_per_token) {
-        Some(fits) => shard_tokens.min(fits.max(context)),
-        None => shard_tokens,
-    }
 }
 
 /// The API's name for an engine.
@@ -615,12 +592,7 @@ async fn bring_up(
     );
     // What this machine holds of the Shard's KV. Heads admit generations
     // within the least of their instance's stages (see `dataplane::head`);
-    // every stage reports its own in its status.
-    let (context, sequences) = (
-        u64::from(spec_kv.context_length),
-        u64::from(spec_kv.concurrent_sequences),
-    );
-    let shard_tokens = context * sequences;
+    // every stage reports its own in its status, measured again while it runs.
     let layers = u64::from(
         shard
             .spec
@@ -628,44 +600,48 @@ async fn bring_up(
             .end
             .saturating_sub(shard.spec.layers.start),
     );
-    let per_token = (kv_bytes_per_token as u64).saturating_mul(layers);
-    let budget = kv_budget_tokens(
-        (context, sequences),
-        crate::machine::available_memory(),
-        sources.memory_reserve,
-        sources.prefix_cache_bytes as u64,
-        per_token,
-    );
-    if budget < shard_tokens {
+    let room = KvRoom {
+        context: u64::from(spec_kv.context_length),
+        sequences: u64::from(spec_kv.concurrent_sequences),
+        per_token: (kv_bytes_per_token as u64).saturating_mul(layers),
+        reserve: sources.memory_reserve,
+        prefix_cache: sources.prefix_cache_bytes as u64,
+    };
+    let budget = room.measure(&worker.stats);
+    if budget < room.shard_tokens() {
         tracing::warn!(
             shard = %k.1,
             budget,
-            shard_tokens,
+            shard_tokens = room.shard_tokens(),
             "the machine's free memory holds less KV than the Shard asks: the instance's head \
              admits at most {budget} tokens"
         );
     }
-    worker
-        .stats
-        .kv
-        .budget_tokens
-        .store(budget, std::sync::atomic::Ordering::Relaxed);
     let bytes = worker.weight_bytes;
     metrics.weight_bytes.add(bytes as i64);
     let loaded = Loaded {
         bytes: bytes as u64,
         kv_budget_tokens: budget,
     };
-    let replaced = shards.loaded.lock().expect("shard set lock").insert(
-        k.clone(),
-        Arc::new(ServedStage {
-            namespace: k.0,
-            name: k.1,
-            spec: shard.spec.clone(),
-            worker,
-            text,
-        }),
-    );
+    let served = Arc::new(ServedStage {
+        namespace: k.0.clone(),
+        name: k.1.clone(),
+        spec: shard.spec.clone(),
+        worker,
+        text,
+    });
+    let replaced = shards
+        .loaded
+        .lock()
+        .expect("shard set lock")
+        .insert(k.clone(), served.clone());
+    tokio::spawn(kv_room::remeasure(
+        shards.clone(),
+        k,
+        served,
+        room,
+        kv_room::INTERVAL,
+    ));
     // A new spec (other layers, another template) replaced a loaded stage:
     // its sequences finish on the old one, which then goes.
     if let Some(old) = replaced {
@@ -681,28 +657,4 @@ struct Loaded {
     bytes: u64,
     /// Tokens of KV its machine holds for it.
     kv_budget_tokens: u64,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::kv_budget_tokens;
-
-    #[test]
-    fn a_heads_kv_budget_is_the_shards_unless_free_memory_holds_less() {
-        let gib = 1u64 << 30;
-        // 8 sequences of 1024 tokens.
-        let shard = (1024, 8);
-        // Room for far more than the Shard asks: the Shard's.
-        assert_eq!(kv_budget_tokens(shard, 16 * gib, gib, gib, 100_000), 8192);
-        // 2 GiB free, 1 GiB reserved, 512 MiB of prefix cache: 512 MiB for
-        // KV at 128 KiB a token.
-        assert_eq!(
-            kv_budget_tokens(shard, 2 * gib, gib, gib / 2, 128 << 10),
-            4096
-        );
-        // Less free than the reserve: one whole context still runs.
-        assert_eq!(kv_budget_tokens(shard, gib / 2, gib, 0, 1024), 1024);
-        // A stage without KV (no bytes per token) keeps the Shard's.
-        assert_eq!(kv_budget_tokens(shard, 0, gib, 0, 0), 8192);
-    }
 }

@@ -1,0 +1,248 @@
+//! What a stage's machine holds of its Shard's KV cache, in tokens:
+//! measured when the stage loads and again every [`INTERVAL`] while it
+//! runs, kept in the stage's ledger (a head admits within the least of its
+//! instance's stages, see `dataplane::head`) and reported in the Shard's
+//! status (`kvBudgetTokens`) when it moves.
+//!
+//! ```text
+//!  memory available + what the stage holds now (its KV, its prefix cache)
+//!    − reserve − prefix-cache budget ─► ÷ bytes a token takes in its layers
+//!    ─► at most context × sequences, at least one context
+//!  every 15 s ─► ledger.budget_tokens ─► Shard status, when it moved by 1/16
+//! ```
+//!
+//! A Mac whose user opens other programs while it serves then makes its
+//! instance admit fewer sequences (the youngest are preempted if those
+//! running no longer fit) instead of running out of memory, and admits
+//! more again when the programs close.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use shardplane_crds::ShardPhase;
+
+use super::{Key, ServedStage, ShardSet};
+use crate::stage::StageStats;
+
+/// How often a running stage measures its machine again.
+pub(super) const INTERVAL: Duration = Duration::from_secs(15);
+
+/// A stage's Shard's KV cache and what bounds it on this machine.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KvRoom {
+    /// The Shard's context length.
+    pub context: u64,
+    /// The Shard's concurrent sequences.
+    pub sequences: u64,
+    /// Bytes a token takes in the stage's layers.
+    pub per_token: u64,
+    /// Memory kept free for the rest of the machine (`--memory-reserve`).
+    pub reserve: u64,
+    /// The stage's prefix cache budget in bytes.
+    pub prefix_cache: u64,
+}
+
+impl KvRoom {
+    /// Tokens the Shard asks for: context length × concurrent sequences.
+    pub fn shard_tokens(&self) -> u64 {
+        self.context.saturating_mul(self.sequences)
+    }
+
+    /// Measures the machine now, counting what the stage already holds (its
+    /// KV and prefix cache) as room of its own, and keeps the figure in the
+    /// stage's ledger.
+    pub fn measure(&self, stats: &StageStats) -> u64 {
+        let held = stats.kv_cache_bytes.load(Ordering::Relaxed)
+            + stats.prefix.lock().unwrap_or_else(|p| p.into_inner()).bytes;
+        let budget = self.tokens(crate::machine::available_memory().saturating_add(held));
+        stats.kv.budget_tokens.store(budget, Ordering::Relaxed);
+        budget
+    }
+
+    /// The Shard's tokens, capped by what `available` bytes hold: less the
+    /// reserve and the prefix cache's budget, over the bytes a token takes;
+    /// but never below one whole context, so one sequence can always run
+    /// (free memory is an estimate, on macOS a low one).
+    pub fn tokens(&self, available: u64) -> u64 {
+        let room = available
+            .saturating_sub(self.reserve)
+            .saturating_sub(self.prefix_cache);
+        match room.checked_div(self.per_token) {
+            Some(fits) => self.shard_tokens().min(fits.max(self.context)),
+            None => self.shard_tokens(),
+        }
+    }
+}
+
+/// Whether a budget moved enough from what the status says to write it
+/// again (by a sixteenth or more, either way).
+fn moved(reported: u64, now: u64) -> bool {
+    reported.abs_diff(now).saturating_mul(16) >= reported.max(1)
+}
+
+/// Measures `stage` every `every` ([`INTERVAL`]) until it is unloaded or
+/// replaced, and puts a figure that moved into its Shard's Ready status.
+pub(super) async fn remeasure(
+    shards: ShardSet,
+    k: Key,
+    stage: Arc<ServedStage>,
+    room: KvRoom,
+    every: Duration,
+) {
+    let stats = &stage.worker.stats;
+    let mut reported = stats.kv.budget_tokens.load(Ordering::Relaxed);
+    loop {
+        tokio::time::sleep(every).await;
+        let current = shards
+            .loaded
+            .lock()
+            .expect("shard set lock")
+            .get(&k)
+            .is_some_and(|s| Arc::ptr_eq(s, &stage));
+        if !current {
+            return;
+        }
+        let budget = room.measure(stats);
+        if !moved(reported, budget) {
+            continue;
+        }
+        tracing::info!(shard = %k.1, from = reported, to = budget, "the machine holds another amount of KV");
+        reported = budget;
+        if let Some(status) = shards.statuses.lock().expect("status lock").get(&k) {
+            status.send_if_modified(|s| {
+                let ready = s.phase == Some(ShardPhase::Ready);
+                let changed = s.kv_budget_tokens != Some(budget);
+                if ready && changed {
+                    s.kv_budget_tokens = Some(budget);
+                }
+                ready && changed
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::Budget;
+    use crate::stage::StageWorker;
+    use crate::test_stage::Echo;
+    use shardplane_crds::ShardStatus;
+    use tokio::sync::watch;
+
+    const GIB: u64 = 1 << 30;
+    const EVERY: Duration = Duration::from_millis(10);
+
+    fn room(per_token: u64, reserve: u64, prefix_cache: u64) -> KvRoom {
+        // 8 sequences of 1024 tokens.
+        KvRoom {
+            context: 1024,
+            sequences: 8,
+            per_token,
+            reserve,
+            prefix_cache,
+        }
+    }
+
+    #[test]
+    fn a_stages_kv_is_the_shards_unless_free_memory_holds_less() {
+        // Room for far more than the Shard asks: the Shard's.
+        assert_eq!(room(100_000, GIB, GIB).tokens(16 * GIB), 8192);
+        // 2 GiB free, 1 GiB reserved, 512 MiB of prefix cache: 512 MiB for
+        // KV at 128 KiB a token.
+        assert_eq!(room(128 << 10, GIB, GIB / 2).tokens(2 * GIB), 4096);
+        // Less free than the reserve: one whole context still runs.
+        assert_eq!(room(1024, GIB, 0).tokens(GIB / 2), 1024);
+        // A stage without KV (no bytes per token) keeps the Shard's.
+        assert_eq!(room(0, GIB, 0).tokens(0), 8192);
+    }
+
+    #[test]
+    fn what_a_stage_holds_counts_as_its_own_room() {
+        let stats = StageStats::default();
+        // A terabyte a token: only the one context fits in this machine…
+        let huge = room(1 << 40, 0, 0);
+        assert_eq!(huge.measure(&stats), 1024);
+        assert_eq!(stats.kv.budget_tokens.load(Ordering::Relaxed), 1024);
+        // …unless the stage itself holds the memory, as KV it allocated.
+        stats.kv_cache_bytes.store(8192 << 40, Ordering::Relaxed);
+        assert_eq!(huge.measure(&stats), 8192);
+        assert_eq!(stats.kv.budget_tokens.load(Ordering::Relaxed), 8192);
+    }
+
+    #[test]
+    fn a_budget_is_written_again_when_it_moves_by_a_sixteenth() {
+        assert!(!moved(1600, 1600));
+        assert!(!moved(1600, 1550));
+        assert!(moved(1600, 1500));
+        assert!(moved(1600, 1700));
+        assert!(moved(0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_running_stage_is_measured_again_until_it_is_unloaded() {
+        let (echo, _) = Echo::new(true);
+        let worker = StageWorker::start(
+            "s",
+            Box::new(echo),
+            Arc::new(|_| {}),
+            Budget::default(),
+            Box::new(|_| {}),
+        );
+        let shard = shardplane_testkit::fixtures::shard(
+            "d",
+            "node",
+            0,
+            1,
+            shardplane_crds::LayerRange { start: 0, end: 2 },
+        );
+        let k: Key = ("ns".into(), "s".into());
+        let stage = Arc::new(ServedStage {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            spec: shard.spec,
+            worker,
+            text: None,
+        });
+        let shards = ShardSet::new("127.0.0.1:1");
+        shards
+            .loaded
+            .lock()
+            .unwrap()
+            .insert(k.clone(), stage.clone());
+        let (tx, mut rx) = watch::channel(ShardStatus {
+            phase: Some(ShardPhase::Ready),
+            kv_budget_tokens: Some(5),
+            ..Default::default()
+        });
+        shards.statuses.lock().unwrap().insert(k.clone(), tx);
+        // Measured as 5 tokens at load; the machine now holds the whole
+        // context of a terabyte a token (it holds no more than one).
+        stage
+            .worker
+            .stats
+            .kv
+            .budget_tokens
+            .store(5, Ordering::Relaxed);
+        let task = tokio::spawn(remeasure(
+            shards.clone(),
+            k.clone(),
+            stage.clone(),
+            room(1 << 40, 0, 0),
+            EVERY,
+        ));
+        rx.changed().await.unwrap();
+        assert_eq!(rx.borrow_and_update().kv_budget_tokens, Some(1024));
+        assert_eq!(
+            stage.worker.stats.kv.budget_tokens.load(Ordering::Relaxed),
+            1024
+        );
+        // Unloaded: the measuring ends.
+        shards.loaded.lock().unwrap().remove(&k);
+        tokio::time::timeout(INTERVAL * 2, task)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
