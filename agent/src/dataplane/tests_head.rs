@@ -476,7 +476,7 @@ async fn a_generation_whose_kv_does_not_fit_beside_the_admitted_ones_is_refused(
     assert!(
         alone
             .message()
-            .contains("it may need 110 tokens (prompt and max_tokens), more than the 100"),
+            .contains("may need 110 tokens of KV (prompt and max_tokens), more than the 100"),
         "{}",
         alone.message()
     );
