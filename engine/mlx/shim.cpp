@@ -111,6 +111,8 @@ const char* spx_last_error() { return last_error.c_str(); }
 
 int spx_version() { return MLX_VERSION_NUMERIC; }
 
+size_t spx_cache_memory() { return mx::get_cache_memory(); }
+
 void spx_array_free(spx_array* a) { delete a; }
 
 int spx_array_from_data(const void* data, int dtype, const int* dims, int ndim, spx_array** out) {

@@ -39,6 +39,20 @@ impl EngineKind {
         }
     }
 
+    /// Bytes the engines' allocators keep for reuse instead of giving them
+    /// back to the system (MLX's buffer cache): the process holds them
+    /// although no array does.
+    pub fn cached_bytes() -> usize {
+        #[cfg(feature = "mlx")]
+        {
+            crate::mlx::cache_memory()
+        }
+        #[cfg(not(feature = "mlx"))]
+        {
+            0
+        }
+    }
+
     /// The engines built into this binary.
     pub fn available() -> &'static [&'static str] {
         if cfg!(feature = "mlx") {

@@ -23,7 +23,12 @@ fn model() -> PathBuf {
 /// Rewrites the test model with every weight matrix in `dtype` (K-quant types
 /// need rows that are a multiple of 256; other matrices get `fallback`).
 fn convert(dtype: GgmlDType, fallback: GgmlDType, dir: &Path) -> PathBuf {
-    let mut reader = BufReader::new(File::open(model()).unwrap());
+    convert_file(&model(), dtype, fallback, dir)
+}
+
+/// Rewrites the model `source` so, as candle decodes its values.
+fn convert_file(source: &Path, dtype: GgmlDType, fallback: GgmlDType, dir: &Path) -> PathBuf {
+    let mut reader = BufReader::new(File::open(source).unwrap());
     let content = Content::read(&mut reader).unwrap();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
@@ -54,7 +59,8 @@ fn convert(dtype: GgmlDType, fallback: GgmlDType, dir: &Path) -> PathBuf {
         .map(|k| (k.as_str(), &content.metadata[*k]))
         .collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let path = dir.join(format!("model-{dtype:?}.gguf"));
+    let stem = source.file_stem().unwrap().to_string_lossy();
+    let path = dir.join(format!("{stem}-{dtype:?}.gguf"));
     let mut out = BufWriter::new(File::create(&path).unwrap());
     gguf_file::write(&mut out, &metadata, &tensor_refs).unwrap();
     path
@@ -339,8 +345,9 @@ fn a_layer_range_past_the_model_is_an_error() {
 }
 
 /// MLX holds K-quant and 5-bit GGUF matrices as its own groups of the same
-/// values: its logits equal those of the same file dequantized to f32
-/// (within summation order), in a fraction of the memory.
+/// values: its logits equal those of the file's values as candle decodes
+/// them, written as f32 (within summation order), in a fraction of the
+/// memory.
 #[cfg(feature = "mlx")]
 #[test]
 fn mlx_holds_k_quants_as_groups_of_the_same_values() {
@@ -351,11 +358,8 @@ fn mlx_holds_k_quants_as_groups_of_the_same_values() {
     let prompt = text
         .chat_prompt(&[ChatMessage::new("user", "Why is the sky blue?")])
         .unwrap();
-    let logits = |file: &GgufFile, dequantize: bool| {
-        let options = LoadOptions {
-            dequantize,
-            ..Default::default()
-        };
+    let logits = |file: &GgufFile| {
+        let options = LoadOptions::default();
         let mut stage = MlxStage::load_gguf(file, StageLayout::whole(30), &options).unwrap();
         let bytes = stage.weight_bytes();
         let out = stage
@@ -372,9 +376,10 @@ fn mlx_holds_k_quants_as_groups_of_the_same_values() {
         (GgmlDType::Q4K, GgmlDType::Q5_0),
         (GgmlDType::Q5K, GgmlDType::Q5_1),
     ] {
-        let file = GgufFile::open(convert(dtype, fallback, dir.path())).unwrap();
-        let (grouped, grouped_bytes) = logits(&file, false);
-        let (exact, f32_bytes) = logits(&file, true);
+        let quantized = convert(dtype, fallback, dir.path());
+        let decoded = convert_file(&quantized, GgmlDType::F32, GgmlDType::F32, dir.path());
+        let (grouped, grouped_bytes) = logits(&GgufFile::open(&quantized).unwrap());
+        let (exact, f32_bytes) = logits(&GgufFile::open(&decoded).unwrap());
         let range = exact.iter().cloned().fold(f32::MIN, f32::max)
             - exact.iter().cloned().fold(f32::MAX, f32::min);
         let gap = exact
@@ -384,7 +389,7 @@ fn mlx_holds_k_quants_as_groups_of_the_same_values() {
             .fold(0.0, f32::max)
             / range;
         eprintln!(
-            "{dtype:?}/{fallback:?} on MLX: logit gap to the f32 values {gap:.2e} of the range; \
+            "{dtype:?}/{fallback:?} on MLX: logit gap to candle's decoding as f32 {gap:.2e} of the range; \
              {grouped_bytes} bytes as groups, {f32_bytes} as f32"
         );
         assert!(gap < 1e-4, "{dtype:?}: {gap}");

@@ -5,7 +5,8 @@
 //! status (`kvBudgetTokens`) when it moves.
 //!
 //! ```text
-//!  memory available + what the stage holds now (its KV, its prefix cache)
+//!  memory available + what the stage holds now (its KV, its prefix cache,
+//!  and the engine's allocator cache: buffers freed but kept for reuse)
 //!    − reserve − prefix-cache budget ─► ÷ bytes a token takes in its layers
 //!    ─► at most context × sequences, at least one context
 //!  every 15 s ─► ledger.budget_tokens ─► Shard status, when it moved by 1/16
@@ -16,11 +17,12 @@
 //! running no longer fit) instead of running out of memory, and admits
 //! more again when the programs close.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use shardplane_crds::ShardPhase;
+use shardplane_engine::pipeline::EngineKind;
 
 use super::{Key, ServedStage, ShardSet};
 use crate::stage::StageStats;
@@ -49,14 +51,20 @@ impl KvRoom {
         self.context.saturating_mul(self.sequences)
     }
 
-    /// Measures the machine now, counting what the stage already holds (its
-    /// KV and prefix cache) as room of its own, and keeps the figure in the
-    /// stage's ledger.
-    pub fn measure(&self, stats: &StageStats) -> u64 {
+    /// Measures the machine now (`available` bytes), counting what the
+    /// stage already holds (its KV and prefix cache, and what the engine's
+    /// allocator keeps of buffers freed, which the system does not see
+    /// freed) as room of its own, and keeps the figure in the stage's
+    /// ledger. A figure that grew wakes the generations waiting for room.
+    pub fn measure(&self, stats: &StageStats, available: u64) -> u64 {
         let held = stats.kv_cache_bytes.load(Ordering::Relaxed)
-            + stats.prefix.lock().unwrap_or_else(|p| p.into_inner()).bytes;
-        let budget = self.tokens(crate::machine::available_memory().saturating_add(held));
-        stats.kv.budget_tokens.store(budget, Ordering::Relaxed);
+            + stats.prefix.lock().unwrap_or_else(|p| p.into_inner()).bytes
+            + EngineKind::cached_bytes() as u64;
+        let budget = self.tokens(available.saturating_add(held));
+        let before = stats.kv.budget_tokens.swap(budget, Ordering::Relaxed);
+        if budget > before {
+            stats.kv.room.notify_waiters();
+        }
         budget
     }
 
@@ -86,14 +94,22 @@ fn moved(reported: u64, now: u64) -> bool {
 pub(super) async fn remeasure(
     shards: ShardSet,
     k: Key,
-    stage: Arc<ServedStage>,
+    stage: Weak<ServedStage>,
     room: KvRoom,
     every: Duration,
 ) {
-    let stats = &stage.worker.stats;
-    let mut reported = stats.kv.budget_tokens.load(Ordering::Relaxed);
+    let Some(mut reported) = stage
+        .upgrade()
+        .map(|s| s.worker.stats.kv.budget_tokens.load(Ordering::Relaxed))
+    else {
+        return;
+    };
     loop {
         tokio::time::sleep(every).await;
+        // Held only while measuring: an unloaded stage goes at once.
+        let Some(stage) = stage.upgrade() else {
+            return;
+        };
         let current = shards
             .loaded
             .lock()
@@ -103,7 +119,11 @@ pub(super) async fn remeasure(
         if !current {
             return;
         }
-        let budget = room.measure(stats);
+        // Reading memory may run programs (sysctl on macOS): off the async threads.
+        let available = tokio::task::spawn_blocking(crate::machine::available_memory)
+            .await
+            .unwrap_or(0);
+        let budget = room.measure(&stage.worker.stats, available);
         if !moved(reported, budget) {
             continue;
         }
@@ -161,14 +181,35 @@ mod tests {
     #[test]
     fn what_a_stage_holds_counts_as_its_own_room() {
         let stats = StageStats::default();
-        // A terabyte a token: only the one context fits in this machine…
+        // A terabyte a token: only the one context fits in 16 GiB…
         let huge = room(1 << 40, 0, 0);
-        assert_eq!(huge.measure(&stats), 1024);
+        assert_eq!(huge.measure(&stats, 16 * GIB), 1024);
         assert_eq!(stats.kv.budget_tokens.load(Ordering::Relaxed), 1024);
-        // …unless the stage itself holds the memory, as KV it allocated.
-        stats.kv_cache_bytes.store(8192 << 40, Ordering::Relaxed);
-        assert_eq!(huge.measure(&stats), 8192);
-        assert_eq!(stats.kv.budget_tokens.load(Ordering::Relaxed), 8192);
+        // …unless the stage itself holds the memory: KV it allocated…
+        stats.kv_cache_bytes.store(4096 << 40, Ordering::Relaxed);
+        assert_eq!(huge.measure(&stats, 16 * GIB), 4096);
+        // …and its prefix cache.
+        stats.prefix.lock().unwrap().bytes = 2048 << 40;
+        assert_eq!(huge.measure(&stats, 16 * GIB), 6144);
+        assert_eq!(stats.kv.budget_tokens.load(Ordering::Relaxed), 6144);
+    }
+
+    #[tokio::test]
+    async fn a_budget_that_grows_wakes_the_generations_waiting_for_room() {
+        let stats = StageStats::default();
+        let huge = room(1 << 40, 0, 0);
+        huge.measure(&stats, 16 * GIB);
+        let woken = stats.kv.room.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        // Less: nobody is woken.
+        huge.measure(&stats, 16 * GIB);
+        assert!(tokio::time::timeout(EVERY, woken.as_mut()).await.is_err());
+        // More: they are.
+        huge.measure(&stats, 3000 << 40);
+        tokio::time::timeout(Duration::from_secs(5), woken)
+            .await
+            .unwrap();
     }
 
     #[test]
@@ -228,21 +269,35 @@ mod tests {
         let task = tokio::spawn(remeasure(
             shards.clone(),
             k.clone(),
-            stage.clone(),
+            Arc::downgrade(&stage),
             room(1 << 40, 0, 0),
             EVERY,
         ));
-        rx.changed().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(rx.borrow_and_update().kv_budget_tokens, Some(1024));
         assert_eq!(
             stage.worker.stats.kv.budget_tokens.load(Ordering::Relaxed),
             1024
         );
-        // Unloaded: the measuring ends.
-        shards.loaded.lock().unwrap().remove(&k);
+        // Replaced by another stage: the measuring ends, and does not keep
+        // the old stage alive.
+        let other = Arc::new(ServedStage {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            spec: stage.spec.clone(),
+            worker: stage.worker.clone(),
+            text: None,
+        });
+        shards.loaded.lock().unwrap().insert(k.clone(), other);
+        let weak = Arc::downgrade(&stage);
+        drop(stage);
         tokio::time::timeout(INTERVAL * 2, task)
             .await
             .unwrap()
             .unwrap();
+        assert!(weak.upgrade().is_none(), "the task keeps the stage");
     }
 }

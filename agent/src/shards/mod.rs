@@ -607,7 +607,7 @@ async fn bring_up(
         reserve: sources.memory_reserve,
         prefix_cache: sources.prefix_cache_bytes as u64,
     };
-    let budget = room.measure(&worker.stats);
+    let budget = room.measure(&worker.stats, crate::machine::available_memory());
     if budget < room.shard_tokens() {
         tracing::warn!(
             shard = %k.1,
@@ -638,7 +638,7 @@ async fn bring_up(
     tokio::spawn(kv_room::remeasure(
         shards.clone(),
         k,
-        served,
+        Arc::downgrade(&served),
         room,
         kv_room::INTERVAL,
     ));

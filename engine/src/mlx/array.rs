@@ -79,6 +79,13 @@ pub fn version() -> String {
     format!("{}.{}.{}", n / 100_000, n / 1000 % 100, n % 1000)
 }
 
+/// Bytes MLX keeps in its buffer cache: freed by arrays that went, not
+/// given back to the system, and reused for new ones.
+pub fn cache_memory() -> usize {
+    // SAFETY: a plain integer from a function without arguments.
+    unsafe { ffi::spx_cache_memory() }
+}
+
 /// The BLAS the CPU matmuls run on (OpenBLAS's build string on Linux).
 pub fn blas() -> String {
     // SAFETY: a static NUL-terminated string.

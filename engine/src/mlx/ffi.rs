@@ -24,6 +24,7 @@ pub type array = *mut spx_array;
 unsafe extern "C" {
     pub fn spx_last_error() -> *const c_char;
     pub fn spx_version() -> c_int;
+    pub fn spx_cache_memory() -> usize;
     pub fn spx_blas() -> *const c_char;
 
     pub fn spx_array_free(a: array);

@@ -169,26 +169,26 @@ enum Scale {
     E8M0(u8),
 }
 
-/// Group `g` of 32 of a 4-bit block whose pairs of groups share 32 bytes,
-/// the first group in the low nibbles (Q4_0, Q4_1, MXFP4: one pair,
-/// values `j` and `j + 16`; K-quants: four pairs of 64).
-fn nibbles(qs: &[u8], g: usize) -> [u8; GROUP] {
-    match qs.len() {
-        16 => std::array::from_fn(|j| match j {
-            0..16 => qs[j] & 0x0f,
-            _ => qs[j - 16] >> 4,
-        }),
-        _ => {
-            let pair = &qs[32 * (g / 2)..32 * (g / 2) + 32];
-            std::array::from_fn(|j| {
-                if g.is_multiple_of(2) {
-                    pair[j] & 0x0f
-                } else {
-                    pair[j] >> 4
-                }
-            })
+/// The 32 codes of a 4-bit block of one group (Q4_0, Q4_1, MXFP4): value
+/// `j` in the low nibble of byte `j`, value `j + 16` in its high nibble.
+fn nibbles(qs: &[u8; 16]) -> [u8; GROUP] {
+    std::array::from_fn(|j| match j {
+        0..16 => qs[j] & 0x0f,
+        _ => qs[j - 16] >> 4,
+    })
+}
+
+/// Group `g` (of 8) of a K-quant's 128 bytes of 4-bit codes: pairs of
+/// groups share 32 bytes, the first of a pair in the low nibbles.
+fn k_nibbles(qs: &[u8; 128], g: usize) -> [u8; GROUP] {
+    let pair = &qs[32 * (g / 2)..32 * (g / 2) + 32];
+    std::array::from_fn(|j| {
+        if g.is_multiple_of(2) {
+            pair[j] & 0x0f
+        } else {
+            pair[j] >> 4
         }
-    }
+    })
 }
 
 /// A K-quant's 6-bit scale and min of group `j` (of 8), from its 12 bytes.
@@ -211,6 +211,8 @@ fn block_groups(dtype: GgmlType, blk: &[u8], mut each: impl FnMut([u8; GROUP], S
         std::array::from_fn(|j| codes[j] | ((((qh >> j) & 1) as u8) << 4))
     };
     let word = |at: usize| u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+    // The 16 bytes of codes of a one-group block from `at` on.
+    let qs = |at: usize| -> &[u8; 16] { blk[at..at + 16].try_into().expect("16 bytes") };
     match dtype {
         GgmlType::Q8_0 => {
             let d = f16_at(blk, 0);
@@ -219,32 +221,30 @@ fn block_groups(dtype: GgmlType, blk: &[u8], mut each: impl FnMut([u8; GROUP], S
         }
         GgmlType::Q4_0 => {
             let d = f16_at(blk, 0);
-            each(nibbles(&blk[2..], 0), Scale::Affine(d, -8.0 * d));
+            each(nibbles(qs(2)), Scale::Affine(d, -8.0 * d));
         }
         GgmlType::Q4_1 => {
             let scale = Scale::Affine(f16_at(blk, 0), f16_at(blk, 2));
-            each(nibbles(&blk[4..], 0), scale);
+            each(nibbles(qs(4)), scale);
         }
         GgmlType::Q5_0 => {
             let d = f16_at(blk, 0);
-            each(
-                fifth(nibbles(&blk[6..], 0), word(2)),
-                Scale::Affine(d, -16.0 * d),
-            );
+            each(fifth(nibbles(qs(6)), word(2)), Scale::Affine(d, -16.0 * d));
         }
         GgmlType::Q5_1 => {
             let scale = Scale::Affine(f16_at(blk, 0), f16_at(blk, 2));
-            each(fifth(nibbles(&blk[8..], 0), word(4)), scale);
+            each(fifth(nibbles(qs(8)), word(4)), scale);
         }
         GgmlType::Q4_K | GgmlType::Q5_K => {
             let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
             let scales = &blk[4..16];
-            let (qh, qs) = match dtype {
-                GgmlType::Q5_K => (Some(&blk[16..48]), &blk[48..176]),
-                _ => (None, &blk[16..144]),
+            let (qh, at) = match dtype {
+                GgmlType::Q5_K => (Some(&blk[16..48]), 48),
+                _ => (None, 16),
             };
+            let codes: &[u8; 128] = blk[at..at + 128].try_into().expect("128 bytes");
             for g in 0..8 {
-                let mut codes = nibbles(qs, g);
+                let mut codes = k_nibbles(codes, g);
                 if let Some(qh) = qh {
                     // Value j's fifth bit: bit g of byte j.
                     for (c, h) in codes.iter_mut().zip(qh) {
@@ -255,7 +255,8 @@ fn block_groups(dtype: GgmlType, blk: &[u8], mut each: impl FnMut([u8; GROUP], S
                 each(codes, Scale::Affine(d * sc, -(dmin * m)));
             }
         }
-        _ => each(nibbles(&blk[1..], 0), Scale::E8M0(blk[0])),
+        GgmlType::MXFP4 => each(nibbles(qs(1)), Scale::E8M0(blk[0])),
+        other => unreachable!("{} has no groups (see `block`)", other.name()),
     }
 }
 

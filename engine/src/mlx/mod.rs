@@ -36,8 +36,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::names::{Layout, Weight};
 pub use array::{
-    Array, Dtype, Mask, Quant, QuantMode, TensorMap, attention, blas, dequantize, quantized_matmul,
-    rms_norm, rope, version,
+    Array, Dtype, Mask, Quant, QuantMode, TensorMap, attention, blas, cache_memory, dequantize,
+    quantized_matmul, rms_norm, rope, version,
 };
 use weights::{LayerWeights, Linear, Loader, Projections};
 
