@@ -51,12 +51,34 @@ impl KvLedger {
     /// Tokens of KV the head admits at most: the least of its own budget and
     /// its later stages' (0: neither is set, nothing is refused).
     pub fn budget(&self) -> u64 {
-        let own = self.budget_tokens.load(Ordering::Relaxed);
-        let downstream = self.downstream_tokens.load(Ordering::Relaxed);
+        Self::least(
+            self.budget_tokens.load(Ordering::Relaxed),
+            self.downstream_tokens.load(Ordering::Relaxed),
+        )
+    }
+
+    fn least(own: u64, downstream: u64) -> u64 {
         match (own, downstream) {
             (0, d) => d,
             (o, 0) => o,
             (o, d) => o.min(d),
+        }
+    }
+
+    /// Sets the stage's own budget (`own`) or the least of its later
+    /// stages' (`downstream`); a budget that grew (or became unbounded)
+    /// wakes the generations waiting for room.
+    pub fn set(&self, own: Option<u64>, downstream: Option<u64>) {
+        let before = self.budget();
+        if let Some(own) = own {
+            self.budget_tokens.store(own, Ordering::Relaxed);
+        }
+        if let Some(downstream) = downstream {
+            self.downstream_tokens.store(downstream, Ordering::Relaxed);
+        }
+        let after = self.budget();
+        if before > 0 && (after == 0 || after > before) {
+            self.room.notify_waiters();
         }
     }
 

@@ -237,9 +237,10 @@ impl Metrics {
         let kv_tokens = IntGaugeVec::new(
             Opts::new(
                 "shardplane_agent_kv_tokens",
-                "KV tokens of a head stage: reserved by the generations it admitted (kind=reserved) \
-                 and its budget, context length x concurrent sequences, or less when the \
-                 machine's free memory at load held less (kind=budget), by shard.",
+                "KV tokens of a stage: reserved by the generations a head admitted (kind=reserved) \
+                 and the budget it admits within, context length x concurrent sequences, or less \
+                 when its machine's free memory, or a later stage's, holds less (kind=budget), by \
+                 shard.",
             ),
             &["shard", "kind"],
         )

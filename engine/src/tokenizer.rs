@@ -99,7 +99,18 @@ const fn pre(
 const PRE_TYPES: &[PreType] = &[
     pre(
         &[
-            "gpt-2", "default", "phi-2", "jais", "mpt", "olmo", "exaone4",
+            "gpt-2",
+            "default",
+            "phi-2",
+            "jais",
+            "mpt",
+            "olmo",
+            "exaone4",
+            "gigachat",
+            "a.x-4.0",
+            "mellum",
+            "trillion",
+            "granite-docling",
         ],
         &[GPT2_SPLIT],
         false,
@@ -113,6 +124,7 @@ const PRE_TYPES: &[PreType] = &[
             "falcon-h1",
             "pixtral",
             "lfm2",
+            "midm-2.0",
         ],
         &[LLAMA3_SPLIT],
         true,
@@ -130,6 +142,10 @@ const PRE_TYPES: &[PreType] = &[
             "megrez",
             "stablelm2",
             "hunyuan",
+            "kormo",
+            "f2llmv2",
+            "solar-open",
+            "grok-2",
         ],
         &[QWEN2_SPLIT],
         false,
@@ -145,15 +161,24 @@ const PRE_TYPES: &[PreType] = &[
             "codeshell",
             "exaone",
             "minerva-7b",
+            "mellum2",
         ],
         &[r"\p{N}", GPT2_SPLIT],
         false,
     ),
     pre(&["deepseek-llm"], DEEPSEEK_LLM_SPLITS, false),
     pre(&["deepseek-coder"], DEEPSEEK_CODER_SPLITS, false),
-    pre(&["deepseek-v3", "hunyuan-dense"], DEEPSEEK_V3_SPLITS, false),
+    pre(
+        &["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"],
+        DEEPSEEK_V3_SPLITS,
+        false,
+    ),
     pre(&["kimi-k2"], &[KIMI_K2_SPLIT], false),
-    pre(&["gpt-4o", "llama4", "minimax-m2"], &[GPT4O_SPLIT], false),
+    pre(
+        &["gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"],
+        &[GPT4O_SPLIT],
+        false,
+    ),
     pre(&["tekken"], &[TEKKEN_SPLIT], true),
 ];
 
@@ -201,8 +226,10 @@ fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
     Ok(split.into())
 }
 
-/// The pre-tokenizer type a GGUF `tokenizer.ggml.pre` value names; a file
-/// without one splits as GPT-2 does, as llama.cpp reads it.
+/// The pre-tokenizer type a GGUF `tokenizer.ggml.pre` value names. A file
+/// without one (or saying `default`) splits as GPT-2 does; llama.cpp splits
+/// such a file's punctuation runs and digit triples apart first, which is
+/// not followed here (the files converters write today all name a type).
 fn pre_type(name: &str) -> Result<&'static PreType> {
     PRE_TYPES
         .iter()

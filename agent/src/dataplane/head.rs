@@ -22,7 +22,10 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::next_stage::Downstream;
+use kube::runtime::reflector::Store;
+use shardplane_crds::Shard;
+
+use super::next_stage::{Downstream, downstream_kv_tokens};
 use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
@@ -133,10 +136,8 @@ impl Service {
         // The later stages hold every token the head admits: it admits within
         // the least any of them reports.
         let ledger = &stage.worker.stats.kv;
-        let (downstream, least) = self.downstream_kv_tokens(&stage);
-        ledger
-            .downstream_tokens
-            .store(downstream, std::sync::atomic::Ordering::Relaxed);
+        let (downstream, least) = downstream_kv_tokens(&self.directory, &stage);
+        ledger.set(None, Some(downstream));
         let budget = ledger.budget();
         if budget > 0 && most > budget {
             self.metrics
@@ -215,6 +216,7 @@ impl Service {
             metrics: self.metrics.clone(),
             cached_tokens: 0,
             reservation,
+            directory: self.directory.clone(),
             most,
             fed: Vec::new(),
             service: self.clone(),
@@ -258,6 +260,8 @@ struct Generation {
     cached_tokens: usize,
     /// Its share of the stage's KV budget, until it ends.
     reservation: KvReservation,
+    /// Every Shard (the later stages' reported KV room).
+    directory: Store<Shard>,
     /// The most KV tokens it may come to hold (prompt and max_tokens).
     most: u64,
     /// What the head ran for it so far: what a recompute runs again.
@@ -387,6 +391,12 @@ impl Generation {
             room.as_mut().enable();
             if self.reservation.yield_asked() {
                 break;
+            }
+            // The later stages' room as they report it now: growth stays
+            // within what a machine that filled up since admission holds.
+            if self.seq.stage.spec.next.is_some() {
+                let (downstream, _) = downstream_kv_tokens(&self.directory, &self.seq.stage);
+                stats.kv.set(None, Some(downstream));
             }
             if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
                 return Ok((tokens, false));

@@ -2,8 +2,8 @@
 //! the fastest link to that node, and the `Forward` stream opened there;
 //! the least KV the stages after a head report holding.
 
-use kube::runtime::reflector::ObjectRef;
-use shardplane_crds::ShardPhase;
+use kube::runtime::reflector::{ObjectRef, Store};
+use shardplane_crds::{Shard, ShardPhase};
 use shardplane_dataplane as dp;
 use shardplane_engine::Activations;
 use tokio::sync::mpsc;
@@ -81,36 +81,6 @@ impl Service {
             .into_inner();
         Ok(Downstream { requests, answers })
     }
-
-    /// The least KV, in tokens, that a Ready stage after `stage` reports
-    /// holding (0: none reports), and that stage's Shard.
-    pub(super) fn downstream_kv_tokens(&self, stage: &ServedStage) -> (u64, Option<String>) {
-        let mut least = (0, None);
-        let mut next = stage.spec.next.clone();
-        // One hop per stage at most: a loop of `next` names ends the walk.
-        for _ in 0..stage.spec.stage_count {
-            let Some(name) = next else { break };
-            let Some(shard) = self
-                .directory
-                .get(&ObjectRef::new(&name).within(&stage.namespace))
-            else {
-                break;
-            };
-            let reported = shard
-                .status
-                .as_ref()
-                .filter(|s| s.phase == Some(ShardPhase::Ready))
-                .and_then(|s| s.kv_budget_tokens)
-                .filter(|&t| t > 0);
-            if let Some(tokens) = reported
-                && (least.0 == 0 || tokens < least.0)
-            {
-                least = (tokens, Some(name.clone()));
-            }
-            next = shard.spec.next.clone();
-        }
-        least
-    }
 }
 
 /// The sequence's stream to the next stage.
@@ -164,4 +134,37 @@ impl Downstream {
             Err(e) => Err(Status::unavailable(format!("next stage: {}", e.message()))),
         }
     }
+}
+
+/// The least KV, in tokens, that a Ready stage after `stage` reports
+/// holding (0: none reports), and that stage's Shard. A figure below one
+/// context counts as one context, the least any stage holds.
+pub(super) fn downstream_kv_tokens(
+    directory: &Store<Shard>,
+    stage: &ServedStage,
+) -> (u64, Option<String>) {
+    let context = u64::from(stage.spec.kv_cache.context_length);
+    let mut least = (0, None);
+    let mut next = stage.spec.next.clone();
+    // One hop per stage at most: a loop of `next` names ends the walk.
+    for _ in 0..stage.spec.stage_count {
+        let Some(name) = next else { break };
+        let Some(shard) = directory.get(&ObjectRef::new(&name).within(&stage.namespace)) else {
+            break;
+        };
+        let reported = shard
+            .status
+            .as_ref()
+            .filter(|s| s.phase == Some(ShardPhase::Ready))
+            .and_then(|s| s.kv_budget_tokens)
+            .filter(|&t| t > 0)
+            .map(|t| t.max(context));
+        if let Some(tokens) = reported
+            && (least.0 == 0 || tokens < least.0)
+        {
+            least = (tokens, Some(name.clone()));
+        }
+        next = shard.spec.next.clone();
+    }
+    least
 }

@@ -71,6 +71,11 @@ async fn instance_with(
 ) {
     let mut head = shard(0, None);
     head.spec.stage_count = if pipeline { 2 } else { 1 };
+    // A later stage holds at least one context (see `downstream_kv_tokens`):
+    // the Shard asks for contexts of what it reports.
+    if let Some(kv) = later_kv {
+        head.spec.kv_cache.context_length = kv as u32;
+    }
     head.spec.layers = LayerRange {
         start: 0,
         end: if pipeline { 15 } else { 30 },
@@ -244,8 +249,8 @@ async fn youngest_yields(pipeline: bool) {
 
 #[tokio::test]
 async fn a_head_admits_within_the_least_kv_its_later_stages_hold() {
-    // The later stage's machine holds 40 tokens; the head's own budget is
-    // unset (no cap of its own).
+    // The later stage's machine holds 40 tokens, one context of the Shard;
+    // the head's own budget is unset (no cap of its own).
     let (client, worker, text, _dirs) = instance_with(true, Some(40)).await;
     let prompts = prompts(&text);
     // Each prompt and 24 tokens fit; both prompts and 16 tokens each do not.

@@ -61,10 +61,7 @@ impl KvRoom {
             + stats.prefix.lock().unwrap_or_else(|p| p.into_inner()).bytes
             + EngineKind::cached_bytes() as u64;
         let budget = self.tokens(available.saturating_add(held));
-        let before = stats.kv.budget_tokens.swap(budget, Ordering::Relaxed);
-        if budget > before {
-            stats.kv.room.notify_waiters();
-        }
+        stats.kv.set(Some(budget), None);
         budget
     }
 
@@ -123,6 +120,10 @@ pub(super) async fn remeasure(
         let available = tokio::task::spawn_blocking(crate::machine::available_memory)
             .await
             .unwrap_or(0);
+        // Memory that could not be read says nothing: keep the last figure.
+        if available == 0 {
+            continue;
+        }
         let budget = room.measure(&stage.worker.stats, available);
         if !moved(reported, budget) {
             continue;

@@ -150,8 +150,9 @@ pub struct ShardStatus {
     pub memory_bytes: Option<u64>,
     /// Tokens of KV cache this stage's machine holds for the shard: its
     /// `kvCache` (context length × concurrent sequences), or fewer when the
-    /// machine's free memory at load had room for fewer. The first stage
-    /// admits generations within the least of its instance's stages.
+    /// machine's free memory has room for fewer (measured at load and every
+    /// 15 s). The first stage admits generations within the least of its
+    /// instance's stages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_budget_tokens: Option<u64>,
     /// The generation of the spec this status describes.
