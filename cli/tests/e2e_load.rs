@@ -78,7 +78,10 @@ async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> Outc
                 if data == "[DONE]" {
                     return Ok(());
                 }
-                if data.contains("\"error\"") {
+                // An error event has a top-level `error` (an answer may
+                // well say "error" in its text).
+                let parsed: Option<serde_json::Value> = serde_json::from_str(data).ok();
+                if parsed.as_ref().is_some_and(|v| v.get("error").is_some()) {
                     return Err(format!("error event: {data}"));
                 }
                 if data.contains("\"content\"") {
