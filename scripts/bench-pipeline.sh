@@ -39,6 +39,11 @@ if [ "$TLS" = 1 ]; then
   ec=(-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes)
   openssl req -x509 "${ec[@]}" -days 2 -subj /CN=bench-ca -keyout "$tls/ca.key" -out "$tls/ca.crt" 2>/dev/null
   cp "$tls/ca.crt" "$tls/gateway/ca.crt"
+  # The gateway's certificate is for calling only and names no node.
+  openssl req "${ec[@]}" -subj /CN=shardplane-gateway -keyout "$tls/gateway/tls.key" -out "$tls/gateway/request.csr" 2>/dev/null
+  printf 'extendedKeyUsage=clientAuth\n' >"$tls/gateway/extensions"
+  openssl x509 -req -in "$tls/gateway/request.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
+    -days 2 -extfile "$tls/gateway/extensions" -out "$tls/gateway/tls.crt" 2>/dev/null
   for i in 0 1 2; do
     d="$tls/bench-$i"
     mkdir -p "$d"
@@ -48,7 +53,7 @@ if [ "$TLS" = 1 ]; then
     openssl x509 -req -in "$d/request.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
       -days 2 -extfile "$d/extensions" -out "$d/tls.crt" 2>/dev/null
   done
-  client_tls=(--data-plane-ca "$tls/ca.crt" --node bench-0)
+  client_tls=(--data-plane-tls-dir "$tls/gateway" --node bench-0)
   gateway_tls=(--data-plane-tls files --tls-dir "$tls/gateway")
 fi
 for i in 0 1 2; do

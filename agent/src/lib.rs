@@ -10,7 +10,6 @@
 //! up its Lease so the operator re-places them at once.
 
 pub mod cache;
-pub mod certificate;
 pub mod dataplane;
 pub mod download;
 mod error;
@@ -38,6 +37,7 @@ use kube::Client;
 pub use crate::error::{Error, Result};
 use crate::machine::Machine;
 use crate::registration::Registration;
+pub use shardplane_cluster::certificate;
 
 /// Arms the fault-injection points `FAILPOINTS` names (`point=actions;…`,
 /// the `fail` crate's syntax), for tests that make a stage crash; none are
@@ -150,8 +150,10 @@ pub async fn run(
         }
     };
     // The certificate first: a node registers only once it can serve.
-    let tls =
-        certificate::start(&client, &config.data_plane_tls, &config.registration.node).await?;
+    let holder = certificate::Holder::Node(config.registration.node.clone());
+    let tls = certificate::start(&client, &config.data_plane_tls, &holder)
+        .await
+        .map_err(|e| Error::Certificate(e.to_string()))?;
     let reg = register(&client, &config, &endpoint, &metrics).await?;
     admin.set_ready(true);
     let (tls, tls_task) = tls.unzip();

@@ -101,7 +101,7 @@ impl Metrics {
         let handshake_failures = IntCounterVec::new(
             Opts::new(
                 "shardplane_agent_data_plane_handshake_failures_total",
-                "Data-plane connections dropped in the TLS handshake, by error (refused: not TLS, an unknown CA, a bad certificate; timeout).",
+                "Data-plane connections dropped in the TLS handshake, by error (refused: not TLS, no client certificate, an unknown CA, a bad certificate; timeout).",
             ),
             &["error"],
         )

@@ -301,6 +301,20 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
             "Prometheus scrapes the gateway once, through its metrics Service"
         );
         assert!(env.iter().all(|e| e["name"] != "SHARDPLANE_NO_UI"));
+        // The signer knows the gateway's ServiceAccount as a gateway's.
+        let gateway_account = gateway["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .unwrap();
+        let gateway_users = env
+            .iter()
+            .find(|e| e["name"] == "SHARDPLANE_DATA_PLANE_GATEWAY_USERS")
+            .unwrap()["value"]
+            .as_str()
+            .unwrap();
+        assert_eq!(
+            gateway_users,
+            format!("system:serviceaccount:{ns}:{gateway_account}")
+        );
 
         // The dashboards, one ConfigMap each, exactly the shipped JSON.
         let maps = of_kind(&docs, "ConfigMap");
@@ -649,6 +663,12 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         ),
         (&gateway, "get", "configmaps/shardplane-data-plane-ca", own),
         (
+            &gateway,
+            "create",
+            "certificatesigningrequests.certificates.k8s.io",
+            None,
+        ),
+        (
             &operator,
             "patch",
             &format!(
@@ -808,6 +828,9 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
             "--admin-address",
             &free_address().to_string(),
             "--no-ui",
+            // As the chart's Deployment sets it (checked by the render test).
+            "--data-plane-gateway-user",
+            &format!("system:serviceaccount:{ns}:{full}-gateway"),
         ],
         &operator_kc,
     );
@@ -901,6 +924,23 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
         })
         .count();
     assert!(issued >= 1, "no certificate issued for {}", release.node);
+    // So was the gateway's, client-only (agents require one of every caller).
+    let gateways = csrs
+        .list(&kube::api::ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|c| {
+            c.spec.username.as_deref()
+                == Some(&format!("system:serviceaccount:{ns}:{full}-gateway"))
+                && c.status
+                    .as_ref()
+                    .and_then(|s| s.certificate.as_ref())
+                    .is_some()
+        })
+        .count();
+    assert!(gateways >= 1, "no certificate issued for the gateway");
 
     drop(_agent);
     let _ = nodes.delete(&release.node, &DeleteParams::default()).await;

@@ -269,6 +269,8 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     // The data plane is TLS. node-0 serves a certificate the operator
     // signed (the CA is published for clients), naming node-0: a client
     // that meant another node refuses it, and plain TCP gets no answer.
+    // node-0 requires a certificate of its callers too: a peer's (node-1's
+    // issued files) is taken, the CA and the token alone are not.
     let ca = kubectl(
         admin,
         &[
@@ -287,14 +289,16 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
         "no CA published: {ca_pem}"
     );
     let token = dp::Token::from_file(&state.path().join("data-plane-token")).unwrap();
-    let tls = dp::tls::Tls::new(&dp::tls::Material {
+    let anonymous = dp::tls::Tls::new(&dp::tls::Material {
         ca_pem,
         identity: None,
     })
     .unwrap();
-    let ping = |node: Option<&str>| {
+    let node1_files = dp::tls::Material::read_dir(&state.path().join("cache/node-1-tls")).unwrap();
+    let peer = dp::tls::Tls::new(&node1_files).unwrap();
+    let ping = |tls: &std::sync::Arc<dp::tls::Tls>, node: Option<&str>| {
         runtime.block_on(async {
-            let channel = dp::channel("127.0.0.1:7100", node.map(|n| (&tls, n))).unwrap();
+            let channel = dp::channel("127.0.0.1:7100", node.map(|n| (tls, n))).unwrap();
             let mut client = dp::client(channel, token.clone());
             let call = client.ping(dp::PingRequest::default());
             match tokio::time::timeout(Duration::from_secs(10), call).await {
@@ -304,10 +308,27 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
             }
         })
     };
-    ping(Some("node-0")).expect("a TLS call to node-0");
-    let wrong = ping(Some("node-1")).unwrap_err();
+    ping(&peer, Some("node-0")).expect("a TLS call to node-0");
+    let wrong = ping(&peer, Some("node-1")).unwrap_err();
     assert!(wrong.contains("NotValidForName"), "{wrong}");
-    assert!(ping(None).is_err(), "node-0 answered plain TCP");
+    assert!(
+        ping(&anonymous, Some("node-0")).is_err(),
+        "node-0 answered a caller without a certificate"
+    );
+    assert!(ping(&peer, None).is_err(), "node-0 answered plain TCP");
+    // The gateway (which answered the chats above through node-0 and
+    // node-1) asked for its client certificate as a gateway.
+    let reasons = kubectl(
+        admin,
+        &[
+            "get",
+            "csr",
+            "-o",
+            "jsonpath={.items[*].status.conditions[*].reason}",
+        ],
+    );
+    let reasons = String::from_utf8_lossy(&reasons.stdout);
+    assert!(reasons.contains("GatewayIdentity"), "{reasons}");
     // node-0 counts the refused handshakes and shows when its certificate
     // expires (a week from now: the agents ask for seven days).
     let agent_metrics = || scrape(&runtime, "http://127.0.0.1:9100/metrics");

@@ -10,8 +10,10 @@
 //! with a deadline); [`status`] writes an object's status the one way every
 //! component does; [`stores`] keeps watch-fed caches of cluster objects;
 //! [`secrets`] reads credentials from Secrets that opt in; [`trust`] reads
-//! the data plane's CA the operator publishes.
+//! the data plane's CA the operator publishes; [`certificate`] gets an
+//! agent's or the gateway's data-plane certificate and keeps it current.
 
+pub mod certificate;
 pub mod client;
 pub mod secrets;
 pub mod status;

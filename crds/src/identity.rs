@@ -14,8 +14,13 @@ pub const NODE_IDENTITY_PREFIX: &str = "shardplane-node-";
 
 /// The signer (`spec.signerName` of a CertificateSigningRequest) whose
 /// certificates the data plane trusts: the operator approves and signs a
-/// node identity's request for a certificate naming its own node.
+/// node identity's request for a certificate naming its own node, and a
+/// gateway's for a client certificate naming none.
 pub const DATA_PLANE_SIGNER: &str = "shardplane.dev/data-plane";
+
+/// The common name of a gateway's data-plane certificate (it has no DNS
+/// name: it names no node).
+pub const GATEWAY_COMMON_NAME: &str = "shardplane-gateway";
 
 /// The label on the node-lease namespace that sends its Leases through the
 /// admission webhook (agents cannot label namespaces).

@@ -2,9 +2,11 @@
 //! between agents is encrypted, and a client checks that the server's
 //! certificate names the node it meant to reach: a node's certificate has
 //! one DNS name, the node's name, signed by the cluster's data-plane CA.
-//! Servers ask callers for their certificate too and verify it when one is
-//! sent (agents present theirs; the gateway, which has none, is known by
-//! the data-plane token every call carries).
+//! Servers require a certificate from every caller too, signed by the same
+//! CA: agents present theirs (naming their node), a gateway its client-only
+//! one (naming no node). A caller without one is refused in the handshake,
+//! before any call is read; the data-plane token every call carries is
+//! checked on top.
 //!
 //! The key material can be swapped while connections run ([`Tls::replace`],
 //! [`Tls::watch_dir`]): a renewed certificate is used by the next handshake.
@@ -198,7 +200,6 @@ fn load(provider: &Arc<CryptoProvider>, m: &Material) -> Result<Loaded, TlsError
         .build()
         .map_err(|e| bad("CA certificate", e.to_string()))?;
     let clients = WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
-        .allow_unauthenticated()
         .build()
         .map_err(|e| bad("CA certificate", e.to_string()))?;
     let (key, facts) = match &m.identity {
@@ -287,7 +288,7 @@ impl Tls {
     }
 
     /// The server side: TLS 1.3, HTTP/2, this process's certificate, and
-    /// callers' certificates verified when sent.
+    /// a certificate required of every caller and verified.
     pub fn server_config(self: &Arc<Self>) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         if self.current().key.is_none() {
             return Err(TlsError::NoIdentity);
@@ -401,7 +402,7 @@ impl ClientCertVerifier for Live {
     }
 
     fn client_auth_mandatory(&self) -> bool {
-        false
+        true
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
@@ -454,7 +455,8 @@ impl ClientCertVerifier for Live {
 pub struct PeerInfo {
     /// Its address.
     pub remote: Option<SocketAddr>,
-    /// The node its (verified) certificate names, when it sent one.
+    /// The node its (verified) certificate names; none for a gateway's
+    /// (or with TLS off).
     pub node: Option<String>,
 }
 

@@ -1,5 +1,5 @@
-//! TLS on real sockets: names checked, plain TCP refused, material swapped
-//! while serving.
+//! TLS on real sockets: names checked, callers without a certificate and
+//! plain TCP refused, material swapped while serving.
 
 use super::*;
 use rcgen::{
@@ -39,6 +39,22 @@ fn node(ca: &Ca, name: &str) -> Material {
     }
 }
 
+/// A gateway's material: a client-only certificate naming no node.
+fn gateway_of(ca: &Ca) -> Material {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "shardplane-gateway");
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = params.signed_by(&key, &ca.issuer).unwrap();
+    Material {
+        ca_pem: ca.pem.clone(),
+        identity: Some((cert.pem(), key.serialize_pem())),
+    }
+}
+
+/// The CA only, no certificate of its own.
 fn trusting(ca: &Ca) -> Material {
     Material {
         ca_pem: ca.pem.clone(),
@@ -95,10 +111,15 @@ async fn a_client_reaches_only_the_node_it_names_through_the_cluster_ca() {
     assert_eq!(server.certificate().unwrap().names, vec!["node-a"]);
     let (at, mut callers) = greeter(Some(server)).await;
 
-    // The gateway: the CA only, no certificate of its own.
-    let gateway = Tls::new(&trusting(&cluster)).unwrap();
+    // The gateway: its certificate names no node.
+    let gateway = Tls::new(&gateway_of(&cluster)).unwrap();
     assert_eq!(greeting(&gateway, "node-a", at).await.unwrap(), "hello");
     assert_eq!(callers.recv().await.unwrap().node, None);
+
+    // A caller with no certificate (the CA alone, or a token alone) is
+    // refused in the handshake: nothing reaches the service.
+    let anonymous = Tls::new(&trusting(&cluster)).unwrap();
+    assert!(greeting(&anonymous, "node-a", at).await.is_err());
 
     // Another node: its certificate is sent and its name reaches the server.
     let b = Tls::new(&node(&cluster, "node-b")).unwrap();
@@ -130,6 +151,15 @@ async fn a_client_reaches_only_the_node_it_names_through_the_cluster_ca() {
     })
     .unwrap();
     assert!(greeting(&forged, "node-a", at).await.is_err());
+
+    // A gateway's certificate is for calling: a client that meant to reach
+    // a node refuses a server presenting one.
+    let (posing, _) = greeter(Some(Tls::new(&gateway_of(&cluster)).unwrap())).await;
+    assert!(greeting(&b, "node-a", posing).await.is_err());
+    assert!(
+        callers.try_recv().is_err(),
+        "refused callers reached the service"
+    );
 }
 
 #[tokio::test]
@@ -168,8 +198,8 @@ async fn renewed_material_is_used_by_the_next_handshake() {
     let (old, new) = (ca("old"), ca("new"));
     let server = Tls::new(&node(&old, "node-a")).unwrap();
     let (at, _callers) = greeter(Some(server.clone())).await;
-    let trusts_old = Tls::new(&trusting(&old)).unwrap();
-    let trusts_new = Tls::new(&trusting(&new)).unwrap();
+    let trusts_old = Tls::new(&gateway_of(&old)).unwrap();
+    let trusts_new = Tls::new(&gateway_of(&new)).unwrap();
     assert!(greeting(&trusts_old, "node-a", at).await.is_ok());
     assert!(greeting(&trusts_new, "node-a", at).await.is_err());
     server.replace(&node(&new, "node-a")).unwrap();
@@ -198,7 +228,7 @@ async fn a_watched_directory_is_reloaded_when_its_files_change() {
     let server = Tls::new(&Material::read_dir(dir.path()).unwrap()).unwrap();
     let watching = server.watch_dir(dir.path().to_path_buf(), Duration::from_millis(50));
     let (at, _callers) = greeter(Some(server)).await;
-    let trusts_new = Tls::new(&trusting(&new)).unwrap();
+    let trusts_new = Tls::new(&gateway_of(&new)).unwrap();
     assert!(greeting(&trusts_new, "node-a", at).await.is_err());
     write(&node(&new, "node-a"));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -62,74 +62,9 @@ pub struct GatewayConfig {
     pub external_allowlist: external::Allowlist,
 }
 
-/// Where the gateway's data-plane TLS material comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DataPlaneTls {
-    /// Plain TCP to agents (theirs must be off too).
-    Off,
-    /// `ca.crt` (and `tls.crt`, `tls.key` when present) in a directory,
-    /// re-read when they change.
-    Files(std::path::PathBuf),
-    /// The CA the operator publishes in this namespace (the kubeconfig's
-    /// when unset), followed as it changes.
-    Operator {
-        /// Where the ConfigMap is.
-        namespace: Option<String>,
-    },
-}
-
-/// The data plane's TLS from `source`; none when off.
-async fn data_plane_tls(
-    client: &Client,
-    source: &DataPlaneTls,
-) -> Result<Option<std::sync::Arc<shardplane_dataplane::tls::Tls>>> {
-    use shardplane_dataplane::tls::{Material, Tls};
-    let tls_error = |e: shardplane_dataplane::tls::TlsError| Error::Tls(e.to_string());
-    match source {
-        DataPlaneTls::Off => {
-            tracing::warn!("calls to agents are not encrypted (--data-plane-tls off)");
-            Ok(None)
-        }
-        DataPlaneTls::Files(dir) => {
-            let tls = Tls::new(&Material::read_dir(dir).map_err(tls_error)?).map_err(tls_error)?;
-            tls.watch_dir(dir.clone(), std::time::Duration::from_secs(30));
-            Ok(Some(tls))
-        }
-        DataPlaneTls::Operator { namespace } => {
-            let namespace = namespace
-                .clone()
-                .unwrap_or_else(|| client.default_namespace().to_string());
-            let ca_pem = shardplane_cluster::trust::wait_for_ca(client, &namespace).await;
-            let material = Material {
-                ca_pem: ca_pem.clone(),
-                identity: None,
-            };
-            let tls = Tls::new(&material).map_err(tls_error)?;
-            let live = tls.clone();
-            shardplane_cluster::trust::follow_ca(
-                client.clone(),
-                namespace,
-                ca_pem,
-                std::time::Duration::from_secs(60),
-                move |pem| {
-                    let m = Material {
-                        ca_pem: pem.to_string(),
-                        identity: None,
-                    };
-                    match live.replace(&m) {
-                        Ok(()) => tracing::info!(
-                            "the data plane's CA changed; new connections trust the new one"
-                        ),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "the published data-plane CA does not load; the old stays")
-                        }
-                    }
-                },
-            );
-            Ok(Some(tls))
-        }
-    }
-}
+/// Where the gateway's data-plane TLS material comes from: its client-only
+/// certificate (agents require one of every caller) and the CA.
+pub use shardplane_cluster::certificate::Source as DataPlaneTls;
 
 /// The largest body of the routes that are not generation requests.
 pub(crate) const SMALL_BODY_BYTES: usize = 64 << 10;
@@ -209,7 +144,11 @@ pub async fn run(
     let (models, _) = shardplane_cluster::watch_all(client.clone());
     let (shards, _) = shardplane_cluster::watch_all(client.clone());
     let http = external::http_client()?;
-    let tls = data_plane_tls(&client, &config.data_plane_tls).await?;
+    let holder = shardplane_cluster::certificate::Holder::Gateway;
+    let tls = shardplane_cluster::certificate::start(&client, &config.data_plane_tls, &holder)
+        .await
+        .map_err(|e| Error::Tls(e.to_string()))?
+        .map(|(tls, _renewal)| tls);
     let router = routing::Router::new(
         client.clone(),
         deployments.clone(),

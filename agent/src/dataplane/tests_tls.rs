@@ -1,6 +1,7 @@
-//! With TLS on, calls only agents make need the caller's node certificate,
-//! and `Forward` into a stage only from its previous stage's node. A real
-//! TLS data plane on a loopback port; callers with and without certificates.
+//! With TLS on, every caller needs a certificate from the cluster CA, calls
+//! only agents make need a node's, and `Forward` into a stage only from its
+//! previous stage's node. A real TLS data plane on a loopback port; callers
+//! with node certificates, the gateway's (naming no node) and none.
 
 use std::sync::Arc;
 
@@ -29,19 +30,29 @@ impl Ca {
         }
     }
 
-    /// TLS material of `node`, or of a caller without a certificate.
+    /// TLS material of `node`, or of the gateway (a client-only
+    /// certificate naming no node).
     fn tls(&self, node: Option<&str>) -> Arc<Tls> {
-        let identity = node.map(|n| {
-            let key = rcgen::KeyPair::generate().unwrap();
-            let cert = rcgen::CertificateParams::new(vec![n.to_string()])
-                .unwrap()
-                .signed_by(&key, &self.issuer)
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params =
+            rcgen::CertificateParams::new(node.map(String::from).into_iter().collect::<Vec<_>>())
                 .unwrap();
-            (cert.pem(), key.serialize_pem())
-        });
+        if node.is_none() {
+            params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        }
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
         Tls::new(&Material {
             ca_pem: self.pem.clone(),
-            identity,
+            identity: Some((cert.pem(), key.serialize_pem())),
+        })
+        .unwrap()
+    }
+
+    /// A caller that trusts the CA but has no certificate.
+    fn anonymous(&self) -> Arc<Tls> {
+        Tls::new(&Material {
+            ca_pem: self.pem.clone(),
+            identity: None,
         })
         .unwrap()
     }
@@ -81,7 +92,25 @@ async fn calls_between_agents_need_the_right_node_certificate() {
             code
         }
     };
-    // The gateway (no certificate) and another node may not drive the stage.
+    // Anyone with a certificate from the CA reaches the service; a caller
+    // with the token but no certificate does not.
+    let ping = |tls: Arc<Tls>| {
+        let mut c = dp::client(
+            dp::channel(&endpoint, Some((&tls, "node-1"))).unwrap(),
+            token(),
+        );
+        async move { c.ping(dp::PingRequest::default()).await.map(|_| ()) }
+    };
+    ping(ca.tls(None)).await.expect("the gateway's certificate");
+    ping(ca.tls(Some("node-2")))
+        .await
+        .expect("a node's certificate");
+    let refused = ping(ca.anonymous()).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("CertificateRequired"),
+        "{refused}"
+    );
+    // The gateway (naming no node) and another node may not drive the stage.
     assert_eq!(forward(None).await, Code::PermissionDenied);
     assert_eq!(forward(Some("node-2")).await, Code::PermissionDenied);
     // The previous stage's node passes the check (the sequence then fails

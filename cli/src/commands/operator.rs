@@ -39,6 +39,17 @@ pub struct OperatorArgs {
     /// another CA issues them, or the data plane runs without TLS).
     #[arg(long, env = "SHARDPLANE_NO_DATA_PLANE_SIGNER")]
     no_data_plane_signer: bool,
+    /// A user (as the API server names it, for a ServiceAccount
+    /// `system:serviceaccount:<namespace>:<name>`) that is a gateway: its
+    /// requests get a client-only data-plane certificate naming no node,
+    /// which agents require of every caller. Repeat (or separate by commas)
+    /// for several gateways.
+    #[arg(
+        long = "data-plane-gateway-user",
+        env = "SHARDPLANE_DATA_PLANE_GATEWAY_USERS",
+        value_delimiter = ','
+    )]
+    data_plane_gateway_users: Vec<String>,
     /// This replica's identity in the election (host name and process id when unset).
     #[arg(long, env = "SHARDPLANE_IDENTITY")]
     identity: Option<String>,
@@ -171,6 +182,7 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
     let signer = (!args.no_data_plane_signer).then(|| shardplane_operator::signer::SignerConfig {
         secret_namespace: args.leader_namespace.clone(),
         agent_namespace: args.agent_namespace.clone(),
+        gateway_users: args.data_plane_gateway_users.clone(),
     });
     let config = OperatorConfig {
         signer,

@@ -4,12 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
+use shardplane_cluster::certificate::Source;
 
 /// Where the data plane's certificates come from.
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Issued by the operator on request and renewed before they expire
-    /// (agents); the CA published by the operator (gateway).
+    /// (an agent's names its node; the gateway's is client-only).
     Operator,
     /// `ca.crt`, `tls.crt`, `tls.key` in --tls-dir, kept current by
     /// someone else (a cert-manager Secret mounted there); re-read when
@@ -23,8 +24,9 @@ pub enum Mode {
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct TlsArgs {
     /// Where the data plane's TLS certificates come from. Every connection
-    /// between agents and from the gateway is TLS, and a client checks that
-    /// the server's certificate names the node it meant to reach.
+    /// between agents and from the gateway is TLS: a client checks that
+    /// the server's certificate names the node it meant to reach, and an
+    /// agent requires a certificate of every caller.
     #[arg(
         long = "data-plane-tls",
         env = "SHARDPLANE_DATA_PLANE_TLS",
@@ -34,7 +36,8 @@ pub struct TlsArgs {
     pub mode: Mode,
     /// The directory of the TLS files: what `files` reads; where an agent
     /// keeps the certificate the operator issued (default: beside its
-    /// cache directory, `<cache-dir>-tls`).
+    /// cache directory, `<cache-dir>-tls`; the gateway keeps its in memory
+    /// unless this is set).
     #[arg(long, env = "SHARDPLANE_TLS_DIR")]
     pub tls_dir: Option<PathBuf>,
     /// The namespace where the operator publishes the data plane's CA
@@ -53,29 +56,26 @@ impl TlsArgs {
 
     /// An agent's source, its issued files kept beside `cache_dir` unless
     /// --tls-dir says where.
-    pub fn agent(&self, cache_dir: &Path) -> anyhow::Result<shardplane_agent::certificate::Source> {
-        use shardplane_agent::certificate::Source;
+    pub fn agent(&self, cache_dir: &Path) -> anyhow::Result<Source> {
+        self.source(Some(
+            self.tls_dir
+                .clone()
+                .unwrap_or_else(|| default_dir(cache_dir)),
+        ))
+    }
+
+    /// The gateway's source: issued files kept in --tls-dir when set, in
+    /// memory otherwise.
+    pub fn gateway(&self) -> anyhow::Result<Source> {
+        self.source(self.tls_dir.clone())
+    }
+
+    fn source(&self, kept_in: Option<PathBuf>) -> anyhow::Result<Source> {
         Ok(match self.mode {
             Mode::Off => Source::Off,
             Mode::Files => Source::Files(self.files_dir()?),
             Mode::Operator => Source::Operator {
-                dir: self
-                    .tls_dir
-                    .clone()
-                    .unwrap_or_else(|| default_dir(cache_dir)),
-                namespace: self.data_plane_ca_namespace.clone(),
-            },
-        })
-    }
-
-    /// The gateway's source (it has no certificate of its own unless
-    /// `files` gives it one).
-    pub fn gateway(&self) -> anyhow::Result<shardplane_gateway::DataPlaneTls> {
-        use shardplane_gateway::DataPlaneTls;
-        Ok(match self.mode {
-            Mode::Off => DataPlaneTls::Off,
-            Mode::Files => DataPlaneTls::Files(self.files_dir()?),
-            Mode::Operator => DataPlaneTls::Operator {
+                dir: kept_in,
                 namespace: self.data_plane_ca_namespace.clone(),
             },
         })
@@ -102,35 +102,40 @@ impl TlsArgs {
 /// The data plane's CA, and the node an endpoint belongs to.
 pub type NodeTls = (std::sync::Arc<shardplane_dataplane::tls::Tls>, String);
 
-/// `--data-plane-ca`, `--node`: TLS to one agent's data plane, for commands
-/// that call an agent straight (`bench --endpoint`, `generate --endpoint`).
+/// `--data-plane-tls-dir`, `--node`: TLS to one agent's data plane, for
+/// commands that call an agent straight (`bench --endpoint`, `generate
+/// --endpoint`).
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct RemoteTls {
-    /// The data plane's CA certificate, for agents serving TLS (`kubectl -n
-    /// shardplane get configmap shardplane-data-plane-ca -o
-    /// jsonpath='{.data.ca\\.crt}'`).
+    /// A directory holding the data plane's CA (`ca.crt`) and a certificate
+    /// it signed with its key (`tls.crt`, `tls.key`), for agents serving
+    /// TLS: they require a certificate of every caller. An agent's own
+    /// directory (`<cache-dir>-tls` on its machine) does, as does a
+    /// cert-manager Secret from the same CA.
     #[arg(long, requires = "node")]
-    pub data_plane_ca: Option<PathBuf>,
+    pub data_plane_tls_dir: Option<PathBuf>,
     /// The node whose data plane the endpoint is (its certificate must name it).
-    #[arg(long, requires = "data_plane_ca")]
+    #[arg(long, requires = "data_plane_tls_dir")]
     pub node: Option<String>,
 }
 
 impl RemoteTls {
-    /// TLS to `--node`, when `--data-plane-ca` is given.
+    /// TLS to `--node`, when `--data-plane-tls-dir` is given.
     pub fn load(&self) -> anyhow::Result<Option<NodeTls>> {
         use anyhow::Context;
         use shardplane_dataplane::tls::{Material, Tls};
-        let (Some(ca), Some(node)) = (&self.data_plane_ca, &self.node) else {
+        let (Some(dir), Some(node)) = (&self.data_plane_tls_dir, &self.node) else {
             return Ok(None);
         };
-        let ca_pem = std::fs::read_to_string(ca)
-            .with_context(|| format!("--data-plane-ca {}", ca.display()))?;
-        let tls = Tls::new(&Material {
-            ca_pem,
-            identity: None,
-        })
-        .map_err(anyhow::Error::msg)?;
+        let material = Material::read_dir(dir)
+            .with_context(|| format!("--data-plane-tls-dir {}", dir.display()))?;
+        if material.identity.is_none() {
+            anyhow::bail!(
+                "--data-plane-tls-dir {} holds no certificate (tls.crt, tls.key): agents refuse callers without one",
+                dir.display()
+            );
+        }
+        let tls = Tls::new(&material).map_err(anyhow::Error::msg)?;
         Ok(Some((tls, node.clone())))
     }
 }

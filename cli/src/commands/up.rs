@@ -152,6 +152,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             WEBHOOK,
             "--webhook-url",
             &format!("https://{WEBHOOK}"),
+            // The gateway below runs as the control plane's admin: its
+            // client-only data-plane certificate is asked for as that user.
+            "--data-plane-gateway-user",
+            "admin",
         ],
     )?;
     // The agents share this machine's cores (see `threads`).

@@ -1,7 +1,7 @@
 //! The data-plane signer: the cluster CA that agents' data-plane
 //! certificates chain to, and a controller that approves and signs their
 //! CertificateSigningRequests (signer `shardplane.dev/data-plane`) by
-//! [`policy`]. The CA and its key stay in a Secret in the operator's
+//! [`policy`], and the gateways' (client-only certificates). The CA and its key stay in a Secret in the operator's
 //! namespace; its certificate is published for agents and the gateway in
 //! ConfigMap `shardplane-data-plane-ca` in the agents' namespace.
 //!
@@ -46,6 +46,8 @@ pub struct SignerConfig {
     /// The agents' namespace: their node identities live here, and the
     /// ConfigMap with the CA certificate.
     pub agent_namespace: String,
+    /// The users that are gateways: each gets a client-only certificate.
+    pub gateway_users: Vec<String>,
 }
 
 /// The CA (certificate, key) the signer signs with.
@@ -54,6 +56,7 @@ pub struct SigningCa {
     ca_pem: String,
     ca_key_pem: String,
     namespace: String,
+    gateways: Vec<String>,
 }
 
 fn text(data: &Option<BTreeMap<String, ByteString>>, key: &str) -> Option<String> {
@@ -137,6 +140,7 @@ pub async fn ensure_ca(client: &Client, config: &SignerConfig) -> Result<Signing
         ca_pem,
         ca_key_pem,
         namespace: config.agent_namespace.clone(),
+        gateways: config.gateway_users.clone(),
     })
 }
 
@@ -220,18 +224,27 @@ async fn reconcile(
         }
         return Ok(Action::await_change());
     }
-    let decision = policy::check(&csr, &ca.namespace);
+    let who = policy::Requesters {
+        namespace: &ca.namespace,
+        gateways: &ca.gateways,
+    };
+    let decision = policy::check(&csr, who);
     let outcome = |o: &str| ctx.metrics.certificates.with_label_values(&[o]).inc();
     if !has(&csr, "Approved") {
         ctx.fence()?;
         let (kind, reason, message) = match &decision {
-            Ok(g) => (
+            Ok(policy::Grant {
+                holder: policy::Holder::Node(node),
+                ..
+            }) => (
                 "Approved",
                 "NodeIdentity",
-                format!(
-                    "node identity of {}: a data-plane certificate naming it",
-                    g.node
-                ),
+                format!("node identity of {node}: a data-plane certificate naming it"),
+            ),
+            Ok(_) => (
+                "Approved",
+                "GatewayIdentity",
+                "a gateway identity: a client-only data-plane certificate naming no node".into(),
             ),
             Err(d) => ("Denied", d.reason, d.message.clone()),
         };
@@ -260,7 +273,7 @@ async fn reconcile(
             api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
             outcome("issued");
-            tracing::info!(request = %name, node = %grant.node, lifetime = ?grant.lifetime, "issued a data-plane certificate");
+            tracing::info!(request = %name, holder = %grant.holder, lifetime = ?grant.lifetime, "issued a data-plane certificate");
         }
         Err(why) => {
             let mut conditions: Vec<serde_json::Value> = csr

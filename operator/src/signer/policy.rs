@@ -1,13 +1,19 @@
-//! What the data-plane signer grants, decided from the request alone: a
-//! node identity (ServiceAccount `shardplane-node-<node>` in the agents'
-//! namespace) gets a certificate naming exactly its node, for server and
-//! client use, for at most [`MOST_LIFETIME`]. Everything else is denied
-//! with the reason.
+//! What the data-plane signer grants, decided from the request alone:
+//! - a node identity (ServiceAccount `shardplane-node-<node>` in the agents'
+//!   namespace) gets a certificate naming exactly its node, for server and
+//!   client use;
+//! - a gateway identity (a user the operator is told of,
+//!   `--data-plane-gateway-user`) gets a client-only certificate that names
+//!   no node, so it can call agents but can neither serve as one nor pass
+//!   for one where a call between agents is checked;
+//!
+//! each for at most [`MOST_LIFETIME`]. Everything else is denied with the
+//! reason.
 //!
 //! ```text
 //!  CSR (username, request, usages, expirationSeconds)
-//!    ──► check: identity? PKCS#10 parses? names only the node? usages allowed?
-//!    ──► Grant { node, lifetime } ──► sign (the CA's key; names, usages, dates set here)
+//!    ──► check: node or gateway identity? PKCS#10 parses? names right? usages allowed?
+//!    ──► Grant { holder, lifetime } ──► sign (the CA's key; names, usages, dates set here)
 //!    └─► Denial { reason, message }
 //! ```
 
@@ -18,7 +24,7 @@ use rcgen::{
     CertificateParams, CertificateSigningRequestParams, DnType, ExtendedKeyUsagePurpose, Issuer,
     KeyPair, KeyUsagePurpose, SanType,
 };
-use shardplane_crds::identity::NODE_IDENTITY_PREFIX;
+use shardplane_crds::identity::{GATEWAY_COMMON_NAME, NODE_IDENTITY_PREFIX};
 
 /// The life of a certificate whose request does not ask for one.
 pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -34,13 +40,24 @@ const ALLOWED_USAGES: [&str; 4] = [
     "client auth",
 ];
 
+pub use shardplane_cluster::certificate::Holder;
+
 /// What the signer grants.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
-    /// The node the certificate names.
-    pub node: String,
+    /// Whom the certificate is for.
+    pub holder: Holder,
     /// How long it lasts.
     pub lifetime: Duration,
+}
+
+/// Who may ask for a certificate.
+#[derive(Clone, Copy, Debug)]
+pub struct Requesters<'a> {
+    /// The agents' namespace, where node identities live.
+    pub namespace: &'a str,
+    /// The users that are gateways.
+    pub gateways: &'a [String],
 }
 
 /// Why a request is denied: a condition's reason and message.
@@ -69,18 +86,25 @@ pub fn node_of(username: &str, namespace: &str) -> Option<String> {
 }
 
 /// Whether `csr` may have a certificate, and which.
-pub fn check(csr: &CertificateSigningRequest, namespace: &str) -> Result<Grant, Denial> {
+pub fn check(csr: &CertificateSigningRequest, who: Requesters<'_>) -> Result<Grant, Denial> {
     let spec = &csr.spec;
     let username = spec.username.clone().unwrap_or_default();
-    let node = node_of(&username, namespace).ok_or_else(|| {
-        deny(
-            "NotANodeIdentity",
-            format!(
-                "only a node identity (ServiceAccount {NODE_IDENTITY_PREFIX}<node> in namespace {namespace}, \
-                 from `shardplane agent-kubeconfig --node`) gets a data-plane certificate; {username:?} is not one"
-            ),
-        )
-    })?;
+    let namespace = who.namespace;
+    let holder = match node_of(&username, namespace) {
+        Some(node) => Holder::Node(node),
+        None if who.gateways.contains(&username) => Holder::Gateway,
+        None => {
+            return Err(deny(
+                "UnknownRequester",
+                format!(
+                    "only a node identity (ServiceAccount {NODE_IDENTITY_PREFIX}<node> in namespace {namespace}, \
+                     from `shardplane agent-kubeconfig --node`) or a gateway identity (the operator's \
+                     --data-plane-gateway-user: {:?}) gets a data-plane certificate; {username:?} is neither",
+                    who.gateways
+                ),
+            ));
+        }
+    };
     let pem = std::str::from_utf8(&spec.request.0)
         .map_err(|_| deny("BadRequest", "the request is not PEM text".into()))?;
     let request = CertificateSigningRequestParams::from_pem(pem).map_err(|e| {
@@ -98,13 +122,24 @@ pub fn check(csr: &CertificateSigningRequest, namespace: &str) -> Result<Grant, 
             other => format!("{other:?}"),
         })
         .collect();
-    if names != [node.clone()] {
-        return Err(deny(
-            "WrongNames",
-            format!(
-                "a node's certificate names its node only, DNS name {node:?}; the request names {names:?}"
-            ),
-        ));
+    match &holder {
+        Holder::Node(node) if names != [node.clone()] => {
+            return Err(deny(
+                "WrongNames",
+                format!(
+                    "a node's certificate names its node only, DNS name {node:?}; the request names {names:?}"
+                ),
+            ));
+        }
+        Holder::Gateway if !names.is_empty() => {
+            return Err(deny(
+                "WrongNames",
+                format!(
+                    "a gateway's certificate names no node (nor anything else); the request names {names:?}"
+                ),
+            ));
+        }
+        _ => {}
     }
     let usages = spec.usages.clone().unwrap_or_default();
     if let Some(u) = usages
@@ -116,17 +151,29 @@ pub fn check(csr: &CertificateSigningRequest, namespace: &str) -> Result<Grant, 
             format!("usage {u:?} is not granted; allowed: {ALLOWED_USAGES:?}"),
         ));
     }
-    if !usages.iter().any(|u| u == "server auth") {
-        return Err(deny(
-            "WrongUsages",
-            "a data-plane certificate is for serving: ask for \"server auth\"".into(),
-        ));
+    let asks = |u: &str| usages.iter().any(|x| x == u);
+    match &holder {
+        Holder::Node(_) if !asks("server auth") => {
+            return Err(deny(
+                "WrongUsages",
+                "a node's data-plane certificate is for serving: ask for \"server auth\"".into(),
+            ));
+        }
+        Holder::Gateway if asks("server auth") || !asks("client auth") => {
+            return Err(deny(
+                "WrongUsages",
+                "a gateway's data-plane certificate is for calling agents only: ask for \"client \
+                 auth\", not \"server auth\""
+                    .into(),
+            ));
+        }
+        _ => {}
     }
     let lifetime = spec
         .expiration_seconds
         .map_or(DEFAULT_LIFETIME, |s| Duration::from_secs(s.max(0) as u64))
         .clamp(LEAST_LIFETIME, MOST_LIFETIME);
-    Ok(Grant { node, lifetime })
+    Ok(Grant { holder, lifetime })
 }
 
 /// The certificate (PEM) for `grant`, over the request's public key, signed
@@ -139,14 +186,24 @@ pub fn sign(
 ) -> Result<String, String> {
     let mut request =
         CertificateSigningRequestParams::from_pem(request_pem).map_err(|e| e.to_string())?;
-    let mut params = CertificateParams::new(vec![grant.node.clone()]).map_err(|e| e.to_string())?;
-    params
-        .distinguished_name
-        .push(DnType::CommonName, grant.node.clone());
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
+    let mut params = match &grant.holder {
+        Holder::Node(node) => {
+            let mut p = CertificateParams::new(vec![node.clone()]).map_err(|e| e.to_string())?;
+            p.distinguished_name.push(DnType::CommonName, node.clone());
+            p.extended_key_usages = vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ];
+            p
+        }
+        Holder::Gateway => {
+            let mut p = CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+            p.distinguished_name
+                .push(DnType::CommonName, GATEWAY_COMMON_NAME);
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+            p
+        }
+    };
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.use_authority_key_identifier_extension = true;
     let now = SystemTime::now();
@@ -207,23 +264,28 @@ mod tests {
     }
 
     const NODE_A: &str = "system:serviceaccount:shardplane:shardplane-node-node-a";
+    const GATEWAY: &str = "system:serviceaccount:shardplane:shardplane-gateway";
     const USAGES: [&str; 3] = ["digital signature", "server auth", "client auth"];
+    const CALLING: [&str; 2] = ["digital signature", "client auth"];
+
+    fn who(gateways: &[String]) -> Requesters<'_> {
+        Requesters {
+            namespace: "shardplane",
+            gateways,
+        }
+    }
 
     #[test]
     fn a_node_identity_gets_a_certificate_for_its_own_node_only() {
-        let grant = check(
-            &csr(NODE_A, &request(&["node-a"]), &USAGES, None),
-            "shardplane",
-        )
-        .unwrap();
+        let grant = check(&csr(NODE_A, &request(&["node-a"]), &USAGES, None), who(&[])).unwrap();
         assert_eq!(
             grant,
             Grant {
-                node: "node-a".into(),
+                holder: Holder::Node("node-a".into()),
                 lifetime: DEFAULT_LIFETIME
             }
         );
-        let refused = |c: CertificateSigningRequest| check(&c, "shardplane").unwrap_err().reason;
+        let refused = |c: CertificateSigningRequest| check(&c, who(&[])).unwrap_err().reason;
         // Another node's name, or one more name.
         assert_eq!(
             refused(csr(NODE_A, &request(&["node-b"]), &USAGES, None)),
@@ -245,7 +307,7 @@ mod tests {
         ] {
             assert_eq!(
                 refused(csr(user, &request(&["node-a"]), &USAGES, None)),
-                "NotANodeIdentity",
+                "UnknownRequester",
                 "{user}"
             );
         }
@@ -267,7 +329,7 @@ mod tests {
         let life = |s| {
             check(
                 &csr(NODE_A, &request(&["node-a"]), &USAGES, Some(s)),
-                "shardplane",
+                who(&[]),
             )
             .unwrap()
             .lifetime
@@ -278,11 +340,79 @@ mod tests {
     }
 
     #[test]
+    fn a_gateway_identity_gets_a_calling_certificate_that_names_no_node() {
+        let gateways = [GATEWAY.to_string()];
+        let grant = check(&csr(GATEWAY, &request(&[]), &CALLING, None), who(&gateways)).unwrap();
+        assert_eq!(grant.holder, Holder::Gateway);
+        let refused = |c: CertificateSigningRequest| check(&c, who(&gateways)).unwrap_err();
+        // Not listed: the same request from another user, or with no list.
+        let other = "system:serviceaccount:shardplane:someone";
+        let e = refused(csr(other, &request(&[]), &CALLING, None));
+        assert_eq!(e.reason, "UnknownRequester");
+        assert!(e.message.contains(GATEWAY), "{}", e.message);
+        assert_eq!(
+            check(&csr(GATEWAY, &request(&[]), &CALLING, None), who(&[]))
+                .unwrap_err()
+                .reason,
+            "UnknownRequester"
+        );
+        // A gateway names no node (it could then serve as one) and does not serve.
+        assert_eq!(
+            refused(csr(GATEWAY, &request(&["node-a"]), &CALLING, None)).reason,
+            "WrongNames"
+        );
+        assert_eq!(
+            refused(csr(GATEWAY, &request(&[]), &USAGES, None)).reason,
+            "WrongUsages"
+        );
+        assert_eq!(
+            refused(csr(GATEWAY, &request(&[]), &["digital signature"], None)).reason,
+            "WrongUsages"
+        );
+        // A node identity listed as a gateway is still a node.
+        let both = [NODE_A.to_string()];
+        assert_eq!(
+            check(
+                &csr(NODE_A, &request(&["node-a"]), &USAGES, None),
+                who(&both)
+            )
+            .unwrap()
+            .holder,
+            Holder::Node("node-a".into())
+        );
+    }
+
+    #[test]
+    fn a_gateway_certificate_calls_but_cannot_serve() {
+        let (ca_pem, ca_key) = crate::admission::certs::new_ca().unwrap();
+        let grant = Grant {
+            holder: Holder::Gateway,
+            lifetime: Duration::from_secs(86400),
+        };
+        // Asking for a name gets none: the signer sets the names.
+        let (pem, key) = keyed_request(&["node-a"]);
+        let cert = sign(&pem, &grant, &ca_pem, &ca_key).unwrap();
+        let facts = shardplane_dataplane::tls::facts(&cert).unwrap();
+        assert!(facts.names.is_empty(), "{:?}", facts.names);
+        let (_, x509) = x509_parser::pem::parse_x509_pem(cert.as_bytes()).unwrap();
+        let x509 = x509.parse_x509().unwrap();
+        let eku = x509.extended_key_usage().unwrap().unwrap().value;
+        assert!(eku.client_auth && !eku.server_auth, "{eku:?}");
+        assert!(
+            shardplane_dataplane::tls::Tls::new(&shardplane_dataplane::tls::Material {
+                ca_pem,
+                identity: Some((cert, key)),
+            })
+            .is_ok()
+        );
+    }
+
+    #[test]
     fn what_is_signed_names_the_node_and_chains_to_the_ca() {
         let (ca_pem, ca_key) = crate::admission::certs::new_ca().unwrap();
         // The request asks for more than it gets: the signer sets the names.
         let grant = Grant {
-            node: "node-a".into(),
+            holder: Holder::Node("node-a".into()),
             lifetime: Duration::from_secs(86400),
         };
         let (pem, key) = keyed_request(&["node-a"]);

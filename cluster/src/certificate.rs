@@ -1,15 +1,16 @@
-//! The agent's data-plane certificate. By default the operator issues it:
-//! the agent makes a key that never leaves the machine, asks for a
-//! certificate naming its node through a Kubernetes
-//! CertificateSigningRequest (signer `shardplane.dev/data-plane`), and
-//! renews it at two thirds of its life while the data plane keeps serving.
-//! Certificates can also come as files (a cert-manager Secret mounted as a
-//! directory), re-read when they change.
+//! A data-plane certificate, for an agent (naming its node: it serves and
+//! calls) or a gateway (naming no node: it only calls; agents require a
+//! certificate of every caller). By default the operator issues it: the
+//! process makes a key that never leaves the machine, asks for a
+//! certificate through a Kubernetes CertificateSigningRequest (signer
+//! `shardplane.dev/data-plane`), and renews it at two thirds of its life
+//! while the data plane keeps running. Certificates can also come as files
+//! (a cert-manager Secret mounted as a directory), re-read when they change.
 //!
 //! ```text
-//!  --tls-dir holds a certificate for this node with over a third of its life left? ──► use it
+//!  the directory holds a certificate for this holder with over a third of its life left? ──► use it
 //!    └─ no ──► new key ──► CertificateSigningRequest ──► operator approves, signs
-//!              ──► tls.key, tls.crt, ca.crt written (key 0600) ──► use it
+//!              ──► tls.key, tls.crt, ca.crt written (key 0600; kept in memory without a directory)
 //!  at two thirds of its life: the same again, swapped into the running data plane
 //! ```
 
@@ -25,10 +26,63 @@ use k8s_openapi::api::certificates::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use shardplane_crds::identity::DATA_PLANE_SIGNER;
+use shardplane_crds::identity::{DATA_PLANE_SIGNER, GATEWAY_COMMON_NAME};
 use shardplane_dataplane::tls::{CA_FILE, CERT_FILE, KEY_FILE, Material, Tls};
 
-use crate::{Error, Result};
+/// Why there is no usable data-plane certificate.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CertificateError(String);
+
+type Result<T> = std::result::Result<T, CertificateError>;
+
+/// Whom a data-plane certificate is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Holder {
+    /// A node agent: the certificate names the node.
+    Node(String),
+    /// A gateway: the certificate names no node (the operator knows its user
+    /// as a gateway's, `--data-plane-gateway-user`).
+    Gateway,
+}
+
+impl Holder {
+    /// Whether a certificate naming `names` is this holder's.
+    fn fits(&self, names: &[String]) -> bool {
+        match self {
+            Holder::Node(node) => names.iter().any(|n| n == node),
+            Holder::Gateway => names.is_empty(),
+        }
+    }
+
+    /// The names and usages a request asks for, and its object name's prefix.
+    fn asks(&self) -> (Vec<String>, &'static [&'static str], String) {
+        match self {
+            Holder::Node(node) => (
+                vec![node.clone()],
+                &["digital signature", "server auth", "client auth"],
+                format!(
+                    "shardplane-node-{}-",
+                    node.chars().take(40).collect::<String>()
+                ),
+            ),
+            Holder::Gateway => (
+                Vec::new(),
+                &["digital signature", "client auth"],
+                "shardplane-gateway-".into(),
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Holder::Node(node) => write!(f, "node {node}"),
+            Holder::Gateway => f.write_str("the gateway"),
+        }
+    }
+}
 
 /// The life a certificate is asked for (the operator may shorten it).
 pub const LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -48,31 +102,32 @@ pub enum Source {
     /// Issued by the operator, kept in `dir`; the CA comes from the
     /// ConfigMap in `namespace` (the kubeconfig's namespace when unset).
     Operator {
-        /// Where the key and certificate are kept between runs.
-        dir: PathBuf,
+        /// Where the key and certificate are kept between runs (in memory
+        /// only, asked for again at each start, when unset).
+        dir: Option<PathBuf>,
         /// Where the operator publishes the CA.
         namespace: Option<String>,
     },
 }
 
-/// The data plane's TLS for `node` from `source`, and the task that keeps
+/// The data plane's TLS for `holder` from `source`, and the task that keeps
 /// it current (renewal or reloading); none when TLS is off.
 pub async fn start(
     client: &Client,
     source: &Source,
-    node: &str,
+    holder: &Holder,
 ) -> Result<Option<(Arc<Tls>, tokio::task::JoinHandle<()>)>> {
-    let tls_error = |e: shardplane_dataplane::tls::TlsError| Error::Certificate(e.to_string());
+    let tls_error = |e: shardplane_dataplane::tls::TlsError| CertificateError(e.to_string());
     match source {
         Source::Off => {
             tracing::warn!(
-                "the data plane runs without TLS (--data-plane-tls off): traffic between nodes is readable on the network"
+                "the data plane runs without TLS (--data-plane-tls off): its traffic is readable on the network"
             );
             Ok(None)
         }
         Source::Files(dir) => {
             let tls = Tls::new(&Material::read_dir(dir).map_err(tls_error)?).map_err(tls_error)?;
-            check_names(&tls, node)?;
+            check_names(&tls, holder)?;
             let task = tls.watch_dir(dir.clone(), Duration::from_secs(30));
             Ok(Some((tls, task)))
         }
@@ -80,20 +135,22 @@ pub async fn start(
             let namespace = namespace
                 .clone()
                 .unwrap_or_else(|| client.default_namespace().to_string());
-            let material = match kept(dir, node) {
+            let material = match dir.as_deref().and_then(|d| kept(d, holder)) {
                 Some(m) => m,
                 None => {
-                    let m = issue(client, node, &namespace).await;
-                    write(dir, &m)?;
+                    let m = issue(client, holder, &namespace).await;
+                    if let Some(dir) = dir {
+                        write(dir, &m)?;
+                    }
                     m
                 }
             };
             let tls = Tls::new(&material).map_err(tls_error)?;
-            check_names(&tls, node)?;
-            tracing::info!(node, certificate = ?tls.certificate(), "data-plane certificate in use");
+            check_names(&tls, holder)?;
+            tracing::info!(%holder, certificate = ?tls.certificate(), "data-plane certificate in use");
             let task = tokio::spawn(renew(
                 client.clone(),
-                node.to_string(),
+                holder.clone(),
                 namespace,
                 dir.clone(),
                 tls.clone(),
@@ -103,11 +160,20 @@ pub async fn start(
     }
 }
 
-fn check_names(tls: &Tls, node: &str) -> Result<()> {
-    let names = tls.certificate().map(|f| f.names).unwrap_or_default();
-    if !names.iter().any(|n| n == node) {
-        return Err(Error::Certificate(format!(
-            "the data-plane certificate names {names:?}, not this node {node:?}: peers would refuse it"
+fn check_names(tls: &Tls, holder: &Holder) -> Result<()> {
+    let Some(facts) = tls.certificate() else {
+        return Err(CertificateError(format!(
+            "there is none (tls.crt, tls.key) for {holder}: agents refuse callers without one"
+        )));
+    };
+    if !holder.fits(&facts.names) {
+        let wanted = match holder {
+            Holder::Node(node) => format!("this node {node:?}: peers would refuse it"),
+            Holder::Gateway => "no node, as a gateway's does: it could pass for a node".into(),
+        };
+        return Err(CertificateError(format!(
+            "the certificate names {:?}, not {wanted}",
+            facts.names
         )));
     }
     Ok(())
@@ -125,13 +191,13 @@ pub fn renew_at(not_before: i64, not_after: i64) -> i64 {
     not_before + (not_after - not_before).max(0) * 2 / 3
 }
 
-/// The material kept in `dir`, if it is for `node` and not yet due for renewal.
-fn kept(dir: &Path, node: &str) -> Option<Material> {
+/// The material kept in `dir`, if it is `holder`'s and not yet due for renewal.
+fn kept(dir: &Path, holder: &Holder) -> Option<Material> {
     let m = Material::read_dir(dir).ok()?;
     let (cert, _) = m.identity.as_ref()?;
     let facts = shardplane_dataplane::tls::facts(cert).ok()?;
     let fresh = now() < renew_at(facts.not_before, facts.not_after);
-    (fresh && facts.names.iter().any(|n| n == node) && Tls::new(&m).is_ok()).then_some(m)
+    (fresh && holder.fits(&facts.names) && Tls::new(&m).is_ok()).then_some(m)
 }
 
 /// Writes the material into `dir` (each file replaced whole; the key
@@ -139,7 +205,7 @@ fn kept(dir: &Path, node: &str) -> Option<Material> {
 fn write(dir: &Path, m: &Material) -> Result<()> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let io = |what: &Path, e: std::io::Error| {
-        Error::Certificate(format!("cannot write {}: {e}", what.display()))
+        CertificateError(format!("cannot write {}: {e}", what.display()))
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
@@ -166,16 +232,16 @@ fn write(dir: &Path, m: &Material) -> Result<()> {
     Ok(())
 }
 
-/// A certificate for `node`, asked for until one is issued (a denial is
+/// A certificate for `holder`, asked for until one is issued (a denial is
 /// logged with the operator's reason, and asked again later: the cause is
-/// a setting someone can fix while the agent waits).
-async fn issue(client: &Client, node: &str, namespace: &str) -> Material {
+/// a setting someone can fix while the process waits).
+async fn issue(client: &Client, holder: &Holder, namespace: &str) -> Material {
     let mut pause = Duration::from_secs(1);
     loop {
-        match request(client, node, namespace).await {
+        match request(client, holder, namespace).await {
             Ok(m) => return m,
             Err(why) => {
-                tracing::warn!(node, error = %why, retry_in = ?pause, "no data-plane certificate yet");
+                tracing::warn!(%holder, error = %why, retry_in = ?pause, "no data-plane certificate yet");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(MOST_BACKOFF);
             }
@@ -184,66 +250,71 @@ async fn issue(client: &Client, node: &str, namespace: &str) -> Material {
 }
 
 /// Renews `tls` at two thirds of its certificate's life, for ever.
-async fn renew(client: Client, node: String, namespace: String, dir: PathBuf, tls: Arc<Tls>) {
+async fn renew(
+    client: Client,
+    holder: Holder,
+    namespace: String,
+    dir: Option<PathBuf>,
+    tls: Arc<Tls>,
+) {
     loop {
         let due = tls
             .certificate()
             .map_or(0, |f| renew_at(f.not_before, f.not_after));
         let wait = (due - now()).max(0) as u64;
         tokio::time::sleep(Duration::from_secs(wait)).await;
-        let m = issue(&client, &node, &namespace).await;
-        match write(&dir, &m).and_then(|()| {
-            tls.replace(&m)
-                .map_err(|e| Error::Certificate(e.to_string()))
-        }) {
+        let m = issue(&client, &holder, &namespace).await;
+        let written = dir.as_deref().map_or(Ok(()), |d| write(d, &m));
+        match written.and_then(|()| tls.replace(&m).map_err(|e| CertificateError(e.to_string()))) {
             Ok(()) => {
-                tracing::info!(node, certificate = ?tls.certificate(), "data-plane certificate renewed")
+                tracing::info!(%holder, certificate = ?tls.certificate(), "data-plane certificate renewed")
             }
             Err(e) => {
-                tracing::warn!(node, error = %e, "cannot use the renewed data-plane certificate");
+                tracing::warn!(%holder, error = %e, "cannot use the renewed data-plane certificate");
                 tokio::time::sleep(MOST_BACKOFF).await;
             }
         }
     }
 }
 
-/// One request: a new key, a CertificateSigningRequest naming `node`, and
+/// One request: a new key, a CertificateSigningRequest for `holder`, and
 /// its answer.
 async fn request(
     client: &Client,
-    node: &str,
+    holder: &Holder,
     namespace: &str,
 ) -> std::result::Result<Material, String> {
+    let (names, usages, prefix) = holder.asks();
     let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
-    let mut params =
-        rcgen::CertificateParams::new(vec![node.to_string()]).map_err(|e| e.to_string())?;
+    let mut params = rcgen::CertificateParams::new(names).map_err(|e| e.to_string())?;
+    let common_name = match holder {
+        Holder::Node(node) => node.as_str(),
+        Holder::Gateway => GATEWAY_COMMON_NAME,
+    };
     params
         .distinguished_name
-        .push(rcgen::DnType::CommonName, node);
+        .push(rcgen::DnType::CommonName, common_name);
     let csr = params
         .serialize_request(&key)
         .and_then(|r| r.pem())
         .map_err(|e| e.to_string())?;
-    let short: String = node.chars().take(40).collect();
-    let mut labels = BTreeMap::new();
-    labels.insert(
-        shardplane_crds::NODE_LABEL.to_string(),
-        shardplane_crds::node_label_value(node),
-    );
+    let labels = match holder {
+        Holder::Node(node) => BTreeMap::from([(
+            shardplane_crds::NODE_LABEL.to_string(),
+            shardplane_crds::node_label_value(node),
+        )]),
+        Holder::Gateway => BTreeMap::new(),
+    };
     let object = CertificateSigningRequest {
         metadata: ObjectMeta {
-            generate_name: Some(format!("shardplane-node-{short}-")),
+            generate_name: Some(prefix),
             labels: Some(labels),
             ..Default::default()
         },
         spec: CertificateSigningRequestSpec {
             request: ByteString(csr.into_bytes()),
             signer_name: DATA_PLANE_SIGNER.into(),
-            usages: Some(
-                ["digital signature", "server auth", "client auth"]
-                    .map(String::from)
-                    .to_vec(),
-            ),
+            usages: Some(usages.iter().map(|u| u.to_string()).collect()),
             expiration_seconds: Some(LIFETIME.as_secs() as i32),
             ..Default::default()
         },
@@ -255,7 +326,7 @@ async fn request(
         .await
         .map_err(|e| format!("cannot create a CertificateSigningRequest: {e}"))?;
     let name = created.name_any();
-    tracing::info!(node, request = %name, "asked the operator for a data-plane certificate");
+    tracing::info!(%holder, request = %name, "asked the operator for a data-plane certificate");
     let deadline = tokio::time::Instant::now() + ANSWER_WITHIN;
     let cert = loop {
         if tokio::time::Instant::now() >= deadline {
@@ -286,7 +357,7 @@ async fn request(
                 .map_err(|_| "the certificate is not text".to_string())?;
         }
     };
-    let ca_pem = shardplane_cluster::trust::wait_for_ca(client, namespace).await;
+    let ca_pem = crate::trust::wait_for_ca(client, namespace).await;
     Ok(Material {
         ca_pem,
         identity: Some((cert, key.serialize_pem())),
@@ -329,10 +400,16 @@ mod tests {
         assert_eq!(mode(&tls_dir.join(KEY_FILE)), 0o600);
         assert_eq!(mode(&tls_dir), 0o700);
         // rcgen's default validity runs to the year 4096: fresh.
-        assert_eq!(kept(&tls_dir, "node-a"), Some(m.clone()));
-        assert_eq!(kept(&tls_dir, "node-b"), None, "another node's");
+        let node = |n: &str| Holder::Node(n.into());
+        assert_eq!(kept(&tls_dir, &node("node-a")), Some(m.clone()));
+        assert_eq!(kept(&tls_dir, &node("node-b")), None, "another node's");
+        assert_eq!(kept(&tls_dir, &Holder::Gateway), None, "a node's");
         write(&tls_dir, &m).unwrap();
         std::fs::write(tls_dir.join(KEY_FILE), "broken").unwrap();
-        assert_eq!(kept(&tls_dir, "node-a"), None, "a key that does not load");
+        assert_eq!(
+            kept(&tls_dir, &node("node-a")),
+            None,
+            "a key that does not load"
+        );
     }
 }
