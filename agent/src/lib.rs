@@ -247,12 +247,7 @@ fn serve(
     // directory) change it.
     let expiry = tls.map(|tls| {
         let gauge = metrics.certificate_expiry.clone();
-        tokio::spawn(async move {
-            loop {
-                gauge.set(tls.certificate().map_or(0, |f| f.not_after));
-                tokio::time::sleep(Duration::from_secs(30)).await;
-            }
-        })
+        certificate::report_expiry(tls, move |at| gauge.set(at))
     });
     let sources = shards::Sources {
         cache: cache.clone(),

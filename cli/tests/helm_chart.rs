@@ -903,8 +903,8 @@ async fn the_installed_chart_grants_each_component_what_it_uses_and_no_more() {
     assert_eq!(status, 200);
     let refused = http.get(&url).bearer_auth("sk-wrong").send().await.unwrap();
     assert_eq!(refused.status(), 401);
-    // The node's certificate was issued (the gateway waited for the CA
-    // before it served, so it was published too).
+    // The node's certificate was issued (the gateway waited for its own
+    // before it served, so the CA was published too).
     let csrs: Api<k8s_openapi::api::certificates::v1::CertificateSigningRequest> =
         Api::all(client.clone());
     let issued = csrs

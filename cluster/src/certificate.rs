@@ -135,7 +135,19 @@ pub async fn start(
             let namespace = namespace
                 .clone()
                 .unwrap_or_else(|| client.default_namespace().to_string());
-            let material = match dir.as_deref().and_then(|d| kept(d, holder)) {
+            if let Some(d) = dir.as_deref() {
+                not_anothers(d, holder)?;
+            }
+            let published = crate::trust::read_ca(client, &namespace)
+                .await
+                .ok()
+                .flatten();
+            let kept = dir
+                .as_deref()
+                .and_then(|d| kept(d, holder))
+                // Issued under a CA that is no longer the published one.
+                .filter(|m| published.as_ref().is_none_or(|ca| *ca == m.ca_pem));
+            let material = match kept {
                 Some(m) => m,
                 None => {
                     let m = issue(client, holder, &namespace).await;
@@ -160,20 +172,63 @@ pub async fn start(
     }
 }
 
+/// Gives `report` the certificate's expiry (Unix seconds; 0 without one)
+/// now and every 30 s, as renewals or a reloaded directory change it.
+pub fn report_expiry(
+    tls: Arc<Tls>,
+    report: impl Fn(i64) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            report(tls.certificate().map_or(0, |f| f.not_after));
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+    })
+}
+
 fn check_names(tls: &Tls, holder: &Holder) -> Result<()> {
     let Some(facts) = tls.certificate() else {
+        let why = match holder {
+            Holder::Node(_) => "an agent serves only with one",
+            Holder::Gateway => "agents refuse callers without one",
+        };
         return Err(CertificateError(format!(
-            "there is none (tls.crt, tls.key) for {holder}: agents refuse callers without one"
+            "no certificate (tls.crt, tls.key) for {holder}: {why}"
         )));
     };
     if !holder.fits(&facts.names) {
-        let wanted = match holder {
-            Holder::Node(node) => format!("this node {node:?}: peers would refuse it"),
-            Holder::Gateway => "no node, as a gateway's does: it could pass for a node".into(),
+        let why = match holder {
+            Holder::Node(node) => format!("not this node {node:?}: peers would refuse it"),
+            Holder::Gateway => "a gateway's names no node (it could pass for one)".into(),
         };
         return Err(CertificateError(format!(
-            "the certificate names {:?}, not {wanted}",
+            "the certificate names {:?}; {why}",
             facts.names
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a directory holding a certificate of the other kind (a node's
+/// for the gateway, the gateway's for a node): it belongs to another
+/// process, whose key would be overwritten.
+fn not_anothers(dir: &Path, holder: &Holder) -> Result<()> {
+    let Some((cert, _)) = Material::read_dir(dir).ok().and_then(|m| m.identity) else {
+        return Ok(());
+    };
+    let Ok(facts) = shardplane_dataplane::tls::facts(&cert) else {
+        return Ok(());
+    };
+    let a_gateways = facts.names.is_empty();
+    if a_gateways != matches!(holder, Holder::Gateway) {
+        let whose = if a_gateways {
+            "the gateway's".to_string()
+        } else {
+            format!("a node's ({:?})", facts.names)
+        };
+        return Err(CertificateError(format!(
+            "{} holds {whose} certificate, not one for {holder}: give each its own directory",
+            dir.display()
         )));
     }
     Ok(())
@@ -404,6 +459,10 @@ mod tests {
         assert_eq!(kept(&tls_dir, &node("node-a")), Some(m.clone()));
         assert_eq!(kept(&tls_dir, &node("node-b")), None, "another node's");
         assert_eq!(kept(&tls_dir, &Holder::Gateway), None, "a node's");
+        let e = not_anothers(&tls_dir, &Holder::Gateway).unwrap_err();
+        assert!(e.to_string().contains("a node's ([\"node-a\"])"), "{e}");
+        assert!(not_anothers(&tls_dir, &node("node-a")).is_ok());
+        assert!(not_anothers(&tls_dir, &node("renamed")).is_ok());
         write(&tls_dir, &m).unwrap();
         std::fs::write(tls_dir.join(KEY_FILE), "broken").unwrap();
         assert_eq!(

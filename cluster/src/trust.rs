@@ -1,11 +1,12 @@
 //! The data plane's CA certificate as the operator publishes it: ConfigMap
 //! `shardplane-data-plane-ca` (key `ca.crt`) in the agents' namespace.
-//! Agents and the gateway trust the certificates it signed, and pick up a
-//! new CA while they run.
+//! Agents and the gateway trust the certificates it signed. Each takes the
+//! CA with its own certificate (`certificate`), so a new CA reaches it with
+//! its next certificate: at renewal, or at a start that finds its kept
+//! certificate issued under another CA.
 //!
 //! ```text
-//!  operator ──► ConfigMap shardplane-data-plane-ca {ca.crt} ──► wait_for_ca ──► Tls
-//!                                                    └──► follow_ca (every minute) ──► on_change
+//!  operator ──► ConfigMap shardplane-data-plane-ca {ca.crt} ──► read_ca / wait_for_ca ──► Material ──► Tls
 //! ```
 
 use std::time::Duration;
@@ -52,28 +53,4 @@ pub async fn wait_for_ca(client: &Client, namespace: &str) -> String {
         tokio::time::sleep(Duration::from_secs(1)).await;
         waited += Duration::from_secs(1);
     }
-}
-
-/// Calls `on_change` with the published CA whenever it differs from `now`,
-/// checking every `every`.
-pub fn follow_ca(
-    client: Client,
-    namespace: String,
-    mut now: String,
-    every: Duration,
-    on_change: impl Fn(&str) + Send + 'static,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            match read_ca(&client, &namespace).await {
-                Ok(Some(pem)) if pem != now => {
-                    on_change(&pem);
-                    now = pem;
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "cannot re-read the data plane's CA"),
-            }
-        }
-    })
 }

@@ -152,10 +152,21 @@ async fn a_client_reaches_only_the_node_it_names_through_the_cluster_ca() {
     .unwrap();
     assert!(greeting(&forged, "node-a", at).await.is_err());
 
-    // A gateway's certificate is for calling: a client that meant to reach
-    // a node refuses a server presenting one.
-    let (posing, _) = greeter(Some(Tls::new(&gateway_of(&cluster)).unwrap())).await;
-    assert!(greeting(&b, "node-a", posing).await.is_err());
+    // A certificate for calling only (as a gateway's is) does not serve,
+    // even were it to name the node: the client checks its usage.
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["node-a".to_string()]).unwrap();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let calling_only = Material {
+        ca_pem: cluster.pem.clone(),
+        identity: Some((
+            params.signed_by(&key, &cluster.issuer).unwrap().pem(),
+            key.serialize_pem(),
+        )),
+    };
+    let (posing, _) = greeter(Some(Tls::new(&calling_only).unwrap())).await;
+    let e = greeting(&b, "node-a", posing).await.unwrap_err();
+    assert!(e.contains("extended key usage for server"), "{e}");
     assert!(
         callers.try_recv().is_err(),
         "refused callers reached the service"

@@ -41,7 +41,7 @@ pub struct GatewayConfig {
     pub admin_address: SocketAddr,
     /// The data-plane token.
     pub token: shardplane_dataplane::Token,
-    /// Where the data plane's CA (and any certificate) comes from.
+    /// Where the data plane's CA and the gateway's certificate come from.
     pub data_plane_tls: DataPlaneTls,
     /// Where API keys come from.
     pub keys: auth::KeySource,
@@ -148,7 +148,11 @@ pub async fn run(
     let tls = shardplane_cluster::certificate::start(&client, &config.data_plane_tls, &holder)
         .await
         .map_err(|e| Error::Tls(e.to_string()))?
-        .map(|(tls, _renewal)| tls);
+        .map(|(tls, _renewal)| {
+            let gauge = metrics.certificate_expiry.clone();
+            shardplane_cluster::certificate::report_expiry(tls.clone(), move |at| gauge.set(at));
+            tls
+        });
     let router = routing::Router::new(
         client.clone(),
         deployments.clone(),

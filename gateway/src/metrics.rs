@@ -3,7 +3,9 @@
 use std::time::Instant;
 
 use futures::StreamExt;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 use crate::protocol::{Event, Events};
 
@@ -32,6 +34,8 @@ pub struct Metrics {
     pub busy_waits: IntCounterVec,
     /// Instances ejected (tried last for a while) after failing in a row.
     pub ejections: IntCounterVec,
+    /// When the data-plane certificate expires (Unix seconds; 0 without TLS).
+    pub certificate_expiry: IntGauge,
 }
 
 impl Metrics {
@@ -116,6 +120,11 @@ impl Metrics {
             &["model"],
         )
         .expect("valid metric");
+        let certificate_expiry = IntGauge::new(
+            "shardplane_gateway_data_plane_certificate_expiry_timestamp_seconds",
+            "When the gateway's data-plane certificate expires (Unix seconds); 0 when the data plane runs without TLS.",
+        )
+        .expect("valid metric");
         let described = shardplane_admin::register(
             &registry,
             vec![
@@ -128,6 +137,7 @@ impl Metrics {
                 Box::new(resumed_answers.clone()),
                 Box::new(busy_waits.clone()),
                 Box::new(ejections.clone()),
+                Box::new(certificate_expiry.clone()),
             ],
         );
         Metrics {
@@ -142,6 +152,7 @@ impl Metrics {
             resumed_answers,
             busy_waits,
             ejections,
+            certificate_expiry,
         }
     }
 }

@@ -8,11 +8,12 @@
 //!     └─ text deltas (detokenized, stop strings held back)
 //! ```
 //!
-//! With TLS on, the calls only agents make need the caller's node
-//! certificate: `ReadBlob` from any node, `Forward` from the node of the
-//! Shard's previous stage (refused, as unavailable, while the watch store
-//! does not know that Shard). `Generate`, from the gateway, needs only the
-//! token.
+//! With TLS on, every caller has a certificate of the cluster CA (the
+//! handshake refuses one without), and the calls only agents make need a
+//! node's: `ReadBlob` from any node, `Forward` from the node of the Shard's
+//! previous stage (refused, as unavailable, while the watch store does not
+//! know that Shard). `Generate`, from the gateway (whose certificate names
+//! no node), needs no more than that and the token.
 //!
 //! A sequence lives as long as its streams: when the client of `Generate`
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
@@ -135,7 +136,7 @@ impl Service {
         match caller.and_then(|p| p.node.clone()) {
             Some(node) => Ok(Some(node)),
             None => Err(Status::permission_denied(format!(
-                "{call} is a call between agents: the caller sent no node certificate"
+                "{call} is a call between agents: the caller's certificate names no node"
             ))),
         }
     }

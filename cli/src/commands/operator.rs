@@ -179,10 +179,21 @@ pub fn run(args: OperatorArgs) -> anyhow::Result<()> {
             configuration: args.webhook_configuration,
         }),
     };
+    let gateway_users: Vec<String> = args
+        .data_plane_gateway_users
+        .iter()
+        .map(|u| u.trim().to_string())
+        .filter(|u| !u.is_empty())
+        .collect();
+    if !args.no_data_plane_signer && gateway_users.is_empty() {
+        tracing::warn!(
+            "no --data-plane-gateway-user: no gateway gets a data-plane certificate, and agents refuse callers without one"
+        );
+    }
     let signer = (!args.no_data_plane_signer).then(|| shardplane_operator::signer::SignerConfig {
         secret_namespace: args.leader_namespace.clone(),
         agent_namespace: args.agent_namespace.clone(),
-        gateway_users: args.data_plane_gateway_users.clone(),
+        gateway_users,
     });
     let config = OperatorConfig {
         signer,
