@@ -8,6 +8,17 @@ use shardplane_engine::{
     Activations, ModelConfig, SequenceId, Stage, StageInput, StageLayout, StageOutput,
 };
 
+/// A worker running `stage` under the default budget, reporting to no one.
+pub(crate) fn quiet_worker(name: &str, stage: Box<dyn Stage>) -> crate::stage::StageWorker {
+    crate::stage::StageWorker::start(
+        name,
+        stage,
+        Arc::new(|_| {}),
+        crate::scheduler::Budget::default(),
+        Box::new(|_| {}),
+    )
+}
+
 /// Each step's make-up: (sequence, rows) per part.
 pub(crate) type Steps = Arc<Mutex<Vec<Vec<(SequenceId, usize)>>>>;
 

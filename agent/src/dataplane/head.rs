@@ -22,9 +22,6 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use kube::runtime::reflector::Store;
-use shardplane_crds::Shard;
-
 use super::next_stage::{Downstream, downstream_kv_tokens};
 use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
@@ -139,15 +136,22 @@ impl Service {
         let (downstream, least) = downstream_kv_tokens(&self.directory, &stage);
         ledger.set(None, Some(downstream));
         let budget = ledger.budget();
+        // Who sets the budget: a later stage's machine, or this shard.
+        let holder = match least {
+            Some(shard) if downstream == budget => format!("stage {shard}'s machine"),
+            _ => format!(
+                "shard {} on node {} ({} sequences of {})",
+                stage.name,
+                self.node,
+                stage.spec.kv_cache.concurrent_sequences,
+                stage.spec.kv_cache.context_length
+            ),
+        };
         if budget > 0 && most > budget {
             self.metrics
                 .generations
                 .with_label_values(&["refused"])
                 .inc();
-            let holder = match least {
-                Some(shard) if downstream == budget => format!("stage {shard}'s machine"),
-                _ => format!("shard {} on node {}", stage.name, self.node),
-            };
             return Err(Status::resource_exhausted(format!(
                 "this sequence may need {most} tokens of KV (prompt and max_tokens), more than \
                  the {budget} {holder} holds even for it alone; ask for fewer"
@@ -162,11 +166,9 @@ impl Service {
                 Status::resource_exhausted(format!(
                     "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
                      (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
-                     the shard holds ({} sequences of {}) are reserved by the sequences it runs{}",
+                     {holder} holds are reserved by the sequences it runs{}",
                     stage.name,
                     self.node,
-                    stage.spec.kv_cache.concurrent_sequences,
-                    stage.spec.kv_cache.context_length,
                     match waiting {
                         0 => String::new(),
                         n => format!("; {n} sequences it runs wait for room first"),
@@ -216,7 +218,6 @@ impl Service {
             metrics: self.metrics.clone(),
             cached_tokens: 0,
             reservation,
-            directory: self.directory.clone(),
             most,
             fed: Vec::new(),
             service: self.clone(),
@@ -260,13 +261,12 @@ struct Generation {
     cached_tokens: usize,
     /// Its share of the stage's KV budget, until it ends.
     reservation: KvReservation,
-    /// Every Shard (the later stages' reported KV room).
-    directory: Store<Shard>,
     /// The most KV tokens it may come to hold (prompt and max_tokens).
     most: u64,
     /// What the head ran for it so far: what a recompute runs again.
     fed: Vec<u32>,
-    /// To open the next stage again after a preemption.
+    /// To open the next stage again after a preemption, and every Shard
+    /// (the later stages' reported KV room).
     service: super::Service,
     /// How the last stage samples (a pipeline's).
     sampling: dp::Sampling,
@@ -395,7 +395,8 @@ impl Generation {
             // The later stages' room as they report it now: growth stays
             // within what a machine that filled up since admission holds.
             if self.seq.stage.spec.next.is_some() {
-                let (downstream, _) = downstream_kv_tokens(&self.directory, &self.seq.stage);
+                let (downstream, _) =
+                    downstream_kv_tokens(&self.service.directory, &self.seq.stage);
                 stats.kv.set(None, Some(downstream));
             }
             if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {

@@ -23,7 +23,6 @@ use tonic::{Status, Streaming};
 use super::Service;
 use crate::cache::Cache;
 use crate::metrics::Metrics;
-use crate::scheduler::Budget;
 use crate::shards::{ServedStage, ShardSet};
 use crate::stage::StageWorker;
 use crate::test_stage::Echo;
@@ -99,13 +98,7 @@ async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::Temp
 
 /// The middle stage `d-0-1` (on node-1) running the echoing test stage, and its Shard.
 pub(super) fn middle_stage() -> (ServedStage, Shard) {
-    let worker = StageWorker::start(
-        "d-0-1",
-        Box::new(Echo::middle()),
-        Arc::new(|_| {}),
-        Budget::default(),
-        Box::new(|_| {}),
-    );
+    let worker = crate::test_stage::quiet_worker("d-0-1", Box::new(Echo::middle()));
     let me = shard(1, None);
     let stage = ServedStage {
         namespace: NS.into(),

@@ -15,7 +15,6 @@ use shardplane_engine::{LoadOptions, StageLayout};
 
 use super::tests::{NS, sequences_become, serve, serve_at, shard};
 use super::tests_head::{collect, request, reserved_becomes};
-use crate::scheduler::Budget;
 use crate::shards::ServedStage;
 use crate::stage::StageWorker;
 
@@ -33,13 +32,7 @@ fn stage(layers: std::ops::Range<usize>) -> (StageWorker, Option<Arc<TextModel>>
         &options,
     )
     .expect("the test model");
-    let worker = StageWorker::start(
-        "stage",
-        stage,
-        Arc::new(|_| {}),
-        Budget::default(),
-        Box::new(|_| {}),
-    );
+    let worker = crate::test_stage::quiet_worker("stage", stage);
     (worker, text.map(Arc::new))
 }
 

@@ -17,7 +17,6 @@ use shardplane_testkit::data_plane::FakeDataPlane;
 use tonic::Status;
 
 use super::tests::{NS, sequences_become, serve, shard, token};
-use crate::scheduler::Budget;
 use crate::shards::ServedStage;
 use crate::stage::StageWorker;
 use crate::test_stage::Echo;
@@ -80,13 +79,7 @@ fn text_model() -> Arc<TextModel> {
 /// The head stage `d-0-0` served in process, its next stage at `next`.
 async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tempfile::TempDir) {
     let (echo, _) = Echo::new(false);
-    let worker = StageWorker::start(
-        "d-0-0",
-        Box::new(echo),
-        Arc::new(|_| {}),
-        Budget::default(),
-        Box::new(|_| {}),
-    );
+    let worker = crate::test_stage::quiet_worker("d-0-0", Box::new(echo));
     let me = shard(0, None);
     let stage = ServedStage {
         namespace: NS.into(),

@@ -146,8 +146,6 @@ pub(super) async fn remeasure(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::Budget;
-    use crate::stage::StageWorker;
     use crate::test_stage::Echo;
     use shardplane_crds::ShardStatus;
     use tokio::sync::watch;
@@ -225,13 +223,7 @@ mod tests {
     #[tokio::test]
     async fn a_running_stage_is_measured_again_until_it_is_unloaded() {
         let (echo, _) = Echo::new(true);
-        let worker = StageWorker::start(
-            "s",
-            Box::new(echo),
-            Arc::new(|_| {}),
-            Budget::default(),
-            Box::new(|_| {}),
-        );
+        let worker = crate::test_stage::quiet_worker("s", Box::new(echo));
         let shard = shardplane_testkit::fixtures::shard(
             "d",
             "node",
