@@ -270,7 +270,7 @@ fn serve(
         metrics.clone(),
         sources,
     ));
-    let model_task = tokio::spawn(models::run(client.clone()));
+    let model_task = tokio::spawn(models::run(client.clone(), reg.node.clone()));
     let service = dataplane::Service::new(
         reg.node.clone(),
         shard_set.clone(),

@@ -1,6 +1,9 @@
 //! Models whose weights are a path on the nodes: the agent that holds the file
 //! reads its header and reports the metadata into the Model's status (the
-//! operator, which cannot see the nodes' files, marks it resolved).
+//! operator, which cannot see the nodes' files, marks it resolved). The first
+//! node to report names itself in `status.reportedBy`; the others leave the
+//! Model alone until the operator clears that (its InferenceNode deleted),
+//! so two nodes with different files at one path do not take turns.
 
 use std::path::Path;
 
@@ -9,8 +12,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::{AGENT_MANAGER, Model, ModelFormat, ModelSource, ModelStatus};
 
-/// Watches Models and reports those whose file is on this node.
-pub async fn run(client: Client) {
+/// Watches Models and reports those whose file is on this node, `node`,
+/// unless another node reports them.
+pub async fn run(client: Client, node: String) {
     let api: Api<Model> = Api::all(client.clone());
     let mut stream = watcher(api, watcher::Config::default())
         .default_backoff()
@@ -19,7 +23,7 @@ pub async fn run(client: Client) {
     while let Some(event) = stream.next().await {
         match event {
             Ok(model) => {
-                if let Err(e) = report(&client, &model).await {
+                if let Err(e) = report(&client, &model, &node).await {
                     tracing::warn!(model = %model.name_any(), error = %e, "cannot report model metadata");
                 }
             }
@@ -37,10 +41,15 @@ fn metadata(status: &ModelStatus) -> ModelStatus {
     }
 }
 
-async fn report(client: &Client, model: &Model) -> kube::Result<()> {
+async fn report(client: &Client, model: &Model, node: &str) -> kube::Result<()> {
     let ModelSource::Path(p) = &model.spec.source else {
         return Ok(());
     };
+    let reporter = model.status.as_ref().and_then(|s| s.reported_by.as_deref());
+    if reporter.is_some_and(|r| r != node) {
+        // Another node's file: it reports until its InferenceNode is deleted.
+        return Ok(());
+    }
     let present = match model.spec.format {
         ModelFormat::Gguf => Path::new(&p.path).is_file(),
         ModelFormat::Safetensors => Path::new(&p.path).join("config.json").is_file(),
@@ -50,10 +59,11 @@ async fn report(client: &Client, model: &Model) -> kube::Result<()> {
     }
     let (path, spec, format) = (p.path.clone(), model.spec.clone(), model.spec.format);
     let read = move || shardplane_models::resolve_path(Path::new(&path), format, &spec);
-    let Ok(Ok(status)) = shardplane_models::off_runtime(&p.path, read).await else {
+    let Ok(Ok(mut status)) = shardplane_models::off_runtime(&p.path, read).await else {
         // A file this agent cannot read is reported by the Shards that use it.
         return Ok(());
     };
+    status.reported_by = Some(node.to_string());
     let current = model.status.as_ref().map(metadata);
     if current.as_ref() == Some(&status) {
         return Ok(());

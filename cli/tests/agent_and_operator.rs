@@ -445,17 +445,19 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         .get("smollm2")
         .await
         .unwrap();
-    let resolved = model
-        .status
-        .unwrap()
+    let reported = model.status.unwrap();
+    let resolved = reported
         .conditions
-        .into_iter()
+        .iter()
         .find(|c| c.type_ == CONDITION_RESOLVED)
         .unwrap();
     assert_eq!(
         (resolved.status.as_str(), resolved.reason.as_str()),
         ("True", "ReportedByAgent")
     );
+    // One of the agents, which names itself (only it may report again).
+    let reporter = reported.reported_by.unwrap_or_default();
+    assert!(reporter.starts_with(&tag), "{reporter:?}");
     let stages = &d.status.unwrap().instances[0].stages;
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");

@@ -126,6 +126,12 @@ pub struct ModelStatus {
     /// SHA-256 of the weights file, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sha256: Option<String>,
+    /// The node whose file the metadata was read from (a `path` source). Only
+    /// that node may report it again while its InferenceNode exists; once it
+    /// is deleted the operator clears this, and another node holding the
+    /// file reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reported_by: Option<String>,
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

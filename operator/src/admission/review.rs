@@ -12,7 +12,8 @@
 //!   namespace;
 //! - update the status of Shards bound to it (before and after the change);
 //! - update the status of a Model whose source is a `path` (the metadata of
-//!   a file an agent holds).
+//!   a file an agent holds), as its reporter (`status.reportedBy` names it
+//!   after the change, and named it or no one before).
 //!
 //! Everything else it asks for is refused (403) naming what it may do.
 //!
@@ -163,6 +164,22 @@ fn node_may(node: &str, request: &AdmissionRequest<DynamicObject>) -> Result<(),
                     "a node reports only the metadata of a Model whose source is a path it holds"
                         .into(),
                 );
+            }
+            let reporter = |o: Option<&DynamicObject>| {
+                o.and_then(|o| o.data.get("status")?.get("reportedBy")?.as_str())
+                    .map(String::from)
+            };
+            if let Some(other) = reporter(request.old_object.as_ref()).filter(|r| r != node) {
+                return refuse(format!(
+                    "node {other:?} reports this Model's metadata; another node takes over only \
+                     once {other:?}'s InferenceNode is deleted (the operator then clears \
+                     status.reportedBy)"
+                ));
+            }
+            if reporter(request.object.as_ref()).as_deref() != Some(node) {
+                return refuse(format!(
+                    "a node reports a Model's metadata as itself: status.reportedBy {node:?}"
+                ));
             }
             Ok(())
         }
@@ -382,11 +399,22 @@ mod tests {
     }
 
     #[test]
-    fn a_node_reports_metadata_only_of_path_models() {
+    fn a_node_reports_metadata_only_of_path_models_and_only_as_their_reporter() {
         let model =
             |source: Value| object("Model", "m", json!({ "format": "gguf", "source": source }));
-        let path = model(json!({ "path": { "path": "/models/m.gguf" } }));
-        let hub = model(json!({ "huggingFace": { "repo": "o/m", "file": "m.gguf" } }));
+        let reported = |mut m: Value, by: Option<&str>| {
+            m["status"] = json!({ "layers": 2 });
+            if let Some(by) = by {
+                m["status"]["reportedBy"] = json!(by);
+            }
+            m
+        };
+        let unreported = model(json!({ "path": { "path": "/models/m.gguf" } }));
+        let path = reported(unreported.clone(), Some("a"));
+        let hub = reported(
+            model(json!({ "huggingFace": { "repo": "o/m", "file": "m.gguf" } })),
+            Some("a"),
+        );
         let status = (GROUP, "models", Some("status"));
         let r = |new: &Value, old: &Value| {
             verdict(&request(
@@ -401,8 +429,16 @@ mod tests {
             ))
         };
         assert_eq!(r(&path, &path), Ok(()));
+        assert_eq!(r(&path, &unreported), Ok(()), "the first to report");
         assert!(r(&hub, &hub).is_err());
         assert!(r(&path, &hub).is_err());
+        // Another node's report stays its own; a report names its reporter.
+        let by_b = reported(unreported.clone(), Some("b"));
+        let e = r(&path, &by_b).unwrap_err();
+        assert!(e.message.contains("node \"b\" reports"), "{}", e.message);
+        assert!(r(&by_b, &unreported).is_err());
+        assert!(r(&reported(unreported.clone(), None), &unreported).is_err());
+        assert!(r(&reported(unreported.clone(), None), &path).is_err());
     }
 
     fn deployment(fallback_to: &str) -> Value {

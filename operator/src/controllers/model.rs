@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::Store;
 use kube::{Api, ResourceExt};
 use shardplane_crds::validation::Validate;
 use shardplane_crds::{
-    CONDITION_READY, CONDITION_RESOLVED, HUGGING_FACE_TOKEN_LABEL, Model, ModelFormat, ModelSource,
-    ModelStatus, OPERATOR_MANAGER,
+    CONDITION_READY, CONDITION_RESOLVED, HUGGING_FACE_TOKEN_LABEL, InferenceNode, Model,
+    ModelFormat, ModelSource, ModelStatus, OPERATOR_MANAGER,
 };
 
 use super::{Context, instrumented, retry_after_error};
@@ -140,11 +141,45 @@ fn reported(status: &ModelStatus) -> bool {
             .is_some_and(|l| l as usize == status.layer_bytes.len())
 }
 
+/// How often a Model an agent reported is looked at again: its reporter
+/// may have been deleted since.
+const REPORTER_CHECK: Duration = Duration::from_secs(60);
+
+/// The node that reported `model`'s metadata, when it has no InferenceNode
+/// any more (a node deleted by its administrators, or revoked).
+fn vanished_reporter(
+    model: &Model,
+    read_model_paths: bool,
+    nodes: &Store<InferenceNode>,
+) -> Option<String> {
+    if read_model_paths || !matches!(model.spec.source, ModelSource::Path(_)) {
+        return None;
+    }
+    let reporter = model.status.as_ref()?.reported_by.clone()?;
+    let node = kube::runtime::reflector::ObjectRef::new(&reporter);
+    nodes.get(&node).is_none().then_some(reporter)
+}
+
 async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
     let name = model.name_any();
     let ns = model
         .namespace()
         .ok_or_else(|| Error::MissingField(format!("Model {name}"), "namespace"))?;
+    // Another node holding the file may report it now (the webhook lets a
+    // node change only its own report, and the agents leave others' alone).
+    if let Some(gone) = vanished_reporter(&model, ctx.read_model_paths, &ctx.stores.nodes) {
+        let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
+        ctx.fence()?;
+        let clear = serde_json::json!({ "status": { "reportedBy": null } });
+        api.patch_status(
+            &name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&clear),
+        )
+        .await?;
+        tracing::info!(model = %name, node = %gone, "the node that reported this model is gone: another may report it");
+        return Ok(Action::await_change());
+    }
     let generation = model.metadata.generation;
     let previous = model
         .status
@@ -180,7 +215,11 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
                 "",
                 generation,
             );
-            (status, Action::await_change())
+            let again = match status.reported_by {
+                Some(_) => Action::requeue(REPORTER_CHECK),
+                None => Action::await_change(),
+            };
+            (status, again)
         }
         Err(why) => {
             tracing::info!(model = %name, reason = why.reason, message = %why.message, "model not resolved");
@@ -214,4 +253,44 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
         shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
     }
     Ok(requeue)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::runtime::{reflector, watcher};
+
+    #[test]
+    fn a_path_model_whose_reporter_is_deleted_may_be_reported_by_another() {
+        let (nodes, mut writer) = reflector::store::<InferenceNode>();
+        writer.apply_watcher_event(&watcher::Event::Apply(
+            shardplane_testkit::fixtures::inference_node("node-a"),
+        ));
+        let model = shardplane_testkit::fixtures::model("m");
+        let by = |model: &Model, node: &str| {
+            let mut m = model.clone();
+            m.status = Some(ModelStatus {
+                reported_by: Some(node.into()),
+                ..ModelStatus::default()
+            });
+            m
+        };
+        assert_eq!(
+            vanished_reporter(&by(&model, "node-a"), false, &nodes),
+            None
+        );
+        assert_eq!(
+            vanished_reporter(&by(&model, "node-b"), false, &nodes),
+            Some("node-b".into())
+        );
+        // Read by the operator itself, or not a path: no reporter to follow.
+        assert_eq!(vanished_reporter(&by(&model, "node-b"), true, &nodes), None);
+        assert_eq!(vanished_reporter(&model, false, &nodes), None);
+        let mut hub = by(&model, "node-b");
+        hub.spec.source = ModelSource::Url(shardplane_crds::UrlSource {
+            url: "https://example.com/m.gguf".into(),
+            sha256: None,
+        });
+        assert_eq!(vanished_reporter(&hub, false, &nodes), None);
+    }
 }
