@@ -2,15 +2,16 @@
 //! reads its header and reports the metadata into the Model's status (the
 //! operator, which cannot see the nodes' files, marks it resolved). The first
 //! node to report names itself in `status.reportedBy`; the others leave the
-//! Model alone until the operator clears that (its InferenceNode deleted),
-//! so two nodes with different files at one path do not take turns.
+//! Model alone until the operator clears that (its InferenceNode deleted, or
+//! the spec changed), so two nodes with different files at one path do not
+//! take turns. A node without an InferenceNode reports nothing.
 
 use std::path::Path;
 
 use futures::StreamExt;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
-use shardplane_crds::{AGENT_MANAGER, Model, ModelFormat, ModelSource, ModelStatus};
+use shardplane_crds::{AGENT_MANAGER, InferenceNode, Model, ModelFormat, ModelSource, ModelStatus};
 
 /// Watches Models and reports those whose file is on this node, `node`,
 /// unless another node reports them.
@@ -66,6 +67,13 @@ async fn report(client: &Client, model: &Model, node: &str) -> kube::Result<()> 
     status.reported_by = Some(node.to_string());
     let current = model.status.as_ref().map(metadata);
     if current.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    // A node whose InferenceNode was deleted does not report: the operator
+    // releases such a node's reports, and claiming again would undo that.
+    let nodes: Api<InferenceNode> = Api::all(client.clone());
+    if nodes.get_opt(node).await?.is_none() {
+        tracing::debug!(model = %model.name_any(), node, "not reporting: this node has no InferenceNode");
         return Ok(());
     }
     let ns = model.namespace().unwrap_or_default();

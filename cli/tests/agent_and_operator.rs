@@ -455,9 +455,9 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         (resolved.status.as_str(), resolved.reason.as_str()),
         ("True", "ReportedByAgent")
     );
-    // One of the agents, which names itself (only it may report again).
-    let reporter = reported.reported_by.unwrap_or_default();
-    assert!(reporter.starts_with(&tag), "{reporter:?}");
+    // An agent (this test's or another's watching the same file), which
+    // names itself: only it may report again.
+    assert!(reported.reported_by.is_some_and(|r| !r.is_empty()));
     let stages = &d.status.unwrap().instances[0].stages;
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");

@@ -145,19 +145,46 @@ fn reported(status: &ModelStatus) -> bool {
 /// may have been deleted since.
 const REPORTER_CHECK: Duration = Duration::from_secs(60);
 
-/// The node that reported `model`'s metadata, when it has no InferenceNode
-/// any more (a node deleted by its administrators, or revoked).
-fn vanished_reporter(
-    model: &Model,
-    read_model_paths: bool,
-    nodes: &Store<InferenceNode>,
-) -> Option<String> {
-    if read_model_paths || !matches!(model.spec.source, ModelSource::Path(_)) {
+/// Whether an agent reports `model`'s metadata (a `path` the operator
+/// does not read itself).
+fn agent_reported(model: &Model, read_model_paths: bool) -> bool {
+    !read_model_paths && matches!(model.spec.source, ModelSource::Path(_))
+}
+
+/// Why `model`'s reporter should let go of it, if it should: its node has no
+/// InferenceNode any more (deleted by its administrators, or revoked), or
+/// the spec changed since the report (another path, say, which the reporter
+/// may not hold).
+fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) -> Option<String> {
+    if !agent_reported(model, read_model_paths) {
         return None;
     }
-    let reporter = model.status.as_ref()?.reported_by.clone()?;
-    let node = kube::runtime::reflector::ObjectRef::new(&reporter);
-    nodes.get(&node).is_none().then_some(reporter)
+    let status = model.status.as_ref()?;
+    let reporter = status.reported_by.as_deref()?;
+    if nodes
+        .get(&kube::runtime::reflector::ObjectRef::new(reporter))
+        .is_none()
+    {
+        return Some(format!("node {reporter}, which reported it, is gone"));
+    }
+    match status.observed_generation {
+        Some(seen) if Some(seen) != model.metadata.generation => Some(format!(
+            "its spec changed since node {reporter} reported it"
+        )),
+        _ => None,
+    }
+}
+
+/// The part of an agent-reported Model's status the operator writes: its
+/// conditions and generation. The metadata stays the reporting agent's
+/// alone, so a field the next reporter's file lacks does not linger under
+/// the operator's name.
+fn operators_part(status: &ModelStatus) -> ModelStatus {
+    ModelStatus {
+        conditions: status.conditions.clone(),
+        observed_generation: status.observed_generation,
+        ..ModelStatus::default()
+    }
 }
 
 async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
@@ -167,18 +194,32 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
         .ok_or_else(|| Error::MissingField(format!("Model {name}"), "namespace"))?;
     // Another node holding the file may report it now (the webhook lets a
     // node change only its own report, and the agents leave others' alone).
-    if let Some(gone) = vanished_reporter(&model, ctx.read_model_paths, &ctx.stores.nodes) {
+    // Only the object this reconcile read is changed: a report made since
+    // (the resource version moved) is not undone.
+    if let Some(why) = release(&model, ctx.read_model_paths, &ctx.stores.nodes) {
         let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
         ctx.fence()?;
-        let clear = serde_json::json!({ "status": { "reportedBy": null } });
-        api.patch_status(
-            &name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&clear),
-        )
-        .await?;
-        tracing::info!(model = %name, node = %gone, "the node that reported this model is gone: another may report it");
-        return Ok(Action::await_change());
+        let clear = serde_json::json!({
+            "metadata": { "resourceVersion": model.resource_version() },
+            "status": { "reportedBy": null },
+        });
+        let cleared = api
+            .patch_status(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&clear),
+            )
+            .await;
+        return match cleared {
+            Ok(_) => {
+                tracing::info!(model = %name, %why, "released the model's report: a node holding the file reports it again");
+                Ok(Action::await_change())
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                Ok(Action::requeue(Duration::from_secs(1)))
+            }
+            Err(e) => Err(e.into()),
+        };
     }
     let generation = model.metadata.generation;
     let previous = model
@@ -247,10 +288,19 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
         }
     };
     status.observed_generation = generation;
-    if model.status.as_ref() != Some(&status) || model.status.is_none() {
+    let current = model.status.clone();
+    let (written, current) = if agent_reported(&model, ctx.read_model_paths) {
+        (
+            operators_part(&status),
+            current.as_ref().map(operators_part),
+        )
+    } else {
+        (status, current)
+    };
+    if current.as_ref() != Some(&written) {
         let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
         ctx.fence()?;
-        shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &status).await?;
+        shardplane_cluster::apply_status(&api, &name, OPERATOR_MANAGER, &written).await?;
     }
     Ok(requeue)
 }
@@ -261,36 +311,44 @@ mod tests {
     use kube::runtime::{reflector, watcher};
 
     #[test]
-    fn a_path_model_whose_reporter_is_deleted_may_be_reported_by_another() {
+    fn a_path_models_report_is_released_when_its_node_is_deleted_or_its_spec_changes() {
         let (nodes, mut writer) = reflector::store::<InferenceNode>();
         writer.apply_watcher_event(&watcher::Event::Apply(
             shardplane_testkit::fixtures::inference_node("node-a"),
         ));
-        let model = shardplane_testkit::fixtures::model("m");
-        let by = |model: &Model, node: &str| {
+        let mut model = shardplane_testkit::fixtures::model("m");
+        model.metadata.generation = Some(2);
+        let by = |model: &Model, node: &str, seen: i64| {
             let mut m = model.clone();
             m.status = Some(ModelStatus {
                 reported_by: Some(node.into()),
+                observed_generation: Some(seen),
                 ..ModelStatus::default()
             });
             m
         };
-        assert_eq!(
-            vanished_reporter(&by(&model, "node-a"), false, &nodes),
-            None
+        assert_eq!(release(&by(&model, "node-a", 2), false, &nodes), None);
+        let gone = release(&by(&model, "node-b", 2), false, &nodes).unwrap();
+        assert!(
+            gone.contains("node node-b, which reported it, is gone"),
+            "{gone}"
         );
-        assert_eq!(
-            vanished_reporter(&by(&model, "node-b"), false, &nodes),
-            Some("node-b".into())
-        );
-        // Read by the operator itself, or not a path: no reporter to follow.
-        assert_eq!(vanished_reporter(&by(&model, "node-b"), true, &nodes), None);
-        assert_eq!(vanished_reporter(&model, false, &nodes), None);
-        let mut hub = by(&model, "node-b");
-        hub.spec.source = ModelSource::Url(shardplane_crds::UrlSource {
+        let changed = release(&by(&model, "node-a", 1), false, &nodes).unwrap();
+        assert!(changed.contains("spec changed"), "{changed}");
+        // Read by the operator itself, or not a path, or not reported yet.
+        assert_eq!(release(&by(&model, "node-b", 2), true, &nodes), None);
+        assert_eq!(release(&model, false, &nodes), None);
+        let mut url = by(&model, "node-b", 2);
+        url.spec.source = ModelSource::Url(shardplane_crds::UrlSource {
             url: "https://example.com/m.gguf".into(),
             sha256: None,
         });
-        assert_eq!(vanished_reporter(&hub, false, &nodes), None);
+        assert_eq!(release(&url, false, &nodes), None);
+        // Of an agent's report the operator writes only its own part.
+        let mut status = by(&model, "node-a", 2).status.unwrap();
+        status.layers = Some(30);
+        let part = operators_part(&status);
+        assert_eq!((part.layers, part.reported_by), (None, None));
+        assert_eq!(part.observed_generation, Some(2));
     }
 }
