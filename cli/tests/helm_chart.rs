@@ -269,12 +269,13 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
         let env = operator["spec"]["template"]["spec"]["containers"][0]["env"]
             .as_array()
             .unwrap();
-        let metrics = env
-            .iter()
-            .find(|e| e["name"] == "SHARDPLANE_GATEWAY_METRICS")
-            .unwrap()["value"]
-            .as_str()
-            .unwrap();
+        let env_value = |name: &str| {
+            env.iter()
+                .find(|e| e["name"] == name)
+                .and_then(|e| e["value"].as_str())
+                .unwrap_or_else(|| panic!("no {name} in the operator's env"))
+        };
+        let metrics = env_value("SHARDPLANE_GATEWAY_METRICS");
         let host = metrics
             .strip_prefix("dns+http://")
             .and_then(|r| r.split_once('.'))
@@ -305,12 +306,7 @@ async fn the_chart_passes_a_server_dry_run_with_default_and_rack_values() {
         let gateway_account = gateway["spec"]["template"]["spec"]["serviceAccountName"]
             .as_str()
             .unwrap();
-        let gateway_users = env
-            .iter()
-            .find(|e| e["name"] == "SHARDPLANE_DATA_PLANE_GATEWAY_USERS")
-            .unwrap()["value"]
-            .as_str()
-            .unwrap();
+        let gateway_users = env_value("SHARDPLANE_DATA_PLANE_GATEWAY_USERS");
         assert_eq!(
             gateway_users,
             format!("system:serviceaccount:{ns}:{gateway_account}")

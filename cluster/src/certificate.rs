@@ -55,24 +55,45 @@ impl Holder {
         }
     }
 
-    /// The names and usages a request asks for, and its object name's prefix.
-    fn asks(&self) -> (Vec<String>, &'static [&'static str], String) {
+    /// What this holder's CertificateSigningRequest asks for.
+    fn asks(&self) -> Asks {
         match self {
-            Holder::Node(node) => (
-                vec![node.clone()],
-                &["digital signature", "server auth", "client auth"],
-                format!(
+            Holder::Node(node) => Asks {
+                names: vec![node.clone()],
+                common_name: node.clone(),
+                usages: &["digital signature", "server auth", "client auth"],
+                name_prefix: format!(
                     "shardplane-node-{}-",
                     node.chars().take(40).collect::<String>()
                 ),
-            ),
-            Holder::Gateway => (
-                Vec::new(),
-                &["digital signature", "client auth"],
-                "shardplane-gateway-".into(),
-            ),
+                labels: BTreeMap::from([(
+                    shardplane_crds::NODE_LABEL.to_string(),
+                    shardplane_crds::node_label_value(node),
+                )]),
+            },
+            Holder::Gateway => Asks {
+                names: Vec::new(),
+                common_name: GATEWAY_COMMON_NAME.into(),
+                usages: &["digital signature", "client auth"],
+                name_prefix: "shardplane-gateway-".into(),
+                labels: BTreeMap::new(),
+            },
         }
     }
+}
+
+/// What a holder's CertificateSigningRequest asks for.
+struct Asks {
+    /// DNS names.
+    names: Vec<String>,
+    /// The subject's common name.
+    common_name: String,
+    /// Key usages.
+    usages: &'static [&'static str],
+    /// The request object's `generateName`.
+    name_prefix: String,
+    /// The request object's labels.
+    labels: BTreeMap<String, String>,
 }
 
 impl std::fmt::Display for Holder {
@@ -339,37 +360,26 @@ async fn request(
     holder: &Holder,
     namespace: &str,
 ) -> std::result::Result<Material, String> {
-    let (names, usages, prefix) = holder.asks();
+    let asks = holder.asks();
     let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
-    let mut params = rcgen::CertificateParams::new(names).map_err(|e| e.to_string())?;
-    let common_name = match holder {
-        Holder::Node(node) => node.as_str(),
-        Holder::Gateway => GATEWAY_COMMON_NAME,
-    };
+    let mut params = rcgen::CertificateParams::new(asks.names).map_err(|e| e.to_string())?;
     params
         .distinguished_name
-        .push(rcgen::DnType::CommonName, common_name);
+        .push(rcgen::DnType::CommonName, asks.common_name);
     let csr = params
         .serialize_request(&key)
         .and_then(|r| r.pem())
         .map_err(|e| e.to_string())?;
-    let labels = match holder {
-        Holder::Node(node) => BTreeMap::from([(
-            shardplane_crds::NODE_LABEL.to_string(),
-            shardplane_crds::node_label_value(node),
-        )]),
-        Holder::Gateway => BTreeMap::new(),
-    };
     let object = CertificateSigningRequest {
         metadata: ObjectMeta {
-            generate_name: Some(prefix),
-            labels: Some(labels),
+            generate_name: Some(asks.name_prefix),
+            labels: Some(asks.labels),
             ..Default::default()
         },
         spec: CertificateSigningRequestSpec {
             request: ByteString(csr.into_bytes()),
             signer_name: DATA_PLANE_SIGNER.into(),
-            usages: Some(usages.iter().map(|u| u.to_string()).collect()),
+            usages: Some(asks.usages.iter().map(|u| u.to_string()).collect()),
             expiration_seconds: Some(LIFETIME.as_secs() as i32),
             ..Default::default()
         },

@@ -136,8 +136,9 @@ impl Service {
         let (downstream, least) = downstream_kv_tokens(&self.directory, &stage);
         ledger.set(None, Some(downstream));
         let budget = ledger.budget();
-        // Who sets the budget: a later stage's machine, or this shard.
-        let holder = match least {
+        // Who sets the budget (for a refusal): a later stage's machine, or
+        // this shard.
+        let holder = || match &least {
             Some(shard) if downstream == budget => format!("stage {shard}'s machine"),
             _ => format!(
                 "shard {} on node {} ({} sequences of {})",
@@ -154,7 +155,8 @@ impl Service {
                 .inc();
             return Err(Status::resource_exhausted(format!(
                 "this sequence may need {most} tokens of KV (prompt and max_tokens), more than \
-                 the {budget} {holder} holds even for it alone; ask for fewer"
+                 the {budget} {} holds even for it alone; ask for fewer",
+                holder()
             )));
         }
         let reservation = KvReservation::take(&stage.worker.stats.kv, need)
@@ -166,9 +168,10 @@ impl Service {
                 Status::resource_exhausted(format!(
                     "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
                      (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
-                     {holder} holds are reserved by the sequences it runs{}",
+                     {} holds are reserved by the sequences it runs{}",
                     stage.name,
                     self.node,
+                    holder(),
                     match waiting {
                         0 => String::new(),
                         n => format!("; {n} sequences it runs wait for room first"),
