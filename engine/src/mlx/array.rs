@@ -407,6 +407,12 @@ pub struct Quant {
     pub bits: usize,
     /// What the codes and scales mean.
     pub mode: QuantMode,
+    /// Groups of 16 held as groups of 32 whose second half is padding (GGUF's
+    /// Q6_K, Q3_K and Q2_K, whose scales cover 16 values each, which MLX's
+    /// products cannot group): the stored matrix is twice as wide as the
+    /// one it stands for, and inputs are spread to match, 16 values then 16
+    /// zeros, so the padding never counts.
+    pub spread: bool,
 }
 
 impl Quant {
@@ -416,8 +422,39 @@ impl Quant {
     }
 }
 
+/// Values per group a spread matrix's scales cover.
+pub const SPREAD_GROUP: usize = 16;
+
+/// `x` (`[…, in]`) as a spread matrix takes it: every 16 values followed by
+/// 16 zeros (`[…, 2 · in]`).
+fn spread_inputs(x: &Array) -> Result<Array> {
+    let shape = x.shape();
+    let Some((&inp, lead)) = shape.split_last() else {
+        return Err(Error::Mlx("spread inputs: a scalar".into()));
+    };
+    if !inp.is_multiple_of(SPREAD_GROUP) {
+        return Err(Error::Mlx(format!(
+            "spread inputs: {inp} values are not whole groups of {SPREAD_GROUP}"
+        )));
+    }
+    let mut groups: Vec<usize> = lead.to_vec();
+    groups.extend([inp / SPREAD_GROUP, SPREAD_GROUP]);
+    let zeros = Array::zeros(&groups, x.dtype().unwrap_or(Dtype::F32))?;
+    let padded = Array::concatenate(&[&x.reshape(&groups)?, &zeros], lead.len() + 1)?;
+    let mut wide: Vec<usize> = lead.to_vec();
+    wide.push(2 * inp);
+    padded.reshape(&wide)
+}
+
 /// `x @ dequantize(w).T` without dequantizing.
 pub fn quantized_matmul(x: &Array, w: &Array, q: &Quant) -> Result<Array> {
+    let spread;
+    let x = if q.spread {
+        spread = spread_inputs(x)?;
+        &spread
+    } else {
+        x
+    };
     // SAFETY: live handles (or null for no biases) and a static string for the call.
     make("quantized_matmul", |out| unsafe {
         ffi::spx_quantized_matmul(
@@ -434,8 +471,32 @@ pub fn quantized_matmul(x: &Array, w: &Array, q: &Quant) -> Result<Array> {
     })
 }
 
-/// The float matrix a quantized one stands for.
+/// The float matrix a quantized one stands for (a spread one without its
+/// padding).
 pub fn dequantize(w: &Array, q: &Quant) -> Result<Array> {
+    let wide = dequantize_stored(w, q)?;
+    if !q.spread {
+        return Ok(wide);
+    }
+    let shape = wide.shape();
+    let Some((&width, lead)) = shape.split_last() else {
+        return Err(Error::Mlx("dequantize: a scalar".into()));
+    };
+    let groups = width / (2 * SPREAD_GROUP);
+    let mut grouped: Vec<usize> = lead.to_vec();
+    grouped.extend([groups, 2 * SPREAD_GROUP]);
+    let start = vec![0; grouped.len()];
+    let mut stop = grouped.clone();
+    *stop.last_mut().expect("two axes at least") = SPREAD_GROUP;
+    let mut narrow: Vec<usize> = lead.to_vec();
+    narrow.push(groups * SPREAD_GROUP);
+    wide.reshape(&grouped)?
+        .slice(&start, &stop)?
+        .reshape(&narrow)
+}
+
+/// The float matrix as stored (a spread one with its padding).
+fn dequantize_stored(w: &Array, q: &Quant) -> Result<Array> {
     // SAFETY: live handles (or null) and a static string for the call.
     make("dequantize", |out| unsafe {
         ffi::spx_dequantize(
@@ -479,6 +540,13 @@ pub fn route(logits: &Array, k: usize, normalize: bool) -> Result<(Array, Array)
 /// `x @ w[e]ᵀ` for each expert `e` of `indices`, `w` stacked and quantized
 /// (`[experts, out, in × bits / 32]`).
 pub fn gather_quantized_matmul(x: &Array, w: &Array, q: &Quant, indices: &Array) -> Result<Array> {
+    let spread;
+    let x = if q.spread {
+        spread = spread_inputs(x)?;
+        &spread
+    } else {
+        x
+    };
     // SAFETY: live handles (or null for no biases) and a static string for the call.
     make("gather_qmm", |out| unsafe {
         ffi::spx_gather_qmm(

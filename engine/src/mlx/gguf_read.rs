@@ -16,13 +16,19 @@
 //!                   of 32: q, scale d·sc, bias −dmin·m (sc, m: the group's
 //!                   6-bit scale and min)
 //!  MXFP4 ─────────► mxfp4 groups of 32: the same E2M1 codes, the same E8M0 scale byte
-//!  other types ───► f32, dequantized by candle (Q6_K, Q3_K and Q2_K scale
-//!                   groups of 16, which MLX's groups of 32 or more cannot hold)
+//!  Q6_K, Q3_K, ───► spread: each scale group of 16 becomes an affine group
+//!  Q2_K             of 32 whose last 16 codes are padding (0), and inputs
+//!                   are spread to match (see `Quant::spread`): 6-bit q,
+//!                   scale d·sc, bias −32·d·sc; 3-bit q, d·(sc − 32),
+//!                   −4·d·(sc − 32); 2-bit q, d·sc, −dmin·m
+//!  other types ───► f32, dequantized by candle
 //! ```
 //!
 //! Every conversion keeps the stored values (the affine forms compute the
 //! same products in another order; scales and biases are f32, which hold
-//! d·sc exactly). MLX packs a group's codes as one little-endian bit stream
+//! d·sc exactly). Spreading doubles a matrix's codes: a Q6_K matrix takes 16
+//! bits a value (12 of codes, 4 of scale and bias), half of f32; Q3_K 10,
+//! Q2_K 8. MLX packs a group's codes as one little-endian bit stream
 //! in u32 words, value `i` in bits `bits·i` up; a GGUF block of 4-bit codes
 //! keeps value `j` in the low nibble of byte `j` and value `j + 16` in its
 //! high nibble (a K-quant: value `j` of a pair of groups in the low nibble,
@@ -34,7 +40,7 @@ use std::ops::Range;
 use candle_core::Device;
 use shardplane_formats::GgmlType;
 
-use super::array::{Array, Dtype, TensorMap};
+use super::array::{Array, Dtype, SPREAD_GROUP, TensorMap};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -97,6 +103,9 @@ pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Resul
             | GgmlType::Q5_1
             | GgmlType::Q4_K
             | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::Q3_K
+            | GgmlType::Q2_K
             | GgmlType::MXFP4) => {
                 let raw = file.read_raw(&mut reader, name)?;
                 groups(t, &raw, &dims).map_err(corrupt)?
@@ -130,30 +139,36 @@ fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
-/// A block type read as groups: bytes and values per block, bits per code.
+/// A block type read as groups: bytes and values per block, bits per code,
+/// and whether its groups of 16 are spread to 32.
 struct Block {
     bytes: usize,
     values: usize,
     bits: usize,
+    spread: bool,
 }
 
 /// The layout of the block types read as groups.
 fn block(dtype: GgmlType) -> Option<Block> {
-    let (bytes, values, bits) = match dtype {
-        GgmlType::Q8_0 => (34, 32, 8),
-        GgmlType::Q4_0 => (18, 32, 4),
-        GgmlType::Q4_1 => (20, 32, 4),
-        GgmlType::Q5_0 => (22, 32, 5),
-        GgmlType::Q5_1 => (24, 32, 5),
-        GgmlType::Q4_K => (144, 256, 4),
-        GgmlType::Q5_K => (176, 256, 5),
-        GgmlType::MXFP4 => (17, 32, 4),
+    let (bytes, values, bits, spread) = match dtype {
+        GgmlType::Q8_0 => (34, 32, 8, false),
+        GgmlType::Q4_0 => (18, 32, 4, false),
+        GgmlType::Q4_1 => (20, 32, 4, false),
+        GgmlType::Q5_0 => (22, 32, 5, false),
+        GgmlType::Q5_1 => (24, 32, 5, false),
+        GgmlType::Q4_K => (144, 256, 4, false),
+        GgmlType::Q5_K => (176, 256, 5, false),
+        GgmlType::Q6_K => (210, 256, 6, true),
+        GgmlType::Q3_K => (110, 256, 3, true),
+        GgmlType::Q2_K => (84, 256, 2, true),
+        GgmlType::MXFP4 => (17, 32, 4, false),
         _ => return None,
     };
     Some(Block {
         bytes,
         values,
         bits,
+        spread,
     })
 }
 
@@ -204,7 +219,27 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     (f32::from(sc), f32::from(m))
 }
 
-/// Calls `each` with every group of 32 of one block: its codes and scale.
+/// Q3_K's sixteen 6-bit scales from its 12 bytes: the low four bits of
+/// scale `j` in a nibble of bytes 0–7 (low nibbles first), its high two in
+/// a bit pair of bytes 8–11.
+fn scales_q3k(b: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|j| {
+        let low = match j {
+            0..8 => b[j] & 0x0f,
+            _ => b[j - 8] >> 4,
+        };
+        let high = (b[8 + j % 4] >> (2 * (j / 4))) & 3;
+        low | (high << 4)
+    })
+}
+
+/// A group of 16 codes as a spread group of 32: the codes, then padding.
+fn padded(codes: [u8; SPREAD_GROUP]) -> [u8; GROUP] {
+    std::array::from_fn(|j| if j < SPREAD_GROUP { codes[j] } else { 0 })
+}
+
+/// Calls `each` with every group of 32 of one block (for the spread types,
+/// every group of 16, padded to 32): its codes and scale.
 fn block_groups(dtype: GgmlType, blk: &[u8], mut each: impl FnMut([u8; GROUP], Scale)) {
     // The fifth bits of Q5_0/Q5_1: value j's in bit j of a 32-bit word.
     let fifth = |codes: [u8; GROUP], qh: u32| -> [u8; GROUP] {
@@ -256,6 +291,61 @@ fn block_groups(dtype: GgmlType, blk: &[u8], mut each: impl FnMut([u8; GROUP], S
             }
         }
         GgmlType::MXFP4 => each(nibbles(qs(1)), Scale::E8M0(blk[0])),
+        GgmlType::Q6_K => {
+            // ql[128] (low four bits), qh[64] (high two), 16 i8 scales, d.
+            let (ql, qh, sc, d) = (
+                &blk[..128],
+                &blk[128..192],
+                &blk[192..208],
+                f16_at(blk, 208),
+            );
+            for (g, &sc) in sc.iter().enumerate() {
+                // Value v = 128·half + 32·k + l: ql[64·half + l + 32·(k % 2)]'s
+                // low nibble for k < 2, high for k ≥ 2; qh[32·half + l]'s bits 2k.
+                let (half, k, l0) = (g / 8, (g % 8) / 2, 16 * (g % 2));
+                let codes = std::array::from_fn(|i| {
+                    let l = l0 + i;
+                    let low = (ql[64 * half + l + 32 * (k % 2)] >> (4 * (k / 2))) & 0x0f;
+                    let high = (qh[32 * half + l] >> (2 * k)) & 3;
+                    low | (high << 4)
+                });
+                let scale = d * f32::from(sc as i8);
+                each(padded(codes), Scale::Affine(scale, -32.0 * scale));
+            }
+        }
+        GgmlType::Q3_K => {
+            // hmask[32] (third bits), qs[64] (low two bits), 12 bytes of
+            // scales, d.
+            let (hmask, q, d) = (&blk[..32], &blk[32..96], f16_at(blk, 108));
+            let scales = scales_q3k(&blk[96..108]);
+            for (g, &sc) in scales.iter().enumerate() {
+                // Group g = 8·half + 2·j + second: qs[32·half + 16·second + i]'s
+                // bits 2j, hmask[16·second + i]'s bit 4·half + j.
+                let (half, j, second) = (g / 8, (g % 8) / 2, g % 2);
+                let codes = std::array::from_fn(|i| {
+                    let low = (q[32 * half + 16 * second + i] >> (2 * j)) & 3;
+                    let high = (hmask[16 * second + i] >> (4 * half + j)) & 1;
+                    low | (high << 2)
+                });
+                let scale = d * (f32::from(sc) - 32.0);
+                each(padded(codes), Scale::Affine(scale, -4.0 * scale));
+            }
+        }
+        GgmlType::Q2_K => {
+            // 16 bytes of scales (low nibble) and mins (high), qs[64], d, dmin.
+            let (sc, q) = (&blk[..16], &blk[16..80]);
+            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+            for (g, &sc) in sc.iter().enumerate() {
+                let (half, j, second) = (g / 8, (g % 8) / 2, g % 2);
+                let codes =
+                    std::array::from_fn(|i| (q[32 * half + 16 * second + i] >> (2 * j)) & 3);
+                let scale = d * f32::from(sc & 0x0f);
+                each(
+                    padded(codes),
+                    Scale::Affine(scale, -(dmin * f32::from(sc >> 4))),
+                );
+            }
+        }
         other => unreachable!("{} has no groups (see `block`)", other.name()),
     }
 }
@@ -297,7 +387,9 @@ fn groups(
             dtype.name()
         ));
     }
-    let n = blocks * b.values / GROUP;
+    // Stored values a row: spread types hold each group of 16 in 32.
+    let width = if b.spread { 2 * inner } else { inner };
+    let n = blocks * b.values / inner * width / GROUP;
     // A group of 32 codes of `bits` fills `bits` words.
     let mut words = vec![0u32; n * b.bits];
     let mut scales = Vec::with_capacity(n);
@@ -319,8 +411,8 @@ fn groups(
     }
     let shape = |last: usize| -> Vec<usize> { outer.iter().copied().chain([last]).collect() };
     let mlx_err = |e: Error| e.to_string();
-    let weight = Array::from_u32(&words, &shape(inner * b.bits / 32)).map_err(mlx_err)?;
-    let group_shape = shape(inner / GROUP);
+    let weight = Array::from_u32(&words, &shape(width * b.bits / 32)).map_err(mlx_err)?;
+    let group_shape = shape(width / GROUP);
     Ok(match dtype {
         GgmlType::MXFP4 => vec![
             ("weight", weight),
@@ -357,6 +449,7 @@ mod tests {
             biases: arrays.next().map(|(_, b)| b),
             group_size: 32,
             bits: block(dtype).unwrap().bits,
+            spread: block(dtype).unwrap().spread,
             mode: if dtype == GgmlType::MXFP4 {
                 super::super::array::QuantMode::Mxfp4
             } else {
@@ -432,12 +525,12 @@ mod tests {
         assert!(e.contains("not whole Q8_0 blocks"), "{e}");
     }
 
-    /// Blocks of every type read as groups, with random codes, scales and
-    /// mins (several blocks in a row, two rows), give the values candle's
-    /// ggml decoding gives.
+    /// Blocks of every type read as groups (spread ones too), with random
+    /// codes, scales and mins (several blocks in a row, two rows), give the
+    /// values candle's ggml decoding gives.
     #[test]
     fn random_blocks_become_groups_with_the_values_ggml_decodes() {
-        use rand::{Rng, SeedableRng};
+        use rand::SeedableRng;
         let _guard = super::super::lock();
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         for dtype in [
@@ -448,32 +541,137 @@ mod tests {
             GgmlType::Q5_1,
             GgmlType::Q4_K,
             GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::Q3_K,
+            GgmlType::Q2_K,
         ] {
             let b = block(dtype).unwrap();
             let dims = [2, 2 * b.values];
-            let mut raw: Vec<u8> = (0..4 * b.bytes).map(|_| rng.random()).collect();
-            // Finite f16 scales (d, and m or dmin where the type has one).
-            for blk in raw.chunks_exact_mut(b.bytes) {
-                for at in [0, 2] {
-                    let v = half::f16::from_f32(rng.random_range(-2.0..2.0f32));
-                    blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            let candle_type = crate::gguf::candle_type(dtype).unwrap();
-            let expected = candle_core::quantized::ggml_file::qtensor_from_ggml(
-                candle_type,
-                &raw,
-                dims.to_vec(),
-                &Device::Cpu,
-            )
-            .unwrap()
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+            let raw = random_blocks(&mut rng, dtype, 4);
+            let expected = ggml_values(dtype, &raw, &dims);
             assert_close(dtype, &decoded(dtype, &raw, &dims), &expected);
+        }
+    }
+
+    /// `blocks` random blocks of `dtype`, with finite f16 scales (d, and m
+    /// or dmin where the type has one).
+    fn random_blocks(rng: &mut impl rand::Rng, dtype: GgmlType, blocks: usize) -> Vec<u8> {
+        let b = block(dtype).unwrap();
+        let mut raw: Vec<u8> = (0..blocks * b.bytes).map(|_| rng.random()).collect();
+        let halves: &[usize] = match dtype {
+            GgmlType::Q6_K => &[208],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q2_K => &[80, 82],
+            _ => &[0, 2],
+        };
+        for blk in raw.chunks_exact_mut(b.bytes) {
+            for &at in halves {
+                let v = half::f16::from_f32(rng.random_range(-2.0..2.0f32));
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        raw
+    }
+
+    /// The values candle's ggml decoding gives `raw` of `dims`.
+    fn ggml_values(dtype: GgmlType, raw: &[u8], dims: &[usize]) -> Vec<f32> {
+        let candle_type = crate::gguf::candle_type(dtype).unwrap();
+        candle_core::quantized::ggml_file::qtensor_from_ggml(
+            candle_type,
+            raw,
+            dims.to_vec(),
+            &Device::Cpu,
+        )
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+    }
+
+    /// Spread matrices (Q6_K, Q3_K, Q2_K held as padded groups of 32)
+    /// multiply, multiply by each token's expert, and give rows (an
+    /// embedding lookup) as the values they stand for do.
+    #[test]
+    fn spread_matrices_compute_with_the_values_they_stand_for() {
+        use super::super::array::{Quant, QuantMode, gather_quantized_matmul, quantized_matmul};
+        use super::super::weights::Linear;
+        use rand::{Rng, SeedableRng};
+        let _guard = super::super::lock();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let as_quant = |dtype: GgmlType, raw: &[u8], dims: &[usize]| -> (Array, Quant) {
+            let mut arrays = groups(dtype, raw, dims).unwrap().into_iter();
+            let (_, w) = arrays.next().unwrap();
+            let (_, scales) = arrays.next().unwrap();
+            let (_, biases) = arrays.next().unwrap();
+            let q = Quant {
+                scales,
+                biases: Some(biases),
+                group_size: 32,
+                bits: block(dtype).unwrap().bits,
+                mode: QuantMode::Affine,
+                spread: true,
+            };
+            (w, q)
+        };
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            for (j, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!((g - w).abs() <= 1e-5 * scale, "{what} {j}: {g} vs {w}");
+            }
+        };
+        for dtype in [GgmlType::Q6_K, GgmlType::Q3_K, GgmlType::Q2_K] {
+            let (experts, out, inp) = (2, 3, 2 * block(dtype).unwrap().values);
+            let raw = random_blocks(&mut rng, dtype, experts * out * inp / 256);
+            let values = ggml_values(dtype, &raw, &[experts * out, inp]);
+            let tokens = 2;
+            let x: Vec<f32> = (0..tokens * inp)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let product = |t: usize, row: usize| -> f32 {
+                (0..inp)
+                    .map(|i| x[t * inp + i] * values[row * inp + i])
+                    .sum()
+            };
+            // Expert 0 alone: a plain product.
+            let first = &raw[..raw.len() / experts];
+            let (w, q) = as_quant(dtype, first, &[out, inp]);
+            let xa = Array::from_f32(&x, &[tokens, inp]).unwrap();
+            let y = quantized_matmul(&xa, &w, &q).unwrap().to_f32().unwrap();
+            let want: Vec<f32> = (0..tokens)
+                .flat_map(|t| (0..out).map(move |o| (t, o)))
+                .map(|(t, o)| product(t, o))
+                .collect();
+            close(&format!("{dtype:?} product"), &y, &want);
+            // Its rows 2 and 0, as an embedding looks them up.
+            let linear = Linear {
+                w,
+                quant: Some(q),
+                bias: None,
+            };
+            let ids = Array::from_u32(&[2, 0], &[2]).unwrap();
+            let rows = linear.rows(&ids).unwrap().to_f32().unwrap();
+            let want: Vec<f32> = [2, 0]
+                .iter()
+                .flat_map(|&r| values[r * inp..(r + 1) * inp].to_vec())
+                .collect();
+            close(&format!("{dtype:?} rows"), &rows, &want);
+            // Both experts stacked; token 0 takes expert 1, token 1 expert 0.
+            let (w, q) = as_quant(dtype, &raw, &[experts, out, inp]);
+            let xs = xa.reshape(&[tokens, 1, 1, inp]).unwrap();
+            let ids = Array::from_u32(&[1, 0], &[tokens, 1]).unwrap();
+            let y = gather_quantized_matmul(&xs, &w, &q, &ids)
+                .unwrap()
+                .to_f32()
+                .unwrap();
+            let want: Vec<f32> = (0..tokens)
+                .flat_map(|t| (0..out).map(move |o| (t, o)))
+                .map(|(t, o)| product(t, (1 - t) * out + o))
+                .collect();
+            close(&format!("{dtype:?} experts"), &y, &want);
         }
     }
 

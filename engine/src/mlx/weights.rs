@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use super::array::{Array, Dtype, Quant, QuantMode, TensorMap, dequantize, quantized_matmul};
+use super::array::{
+    Array, Dtype, Quant, QuantMode, SPREAD_GROUP, TensorMap, dequantize, quantized_matmul,
+};
 use super::latent::LatentWeights;
 use super::moe::{Experts, FeedForward, SharedExpert, Stacked};
 use crate::config::{Architecture, ModelConfig, Routing};
@@ -245,12 +247,16 @@ impl Loader {
             let s = scales.shape();
             let packed = shape.get(n + 1).copied().unwrap_or(0);
             let groups = s.get(n + 1).copied().unwrap_or(0);
-            let bits = packed * 32 / inp.max(1);
+            // GGUF's scale groups of 16 (Q6_K, Q3_K, Q2_K) arrive spread to
+            // 32, twice as wide (see `gguf_read`); MLX's own files have none.
+            let spread = self.layout == Layout::Gguf && groups * SPREAD_GROUP == inp;
+            let width = if spread { 2 * inp } else { inp };
+            let bits = packed * 32 / width.max(1);
             let ok = weight.dtype() == Some(Dtype::U32)
                 && shape.len() == n + 2
                 && shape[..n] == *lead
                 && shape[n] == out
-                && packed * 32 == bits * inp
+                && packed * 32 == bits * width
                 && [2, 3, 4, 5, 6, 8].contains(&bits)
                 && s.len() == n + 2
                 && s[..n] == *lead
@@ -277,7 +283,7 @@ impl Loader {
                 Some(Dtype::U8) => (QuantMode::Mxfp4, scales),
                 _ => (QuantMode::Affine, scales.astype(Dtype::F32)?),
             };
-            let group_size = inp / groups;
+            let group_size = width / groups;
             let fits = match mode {
                 QuantMode::Mxfp4 => bits == 4 && group_size == 32 && biases.is_none(),
                 QuantMode::Affine => biases.is_some(),
@@ -302,6 +308,7 @@ impl Loader {
                 group_size,
                 bits,
                 mode,
+                spread,
             })
         } else {
             let expected: Vec<usize> = lead.iter().copied().chain([out, inp]).collect();
