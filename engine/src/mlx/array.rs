@@ -478,6 +478,7 @@ pub fn dequantize(w: &Array, q: &Quant) -> Result<Array> {
     if !q.spread {
         return Ok(wide);
     }
+    debug_assert!(q.group_size == 2 * SPREAD_GROUP && q.mode == QuantMode::Affine);
     let shape = wide.shape();
     let Some((&width, lead)) = shape.split_last() else {
         return Err(Error::Mlx("dequantize: a scalar".into()));
@@ -538,7 +539,7 @@ pub fn route(logits: &Array, k: usize, normalize: bool) -> Result<(Array, Array)
 }
 
 /// `x @ w[e]ᵀ` for each expert `e` of `indices`, `w` stacked and quantized
-/// (`[experts, out, in × bits / 32]`).
+/// (`[experts, out, in × bits / 32]`, twice `in` when spread).
 pub fn gather_quantized_matmul(x: &Array, w: &Array, q: &Quant, indices: &Array) -> Result<Array> {
     let spread;
     let x = if q.spread {

@@ -35,6 +35,7 @@
 //! of the second group in the high one), and 5-bit types keep the fifth bits
 //! apart.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 use candle_core::Device;
@@ -47,9 +48,19 @@ use crate::gguf::GgufFile;
 /// Values in a block of every type read here as groups.
 const GROUP: usize = 32;
 
+/// The tensors a stage reads from a GGUF file.
+pub(super) struct Read {
+    /// The arrays by name.
+    pub(super) map: TensorMap,
+    /// The weights (`….weight`) held spread: the loader takes a matrix as
+    /// spread only when it is named here, so a matrix twice as wide as
+    /// expected is refused rather than read as spread.
+    pub(super) spread: BTreeSet<String>,
+}
+
 /// The tensors of `file` that a stage of `layers` (of `total` layers)
 /// reads.
-pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Result<TensorMap> {
+pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Result<Read> {
     let (first, last) = (layers.start == 0, layers.end == total);
     let tied = !file.has_tensor("output.weight");
     let wanted = |name: &str| match layer_of(name) {
@@ -68,6 +79,7 @@ pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Resul
     names.sort();
     let mut reader = file.reader()?;
     let mut map = TensorMap::new();
+    let mut spread = BTreeSet::new();
     for (_, name) in names {
         let info = file.header().tensor(name)?;
         let dims = file.dims(name)?;
@@ -108,6 +120,9 @@ pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Resul
             | GgmlType::Q2_K
             | GgmlType::MXFP4) => {
                 let raw = file.read_raw(&mut reader, name)?;
+                if block(t).is_some_and(|b| b.spread) {
+                    spread.insert(name.clone());
+                }
                 groups(t, &raw, &dims).map_err(corrupt)?
             }
             _ => {
@@ -131,7 +146,7 @@ pub(super) fn load(file: &GgufFile, layers: Range<usize>, total: usize) -> Resul
             map.insert(&key, &a)?;
         }
     }
-    Ok(map)
+    Ok(Read { map, spread })
 }
 
 /// The layer of a `blk.N.…` tensor.
@@ -673,6 +688,54 @@ mod tests {
                 .collect();
             close(&format!("{dtype:?} experts"), &y, &want);
         }
+    }
+
+    /// A matrix is taken as spread only when the reader names it so: one
+    /// twice as wide as expected is refused, not read as spread.
+    #[test]
+    fn only_matrices_read_spread_are_taken_as_spread() {
+        use super::super::weights::Loader;
+        use crate::config::Architecture;
+        use crate::names::{Layout, Part, Weight};
+        use rand::SeedableRng;
+        let _guard = super::super::lock();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (out, inp) = (2, 256);
+        let name = "blk.0.ffn_down.weight";
+        let mut loader = |dtype: GgmlType, width: usize, spread: &[&str]| {
+            let raw = random_blocks(&mut rng, dtype, out * width / block(dtype).unwrap().values);
+            let mut map = TensorMap::new();
+            for (suffix, a) in groups(dtype, &raw, &[out, width]).unwrap() {
+                map.insert(&format!("blk.0.ffn_down.{suffix}"), &a).unwrap();
+            }
+            Loader {
+                maps: vec![map],
+                layout: Layout::Gguf,
+                architecture: Architecture::Llama,
+                origin: "test.gguf".into(),
+                bytes: 0,
+                dequantize: false,
+                spread: spread.iter().map(|s| s.to_string()).collect(),
+            }
+        };
+        let down = Weight::Layer(0, Part::Down);
+        // Q6_K read spread: [2, 256] stored as [2, 512] of 6 bits.
+        let mut l = loader(GgmlType::Q6_K, inp, &[name]);
+        let linear = l.linear(down, out, inp).unwrap();
+        assert!(
+            linear
+                .quant
+                .as_ref()
+                .is_some_and(|q| q.spread && q.bits == 6)
+        );
+        // Q8_0 of twice the width, not named spread: refused, as before.
+        let mut l = loader(GgmlType::Q8_0, 2 * inp, &[]);
+        let e = l.linear(down, out, inp).err().unwrap().to_string();
+        assert!(e.contains(name), "{e}");
+        // Named spread but not of that shape: refused too.
+        let mut l = loader(GgmlType::Q8_0, inp, &[name]);
+        let e = l.linear(down, out, inp).err().unwrap().to_string();
+        assert!(e.contains("spread to twice the width"), "{e}");
     }
 
     #[test]

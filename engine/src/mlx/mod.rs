@@ -2,9 +2,9 @@
 //! CPU elsewhere) through a small C++ shim of our own (`engine/mlx/shim.cpp`).
 //!
 //! It reads two layouts:
-//! - GGUF, through MLX's own reader: Q4_0, Q4_1 and Q8_0 weights stay
-//!   quantized (MLX's affine format, groups of 32); GGUF Llama permutes Q/K
-//!   for interleaved ("traditional") RoPE;
+//! - GGUF, through the engine's own reader (`gguf_read`): quantized weights
+//!   stay quantized as MLX groups of the same values; GGUF Llama permutes
+//!   Q/K for interleaved ("traditional") RoPE;
 //! - the MLX-community safetensors layout: a directory with `config.json`,
 //!   `*.safetensors` (quantized weights as `weight` / `scales` / `biases`) and
 //!   `tokenizer.json`; `shardplane convert` writes it from a GGUF file.
@@ -30,7 +30,7 @@ mod latent;
 mod moe;
 mod weights;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 
@@ -135,7 +135,14 @@ impl MlxStage {
                 .iter()
                 .map(|f| TensorMap::load_safetensors(f))
                 .collect::<Result<Vec<_>>>()?;
-            Self::build(config, maps, Layout::Mlx, path, layout, options)
+            Self::build(
+                config,
+                (maps, BTreeSet::new()),
+                Layout::Mlx,
+                path,
+                layout,
+                options,
+            )
         } else {
             let file = GgufFile::open(path)?;
             Self::load_gguf(&file, layout, options)
@@ -147,10 +154,10 @@ impl MlxStage {
         let total = file.config().layers;
         StageLayout::new(layout.layers.clone(), total)?;
         let _guard = lock();
-        let map = gguf_read::load(file, layout.layers.clone(), total)?;
+        let read = gguf_read::load(file, layout.layers.clone(), total)?;
         Self::build(
             file.config().clone(),
-            vec![map],
+            (vec![read.map], read.spread),
             Layout::Gguf,
             file.path(),
             layout,
@@ -158,9 +165,10 @@ impl MlxStage {
         )
     }
 
+    /// A stage from `maps` (with the weights of them held spread).
     fn build(
         config: ModelConfig,
-        maps: Vec<TensorMap>,
+        (maps, spread): (Vec<TensorMap>, BTreeSet<String>),
         file_layout: Layout,
         origin: &Path,
         layout: StageLayout,
@@ -180,6 +188,7 @@ impl MlxStage {
             origin: origin.to_path_buf(),
             bytes: 0,
             dequantize: options.dequantize,
+            spread,
         };
         let (v, h) = (config.vocab_size, config.hidden_size);
         let embedding = if layout.is_first() {

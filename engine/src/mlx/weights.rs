@@ -1,7 +1,8 @@
-//! Loading a stage's weights into MLX arrays by role, from GGUF (through
-//! MLX's own reader) or from an MLX-community safetensors directory: quantized
+//! Loading a stage's weights into MLX arrays by role, from GGUF (read by
+//! `gguf_read`) or from an MLX-community safetensors directory: quantized
 //! matrices stay quantized unless asked otherwise.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use super::array::{
@@ -96,6 +97,8 @@ pub(super) struct Loader {
     pub(super) bytes: usize,
     /// Expand quantized matrices to f32 (dense products through BLAS).
     pub(super) dequantize: bool,
+    /// Weights held spread (see `Quant::spread`), by tensor name.
+    pub(super) spread: BTreeSet<String>,
 }
 
 impl Loader {
@@ -248,8 +251,8 @@ impl Loader {
             let packed = shape.get(n + 1).copied().unwrap_or(0);
             let groups = s.get(n + 1).copied().unwrap_or(0);
             // GGUF's scale groups of 16 (Q6_K, Q3_K, Q2_K) arrive spread to
-            // 32, twice as wide (see `gguf_read`); MLX's own files have none.
-            let spread = self.layout == Layout::Gguf && groups * SPREAD_GROUP == inp;
+            // 32, twice as wide (see `gguf_read`, which names them).
+            let spread = self.spread.contains(&name);
             let width = if spread { 2 * inp } else { inp };
             let bits = packed * 32 / width.max(1);
             let ok = weight.dtype() == Some(Dtype::U32)
@@ -262,13 +265,15 @@ impl Loader {
                 && s[..n] == *lead
                 && s[n] == out
                 && groups > 0
-                && inp.is_multiple_of(groups);
+                && inp.is_multiple_of(groups)
+                && (!spread || groups * SPREAD_GROUP == inp);
             if !ok {
                 return Err(self.bad_shape(
                     &name,
                     &weight,
                     &format!(
-                        "u32 {lead:?} + [{out}, {inp} × bits / 32] with scales {lead:?} + [{out}, groups] (scales {s:?})"
+                        "u32 {lead:?} + [{out}, {width} × bits / 32] with scales {lead:?} + [{out}, groups] (scales {s:?}){}",
+                        if spread { ", spread to twice the width" } else { "" }
                     ),
                 ));
             }
@@ -286,14 +291,15 @@ impl Loader {
             let group_size = width / groups;
             let fits = match mode {
                 QuantMode::Mxfp4 => bits == 4 && group_size == 32 && biases.is_none(),
-                QuantMode::Affine => biases.is_some(),
+                QuantMode::Affine => biases.is_some() && [32, 64, 128].contains(&group_size),
             };
             if !fits {
                 return Err(Error::UnsupportedTensorType {
                     tensor: name,
                     dtype: format!(
-                        "MLX {mode:?} {bits}-bit groups of {group_size}{} (MLX writes affine \
-                         groups with biases, and MXFP4 as 4 bits in groups of 32 without)",
+                        "MLX {mode:?} {bits}-bit groups of {group_size}{} (MLX multiplies affine \
+                         groups of 32, 64 or 128 with biases, and MXFP4 as 4 bits in groups of 32 \
+                         without)",
                         if biases.is_some() {
                             " with biases"
                         } else {
