@@ -100,6 +100,79 @@ fn model_source(path: &std::path::Path, sha256: Option<&str>) -> ModelSource {
     })
 }
 
+/// A change to a path Model's spec lets go of its report, metadata and all:
+/// a node holding the file reports for the new spec, once (it is not let go
+/// of again and again), and a path no node holds stays unresolved rather than
+/// resolved from the old file.
+async fn a_path_models_spec_change_lets_go_of_the_old_report(client: &Client, ns: &str) {
+    use kube::api::{Patch, PatchParams};
+    let models = Api::<Model>::namespaced(client.clone(), ns);
+    let mut probe = fixtures::model("probe");
+    probe.spec.source = model_source(&shardplane_testkit::test_model(), None);
+    models.create(&PostParams::default(), &probe).await.unwrap();
+    // The Resolved condition's status and reason once the operator has seen
+    // `generation`, with the status.
+    let resolved = |generation: i64| {
+        let models = models.clone();
+        async move {
+            let m = models.get("probe").await.ok()?;
+            let status = m.status.clone()?;
+            let c = status.conditions.iter().find(|c| {
+                c.type_ == CONDITION_RESOLVED && c.observed_generation == Some(generation)
+            })?;
+            (status.observed_generation == Some(generation))
+                .then(|| (c.status.clone(), c.reason.clone(), m))
+        }
+    };
+    eventually("an agent reports the probe Model", || async {
+        resolved(1).await.filter(|(s, _, _)| s == "True")
+    })
+    .await;
+    let edit = |spec: serde_json::Value| {
+        let models = models.clone();
+        async move {
+            models
+                .patch(
+                    "probe",
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({ "spec": spec })),
+                )
+                .await
+                .unwrap()
+        }
+    };
+    edit(serde_json::json!({ "maxContextLength": 256 })).await;
+    let (_, reason, m) = eventually("the probe is reported again for its new spec", || async {
+        resolved(2).await.filter(|(s, _, m)| {
+            s == "True" && m.status.as_ref().is_some_and(|s| s.reported_by.is_some())
+        })
+    })
+    .await;
+    assert_eq!(reason, "ReportedByAgent");
+    // Settled: the report is not let go of and made again without end.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let later = models.get("probe").await.unwrap();
+    assert_eq!(
+        later.resource_version(),
+        m.resource_version(),
+        "the probe's status kept changing: {:?}",
+        later.status
+    );
+    // A path no node holds: not resolved from the old file's metadata.
+    edit(serde_json::json!({ "source": { "path": { "path": "/nonexistent/probe.gguf" } } })).await;
+    let (_, reason, m) = eventually("the probe waits for an agent at its new path", || async {
+        resolved(3).await.filter(|(s, _, _)| s == "False")
+    })
+    .await;
+    assert_eq!(reason, "WaitingForAgent");
+    let status = m.status.unwrap();
+    assert_eq!((status.layers, status.reported_by), (None, None));
+    models
+        .delete("probe", &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
 const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -458,6 +531,7 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
     // An agent (this test's or another's watching the same file), which
     // names itself: only it may report again.
     assert!(reported.reported_by.is_some_and(|r| !r.is_empty()));
+    a_path_models_spec_change_lets_go_of_the_old_report(&client, &ns).await;
     let stages = &d.status.unwrap().instances[0].stages;
     let nodes: std::collections::BTreeSet<&str> = stages.iter().map(|s| s.node.as_str()).collect();
     assert_eq!(nodes.len(), 3, "three stages on three agents");

@@ -151,11 +151,61 @@ fn agent_reported(model: &Model, read_model_paths: bool) -> bool {
     !read_model_paths && matches!(model.spec.source, ModelSource::Path(_))
 }
 
-/// Why `model`'s reporter should let go of it, if it should: its node has no
-/// InferenceNode any more (deleted by its administrators, or revoked), or
-/// the spec changed since the report (another path, say, which the reporter
-/// may not hold).
-fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) -> Option<String> {
+/// Why a node's report of a path Model is let go, and what goes with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Release {
+    /// Its node has no InferenceNode any more (deleted by its
+    /// administrators, or revoked). The metadata stays (the same spec: the
+    /// next node holding the file reports the same, presumably), so the
+    /// Model stays resolved meanwhile.
+    NodeGone(String),
+    /// The spec changed since the report (another path, say, which the
+    /// reporter may not hold). The metadata goes too, so nothing is
+    /// resolved from the old spec's file, and the generation is marked
+    /// seen: the reporter's node may report again for the new spec without
+    /// being released once more.
+    SpecChanged(String),
+}
+
+impl Release {
+    fn why(&self) -> &str {
+        match self {
+            Release::NodeGone(why) | Release::SpecChanged(why) => why,
+        }
+    }
+
+    /// The merge patch of `model`'s status that lets go, conditional on the
+    /// resource version the reconcile read (a report made since is not
+    /// undone).
+    fn patch(&self, model: &Model) -> serde_json::Value {
+        let mut status = serde_json::Map::new();
+        if let Release::SpecChanged(_) = self {
+            let reported = model
+                .status
+                .as_ref()
+                .and_then(|s| serde_json::to_value(s).ok());
+            if let Some(serde_json::Value::Object(fields)) = reported {
+                for key in fields.keys() {
+                    if key != "conditions" && key != "observedGeneration" {
+                        status.insert(key.clone(), serde_json::Value::Null);
+                    }
+                }
+            }
+            status.insert(
+                "observedGeneration".into(),
+                serde_json::json!(model.metadata.generation),
+            );
+        }
+        status.insert("reportedBy".into(), serde_json::Value::Null);
+        serde_json::json!({
+            "metadata": { "resourceVersion": model.resource_version() },
+            "status": status,
+        })
+    }
+}
+
+/// Whether `model`'s reporter should let go of it, and why.
+fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) -> Option<Release> {
     if !agent_reported(model, read_model_paths) {
         return None;
     }
@@ -165,11 +215,13 @@ fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) 
         .get(&kube::runtime::reflector::ObjectRef::new(reporter))
         .is_none()
     {
-        return Some(format!("node {reporter}, which reported it, is gone"));
+        return Some(Release::NodeGone(format!(
+            "node {reporter}, which reported it, is gone"
+        )));
     }
     match status.observed_generation {
-        Some(seen) if Some(seen) != model.metadata.generation => Some(format!(
-            "its spec changed since node {reporter} reported it"
+        Some(seen) if Some(seen) != model.metadata.generation => Some(Release::SpecChanged(
+            format!("its spec changed since node {reporter} reported it"),
         )),
         _ => None,
     }
@@ -196,22 +248,19 @@ async fn reconcile(model: Arc<Model>, ctx: Arc<Context>) -> Result<Action> {
     // node change only its own report, and the agents leave others' alone).
     // Only the object this reconcile read is changed: a report made since
     // (the resource version moved) is not undone.
-    if let Some(why) = release(&model, ctx.read_model_paths, &ctx.stores.nodes) {
+    if let Some(release) = release(&model, ctx.read_model_paths, &ctx.stores.nodes) {
         let api: Api<Model> = Api::namespaced(ctx.client.clone(), &ns);
         ctx.fence()?;
-        let clear = serde_json::json!({
-            "metadata": { "resourceVersion": model.resource_version() },
-            "status": { "reportedBy": null },
-        });
         let cleared = api
             .patch_status(
                 &name,
                 &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(&clear),
+                &kube::api::Patch::Merge(&release.patch(&model)),
             )
             .await;
         return match cleared {
             Ok(_) => {
+                let why = release.why();
                 tracing::info!(model = %name, %why, "released the model's report: a node holding the file reports it again");
                 Ok(Action::await_change())
             }
@@ -328,13 +377,52 @@ mod tests {
             m
         };
         assert_eq!(release(&by(&model, "node-a", 2), false, &nodes), None);
-        let gone = release(&by(&model, "node-b", 2), false, &nodes).unwrap();
+        let gone_from = by(&model, "node-b", 2);
+        let gone = release(&gone_from, false, &nodes).unwrap();
         assert!(
-            gone.contains("node node-b, which reported it, is gone"),
-            "{gone}"
+            gone.why()
+                .contains("node node-b, which reported it, is gone"),
+            "{gone:?}"
         );
-        let changed = release(&by(&model, "node-a", 1), false, &nodes).unwrap();
-        assert!(changed.contains("spec changed"), "{changed}");
+        // Only the reporter goes: the metadata of the same spec stays.
+        model.metadata.resource_version = Some("7".into());
+        let mut reported = by(&model, "node-a", 1);
+        reported.status.as_mut().unwrap().layers = Some(30);
+        let status = reported.status.as_mut().unwrap();
+        conditions::set(
+            &mut status.conditions,
+            &[],
+            CONDITION_RESOLVED,
+            true,
+            "ReportedByAgent",
+            "",
+            Some(1),
+        );
+        assert_eq!(
+            gone.patch(&reported),
+            serde_json::json!({
+                "metadata": { "resourceVersion": "7" },
+                "status": { "reportedBy": null },
+            })
+        );
+        let changed = release(&reported, false, &nodes).unwrap();
+        assert!(changed.why().contains("spec changed"), "{changed:?}");
+        // A changed spec takes the old file's metadata too, and marks the
+        // generation seen (the reporter may report the new spec's).
+        assert_eq!(
+            changed.patch(&reported),
+            serde_json::json!({
+                "metadata": { "resourceVersion": "7" },
+                "status": {
+                    "layers": null,
+                    "reportedBy": null,
+                    "observedGeneration": 2,
+                },
+            })
+        );
+        let mut seen = reported.clone();
+        seen.status.as_mut().unwrap().observed_generation = Some(2);
+        assert_eq!(release(&seen, false, &nodes), None);
         // Read by the operator itself, or not a path, or not reported yet.
         assert_eq!(release(&by(&model, "node-b", 2), true, &nodes), None);
         assert_eq!(release(&model, false, &nodes), None);
