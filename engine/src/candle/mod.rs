@@ -651,19 +651,18 @@ impl Stage for CandleStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
-        let block_tokens = self.prefix.block_tokens();
         let mut cache = self.new_cache();
-        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
-        if blocks.is_empty() {
+        let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if hit.blocks.is_empty() {
             return 0;
         }
         let seeded = (|| -> Result<SequenceCache> {
             for (l, kv) in cache.layers.iter_mut().enumerate() {
-                for block in &blocks {
+                for block in &hit.blocks {
                     kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;
                 }
             }
-            cache.position = blocks.len() * block_tokens;
+            cache.position = hit.tokens;
             cache.tokens = tokens[..cache.position].to_vec();
             Ok(cache)
         })();
