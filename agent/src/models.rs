@@ -4,7 +4,10 @@
 //! node to report names itself in `status.reportedBy`; the others leave the
 //! Model alone until the operator clears that (its InferenceNode deleted, or
 //! the spec changed), so two nodes with different files at one path do not
-//! take turns. A node without an InferenceNode reports nothing.
+//! take turns. A node without an InferenceNode reports nothing. A report is
+//! applied only onto the Model as the agent read it (its resource version),
+//! so a report from an older spec, or a second node's racing claim, is
+//! refused rather than taken as current.
 
 use std::path::Path;
 
@@ -78,7 +81,26 @@ async fn report(client: &Client, model: &Model, node: &str) -> kube::Result<()> 
     }
     let ns = model.namespace().unwrap_or_default();
     let api = Api::<Model>::namespaced(client.clone(), &ns);
-    shardplane_cluster::apply_status(&api, &model.name_any(), AGENT_MANAGER, &status).await?;
-    tracing::info!(model = %model.name_any(), path = %p.path, "reported model metadata");
+    // Only onto the Model as read: a report worked out from an older spec,
+    // or racing another node's claim, is refused, and the next event
+    // decides again.
+    let version = model.resource_version();
+    let applied = shardplane_cluster::apply_status_at(
+        &api,
+        &model.name_any(),
+        AGENT_MANAGER,
+        &status,
+        version.as_deref(),
+    )
+    .await;
+    match applied {
+        Ok(()) => {
+            tracing::info!(model = %model.name_any(), path = %p.path, "reported model metadata")
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            tracing::debug!(model = %model.name_any(), "not reported: the Model changed since it was read")
+        }
+        Err(e) => return Err(e),
+    }
     Ok(())
 }

@@ -51,39 +51,10 @@ fn chat(key: &str, model: &str) -> (u16, String) {
 fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     let state = tempfile::tempdir().unwrap();
     let state_path = state.path().to_str().unwrap().to_string();
-    let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
-        .args(["up", "--no-setup", "--state", &state_path])
-        .current_dir(repo_root())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut up = ChildGuard(child);
-    let stdout = up.0.stdout.take().unwrap();
-    let (lines_tx, lines) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (mut up, lines) = spawn_up(&state_path);
     let mut printed = Vec::new();
-    let mut read_until = |marker: &str, within: Duration| {
-        let deadline = std::time::Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match lines.recv_timeout(left) {
-                Ok(line) => {
-                    let done = line.contains(marker);
-                    printed.push(line);
-                    if done {
-                        return printed.join("\n");
-                    }
-                }
-                Err(_) => panic!("no {marker:?} in:\n{}", printed.join("\n")),
-            }
-        }
-    };
+    let mut read_until =
+        |marker: &str, within: Duration| read_lines_until(&lines, &mut printed, marker, within);
 
     let shown = read_until("Press Ctrl-C", Duration::from_secs(300));
     for expected in [
@@ -541,6 +512,84 @@ fn up_serves_the_quickstart_survives_an_agent_and_stops_everything_on_ctrl_c() {
     assert!(status.success(), "up exited with {status}");
     let left = processes_with(&state_path);
     assert!(left.is_empty(), "still running: {left:?}");
+
+    // `up` again on the same state (the README's command run a second time):
+    // a new control plane with a new CA; the agents' kept certificates are
+    // of the old one and must not be served (the gateway would refuse them).
+    let (mut again, lines) = spawn_up(&state_path);
+    let mut printed = Vec::new();
+    read_lines_until(
+        &lines,
+        &mut printed,
+        "Press Ctrl-C",
+        Duration::from_secs(300),
+    );
+    let keys = std::fs::read_to_string(state.path().join("api-keys")).unwrap();
+    let key = keys
+        .lines()
+        .next()
+        .unwrap()
+        .split_once(':')
+        .unwrap()
+        .1
+        .trim();
+    for model in ["smollm2", "smollm2-pipeline"] {
+        let (status, body) = chat(key, model);
+        assert_eq!(status, 200, "{model} after a second `up`: {body}");
+    }
+    again.signal("-INT");
+    read_lines_until(
+        &lines,
+        &mut printed,
+        "nothing of this run is left running",
+        Duration::from_secs(60),
+    );
+    assert!(again.0.wait().unwrap().success());
+}
+
+/// `shardplane up --no-setup` on `state`, and the lines it prints.
+fn spawn_up(state: &str) -> (ChildGuard, mpsc::Receiver<String>) {
+    let child = Command::new(env!("CARGO_BIN_EXE_shardplane"))
+        .args(["up", "--no-setup", "--state", state])
+        .current_dir(repo_root())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut up = ChildGuard(child);
+    let stdout = up.0.stdout.take().unwrap();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (up, lines)
+}
+
+/// Reads `lines` into `printed` until one holds `marker` (within `within`),
+/// and gives all printed so far.
+fn read_lines_until(
+    lines: &mpsc::Receiver<String>,
+    printed: &mut Vec<String>,
+    marker: &str,
+    within: Duration,
+) -> String {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains(marker);
+                printed.push(line);
+                if done {
+                    return printed.join("\n");
+                }
+            }
+            Err(_) => panic!("no {marker:?} in:\n{}", printed.join("\n")),
+        }
+    }
 }
 
 /// The README's main command on a machine where nothing is cached, up to what

@@ -159,15 +159,18 @@ pub async fn start(
             if let Some(d) = dir.as_deref() {
                 not_anothers(d, holder)?;
             }
-            let published = crate::trust::read_ca(client, &namespace)
-                .await
-                .ok()
-                .flatten();
-            let kept = dir
-                .as_deref()
-                .and_then(|d| kept(d, holder))
-                // Issued under a CA that is no longer the published one.
-                .filter(|m| published.as_ref().is_none_or(|ca| *ca == m.ca_pem));
+            let mut kept = dir.as_deref().and_then(|d| kept(d, holder));
+            if let Some(m) = &kept {
+                // Kept only if issued under the CA published now: a new
+                // control plane (a new `shardplane up`, say) has a new CA,
+                // which its operator may not have published yet when this
+                // starts, so wait for it rather than serve the old one.
+                let published = crate::trust::wait_for_ca(client, &namespace).await;
+                if published != m.ca_pem {
+                    tracing::info!(%holder, "the kept data-plane certificate is of another CA: asking for a new one");
+                    kept = None;
+                }
+            }
             let material = match kept {
                 Some(m) => m,
                 None => {

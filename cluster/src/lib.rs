@@ -21,5 +21,5 @@ pub mod stores;
 pub mod trust;
 
 pub use client::{CALL_DEADLINE, client};
-pub use status::apply_status;
+pub use status::{apply_status, apply_status_at};
 pub use stores::{Watched, run_watch, watch_all};

@@ -210,6 +210,21 @@ fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) 
         return None;
     }
     let status = model.status.as_ref()?;
+    // A changed spec first, whoever reported (the reporter may be gone too,
+    // or already released): the old file's metadata must not resolve it.
+    let behind = matches!(
+        status.observed_generation,
+        Some(seen) if Some(seen) != model.metadata.generation
+    );
+    if behind && (status.reported_by.is_some() || reported(status)) {
+        let by = match status.reported_by.as_deref() {
+            Some(node) => format!("node {node}"),
+            None => "a node".into(),
+        };
+        return Some(Release::SpecChanged(format!(
+            "its spec changed since {by} reported it"
+        )));
+    }
     let reporter = status.reported_by.as_deref()?;
     if nodes
         .get(&kube::runtime::reflector::ObjectRef::new(reporter))
@@ -219,12 +234,7 @@ fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) 
             "node {reporter}, which reported it, is gone"
         )));
     }
-    match status.observed_generation {
-        Some(seen) if Some(seen) != model.metadata.generation => Some(Release::SpecChanged(
-            format!("its spec changed since node {reporter} reported it"),
-        )),
-        _ => None,
-    }
+    None
 }
 
 /// The part of an agent-reported Model's status the operator writes: its
@@ -423,6 +433,23 @@ mod tests {
         let mut seen = reported.clone();
         seen.status.as_mut().unwrap().observed_generation = Some(2);
         assert_eq!(release(&seen, false, &nodes), None);
+        // A changed spec wins over a gone reporter, and its metadata goes even
+        // when the reporter was already let go (deleted, then the spec changed).
+        let mut gone_and_changed = reported.clone();
+        gone_and_changed.status.as_mut().unwrap().reported_by = Some("node-b".into());
+        assert!(matches!(
+            release(&gone_and_changed, false, &nodes),
+            Some(Release::SpecChanged(_))
+        ));
+        let mut let_go = reported.clone();
+        let s = let_go.status.as_mut().unwrap();
+        s.reported_by = None;
+        s.architecture = Some("llama".into());
+        s.layer_bytes = vec![1; 30];
+        assert!(matches!(
+            release(&let_go, false, &nodes),
+            Some(Release::SpecChanged(_))
+        ));
         // Read by the operator itself, or not a path, or not reported yet.
         assert_eq!(release(&by(&model, "node-b", 2), true, &nodes), None);
         assert_eq!(release(&model, false, &nodes), None);
