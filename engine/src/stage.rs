@@ -196,7 +196,8 @@ pub trait Stage: Send {
     }
 
     /// Keeps the whole blocks of tokens `seq` holds in the prefix cache (a
-    /// prompt, once run, is there for the sequences that follow it).
+    /// prompt, once run, is there for the sequences that follow it). Only a
+    /// stage that reuses prefixes keeps them.
     fn retain_prefix(&mut self, _seq: SequenceId) {}
 
     /// What the prefix cache did and holds.

@@ -651,18 +651,19 @@ impl Stage for CandleStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
+        let block_tokens = self.prefix.block_tokens();
         let mut cache = self.new_cache();
-        let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
-        if hit.blocks.is_empty() {
+        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if blocks.is_empty() {
             return 0;
         }
         let seeded = (|| -> Result<SequenceCache> {
             for (l, kv) in cache.layers.iter_mut().enumerate() {
-                for block in &hit.blocks {
+                for block in &blocks {
                     kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;
                 }
             }
-            cache.position = hit.tokens;
+            cache.position = blocks.len() * block_tokens;
             cache.tokens = tokens[..cache.position].to_vec();
             Ok(cache)
         })();
@@ -681,7 +682,9 @@ impl Stage for CandleStage {
     }
 
     fn retain_prefix(&mut self, seq: SequenceId) {
-        if self.tensor.is_some() {
+        // Only a stage that reuses prefixes keeps them (see `reuse_prefix`).
+        let whole = self.layout.is_first() && self.layout.is_last() && self.tensor.is_none();
+        if !whole {
             return;
         }
         let Some(cache) = self.sequences.get(&seq) else {

@@ -592,12 +592,13 @@ impl Stage for MlxStage {
             return 0;
         }
         let (kvh, kw, vw) = self.cache_widths();
+        let block_tokens = self.prefix.block_tokens();
         let _guard = lock();
-        let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
-        if hit.blocks.is_empty() {
+        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if blocks.is_empty() {
             return 0;
         }
-        let (blocks, held) = (hit.blocks, hit.tokens);
+        let held = blocks.len() * block_tokens;
         let capacity = held.div_ceil(KV_CHUNK) * KV_CHUNK;
         let seeded = (|| -> Result<Vec<Option<LayerCache>>> {
             let mut layers = Vec::with_capacity(self.layers.len());
@@ -639,6 +640,10 @@ impl Stage for MlxStage {
     }
 
     fn retain_prefix(&mut self, seq: SequenceId) {
+        // Only a stage that reuses prefixes keeps them (see `reuse_prefix`).
+        if !(self.layout.is_first() && self.layout.is_last()) {
+            return;
+        }
         let Some(cache) = self.sequences.get(&seq) else {
             return;
         };
