@@ -1,23 +1,23 @@
-//! Keys and values a stage holds, as plain rows, and the attention of the
-//! decoding sequences computed in one pass per layer over all of them.
+//! Keys and values a stage holds, as plain rows, and the attention of every
+//! query row of a step computed in one pass per layer over all of them.
 //!
 //! ```text
 //!  a sequence's layer:  k, v = [position][kv head][head dim]   (token-major; a
 //!                       step appends its rows, capacity grows by whole chunks)
 //!
-//!  decode step, one layer:  q rows of every decoding sequence
-//!      ─► threads over (sequence × KV head): scores against that sequence's
-//!         keys in place, softmax, weighted sum of its values ─► output rows
-//!  prefill (several rows of one sequence): candle's products on a copy of
-//!      the visible keys and values (see `CandleStage::layer`)
+//!  one step, one layer:  q rows of every sequence (a prompt's several, a
+//!                        decoding sequence's one)
+//!      ─► threads over (row × query head): scores against the keys the row
+//!         sees (up to its own position) in place, softmax, weighted sum of
+//!         the values ─► output rows
 //! ```
 //!
 //! Decoding is where many sequences meet: reading each cache where it lies
 //! replaces a score of small tensor operations per sequence and layer (split,
 //! copy, append, two products, softmax) with one loop, so a batch of 32
-//! costs the arithmetic and not the bookkeeping.
+//! costs the arithmetic and not the bookkeeping. A prompt's rows take the
+//! same loop, so a row's result never depends on what runs beside it.
 
-use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -109,42 +109,16 @@ impl LayerKv {
         };
         (self.k[span].to_vec(), v)
     }
-
-    /// Keys and values from token `first` on as `[1, kv heads, tokens,
-    /// head dim]` tensors (a copy, for candle's products); latent
-    /// attention's values are its keys' first columns.
-    pub fn tensors(
-        &self,
-        first: usize,
-        head_dim: usize,
-        device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
-        let kv_heads = self.width / head_dim;
-        let tokens = self.len() - first;
-        let view = |data: &[f32]| -> Result<Tensor> {
-            Ok(Tensor::from_slice(
-                &data[first * self.width..],
-                (1, tokens, kv_heads, head_dim),
-                device,
-            )?
-            .transpose(1, 2)?
-            .contiguous()?)
-        };
-        let k = view(&self.k)?;
-        let v = match self.values_in_keys {
-            Some(dim) => k.narrow(3, 0, dim)?.contiguous()?,
-            None => view(&self.v)?,
-        };
-        Ok((k, v))
-    }
 }
 
-/// One decoding sequence's query row in a layer: its cache (this step's
-/// key and value already appended) and the first key it may see.
-pub(super) struct DecodeRow<'a> {
+/// One query row in a layer: its sequence's cache (this step's keys and
+/// values already appended) and the keys it sees, `first..end` (`end` is
+/// one past the query's own position).
+pub(super) struct QueryRow<'a> {
     pub q: &'a [f32],
     pub kv: &'a LayerKv,
     pub first: usize,
+    pub end: usize,
 }
 
 /// The heads of one layer's attention, and the scale of its scores.
@@ -158,13 +132,14 @@ pub(super) struct HeadShape {
     pub scale: f32,
 }
 
-/// Attention of one query row per sequence against each sequence's cache,
-/// written into `out` (`rows × heads × value dim`): threads take one query
-/// head of one sequence at a time (enough pieces to share out even when a
-/// single sequence decodes; the keys a KV head's query heads share stay in
-/// the core's cache between them).
-pub(super) fn decode_attention(
-    rows: &[DecodeRow<'_>],
+/// Attention of query rows (of any sequences, several per sequence when a
+/// prompt runs) against their caches, written into `out` (`rows × heads ×
+/// value dim`): threads take one query head of one row at a time (enough
+/// pieces to share out even when a single sequence decodes; the keys a KV
+/// head's query heads share stay in the core's cache between them). Each
+/// head of each row is summed in the same order whatever else runs.
+pub(super) fn attend_rows(
+    rows: &[QueryRow<'_>],
     shape: &HeadShape,
     sinks: Option<&[f32]>,
     out: &mut [f32],
@@ -185,7 +160,7 @@ pub(super) fn decode_attention(
 /// Query head `q` of KV head `group` of one row; `sink`, a logit that
 /// joins the softmax without a value.
 fn attend(
-    row: &DecodeRow<'_>,
+    row: &QueryRow<'_>,
     q: &[f32],
     group: usize,
     shape: &HeadShape,
@@ -194,7 +169,7 @@ fn attend(
 ) {
     let (kv, head_dim) = (row.kv, shape.head_dim);
     let at = |t: usize| t * kv.width + group * head_dim;
-    let mut scores: Vec<f32> = (row.first..kv.len())
+    let mut scores: Vec<f32> = (row.first..row.end)
         .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * shape.scale)
         .collect();
     let max = scores
@@ -208,7 +183,7 @@ fn attend(
         sum += *x;
     }
     out.fill(0.0);
-    for (t, p) in (row.first..kv.len()).zip(&scores) {
+    for (t, p) in (row.first..row.end).zip(&scores) {
         axpy(p / sum, kv.value(t, group, shape.value_dim), out);
     }
 }
@@ -242,12 +217,12 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// The plain definition: softmax(q·kᵀ·scale)·v per head, keys `first..`;
-    /// with a sink, one more term in the softmax's sum.
+    /// The plain definition: softmax(q·kᵀ·scale)·v per head, keys
+    /// `first..end`; with a sink, one more term in the softmax's sum.
     fn reference(
         q: &[f32],
         kv: &LayerKv,
-        first: usize,
+        (first, end): (usize, usize),
         (heads, kv_heads, hd): (usize, usize, usize),
         scale: f32,
         sinks: Option<&[f32]>,
@@ -257,7 +232,7 @@ mod tests {
         for h in 0..heads {
             let g = h / rep;
             let qh = &q[h * hd..(h + 1) * hd];
-            let scores: Vec<f64> = (first..kv.len())
+            let scores: Vec<f64> = (first..end)
                 .map(|t| {
                     let k = &kv.k[t * kv.width + g * hd..][..hd];
                     qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() * f64::from(scale)
@@ -271,7 +246,7 @@ mod tests {
                 .fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
-            for (i, t) in (first..kv.len()).enumerate() {
+            for (i, t) in (first..end).enumerate() {
                 let v = &kv.v[t * kv.width + g * hd..][..hd];
                 for d in 0..hd {
                     out[h * hd + d] += (e[i] / sum * f64::from(v[d])) as f32;
@@ -288,7 +263,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_attention_matches_the_definition_for_mixed_sequences() {
+    fn attention_matches_the_definition_for_mixed_rows() {
         let (heads, kv_heads, hd) = (9, 3, 20);
         let width = kv_heads * hd;
         // Three sequences of different lengths; one sees a window only.
@@ -307,13 +282,26 @@ mod tests {
                 kv
             })
             .collect();
-        let qs: Vec<Vec<f32>> = (0..3).map(|s| values(heads * hd, 99 + s)).collect();
-        let firsts = [0, 0, 37 - 8];
-        let rows: Vec<DecodeRow> = (0..3)
-            .map(|s| DecodeRow {
-                q: &qs[s],
-                kv: &caches[s],
-                first: firsts[s],
+        // Decoding rows (all keys), one in a window, and two rows of a
+        // prompt that see only the keys up to their own.
+        let spans = [
+            (0, 0, 5),
+            (1, 0, 300),
+            (2, 37 - 8, 37),
+            (1, 0, 120),
+            (1, 100, 121),
+        ];
+        let qs: Vec<Vec<f32>> = (0..spans.len())
+            .map(|s| values(heads * hd, 99 + s as u32))
+            .collect();
+        let rows: Vec<QueryRow> = spans
+            .iter()
+            .zip(&qs)
+            .map(|(&(c, first, end), q)| QueryRow {
+                q,
+                kv: &caches[c],
+                first,
+                end,
             })
             .collect();
         let shape = HeadShape {
@@ -326,42 +314,68 @@ mod tests {
         // Sinks above and below the scores, so they take visible weight.
         let sinks: Vec<f32> = (0..heads).map(|h| h as f32 - 4.0).collect();
         for sinks in [None, Some(sinks.as_slice())] {
-            let mut out = vec![f32::NAN; 3 * heads * hd];
-            decode_attention(&rows, &shape, sinks, &mut out);
-            for s in 0..3 {
+            let mut out = vec![f32::NAN; spans.len() * heads * hd];
+            attend_rows(&rows, &shape, sinks, &mut out);
+            for (s, &(c, first, end)) in spans.iter().enumerate() {
                 let want = reference(
                     &qs[s],
-                    &caches[s],
-                    firsts[s],
+                    &caches[c],
+                    (first, end),
                     (heads, kv_heads, hd),
                     0.125,
                     sinks,
                 );
                 let got = &out[s * heads * hd..(s + 1) * heads * hd];
                 for (a, b) in got.iter().zip(&want) {
-                    assert!(
-                        (a - b).abs() < 1e-5,
-                        "sequence {s}, sinks {sinks:?}: {a} vs {b}"
-                    );
+                    assert!((a - b).abs() < 1e-5, "row {s}, sinks {sinks:?}: {a} vs {b}");
                 }
             }
         }
     }
 
     #[test]
-    fn tensors_and_rows_read_back_what_was_appended() {
-        let (kv_heads, hd) = (2, 4);
-        let mut kv = LayerKv::new(kv_heads * hd);
+    fn rows_read_back_what_was_appended() {
+        let mut kv = LayerKv::new(8);
         let k = values(5 * 8, 1);
         let v = values(5 * 8, 2);
         kv.append(&k, &v, 4).unwrap();
-        let (kt, vt) = kv.tensors(2, hd, &Device::Cpu).unwrap();
-        assert_eq!(kt.dims(), &[1, 2, 3, 4]);
-        // Token 3, KV head 1, element 2.
-        let got: Vec<Vec<Vec<f32>>> = kt.squeeze(0).unwrap().to_vec3().unwrap();
-        assert_eq!(got[1][1][2], k[3 * 8 + 4 + 2]);
-        let got: Vec<Vec<Vec<f32>>> = vt.squeeze(0).unwrap().to_vec3().unwrap();
-        assert_eq!(got[0][2][3], v[4 * 8 + 3]);
         assert_eq!(kv.rows(1..3), (k[8..24].to_vec(), v[8..24].to_vec()));
+        assert_eq!(kv.value(4, 1, 4), &v[4 * 8 + 4..4 * 8 + 8]);
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_rows_beside_it() {
+        let (heads, kv_heads, hd) = (6, 2, 16);
+        let mut kv = LayerKv::new(kv_heads * hd);
+        kv.append(&values(50 * 32, 3), &values(50 * 32, 4), 16)
+            .unwrap();
+        let qs: Vec<Vec<f32>> = (0..50).map(|i| values(heads * hd, 7 + i)).collect();
+        let shape = HeadShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            value_dim: hd,
+            scale: 0.25,
+        };
+        let row = |i: usize| QueryRow {
+            q: &qs[i],
+            kv: &kv,
+            first: 0,
+            end: i + 1,
+        };
+        // All 50 rows of a prompt at once, against row 40 alone.
+        let all: Vec<QueryRow> = (0..50).map(row).collect();
+        let mut together = vec![0f32; 50 * heads * hd];
+        attend_rows(&all, &shape, None, &mut together);
+        let mut alone = vec![0f32; heads * hd];
+        attend_rows(&[row(40)], &shape, None, &mut alone);
+        let width = heads * hd;
+        assert_eq!(
+            together[40 * width..41 * width]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>(),
+            alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 }

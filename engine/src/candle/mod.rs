@@ -458,7 +458,6 @@ impl CandleStage {
             &step,
             &heads_shape,
             w.sinks.as_deref(),
-            &self.device,
         )?;
         let y = match &w.projections {
             Projections::Latent(latent) => latent.values(attended, &self.device)?,
