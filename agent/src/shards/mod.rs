@@ -533,7 +533,11 @@ async fn bring_up(
     let spec = shard.spec.clone();
     let spec_kv = shard.spec.kv_cache;
     let engine_kind = sources.engine;
-    let prefix_cache_bytes = sources.prefix_cache_bytes;
+    // Only a stage that runs the whole model reuses prefixes (see the
+    // engine's `reuse_prefix`): a pipeline's stages keep no cache and leave
+    // its budget to their KV.
+    let whole = shard.spec.layers.start == 0 && shard.spec.layers.end == shard.spec.total_layers;
+    let prefix_cache_bytes = if whole { sources.prefix_cache_bytes } else { 0 };
     let loaded = tokio::task::spawn_blocking(move || {
         let layout = StageLayout::new(
             spec.layers.start as usize..spec.layers.end as usize,
@@ -605,7 +609,7 @@ async fn bring_up(
         sequences: u64::from(spec_kv.concurrent_sequences),
         per_token: (kv_bytes_per_token as u64).saturating_mul(layers),
         reserve: sources.memory_reserve,
-        prefix_cache: sources.prefix_cache_bytes as u64,
+        prefix_cache: prefix_cache_bytes as u64,
     };
     let budget = room.measure(&worker.stats, crate::machine::available_memory());
     if budget < room.shard_tokens() {
