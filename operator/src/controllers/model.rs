@@ -212,10 +212,12 @@ fn release(model: &Model, read_model_paths: bool, nodes: &Store<InferenceNode>) 
     let status = model.status.as_ref()?;
     // A changed spec first, whoever reported (the reporter may be gone too,
     // or already released): the old file's metadata must not resolve it.
-    let behind = matches!(
-        status.observed_generation,
-        Some(seen) if Some(seen) != model.metadata.generation
-    );
+    // With no generation seen yet (an agent reported before the operator
+    // wrote any status), anything past the first is a change.
+    let behind = match status.observed_generation {
+        Some(seen) => Some(seen) != model.metadata.generation,
+        None => model.metadata.generation.is_some_and(|g| g > 1),
+    };
     if behind && (status.reported_by.is_some() || reported(status)) {
         let by = match status.reported_by.as_deref() {
             Some(node) => format!("node {node}"),
@@ -450,6 +452,16 @@ mod tests {
             release(&let_go, false, &nodes),
             Some(Release::SpecChanged(_))
         ));
+        // Reported before the operator saw any generation: the first one is
+        // the report's own, a later one a change.
+        let mut unseen = reported.clone();
+        unseen.status.as_mut().unwrap().observed_generation = None;
+        assert!(matches!(
+            release(&unseen, false, &nodes),
+            Some(Release::SpecChanged(_))
+        ));
+        unseen.metadata.generation = Some(1);
+        assert_eq!(release(&unseen, false, &nodes), None);
         // Read by the operator itself, or not a path, or not reported yet.
         assert_eq!(release(&by(&model, "node-b", 2), true, &nodes), None);
         assert_eq!(release(&model, false, &nodes), None);
