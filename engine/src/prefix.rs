@@ -2,16 +2,22 @@
 //! of tokens, so a new sequence that starts with the same tokens skips them.
 //!
 //! ```text
-//!  tokens  [ b0 ][ b1 ][ b2 ][ b3 ]..   (whole blocks only)
-//!  keys     k0 ─► k1 ─► k2 ─► k3        k_i = hash(k_{i-1}, tokens of b_i)
-//!  lookup: walk the keys from b0 while cached → the longest cached prefix
-//!  insert: the blocks not cached yet; evict least recently used (leaves of
-//!          a chain first) until the bytes fit the budget
+//!  tokens  [ b0 ][ b1 ][ b2 ][ t ]x    (whole blocks, then the tail t: the
+//!  keys     k0 ─► k1 ─► k2 ─► kt        rest but the last token x)
+//!           k_i = hash(k_{i-1}, tokens of b_i)
+//!  lookup: walk the keys from b0 while cached, then the longest tail under
+//!          the last block reached that begins what is left → the longest
+//!          cached prefix
+//!  insert: the blocks and the tail not cached yet; evict least recently
+//!          used (leaves of a chain first) until the bytes fit the budget
 //! ```
 //!
 //! A block's key covers every token before it, so a hit is always a true
 //! prefix; each entry also keeps its tokens and its parent's key, which a
 //! lookup compares, so a hash collision cannot hand out another prompt's KV.
+//! The tail lets the same prompt again (many clients asking alike, a retry)
+//! or one that extends it (the next turn) reuse all of it but the one token
+//! whose logits the new sequence needs; without it, up to a block less.
 //! The cache knows nothing of tensors: each backend stores its own block data
 //! (`B`) and says how many bytes it holds.
 
@@ -42,6 +48,16 @@ pub struct PrefixCacheStats {
     pub budget_bytes: u64,
 }
 
+/// What a lookup found.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Hit<'a, B> {
+    /// The cached blocks that begin the tokens, in order; the last may be a
+    /// tail, shorter than a block.
+    pub blocks: Vec<&'a B>,
+    /// The tokens they cover.
+    pub tokens: usize,
+}
+
 struct Entry<B> {
     parent: u64,
     tokens: Vec<u32>,
@@ -61,6 +77,9 @@ pub struct PrefixCache<B> {
     /// Eviction order: oldest stamp first; among equal stamps, deepest first
     /// (a chain loses its tail before its head).
     order: BTreeSet<(u64, Reverse<usize>, u64)>,
+    /// The keys of the tails (entries shorter than a block) under each
+    /// parent: the prefix they follow.
+    tails: HashMap<u64, Vec<u64>>,
     stats: PrefixCacheStats,
 }
 
@@ -93,6 +112,7 @@ impl<B> PrefixCache<B> {
             clock: 0,
             entries: HashMap::new(),
             order: BTreeSet::new(),
+            tails: HashMap::new(),
             stats: PrefixCacheStats {
                 budget_bytes: budget_bytes as u64,
                 ..PrefixCacheStats::default()
@@ -127,13 +147,15 @@ impl<B> PrefixCache<B> {
     }
 
     /// The cached blocks that begin `tokens`, in order, covering at most
-    /// `limit` tokens; counts `tokens.len()` as looked up and the blocks'
-    /// tokens as hits, and marks the blocks used.
-    pub fn lookup(&mut self, tokens: &[u32], limit: usize) -> Vec<&B> {
+    /// `limit` tokens: whole blocks, then the longest tail that fits; counts
+    /// `tokens.len()` as looked up and the covered tokens as hits, and marks
+    /// the blocks used.
+    pub fn lookup(&mut self, tokens: &[u32], limit: usize) -> Hit<'_, B> {
         self.stats.lookup_tokens += tokens.len() as u64;
+        let within = &tokens[..limit.min(tokens.len())];
         let mut keys = Vec::new();
         let mut parent = 0;
-        for block in tokens[..limit.min(tokens.len())].chunks_exact(self.block_tokens) {
+        for block in within.chunks_exact(self.block_tokens) {
             let key = block_key(parent, block);
             match self.entries.get(&key) {
                 Some(e) if e.parent == parent && e.tokens == block => keys.push(key),
@@ -141,18 +163,37 @@ impl<B> PrefixCache<B> {
             }
             parent = key;
         }
+        let mut covered = keys.len() * self.block_tokens;
+        let rest = &within[covered..];
+        let tail = self
+            .tails
+            .get(&parent)
+            .into_iter()
+            .flatten()
+            .filter_map(|&k| self.entries.get(&k).map(|e| (k, e)))
+            .filter(|(_, e)| e.parent == parent && rest.starts_with(&e.tokens))
+            .max_by_key(|(_, e)| e.tokens.len())
+            .map(|(k, e)| (k, e.tokens.len()));
+        if let Some((key, n)) = tail {
+            keys.push(key);
+            covered += n;
+        }
         self.clock += 1;
         for &key in &keys {
             self.touch(key);
         }
-        self.stats.hit_tokens += (keys.len() * self.block_tokens) as u64;
-        keys.iter().map(|k| &self.entries[k].data).collect()
+        self.stats.hit_tokens += covered as u64;
+        Hit {
+            blocks: keys.iter().map(|k| &self.entries[k].data).collect(),
+            tokens: covered,
+        }
     }
 
-    /// Stores the whole blocks of `tokens` that are not cached yet; `make`
-    /// gives a block's data and its bytes from its token range (an error
-    /// stops the insert, keeping what was stored). Then evicts down to the
-    /// budget.
+    /// Stores the whole blocks of `tokens` that are not cached yet, then
+    /// its tail (what follows the last whole block before its last token);
+    /// `make` gives a block's data and its bytes from its token range (an
+    /// error stops the insert, keeping what was stored). Then evicts down to
+    /// the budget.
     pub fn insert<E>(
         &mut self,
         tokens: &[u32],
@@ -167,7 +208,8 @@ impl<B> PrefixCache<B> {
         stored
     }
 
-    /// The blocks of `tokens` not cached yet (see [`Self::insert`]).
+    /// The blocks and the tail of `tokens` not cached yet (see
+    /// [`Self::insert`]).
     fn store_chain<E>(
         &mut self,
         tokens: &[u32],
@@ -175,39 +217,87 @@ impl<B> PrefixCache<B> {
     ) -> Result<(), E> {
         self.clock += 1;
         let mut parent = 0;
+        // The chain's keys: `chain[i]` ends block i.
+        let mut chain = Vec::new();
         for (i, block) in tokens.chunks_exact(self.block_tokens).enumerate() {
             let key = block_key(parent, block);
-            match self.entries.get(&key) {
-                Some(e) if e.parent == parent && e.tokens == block => self.touch(key),
+            let stored = match self.entries.get(&key) {
+                Some(e) if e.parent == parent && e.tokens == block => {
+                    self.touch(key);
+                    true
+                }
                 // A colliding key for another prefix: keep the older entry;
                 // this chain stops here.
-                Some(_) => break,
+                Some(_) => false,
                 None => {
                     let start = i * self.block_tokens;
-                    let (data, bytes) = make(start..start + self.block_tokens)?;
-                    if bytes > self.budget {
-                        break;
-                    }
-                    self.entries.insert(
+                    self.store(
                         key,
-                        Entry {
-                            parent,
-                            tokens: block.to_vec(),
-                            depth: i,
-                            stamp: self.clock,
-                            bytes,
-                            data,
-                        },
-                    );
-                    self.order.insert((self.clock, Reverse(i), key));
-                    self.stats.bytes += bytes as u64;
-                    self.stats.blocks += 1;
-                    self.stats.inserted_blocks += 1;
+                        parent,
+                        block,
+                        i,
+                        make(start..start + self.block_tokens)?,
+                    )
                 }
+            };
+            if !stored {
+                break;
             }
+            chain.push(key);
             parent = key;
         }
+        // The tail: after the whole blocks of all but the last token.
+        let end = tokens.len().saturating_sub(1);
+        let whole = end / self.block_tokens;
+        let start = whole * self.block_tokens;
+        let tail_parent = match whole {
+            0 => Some(0),
+            n => chain.get(n - 1).copied(),
+        };
+        if let Some(parent) = tail_parent.filter(|_| start < end) {
+            let tail = &tokens[start..end];
+            let key = block_key(parent, tail);
+            match self.entries.get(&key) {
+                Some(e) if e.parent == parent && e.tokens == tail => self.touch(key),
+                Some(_) => {}
+                None => {
+                    if self.store(key, parent, tail, whole, make(start..end)?) {
+                        self.tails.entry(parent).or_default().push(key);
+                    }
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Stores the entry `key` (unless it alone is over the budget).
+    fn store(
+        &mut self,
+        key: u64,
+        parent: u64,
+        tokens: &[u32],
+        depth: usize,
+        (data, bytes): (B, usize),
+    ) -> bool {
+        if bytes > self.budget {
+            return false;
+        }
+        self.entries.insert(
+            key,
+            Entry {
+                parent,
+                tokens: tokens.to_vec(),
+                depth,
+                stamp: self.clock,
+                bytes,
+                data,
+            },
+        );
+        self.order.insert((self.clock, Reverse(depth), key));
+        self.stats.bytes += bytes as u64;
+        self.stats.blocks += 1;
+        self.stats.inserted_blocks += 1;
+        true
     }
 
     fn evict(&mut self) {
@@ -217,6 +307,14 @@ impl<B> PrefixCache<B> {
             };
             let _ = (stamp, depth);
             if let Some(e) = self.entries.remove(&key) {
+                if e.tokens.len() < self.block_tokens
+                    && let Some(keys) = self.tails.get_mut(&e.parent)
+                {
+                    keys.retain(|&k| k != key);
+                    if keys.is_empty() {
+                        self.tails.remove(&e.parent);
+                    }
+                }
                 self.stats.bytes -= e.bytes as u64;
                 self.stats.blocks -= 1;
                 self.stats.evicted_blocks += 1;
@@ -228,12 +326,16 @@ impl<B> PrefixCache<B> {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.order.clear();
+        self.tails.clear();
         self.stats.bytes = 0;
         self.stats.blocks = 0;
     }
 }
 
 #[cfg(test)]
+// A block's data here is its token range; a lookup of one block is a list
+// of one range.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
 
@@ -253,49 +355,96 @@ mod tests {
         made
     }
 
+    /// What a lookup found: the blocks' data (token ranges) and the tokens.
+    fn found(
+        c: &mut PrefixCache<Range<usize>>,
+        tokens: &[u32],
+        limit: usize,
+    ) -> (Vec<Range<usize>>, usize) {
+        let hit = c.lookup(tokens, limit);
+        (hit.blocks.into_iter().cloned().collect(), hit.tokens)
+    }
+
     #[test]
-    fn a_lookup_finds_the_longest_cached_prefix_of_whole_blocks() {
+    fn a_lookup_finds_the_longest_cached_prefix() {
         let mut c = cache(1000);
         let prompt: Vec<u32> = (0..10).collect();
-        assert_eq!(insert(&mut c, &prompt), 2, "two whole blocks of four");
-        // Same start, longer: both blocks.
+        assert_eq!(
+            insert(&mut c, &prompt),
+            3,
+            "two whole blocks of four, and the tail [8] (the last token is not kept)"
+        );
+        // The same prompt again: all but its last token.
+        assert_eq!(found(&mut c, &prompt, 9), (vec![0..4, 4..8, 8..9], 9));
+        // Same start, longer: both blocks and the tail.
         let longer: Vec<u32> = (0..20).collect();
-        assert_eq!(c.lookup(&longer, 19), vec![&(0..4), &(4..8)]);
+        assert_eq!(found(&mut c, &longer, 19), (vec![0..4, 4..8, 8..9], 9));
         // The limit keeps the blocks within it.
-        assert_eq!(c.lookup(&longer, 7), vec![&(0..4)]);
+        assert_eq!(found(&mut c, &longer, 7), (vec![0..4], 4));
         // Differs in the second block: only the first.
         let mut other = longer.clone();
         other[5] = 99;
-        assert_eq!(c.lookup(&other, 19), vec![&(0..4)]);
+        assert_eq!(found(&mut c, &other, 19), (vec![0..4], 4));
         // Differs in the first: nothing, though the second block's tokens match.
         let mut first = longer.clone();
         first[0] = 99;
-        assert!(c.lookup(&first, 19).is_empty());
+        assert_eq!(found(&mut c, &first, 19), (vec![], 0));
         let s = c.stats();
-        assert_eq!((s.lookup_tokens, s.hit_tokens), (80, 8 + 4 + 4));
-        // Inserting again stores only what is new.
-        assert_eq!(insert(&mut c, &longer), 3);
-        assert_eq!(c.stats().blocks, 5);
+        assert_eq!((s.lookup_tokens, s.hit_tokens), (90, 9 + 9 + 4 + 4));
+        // Inserting again stores only what is new: three blocks and a tail.
+        assert_eq!(insert(&mut c, &longer), 4);
+        assert_eq!(c.stats().blocks, 7);
+    }
+
+    #[test]
+    fn tails_serve_a_prompt_of_whole_blocks_a_short_one_and_the_longest_that_fits() {
+        let mut c = cache(1000);
+        // 8 tokens: blocks [0..4] and [4..8], and the tail [4..7] after the
+        // first block.
+        let whole: Vec<u32> = (0..8).collect();
+        assert_eq!(insert(&mut c, &whole), 3);
+        assert_eq!(found(&mut c, &whole, 7), (vec![0..4, 4..7], 7));
+        // Shorter than a block: a tail at the root.
+        let short = [50, 51, 52];
+        assert_eq!(insert(&mut c, &short), 1);
+        assert_eq!(found(&mut c, &short, 2), (vec![0..2], 2));
+        // A tail that does not begin what is left is not used.
+        assert_eq!(found(&mut c, &[50, 60, 61], 2), (vec![], 0));
+        // Of the tails after one block, the longest that begins the rest.
+        assert_eq!(insert(&mut c, &[0, 1, 2, 3, 9, 9]), 1);
+        assert_eq!(insert(&mut c, &[0, 1, 2, 3, 9, 9, 9]), 1);
+        let next = [0, 1, 2, 3, 9, 9, 9, 9];
+        assert_eq!(found(&mut c, &next, 7), (vec![0..4, 4..6], 6));
+        // The same tail again is not stored twice.
+        assert_eq!(insert(&mut c, &[0, 1, 2, 3, 9, 9, 9]), 0);
+        // An evicted tail is no longer offered.
+        let mut small = cache(20);
+        insert(&mut small, &[0, 1, 2, 3, 4, 5]);
+        insert(&mut small, &[7, 7, 7, 7, 7]);
+        // (the tail was the deepest of the oldest: it went first)
+        assert_eq!(found(&mut small, &[0, 1, 2, 3, 4, 5], 5), (vec![0..4], 4));
+        assert!(small.tails.is_empty());
     }
 
     #[test]
     fn the_least_recently_used_blocks_go_first_and_a_chain_loses_its_tail_first() {
         let mut c = cache(40);
-        let a: Vec<u32> = (0..12).collect();
-        let b: Vec<u32> = (100..108).collect();
+        // Lengths of whole blocks and one token: no tails.
+        let a: Vec<u32> = (0..13).collect();
+        let b: Vec<u32> = (100..109).collect();
         insert(&mut c, &a);
         insert(&mut c, &b);
-        // 5 blocks of 10 bytes in a budget of 40: a's tail went (a and b
-        // each were inserted in one go; a is older).
+        // 5 blocks of 10 bytes in a budget of 40: a's last block went (a and
+        // b each were inserted in one go; a is older).
         let s = c.stats();
         assert_eq!((s.blocks, s.bytes, s.evicted_blocks), (4, 40, 1));
-        assert_eq!(c.lookup(&a, 12).len(), 2);
-        // a was just used: a new block now evicts b's tail, then b's head.
-        let d: Vec<u32> = (200..208).collect();
+        assert_eq!(c.lookup(&a, 12).blocks.len(), 2);
+        // a was just used: a new block now evicts b's last block, then b's head.
+        let d: Vec<u32> = (200..209).collect();
         insert(&mut c, &d);
-        assert!(c.lookup(&b, 8).is_empty());
-        assert_eq!(c.lookup(&a, 12).len(), 2);
-        assert_eq!(c.lookup(&d, 8).len(), 2);
+        assert!(c.lookup(&b, 8).blocks.is_empty());
+        assert_eq!(c.lookup(&a, 12).blocks.len(), 2);
+        assert_eq!(c.lookup(&d, 8).blocks.len(), 2);
         assert_eq!(c.stats().bytes, 40);
     }
 
@@ -304,7 +453,7 @@ mod tests {
         let mut c = cache(25);
         let a: Vec<u32> = (0..40).collect();
         insert(&mut c, &a);
-        assert_eq!(c.lookup(&a, 40), vec![&(0..4), &(4..8)]);
+        assert_eq!(found(&mut c, &a, 40), (vec![0..4, 4..8], 8));
     }
 
     #[test]

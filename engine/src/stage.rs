@@ -181,8 +181,8 @@ pub trait Stage: Send {
     /// Outputs are in input order, as [`Stage::forward`] gives them.
     fn forward_batch(&mut self, batch: Vec<(SequenceId, StageInput)>) -> Result<Vec<StageOutput>>;
 
-    /// Frees a sequence's KV cache (keeping its whole blocks of tokens in the
-    /// prefix cache, when there is one); returns whether it existed.
+    /// Frees a sequence's KV cache (keeping its blocks of tokens and its tail
+    /// in the prefix cache, when there is one); returns whether it existed.
     fn release(&mut self, seq: SequenceId) -> bool;
 
     /// Starts the new sequence `seq` from the longest cached prefix of its
@@ -195,9 +195,9 @@ pub trait Stage: Send {
         0
     }
 
-    /// Keeps the whole blocks of tokens `seq` holds in the prefix cache (a
-    /// prompt, once run, is there for the sequences that follow it). Only a
-    /// stage that reuses prefixes keeps them.
+    /// Keeps the blocks of tokens `seq` holds, and its tail, in the prefix
+    /// cache (a prompt, once run, is there for the sequences that follow
+    /// it). Only a stage that reuses prefixes keeps them.
     fn retain_prefix(&mut self, _seq: SequenceId) {}
 
     /// What the prefix cache did and holds.

@@ -205,10 +205,12 @@ fn cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts(engine: EngineKi
     assert_eq!(first.reused, 0);
     assert!(first.out.starts_with(reference[0].clear_tokens()));
     let kept = cached.prefix_cache();
+    let ran = a.len() + n - 1;
     assert_eq!(
         kept.blocks as usize,
-        (a.len() + n - 1) / block,
-        "every whole block of the prompt and the answer it ran"
+        ran / block + usize::from(!(ran - 1).is_multiple_of(block)),
+        "every whole block of the prompt and the answer it ran, and the tail after them \
+         (all but the last token)"
     );
     assert!(kept.bytes > 0 && kept.bytes <= kept.budget_bytes);
 
@@ -250,6 +252,25 @@ fn cached_prefixes_give_the_same_greedy_tokens_as_whole_prompts(engine: EngineKi
     );
     assert_eq!(cached.sequences(), 0, "released sequences hold no KV");
     assert!(cached.kv_cache_bytes() == 0);
+
+    // A's prompt and answer again, as one prompt (what the next turn of a
+    // conversation starts with): all but its last token come from the
+    // cache, the tail after the last whole block included, and it goes on
+    // as the whole prompt does.
+    let again: Vec<u32> = a.iter().chain(&first.out[..n - 1]).copied().collect();
+    let whole = run_together(&mut *plain, &[(9, 0, again.clone())], n, usize::MAX)
+        .pop()
+        .unwrap();
+    let tail = run_together(&mut *cached, &[(10, 0, again.clone())], n, 40)
+        .pop()
+        .unwrap();
+    assert_eq!(tail.reused, again.len() - 1);
+    assert!(
+        tail.out.starts_with(whole.clear_tokens()),
+        "{:?} where the whole prompt gave {:?}",
+        tail.out,
+        whole.out
+    );
 }
 
 fn a_small_cache_evicts_and_stays_within_its_budget(engine: EngineKind) {
@@ -275,4 +296,85 @@ fn a_small_cache_evicts_and_stays_within_its_budget(engine: EngineKind) {
         .unwrap();
     assert_eq!(r.reused, 2 * 32);
     assert!(s.prefix_cache().bytes <= 2 * block_bytes as u64);
+}
+
+/// The last logits of `prompt` run through `stage` as sequence `seq` in
+/// the pieces that `cuts` (positions) make, after what the prefix cache
+/// gives; the sequence is released (and so kept in the cache) afterwards.
+/// Returns the logits and the tokens reused.
+fn last_logits(
+    stage: &mut dyn Stage,
+    seq: SequenceId,
+    prompt: &[u32],
+    cuts: &[usize],
+) -> (Vec<f32>, usize) {
+    let reused = stage.reuse_prefix(seq, prompt);
+    let mut at = reused;
+    let mut logits = Vec::new();
+    for end in cuts
+        .iter()
+        .copied()
+        .filter(|&c| c > reused)
+        .chain([prompt.len()])
+    {
+        if end <= at {
+            continue;
+        }
+        let out = stage
+            .forward_batch(vec![(seq, StageInput::Tokens(prompt[at..end].to_vec()))])
+            .unwrap();
+        let StageOutput::Logits(l) = out.into_iter().next().unwrap() else {
+            panic!("a whole model gives logits");
+        };
+        logits = l;
+        at = end;
+    }
+    stage.release(seq);
+    (logits, reused)
+}
+
+/// The logits' bits, to compare exactly.
+fn bits(logits: &[f32]) -> Vec<u32> {
+    logits.iter().map(|x| x.to_bits()).collect()
+}
+
+/// On candle a row's result depends only on its query and the keys it
+/// sees, so a prompt gives the same logits to the bit whole, cut anywhere
+/// into two pieces or three, and after the prefix cache's blocks and tail:
+/// seeded sampling draws the same tokens with the cache as without it.
+#[test]
+fn candle_logits_are_bit_identical_however_a_prompt_is_cut_or_cached() {
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    let a = prompt(&text, "What is the capital of France?");
+    let n = a.len();
+    assert!(n > 40, "the prompt spans more than a block");
+    let mut plain = stage(&file, EngineKind::Candle, 0);
+    let (whole, _) = last_logits(&mut *plain, 1, &a, &[]);
+    let mut cuts: Vec<Vec<usize>> = (1..n).map(|c| vec![c]).collect();
+    cuts.extend([vec![7, 19], vec![5, n - 2], vec![16, 32, 48]]);
+    for (i, cut) in cuts.iter().enumerate() {
+        let (logits, _) = last_logits(&mut *plain, 10 + i as u64, &a, cut);
+        assert!(
+            bits(&logits) == bits(&whole),
+            "prompt of {n} cut at {cut:?}"
+        );
+    }
+
+    let mut cached = stage(&file, EngineKind::Candle, 64 << 20);
+    let (first, reused) = last_logits(&mut *cached, 1, &a, &[]);
+    assert_eq!((bits(&first) == bits(&whole), reused), (true, 0));
+    // The same prompt again: all of it but its last token from the cache.
+    let (again, reused) = last_logits(&mut *cached, 2, &a, &[]);
+    assert_eq!(reused, n - 1);
+    assert!(bits(&again) == bits(&whole), "the cached prompt's logits");
+    // A longer prompt that carries on from it, against the same run whole.
+    let longer: Vec<u32> = a.iter().chain(&a[1..9]).copied().collect();
+    let (want, _) = last_logits(&mut *plain, 3, &longer, &[]);
+    let (got, reused) = last_logits(&mut *cached, 3, &longer, &[]);
+    assert_eq!(reused, n - 1);
+    assert!(
+        bits(&got) == bits(&want),
+        "a prompt carrying on from a cached one"
+    );
 }

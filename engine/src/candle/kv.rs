@@ -189,7 +189,7 @@ fn attend(
 }
 
 /// `a · b`, in eight lanes the compiler keeps in one vector register.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = a8

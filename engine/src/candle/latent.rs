@@ -38,9 +38,9 @@ pub(super) struct LatentWeights {
     /// hidden → `[latent │ k_rope]`.
     kv_a: Linear,
     kv_norm: Tensor,
-    /// `[heads, nope, latent]`: `W_kᵀ` per head, for `q_nope · W_kᵀ`.
+    /// `[heads, latent, nope]`: `W_k` per head, for `q_nope · W_kᵀ`.
     embed_q: Tensor,
-    /// `[heads, latent, value]`: `W_vᵀ` per head.
+    /// `[heads, value, latent]`: `W_v` per head, for `latent · W_vᵀ`.
     unembed_out: Tensor,
     widths: LatentAttention,
     heads: usize,
@@ -117,11 +117,8 @@ impl LatentWeights {
             )
         };
         // This rank's heads of the per-head maps.
-        let mine = |t: Tensor| -> Result<Tensor> {
-            Ok(t.narrow(0, own.start, own.len())?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
+        let mine =
+            |t: Tensor| -> Result<Tensor> { Ok(t.narrow(0, own.start, own.len())?.contiguous()?) };
         Ok(LatentWeights {
             query,
             kv_a: l.matrix(&name("attn_kv_a_mqa.weight"))?.into(),
@@ -160,7 +157,7 @@ impl LatentWeights {
         let q = q.reshape((rows, self.heads, w.query_dim()))?;
         let q_nope = q.narrow(2, 0, w.nope_dim)?.transpose(0, 1)?.contiguous()?;
         // [heads, rows, nope] × [heads, nope, latent] → [rows, heads, latent].
-        let q_latent = q_nope.matmul(&self.embed_q)?.transpose(0, 1)?;
+        let q_latent = super::dense::per_head(&q_nope, &self.embed_q)?.transpose(0, 1)?;
         let q_rope = q
             .narrow(2, w.nope_dim, w.rope_dim)?
             .contiguous()?
@@ -191,10 +188,10 @@ impl LatentWeights {
     pub fn values(&self, attended: Vec<f32>, device: &candle_core::Device) -> Result<Tensor> {
         let rank = self.widths.kv_lora_rank;
         let rows = attended.len() / (self.heads * rank);
-        let y = Tensor::from_vec(attended, (rows, self.heads, rank), device)?
+        let by_head = Tensor::from_vec(attended, (rows, self.heads, rank), device)?
             .transpose(0, 1)?
-            .contiguous()?
-            .matmul(&self.unembed_out)?;
+            .contiguous()?;
+        let y = super::dense::per_head(&by_head, &self.unembed_out)?;
         Ok(y.transpose(0, 1)?
             .reshape((rows, self.heads * self.widths.value_dim))?)
     }

@@ -15,6 +15,7 @@
 //! ```
 
 mod attention;
+mod dense;
 mod kv;
 mod latent;
 mod moe;
@@ -25,7 +26,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::{LayerAttention, ModelConfig};
 use crate::error::{Error, Result};
@@ -492,7 +493,7 @@ impl CandleStage {
                     .collect();
                 let rows = x.index_select(&Tensor::new(last_rows.as_slice(), &self.device)?, 0)?;
                 let rows = candle_nn::ops::rms_norm(&rows, norm, self.config.rms_eps as f32)?;
-                let logits = head.forward(&rows)?.to_dtype(DType::F32)?;
+                let logits = dense::forward(head, &rows)?.to_dtype(DType::F32)?;
                 Ok(logits
                     .to_vec2::<f32>()?
                     .into_iter()
@@ -650,19 +651,18 @@ impl Stage for CandleStage {
         if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
-        let block_tokens = self.prefix.block_tokens();
         let mut cache = self.new_cache();
-        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
-        if blocks.is_empty() {
+        let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if hit.blocks.is_empty() {
             return 0;
         }
         let seeded = (|| -> Result<SequenceCache> {
             for (l, kv) in cache.layers.iter_mut().enumerate() {
-                for block in &blocks {
+                for block in &hit.blocks {
                     kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;
                 }
             }
-            cache.position = blocks.len() * block_tokens;
+            cache.position = hit.tokens;
             cache.tokens = tokens[..cache.position].to_vec();
             Ok(cache)
         })();

@@ -7,7 +7,7 @@ use std::io::BufReader;
 use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use shardplane_formats::GgmlType;
 
 use super::latent::LatentWeights;
@@ -355,7 +355,7 @@ impl From<QMatMul> for Linear {
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
+        let y = super::dense::forward(&self.weight, x)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -592,6 +592,7 @@ impl LayerWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Module;
 
     fn max_gap(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)

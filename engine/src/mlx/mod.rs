@@ -592,13 +592,12 @@ impl Stage for MlxStage {
             return 0;
         }
         let (kvh, kw, vw) = self.cache_widths();
-        let block_tokens = self.prefix.block_tokens();
         let _guard = lock();
-        let blocks = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
-        if blocks.is_empty() {
+        let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
+        if hit.blocks.is_empty() {
             return 0;
         }
-        let held = blocks.len() * block_tokens;
+        let (blocks, held) = (hit.blocks, hit.tokens);
         let capacity = held.div_ceil(KV_CHUNK) * KV_CHUNK;
         let seeded = (|| -> Result<Vec<Option<LayerCache>>> {
             let mut layers = Vec::with_capacity(self.layers.len());

@@ -1,0 +1,170 @@
+//! Products with float (not quantized) matrices in which every output row
+//! depends only on its input row: the same sum, in the same order, whether
+//! one row runs or five hundred.
+//!
+//! ```text
+//!  x: rows × k      w: n × k (a linear layer's weight, one row per output)
+//!  tasks: blocks of COLUMNS columns of w ─► for each row of x, for each
+//!         column of the block: dot(x row, w column) (8 lanes, fixed order)
+//!      ─► y: rows × n
+//! ```
+//!
+//! candle's own product of two float tensors takes other paths for one row
+//! (a matrix-vector kernel) and for many (blocked), which round
+//! differently; a router or an output head that rounded with the number of
+//! rows beside it would let the prefix cache, chunked prefill or batching
+//! change what a row computes (see `attention.rs` for the same rule in
+//! attention). Quantized matrices already keep it: their rows are
+//! quantized and dotted one by one.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Module, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::kv::dot;
+use crate::error::Result;
+
+/// Columns of `w` one task takes: their weights stay in the core's cache
+/// while every row passes.
+const COLUMNS: usize = 16;
+
+/// `x · wᵀ` for `x` of `rows × k` and `w` of `n × k`: `rows × n`.
+pub(super) fn times_transposed(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
+    debug_assert!(k > 0 && x.len().is_multiple_of(k) && w.len().is_multiple_of(k));
+    let (rows, n) = (x.len() / k, w.len() / k);
+    let blocks: Vec<Vec<f32>> = w
+        .par_chunks(COLUMNS * k)
+        .map(|columns| {
+            let mut out = Vec::with_capacity(rows * columns.len() / k);
+            for row in x.chunks_exact(k) {
+                out.extend(columns.chunks_exact(k).map(|column| dot(row, column)));
+            }
+            out
+        })
+        .collect();
+    let mut y = vec![0f32; rows * n];
+    for (b, block) in blocks.iter().enumerate() {
+        let width = block.len() / rows.max(1);
+        for (r, values) in block.chunks_exact(width.max(1)).enumerate() {
+            let at = r * n + b * COLUMNS;
+            y[at..at + width].copy_from_slice(values);
+        }
+    }
+    y
+}
+
+/// `matrix`'s product with `x` (`rows × k`, or any shape whose last
+/// dimension is `k`): row-invariant for a float matrix on the CPU, candle's
+/// own for a quantized one (row-invariant already) or on another device.
+pub(super) fn forward(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    let QMatMul::Tensor(w) = matrix else {
+        return Ok(matrix.forward(x)?);
+    };
+    if !w.device().is_cpu() || w.dtype() != DType::F32 || w.rank() != 2 {
+        return Ok(matrix.forward(x)?);
+    }
+    let (n, k) = w.dims2()?;
+    let w = w.contiguous()?;
+    let (storage, layout) = w.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Ok(matrix.forward(x)?);
+    };
+    let weights = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + n * k];
+    let mut dims = x.dims().to_vec();
+    let y = times_transposed(&host(x)?, weights, k);
+    *dims.last_mut().expect("an input has dimensions") = n;
+    Ok(Tensor::from_vec(y, dims, x.device())?)
+}
+
+/// A float tensor's values on the host, as one slice (copied only when it
+/// is not a contiguous f32 CPU tensor already).
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Per-head products: `x` is `[heads, rows, k]`, `w` `[heads, n, k]` (each
+/// head's matrix, one row per output); returns `[heads, rows, n]`, each
+/// row as it would be alone.
+pub(super) fn per_head(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (heads, rows, k) = x.dims3()?;
+    let (_, n, _) = w.dims3()?;
+    let (xs, ws) = (host(x)?, host(w)?);
+    let mut y = Vec::with_capacity(heads * rows * n);
+    for h in 0..heads {
+        y.extend(times_transposed(
+            &xs[h * rows * k..(h + 1) * rows * k],
+            &ws[h * n * k..(h + 1) * n * k],
+            k,
+        ));
+    }
+    Ok(Tensor::from_vec(y, (heads, rows, n), x.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn the_product_is_right_and_a_row_is_the_same_alone_or_among_many() {
+        // 37 outputs (not a whole number of column blocks), k = 70.
+        let (n, k) = (37, 70);
+        let w = values(n * k, 1);
+        let x = values(100 * k, 2);
+        let y = times_transposed(&x, &w, k);
+        for r in [0, 41, 99] {
+            for c in [0, 15, 16, 36] {
+                let want: f64 = (0..k)
+                    .map(|i| f64::from(x[r * k + i]) * f64::from(w[c * k + i]))
+                    .sum();
+                assert!((f64::from(y[r * n + c]) - want).abs() < 1e-4, "({r}, {c})");
+            }
+        }
+        let alone = times_transposed(&x[41 * k..42 * k], &w, k);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&alone), bits(&y[41 * n..42 * n]));
+        assert!(times_transposed(&[], &w, k).is_empty());
+    }
+
+    #[test]
+    fn forward_keeps_the_shape_and_matches_candle_within_rounding() {
+        let (n, k) = (20, 48);
+        let w = Tensor::from_vec(values(n * k, 3), (n, k), &candle_core::Device::Cpu).unwrap();
+        let x = Tensor::from_vec(values(3 * k, 4), (3, k), &candle_core::Device::Cpu).unwrap();
+        let matrix = QMatMul::Tensor(w.clone());
+        let ours = forward(&matrix, &x).unwrap();
+        assert_eq!(ours.dims(), &[3, n]);
+        let theirs = x.matmul(&w.t().unwrap()).unwrap();
+        let gap = (ours - theirs)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(gap < 1e-4, "{gap}");
+        // Per head: head 1 of two is its own product.
+        let x2 = Tensor::stack(&[&x, &x.affine(0.5, 0.1).unwrap()], 0).unwrap();
+        let w2 = Tensor::stack(&[&w, &w.affine(-1.0, 0.0).unwrap()], 0).unwrap();
+        let y2 = per_head(&x2, &w2).unwrap();
+        assert_eq!(y2.dims(), &[2, 3, n]);
+        let want = forward(&QMatMul::Tensor(w2.get(1).unwrap()), &x2.get(1).unwrap()).unwrap();
+        assert_eq!(
+            y2.get(1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+    }
+}
