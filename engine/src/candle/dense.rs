@@ -3,7 +3,7 @@
 //! one row runs or five hundred.
 //!
 //! ```text
-//!  x: rows × k      w: n × k (a linear layer's weight, one row per output)
+//!  x: rows × k      w: n × k (one row per output)
 //!  tasks: blocks of COLUMNS columns of w ─► for each row of x, for each
 //!         column of the block: dot(x row, w column) (8 lanes, fixed order)
 //!      ─► y: rows × n
@@ -11,13 +11,18 @@
 //!
 //! candle's own product of two float tensors takes other paths for one row
 //! (a matrix-vector kernel) and for many (blocked), which round
-//! differently; a router or an output head that rounded with the number of
+//! differently. A router, a shared expert's gate, latent attention's
+//! per-head maps or a float output head that rounded with the number of
 //! rows beside it would let the prefix cache, chunked prefill or batching
 //! change what a row computes (see `attention.rs` for the same rule in
-//! attention). Quantized matrices already keep it: their rows are
-//! quantized and dotted one by one.
+//! attention), so they go through here. Quantized matrices keep the rule
+//! in candle (their rows are quantized and dotted one by one), but for one
+//! kernel [`quantized`] steers around. A float
+//! model's large layer matrices keep candle's blocked product: this plain
+//! one is as fast for up to about 8 rows but 3–4× slower for 128 (a
+//! prompt's slice).
 
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Module, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -54,26 +59,52 @@ pub(super) fn times_transposed(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
 }
 
 /// `matrix`'s product with `x` (`rows × k`, or any shape whose last
-/// dimension is `k`): row-invariant for a float matrix on the CPU, candle's
-/// own for a quantized one (row-invariant already) or on another device.
+/// dimension is `k`): row-invariant for a float matrix on the CPU and for a
+/// quantized one (see [`quantized`]); candle's own on another device.
 pub(super) fn forward(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
     let QMatMul::Tensor(w) = matrix else {
-        return Ok(matrix.forward(x)?);
+        return quantized(matrix, x);
     };
-    if !w.device().is_cpu() || w.dtype() != DType::F32 || w.rank() != 2 {
+    if !w.device().is_cpu() || w.rank() != 2 {
         return Ok(matrix.forward(x)?);
     }
     let (n, k) = w.dims2()?;
-    let w = w.contiguous()?;
-    let (storage, layout) = w.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        return Ok(matrix.forward(x)?);
-    };
-    let weights = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + n * k];
+    let xs = host(x)?;
+    let y = on_host(w, |weights| Ok(times_transposed(&xs, weights, k)))?;
     let mut dims = x.dims().to_vec();
-    let y = times_transposed(&host(x)?, weights, k);
     *dims.last_mut().expect("an input has dimensions") = n;
     Ok(Tensor::from_vec(y, dims, x.device())?)
+}
+
+/// candle's product of a quantized `matrix` with the rows `x` (`rows × k`),
+/// row-invariant: candle dots each row by itself, but on x86 takes a
+/// Q6_K matrix's single row through a compact kernel that sums in another
+/// order than its tiles for two rows and more, so a lone row runs as two
+/// (itself twice; the second result is dropped). That costs a large Q6_K
+/// matrix (a Q4_K_M file's output head) up to twice its one-row time and a
+/// small one nothing (the tiles are faster there).
+pub(super) fn quantized(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    let lone_q6k = matches!(matrix, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K)
+        && x.rank() == 2
+        && x.dim(0)? == 1;
+    if !lone_q6k {
+        return Ok(matrix.forward(x)?);
+    }
+    let twice = Tensor::cat(&[x, x], 0)?;
+    Ok(matrix.forward(&twice)?.narrow(0, 0, 1)?)
+}
+
+/// `f` of `t`'s values as one f32 slice: borrowed where `t` is a
+/// contiguous f32 CPU tensor (a weight, every step), else copied.
+fn on_host<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+    if t.dtype() == DType::F32 && t.is_contiguous() {
+        let (storage, layout) = t.storage_and_layout();
+        if let Storage::Cpu(cpu) = &*storage {
+            let start = layout.start_offset();
+            return f(&cpu.as_slice::<f32>()?[start..start + t.elem_count()]);
+        }
+    }
+    f(&host(t)?)
 }
 
 /// A float tensor's values on the host, as one slice (copied only when it
@@ -88,15 +119,18 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 pub(super) fn per_head(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (heads, rows, k) = x.dims3()?;
     let (_, n, _) = w.dims3()?;
-    let (xs, ws) = (host(x)?, host(w)?);
-    let mut y = Vec::with_capacity(heads * rows * n);
-    for h in 0..heads {
-        y.extend(times_transposed(
-            &xs[h * rows * k..(h + 1) * rows * k],
-            &ws[h * n * k..(h + 1) * n * k],
-            k,
-        ));
-    }
+    let xs = host(x)?;
+    let y = on_host(w, |ws| {
+        let mut y = Vec::with_capacity(heads * rows * n);
+        for h in 0..heads {
+            y.extend(times_transposed(
+                &xs[h * rows * k..(h + 1) * rows * k],
+                &ws[h * n * k..(h + 1) * n * k],
+                k,
+            ));
+        }
+        Ok(y)
+    })?;
     Ok(Tensor::from_vec(y, (heads, rows, n), x.device())?)
 }
 
@@ -166,5 +200,41 @@ mod tests {
                 .unwrap(),
             want.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
+    }
+
+    #[test]
+    fn every_quantized_type_gives_a_row_the_same_bits_alone_or_among_many() {
+        use candle_core::quantized::QTensor;
+        let (n, k) = (64, 512);
+        let cpu = &candle_core::Device::Cpu;
+        let w = Tensor::from_vec(values(n * k, 3), (n, k), cpu).unwrap();
+        let x = Tensor::from_vec(values(40 * k, 4), (40, k), cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
+            let m = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            let bits = |rows: usize| -> Vec<Vec<u32>> {
+                forward(&m, &x.narrow(0, 0, rows).unwrap())
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.iter().map(|v| v.to_bits()).collect())
+                    .collect()
+            };
+            let all = bits(40);
+            for rows in [1, 2, 3, 5, 8, 33] {
+                assert_eq!(bits(rows)[..], all[..rows], "{dtype:?}, {rows} rows");
+            }
+        }
     }
 }

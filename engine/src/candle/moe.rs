@@ -12,6 +12,7 @@
 //! each expert runs once over all the rows that chose it, so a batch reads
 //! an expert's weights once however many of its tokens chose it.
 
+use candle_core::quantized::QMatMul;
 use candle_core::{DType, Tensor};
 
 use super::weights::Linear;
@@ -96,7 +97,7 @@ impl Experts {
     fn forward(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
         let logits = self
             .router
-            .forward(x)?
+            .forward_row_invariant(x)?
             .to_dtype(DType::F32)?
             .to_vec2::<f32>()?;
         let experts = self.gate.len();
@@ -141,7 +142,8 @@ impl Experts {
             out = match &s.gate_inp {
                 Some(gate_inp) => {
                     let hidden = gate_inp.elem_count();
-                    let gate = x.matmul(&gate_inp.reshape((hidden, 1))?)?;
+                    let gate =
+                        super::dense::forward(&QMatMul::Tensor(gate_inp.reshape((1, hidden))?), x)?;
                     (out + y.broadcast_mul(&candle_nn::ops::sigmoid(&gate)?)?)?
                 }
                 None => (out + y)?,

@@ -355,7 +355,20 @@ impl From<QMatMul> for Linear {
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = super::dense::forward(&self.weight, x)?;
+        self.biased(super::dense::quantized(&self.weight, x)?)
+    }
+
+    /// The product each row of which is the same whatever rows run beside
+    /// it, for a float weight too (see `dense.rs`): for the small matrices
+    /// that steer a row, such as a router, where candle's float product
+    /// would round with the batch. A quantized weight is row-invariant
+    /// either way (`forward`); a large float one (a float model's layers)
+    /// keeps candle's faster blocked product there.
+    pub fn forward_row_invariant(&self, x: &Tensor) -> Result<Tensor> {
+        self.biased(super::dense::forward(&self.weight, x)?)
+    }
+
+    fn biased(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
