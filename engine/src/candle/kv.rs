@@ -132,11 +132,15 @@ pub(super) struct HeadShape {
     pub scale: f32,
 }
 
+/// Rows of one sequence a thread takes together: each key and value is
+/// read once for all of them rather than once per row.
+const BLOCK_ROWS: usize = 16;
+
 /// Attention of query rows (of any sequences, several per sequence when a
 /// prompt runs) against their caches, written into `out` (`rows × heads ×
-/// value dim`): threads take one query head of one row at a time (enough
-/// pieces to share out even when a single sequence decodes; the keys a KV
-/// head's query heads share stay in the core's cache between them). Each
+/// value dim`): threads take one query head of a block of rows at a time (a
+/// decoding sequence's one row, or up to [`BLOCK_ROWS`] of a prompt's), so
+/// there are pieces to share out even when a single sequence decodes. Each
 /// head of each row is summed in the same order whatever else runs.
 pub(super) fn attend_rows(
     rows: &[QueryRow<'_>],
@@ -144,47 +148,98 @@ pub(super) fn attend_rows(
     sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let (heads, head_dim) = (shape.heads, shape.head_dim);
+    let (heads, vd) = (shape.heads, shape.value_dim);
     let rep = heads / shape.kv_heads;
-    debug_assert_eq!(out.len(), rows.len() * heads * shape.value_dim);
-    out.par_chunks_mut(shape.value_dim)
-        .enumerate()
-        .for_each(|(unit, out)| {
-            let (row, head) = (&rows[unit / heads], unit % heads);
-            let q = &row.q[head * head_dim..(head + 1) * head_dim];
+    debug_assert_eq!(out.len(), rows.len() * heads * vd);
+    // Runs of consecutive rows on the same cache (one prompt's), cut short.
+    let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        match blocks.last_mut() {
+            Some(b) if b.len() < BLOCK_ROWS && std::ptr::eq(rows[b.start].kv, row.kv) => {
+                b.end = i + 1
+            }
+            _ => blocks.push(i..i + 1),
+        }
+    }
+    let units: Vec<(usize, usize)> = (0..blocks.len())
+        .flat_map(|b| (0..heads).map(move |h| (b, h)))
+        .collect();
+    let results: Vec<Vec<f32>> = units
+        .par_iter()
+        .map(|&(b, head)| {
+            let block = &rows[blocks[b].clone()];
+            let mut o = vec![0f32; block.len() * vd];
             let sink = sinks.map(|s| s[head]);
-            attend(row, q, head / rep, shape, sink, out);
-        });
+            attend_block(block, head, head / rep, shape, sink, &mut o);
+            o
+        })
+        .collect();
+    for (&(b, head), o) in units.iter().zip(&results) {
+        for (i, r) in blocks[b].clone().enumerate() {
+            let at = (r * heads + head) * vd;
+            out[at..at + vd].copy_from_slice(&o[i * vd..(i + 1) * vd]);
+        }
+    }
 }
 
-/// Query head `q` of KV head `group` of one row; `sink`, a logit that
-/// joins the softmax without a value.
-fn attend(
-    row: &QueryRow<'_>,
-    q: &[f32],
+/// Query head `head` (of KV head `group`) of a block of rows on one cache,
+/// into `out` (`rows × value dim`); `sink`, a logit that joins the softmax
+/// without a value. Each row's scores, softmax and weighted sum run in key
+/// order, exactly as they would for the row alone.
+fn attend_block(
+    block: &[QueryRow<'_>],
+    head: usize,
     group: usize,
     shape: &HeadShape,
     sink: Option<f32>,
     out: &mut [f32],
 ) {
-    let (kv, head_dim) = (row.kv, shape.head_dim);
-    let at = |t: usize| t * kv.width + group * head_dim;
-    let mut scores: Vec<f32> = (row.first..row.end)
-        .map(|t| dot(q, &kv.k[at(t)..at(t) + head_dim]) * shape.scale)
-        .collect();
-    let max = scores
+    let (kv, hd, vd) = (block[0].kv, shape.head_dim, shape.value_dim);
+    let at = |t: usize| t * kv.width + group * hd;
+    let lo = block.iter().map(|r| r.first).min().unwrap_or(0);
+    let hi = block.iter().map(|r| r.end).max().unwrap_or(0);
+    let qs: Vec<&[f32]> = block
         .iter()
-        .copied()
-        .chain(sink)
-        .fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = sink.map_or(0.0, |s| (s - max).exp());
-    for x in scores.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
+        .map(|r| &r.q[head * hd..(head + 1) * hd])
+        .collect();
+    let mut scores: Vec<Vec<f32>> = block
+        .iter()
+        .map(|r| Vec::with_capacity(r.end - r.first))
+        .collect();
+    for t in lo..hi {
+        let k = &kv.k[at(t)..at(t) + hd];
+        for ((r, q), s) in block.iter().zip(&qs).zip(scores.iter_mut()) {
+            if r.first <= t && t < r.end {
+                s.push(dot(q, k) * shape.scale);
+            }
+        }
+    }
+    let mut sums = Vec::with_capacity(block.len());
+    for s in scores.iter_mut() {
+        let max = s
+            .iter()
+            .copied()
+            .chain(sink)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = sink.map_or(0.0, |x| (x - max).exp());
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        sums.push(sum);
     }
     out.fill(0.0);
-    for (t, p) in (row.first..row.end).zip(&scores) {
-        axpy(p / sum, kv.value(t, group, shape.value_dim), out);
+    for t in lo..hi {
+        let v = kv.value(t, group, vd);
+        for (i, r) in block.iter().enumerate() {
+            if r.first <= t && t < r.end {
+                axpy(
+                    scores[i][t - r.first] / sums[i],
+                    v,
+                    &mut out[i * vd..(i + 1) * vd],
+                );
+            }
+        }
     }
 }
 
