@@ -74,9 +74,14 @@ pub(super) fn forward(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let xs = host(x)?;
     let y = on_host(w, |weights| Ok(times_transposed(&xs, weights, k)))?;
+    Ok(Tensor::from_vec(y, outputs_shape(x, n), x.device())?)
+}
+
+/// The shape of a product's result: `x`'s, its last dimension `n`.
+fn outputs_shape(x: &Tensor, n: usize) -> Vec<usize> {
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("an input has dimensions") = n;
-    Ok(Tensor::from_vec(y, dims, x.device())?)
+    dims
 }
 
 /// candle's product of a quantized `matrix` with the rows `x` (`rows × k`),
@@ -100,22 +105,11 @@ pub(super) fn quantized(matrix: &QMatMul, x: &Tensor) -> Result<Tensor> {
         return Ok(matrix.forward(x)?);
     }
     let row = x.reshape((1, k))?;
-    let twice = Tensor::cat(&[&row, &row], 0)?;
-    Ok(matrix.forward(&twice)?.narrow(0, 0, 1)?.reshape(
-        x.dims()[..x.rank() - 1]
-            .iter()
-            .copied()
-            .chain([matrix_rows(matrix)?])
-            .collect::<Vec<_>>(),
-    )?)
-}
-
-/// The outputs of a quantized matrix (its rows).
-fn matrix_rows(matrix: &QMatMul) -> Result<usize> {
-    Ok(match matrix {
-        QMatMul::QTensor(t) => t.shape().dims2()?.0,
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2()?.0,
-    })
+    let y = matrix
+        .forward(&Tensor::cat(&[&row, &row], 0)?)?
+        .narrow(0, 0, 1)?;
+    let n = y.dim(1)?;
+    Ok(y.reshape(outputs_shape(x, n))?)
 }
 
 /// `f` of `t`'s values as one f32 slice: borrowed where `t` is a
@@ -131,8 +125,8 @@ fn on_host<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
     f(&host(t)?)
 }
 
-/// A float tensor's values on the host, as one slice (copied only when it
-/// is not a contiguous f32 CPU tensor already).
+/// A copy of a tensor's values on the host, as f32 (see [`on_host`] to
+/// borrow them instead).
 fn host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
