@@ -100,16 +100,23 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         &["apply", "-f", "-"],
         Some(&String::from_utf8(crds.stdout)?),
     )?;
-    kubectl(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd",
-            "--all",
-        ],
-        None,
-    )?;
+    // kubectl's wait fails at once ("conditions accessor error") on a CRD
+    // the API server has not written any status for yet: ask again.
+    let wait = [
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd",
+        "--all",
+    ];
+    let mut tries = 0;
+    while let Err(e) = kubectl(&wait, None) {
+        tries += 1;
+        if tries == 5 {
+            return Err(e);
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
 
     let token = state.join("data-plane-token");
     if !token.exists() {
