@@ -25,6 +25,7 @@ pub mod retry;
 pub mod scheduler;
 pub mod shards;
 pub mod stage;
+pub mod tensor;
 #[cfg(test)]
 mod test_stage;
 
@@ -262,6 +263,8 @@ fn serve(
         budget: config.budget,
         prefix_cache_bytes: config.prefix_cache_bytes,
         memory_reserve: config.registration.memory_reserve,
+        directory: shard_directory.clone(),
+        token: config.token.clone(),
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

@@ -67,6 +67,8 @@ pub fn transient(reason: &str, again: bool) -> bool {
     match reason {
         "DownloadFailed" | "PeerCopyFailed" | "DiskFull" | "CacheUnwritable" | "LoadPanicked"
         | "WeightsUnreadable" | "StageCrashed" => true,
+        // A tensor group forms again once its ranks are back (or replaced).
+        "TensorGroupBroken" | "TensorGroupIncomplete" => true,
         // A Secret can be created, labelled or filled without a new spec.
         "SecretUnreadable" | "SecretNotOptedIn" | "SecretKeyMissing" => true,
         // The mismatching download was discarded: one fresh fetch may bring

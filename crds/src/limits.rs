@@ -8,6 +8,8 @@
 pub const MAX_REPLICAS: i32 = 1024;
 /// Nodes one instance may span (`minNodes`, `maxNodes`).
 pub const MAX_NODES_PER_INSTANCE: u32 = 256;
+/// The most ranks of one tensor-parallel group.
+pub const MAX_TENSOR_RANKS: u32 = 64;
 /// Tokens of context (`kvCache.contextLength`, a Model's `maxContextLength`).
 pub const MAX_CONTEXT_LENGTH: u32 = 1 << 24;
 /// Sequences one instance serves at once (`kvCache.concurrentSequences`).

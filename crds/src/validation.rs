@@ -248,8 +248,29 @@ impl Validate for ShardingStrategy {
                 c.check(s.max_nodes.unwrap_or(2) >= 2, "spec.maxNodes", || {
                     "tensor parallelism needs at least 2 nodes".into()
                 });
+                if let Some(size) = s.tensor_size {
+                    c.check(size >= 2, "spec.tensorSize", || {
+                        "a tensor group has at least 2 ranks".into()
+                    });
+                    c.at_most(size, MAX_TENSOR_RANKS, "spec.tensorSize");
+                    c.check(
+                        s.max_nodes.is_none_or(|m| m >= size),
+                        "spec.maxNodes",
+                        || format!("maxNodes is below tensorSize ({size}): not one group fits"),
+                    );
+                }
             }
         }
+        c.check(
+            s.tensor_size.is_none() || s.parallelism == Parallelism::Tensor,
+            "spec.tensorSize",
+            || {
+                format!(
+                    "tensorSize is for parallelism tensor, not {}",
+                    s.parallelism
+                )
+            },
+        );
         c.check(
             s.kv_cache.context_length > 0,
             "spec.kvCache.contextLength",
@@ -420,6 +441,37 @@ impl Validate for Shard {
         c.check(is_dns_subdomain(&s.node), "spec.node", || {
             format!("{:?} is not a node name", s.node)
         });
+        if let Some(t) = &s.tensor {
+            let ranks = t.weights.len();
+            c.check(
+                (2..=MAX_TENSOR_RANKS as usize).contains(&ranks),
+                "spec.tensor.weights",
+                || format!("a tensor group has 2 to {MAX_TENSOR_RANKS} ranks, not {ranks}"),
+            );
+            c.check(t.group.len() == ranks, "spec.tensor.group", || {
+                format!("{} Shards for {ranks} ranks", t.group.len())
+            });
+            c.check((t.rank as usize) < ranks, "spec.tensor.rank", || {
+                format!("rank {} of {ranks} ranks", t.rank)
+            });
+            c.check(
+                t.weights.iter().all(|&w| w > 0),
+                "spec.tensor.weights",
+                || "every rank's weight is at least 1".into(),
+            );
+            c.check(
+                t.group.iter().all(|n| is_dns_subdomain(n)),
+                "spec.tensor.group",
+                || "every rank's Shard has a valid name".into(),
+            );
+            if let Some(me) = &self.metadata.name {
+                c.check(
+                    t.group.get(t.rank as usize) == Some(me),
+                    "spec.tensor.group",
+                    || format!("rank {} names another Shard than {me}", t.rank),
+                );
+            }
+        }
         c.finish()
     }
 }

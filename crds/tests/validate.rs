@@ -148,6 +148,16 @@ fn strategy_node_bounds_fit_the_parallelism() {
     let mut tensor = fixtures::strategy("s", Parallelism::Tensor);
     tensor.spec.max_nodes = Some(1);
     assert_rejects(&tensor, "spec.maxNodes", "at least 2 nodes");
+    tensor.spec.max_nodes = Some(3);
+    tensor.spec.tensor_size = Some(4);
+    assert_rejects(&tensor, "spec.maxNodes", "below tensorSize (4)");
+    let mut sized_pipeline = fixtures::strategy("s", Parallelism::Pipeline);
+    sized_pipeline.spec.tensor_size = Some(2);
+    assert_rejects(
+        &sized_pipeline,
+        "spec.tensorSize",
+        "tensorSize is for parallelism tensor, not pipeline",
+    );
     let mut overhead = fixtures::strategy("s", Parallelism::Pipeline);
     overhead.spec.stage_overhead = Some(Quantity("lots".into()));
     assert_rejects(&overhead, "spec.stageOverhead", "not a byte quantity");
@@ -279,4 +289,40 @@ fn node_memory_must_add_up() {
         ..Default::default()
     });
     assert_rejects(&n, "status.memory.allocatable", "exceeds total memory");
+}
+
+/// Rank `rank` of a group of two whole-model ranks (`d-0-0`, `d-0-0-r1`).
+fn rank(rank: u32) -> Shard {
+    let mut s = fixtures::shard("d", "n", 0, 1, range(0, 30));
+    let group = vec!["d-0-0".to_string(), "d-0-0-r1".to_string()];
+    s.metadata.name = Some(group[rank as usize].clone());
+    s.spec.tensor = Some(TensorRankSpec {
+        rank,
+        weights: vec![2, 1],
+        group,
+    });
+    s
+}
+
+#[test]
+fn a_tensor_rank_names_its_group_consistently() {
+    rank(0).validate().unwrap();
+    rank(1).validate().unwrap();
+    let mut out_of_range = rank(1);
+    out_of_range.spec.tensor.as_mut().unwrap().rank = 2;
+    assert_rejects(&out_of_range, "spec.tensor.rank", "rank 2 of 2 ranks");
+    let mut short = rank(0);
+    short.spec.tensor.as_mut().unwrap().group.pop();
+    assert_rejects(&short, "spec.tensor.group", "1 Shards for 2 ranks");
+    let mut zero = rank(0);
+    zero.spec.tensor.as_mut().unwrap().weights[1] = 0;
+    assert_rejects(&zero, "spec.tensor.weights", "at least 1");
+    let mut alone = rank(0);
+    let t = alone.spec.tensor.as_mut().unwrap();
+    t.weights.truncate(1);
+    t.group.truncate(1);
+    assert_rejects(&alone, "spec.tensor.weights", "2 to 64 ranks, not 1");
+    let mut other = rank(0);
+    other.metadata.name = Some("someone-else".into());
+    assert_rejects(&other, "spec.tensor.group", "rank 0 names another Shard");
 }

@@ -105,6 +105,19 @@ impl std::fmt::Debug for Mesh {
     }
 }
 
+/// Shuts a mesh's connections (see [`Mesh::closer`]).
+#[derive(Debug)]
+pub struct MeshCloser(Vec<TcpStream>);
+
+impl MeshCloser {
+    /// Shuts every connection both ways; the mesh's next read or write fails.
+    pub fn close(&self) {
+        for s in &self.0 {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
 /// Who joins, and how.
 #[derive(Debug, Clone)]
 pub struct MeshConfig {
@@ -225,6 +238,34 @@ impl Mesh {
                 .map(|j| j.join().expect("joining does not panic"))
                 .collect()
         })
+    }
+
+    /// A handle that shuts this mesh's connections from another thread (a
+    /// rank blocked waiting for its leader then wakes to a closed mesh).
+    pub fn closer(&self) -> Result<MeshCloser, CollectiveError> {
+        let streams = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(peer, s)| Some((peer, s.as_ref()?)))
+            .map(|(peer, s)| {
+                s.try_clone()
+                    .map_err(|source| CollectiveError::Io { peer, source })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MeshCloser(streams))
+    }
+
+    /// Sets the longest wait for a peer's frame from now on (joining may
+    /// have used another).
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
+        self.timeout = timeout;
+        for (peer, stream) in self.peers.iter().enumerate() {
+            if let Some(stream) = stream {
+                prepare(stream, timeout, peer)?;
+            }
+        }
+        Ok(())
     }
 
     /// This rank.

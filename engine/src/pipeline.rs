@@ -172,6 +172,39 @@ pub fn load_model_stage(
     Ok((load_stage(&file, layout, engine, options)?, text))
 }
 
+/// Loads rank `rank` of a tensor group computing stage `layout` of the
+/// model at `path` (a GGUF file or a safetensors directory), its share
+/// following `weights` (every rank's, in rank order), summing with
+/// `collective`; with the tokenizer when it leads the first stage. Tensor
+/// ranks run on candle.
+pub fn load_tensor_rank(
+    path: &std::path::Path,
+    layout: StageLayout,
+    options: &LoadOptions,
+    weights: &[f64],
+    rank: usize,
+    collective: Box<dyn crate::tensor::AllReduce>,
+) -> Result<(Box<dyn Stage>, Option<TextModel>)> {
+    let (config, text) = if path.is_dir() {
+        let leads_first = rank == 0 && layout.is_first();
+        let text = leads_first.then(|| TextModel::from_dir(path)).transpose()?;
+        (crate::config::read_dir_config(path)?.0, text)
+    } else {
+        let file = GgufFile::open(path)?;
+        let text = (rank == 0 && layout.is_first())
+            .then(|| TextModel::from_gguf(&file))
+            .transpose()?;
+        (file.config().clone(), text)
+    };
+    let split = crate::tensor::TensorSplit::weighted(&config, weights)?;
+    let share = split.shares().get(rank).cloned().ok_or_else(|| {
+        Error::Tensor(format!("rank {rank} of a group of {} ranks", weights.len()))
+    })?;
+    let rank = crate::tensor::TensorRank { share, collective };
+    let stage = CandleStage::load_rank(path, layout, options, rank)?;
+    Ok((Box::new(stage), text))
+}
+
 /// The stages of one model, run in order in this process.
 pub struct LocalPipeline {
     stages: Vec<Box<dyn Stage>>,

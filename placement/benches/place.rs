@@ -48,12 +48,14 @@ fn main() {
         embedding_bytes: GIB,
         output_bytes: GIB,
         kv_bytes_per_token_per_layer: 2 * 1024,
+        kv_heads: None,
     };
     let big_model = Footprint {
         layer_bytes: vec![3 * GIB; 80],
         embedding_bytes: 2 * GIB,
         output_bytes: 2 * GIB,
         kv_bytes_per_token_per_layer: 4 * 1024,
+        kv_heads: None,
     };
     let whole = Strategy {
         parallelism: Parallelism::None,
@@ -68,6 +70,7 @@ fn main() {
         max_latency_micros: None,
         min_bandwidth_mbps: None,
         require_rdma: false,
+        tensor_size: None,
     };
     let pipeline = Strategy {
         parallelism: Parallelism::Pipeline,

@@ -13,6 +13,9 @@ pub struct Footprint {
     pub output_bytes: u64,
     /// Bytes of KV cache one token takes in one layer.
     pub kv_bytes_per_token_per_layer: u64,
+    /// KV heads per layer, when known: a tensor group has at most this
+    /// many ranks, each with whole heads.
+    pub kv_heads: Option<u32>,
 }
 
 /// The KV cache an instance reserves.

@@ -22,6 +22,10 @@
 //!   every stage fits its node's memory (weights of its layers, the first
 //!   stage's embedding, the last stage's output head, its layers' KV cache for
 //!   the budget, and overhead);
+//! - tensor: groups of `tensorSize` ranks (or one group) on the fewest nodes
+//!   that fit, each group's ranks sharing every layer of its stage in
+//!   proportion to their weights, groups in pipeline order; every link
+//!   within a group meets the strategy's requirements;
 //! - unschedulable (cordoned, not ready) nodes get nothing.
 
 mod cluster;
@@ -30,6 +34,7 @@ mod footprint;
 mod order;
 mod plan;
 mod split;
+mod tensor;
 
 pub use cluster::{Cluster, Link, Node};
 pub use explain::human_bytes;
@@ -38,3 +43,4 @@ pub use plan::{
     Instance, Parallelism, Plan, Policy, Request, Stage, Strategy, Tier, Unplaceable,
     UnplaceableReason, plan,
 };
+pub use tensor::TensorRank;

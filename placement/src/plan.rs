@@ -9,6 +9,8 @@ use crate::explain;
 use crate::footprint::{Footprint, KvBudget};
 use crate::order::order_ring;
 use crate::split::split_layers;
+use crate::tensor::TensorRank;
+use crate::tensor::{link_peers, pipeline_stages};
 
 /// The tier of the pool a deployment runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +28,8 @@ pub enum Parallelism {
     None,
     /// Layer ranges on successive nodes.
     Pipeline,
-    /// Layers split across nodes (not placed yet).
+    /// Every layer split across the ranks of a tensor group; groups in
+    /// pipeline order.
     Tensor,
 }
 
@@ -62,18 +65,37 @@ pub struct Strategy {
     pub min_bandwidth_mbps: Option<u32>,
     /// Only RDMA links between stages.
     pub require_rdma: bool,
+    /// Ranks per tensor group (tensor parallelism); `None`: one group of
+    /// every node of the instance.
+    pub tensor_size: Option<u32>,
 }
 
-/// One stage: a layer range on a node.
+/// One stage: a layer range on a node (or one rank of a tensor group that
+/// computes the range together).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Stage {
     /// The node.
     pub node: String,
     /// Layers `[start, end)`.
     pub layers: Range<u32>,
+    /// Set on each rank of a tensor group; the ranks of one group are
+    /// adjacent in [`Instance::stages`], rank 0 first.
+    pub tensor: Option<TensorRank>,
 }
 
-/// One instance: a full copy of the model over its stages, in pipeline order.
+impl Stage {
+    /// Layers `layers` on `node`, not split.
+    pub fn new(node: impl Into<String>, layers: Range<u32>) -> Self {
+        Stage {
+            node: node.into(),
+            layers,
+            tensor: None,
+        }
+    }
+}
+
+/// One instance: a full copy of the model over its stages, in pipeline order
+/// (a tensor group's ranks side by side, rank 0 first).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Instance {
     /// Index within the deployment.
@@ -125,6 +147,15 @@ impl UnplaceableReason {
     }
 }
 
+impl Instance {
+    /// The pipeline's stages in order: each a lone entry of
+    /// [`Instance::stages`] or the ranks of one tensor group (rank 0 first).
+    /// An instance whose groups are broken is read entry by entry.
+    pub fn pipeline(&self) -> Vec<&[Stage]> {
+        pipeline_stages(&self.stages).unwrap_or_else(|| self.stages.chunks(1).collect::<Vec<_>>())
+    }
+}
+
 /// Instances that could not be placed, and why, in numbers a person can act on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unplaceable {
@@ -147,15 +178,6 @@ pub struct Plan {
 /// later request sees the memory taken).
 pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
     let planner = Planner { request };
-    if request.strategy.parallelism == Parallelism::Tensor {
-        return Plan {
-            instances: Vec::new(),
-            unplaced: Some(Unplaceable {
-                reason: UnplaceableReason::UnsupportedStrategy,
-                message: "tensor parallelism is not placed yet: use a pipeline strategy".into(),
-            }),
-        };
-    }
     // One slot per replica: the caller bounds `replicas` (a spec's bound).
     let mut placed: Vec<Option<Instance>> = vec![None; request.replicas as usize];
 
@@ -215,9 +237,13 @@ pub fn plan(cluster: &mut Cluster, request: &Request<'_>) -> Plan {
     }
 }
 
-/// Whether the stages run every layer once, in order, none empty.
+/// Whether the stages run every layer once, in order, none empty (and every
+/// tensor group is whole).
 fn covers_model(instance: &Instance, layers: u32) -> bool {
-    let stages = &instance.stages;
+    let Some(groups) = pipeline_stages(&instance.stages) else {
+        return false;
+    };
+    let stages: Vec<&Stage> = groups.iter().map(|g| &g[0]).collect();
     stages.first().is_some_and(|f| f.layers.start == 0)
         && stages.last().is_some_and(|l| l.layers.end == layers)
         && stages
@@ -226,8 +252,8 @@ fn covers_model(instance: &Instance, layers: u32) -> bool {
         && stages.iter().all(|st| st.layers.start < st.layers.end)
 }
 
-struct Planner<'r, 'a> {
-    request: &'r Request<'a>,
+pub(crate) struct Planner<'r, 'a> {
+    pub(crate) request: &'r Request<'a>,
 }
 
 impl Planner<'_, '_> {
@@ -235,7 +261,7 @@ impl Planner<'_, '_> {
         self.request.tier == Tier::Daily || self.request.strategy.parallelism == Parallelism::None
     }
 
-    fn kv(&self) -> KvBudget {
+    pub(crate) fn kv(&self) -> KvBudget {
         self.request.strategy.kv
     }
 
@@ -243,6 +269,20 @@ impl Planner<'_, '_> {
         self.request
             .footprint
             .stage_bytes(layers, self.kv(), self.request.strategy.stage_overhead)
+    }
+
+    /// Bytes one entry of an instance needs on its node: its stage, or its
+    /// rank's share of it.
+    pub(crate) fn entry_bytes(&self, stage: &Stage) -> u64 {
+        match &stage.tensor {
+            None => self.stage_bytes(&stage.layers),
+            Some(rank) => self.request.footprint.rank_bytes(
+                &stage.layers,
+                self.kv(),
+                self.request.strategy.stage_overhead,
+                rank,
+            ),
+        }
     }
 
     /// Nodes other instances of this deployment use.
@@ -255,14 +295,14 @@ impl Planner<'_, '_> {
             .collect()
     }
 
-    fn node_usable(&self, cluster: &Cluster, node: &str) -> bool {
+    pub(crate) fn node_usable(&self, cluster: &Cluster, node: &str) -> bool {
         cluster
             .nodes
             .get(node)
             .is_some_and(|n| n.schedulable && n.admits(self.request.deployment, self.daily()))
     }
 
-    fn link_ok(&self, cluster: &Cluster, a: &str, b: &str) -> bool {
+    pub(crate) fn link_ok(&self, cluster: &Cluster, a: &str, b: &str) -> bool {
         let s = self.request.strategy;
         if a == b {
             return true;
@@ -282,10 +322,13 @@ impl Planner<'_, '_> {
         }
     }
 
-    fn links_ok(&self, cluster: &Cluster, stages: &[Stage]) -> bool {
-        stages
-            .windows(2)
-            .all(|w| self.link_ok(cluster, &w[0].node, &w[1].node))
+    /// Adjacent stages' links, and every link within a tensor group.
+    pub(crate) fn links_ok(&self, cluster: &Cluster, stages: &[Stage]) -> bool {
+        (0..stages.len()).all(|i| {
+            link_peers(stages, i)
+                .into_iter()
+                .all(|j| self.link_ok(cluster, &stages[i].node, &stages[j].node))
+        })
     }
 
     /// Whether an existing instance still stands as it is.
@@ -296,7 +339,9 @@ impl Planner<'_, '_> {
         let shape_ok = if self.daily() {
             k == 1
         } else {
-            k >= s.min_nodes.max(1) && s.max_nodes.is_none_or(|m| k <= m)
+            k >= s.min_nodes.max(1)
+                && s.max_nodes.is_none_or(|m| k <= m)
+                && self.tensor_shape_ok(&instance.stages)
         };
         let covers = covers_model(instance, layers);
         let others = Self::nodes_in_use(placed, instance.index);
@@ -308,7 +353,7 @@ impl Planner<'_, '_> {
         // Memory per node (two stages may share a node).
         let mut need: std::collections::BTreeMap<&str, u64> = Default::default();
         for st in &instance.stages {
-            *need.entry(st.node.as_str()).or_default() += self.stage_bytes(&st.layers);
+            *need.entry(st.node.as_str()).or_default() += self.entry_bytes(st);
         }
         shape_ok
             && covers
@@ -330,7 +375,8 @@ impl Planner<'_, '_> {
     ) -> Option<Instance> {
         let layers = self.request.footprint.layers();
         let covers = covers_model(instance, layers);
-        if !covers {
+        // Another split (pipeline or tensor, another tensorSize) is placed anew.
+        if !covers || !self.tensor_shape_ok(&instance.stages) {
             return None;
         }
         let others = Self::nodes_in_use(placed, instance.index);
@@ -341,12 +387,13 @@ impl Planner<'_, '_> {
             .map(|s| s.node.clone())
             .collect();
         for i in 0..stages.len() {
+            let need = self.entry_bytes(&stages[i]);
             let ok = self.node_usable(cluster, &stages[i].node)
-                && cluster.nodes[&stages[i].node].free_bytes >= self.stage_bytes(&stages[i].layers);
+                && cluster.nodes[&stages[i].node].free_bytes >= need;
             if ok {
                 continue;
             }
-            let need = self.stage_bytes(&stages[i].layers);
+            let peers = link_peers(&stages, i);
             let replacement = cluster
                 .nodes
                 .iter()
@@ -357,16 +404,15 @@ impl Planner<'_, '_> {
                         && !(self.daily() && others.contains(name.as_str()))
                 })
                 .filter(|(name, _)| {
-                    let prev = i.checked_sub(1).map(|p| stages[p].node.as_str());
-                    let next = stages.get(i + 1).map(|s| s.node.as_str());
-                    prev.is_none_or(|p| self.link_ok(cluster, p, name))
-                        && next.is_none_or(|n| self.link_ok(cluster, name, n))
+                    peers
+                        .iter()
+                        .all(|&p| self.link_ok(cluster, &stages[p].node, name))
                 })
                 .min_by_key(|(name, n)| {
-                    let prev = i.checked_sub(1).map(|p| stages[p].node.as_str());
-                    let next = stages.get(i + 1).map(|s| s.node.as_str());
-                    let cost = prev.map_or(0, |p| cluster.hop_cost(p, name))
-                        + next.map_or(0, |x| cluster.hop_cost(name, x));
+                    let cost: u64 = peers
+                        .iter()
+                        .map(|&p| cluster.hop_cost(&stages[p].node, name))
+                        .sum();
                     (
                         !n.has_weights,
                         cost,
@@ -406,6 +452,9 @@ impl Planner<'_, '_> {
         if self.daily() {
             return self.place_whole(index, &usable, &others);
         }
+        if self.request.strategy.parallelism == Parallelism::Tensor {
+            return self.place_tensor(cluster, index, &usable, &others);
+        }
         self.place_pipeline(cluster, index, &usable, &others)
     }
 
@@ -438,10 +487,7 @@ impl Planner<'_, '_> {
         match best {
             Some((name, _)) => Ok(Instance {
                 index,
-                stages: vec![Stage {
-                    node: (*name).clone(),
-                    layers: all,
-                }],
+                stages: vec![Stage::new((*name).clone(), all)],
             }),
             None => Err(Unplaceable {
                 reason: UnplaceableReason::InsufficientMemory,
@@ -463,20 +509,7 @@ impl Planner<'_, '_> {
         let max_k = (s.max_nodes.unwrap_or(layers).min(layers) as usize).min(usable.len());
         // Preference: holds the weights, not used by another instance of this
         // deployment, most free memory, name.
-        let mut ranked: Vec<&(&String, &crate::cluster::Node)> = usable.iter().collect();
-        ranked.sort_by(|(a, na), (b, nb)| {
-            let key = |name: &str, n: &crate::cluster::Node| {
-                (
-                    !n.has_weights,
-                    others.contains(name),
-                    std::cmp::Reverse(n.free_bytes),
-                )
-            };
-            key(a, na).cmp(&key(b, nb)).then_with(|| a.cmp(b))
-        });
-        let mut by_memory = ranked.clone();
-        by_memory
-            .sort_by(|(a, na), (b, nb)| nb.free_bytes.cmp(&na.free_bytes).then_with(|| a.cmp(b)));
+        let (ranked, by_memory) = preferred(usable, others);
         let mut link_blocked = false;
         // Even layers spread over maxNodes nodes when it is set (the strategy
         // asks for that many stages); the other policies take the fewest that fit.
@@ -503,10 +536,7 @@ impl Planner<'_, '_> {
                 let stages: Vec<Stage> = order
                     .iter()
                     .zip(ranges)
-                    .map(|(n, layers)| Stage {
-                        node: n.to_string(),
-                        layers,
-                    })
+                    .map(|(n, layers)| Stage::new(*n, layers))
                     .collect();
                 if !self.links_ok(cluster, &stages) {
                     link_blocked = true;
@@ -531,7 +561,7 @@ impl Planner<'_, '_> {
     /// deployment's nodes for itself.
     fn reserve(&self, cluster: &mut Cluster, instance: &Instance) {
         for st in &instance.stages {
-            let bytes = self.stage_bytes(&st.layers);
+            let bytes = self.entry_bytes(st);
             if let Some(node) = cluster.nodes.get_mut(&st.node) {
                 node.free_bytes = node.free_bytes.saturating_sub(bytes);
                 node.occupants.insert(self.request.deployment.to_string());
@@ -541,4 +571,30 @@ impl Planner<'_, '_> {
             }
         }
     }
+}
+
+/// A node placement may use, by name.
+pub(crate) type Usable<'n> = (&'n String, &'n crate::cluster::Node);
+
+/// The nodes to choose from, in two orders: preferred (holds the weights,
+/// not used by another instance of this deployment, most free memory, name)
+/// and by free memory alone.
+pub(crate) fn preferred<'u, 'n>(
+    usable: &'u [Usable<'n>],
+    others: &BTreeSet<&str>,
+) -> (Vec<&'u Usable<'n>>, Vec<&'u Usable<'n>>) {
+    let mut ranked: Vec<_> = usable.iter().collect();
+    ranked.sort_by(|(a, na), (b, nb)| {
+        let key = |name: &str, n: &crate::cluster::Node| {
+            (
+                !n.has_weights,
+                others.contains(name),
+                std::cmp::Reverse(n.free_bytes),
+            )
+        };
+        key(a, na).cmp(&key(b, nb)).then_with(|| a.cmp(b))
+    });
+    let mut by_memory = ranked.clone();
+    by_memory.sort_by(|(a, na), (b, nb)| nb.free_bytes.cmp(&na.free_bytes).then_with(|| a.cmp(b)));
+    (ranked, by_memory)
 }

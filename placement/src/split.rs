@@ -171,6 +171,7 @@ mod tests {
             embedding_bytes: 50,
             output_bytes: 50,
             kv_bytes_per_token_per_layer: 0,
+            kv_heads: None,
         }
     }
 

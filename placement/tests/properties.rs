@@ -19,6 +19,7 @@ fn footprint() -> impl Generator<Value = Footprint> {
             embedding_bytes: emb,
             output_bytes: out,
             kv_bytes_per_token_per_layer: kv,
+            kv_heads: None,
         },
     )
 }
@@ -57,6 +58,7 @@ fn strategy(tier: Tier) -> impl Generator<Value = Strategy> {
             max_latency_micros: None,
             min_bandwidth_mbps: None,
             require_rdma: false,
+            tensor_size: None,
         })
 }
 

@@ -11,6 +11,7 @@ fn model() -> Footprint {
         embedding_bytes: GIB,
         output_bytes: GIB,
         kv_bytes_per_token_per_layer: 0,
+        kv_heads: None,
     }
 }
 
@@ -28,6 +29,7 @@ fn strategy(parallelism: Parallelism) -> Strategy {
         max_latency_micros: None,
         min_bandwidth_mbps: None,
         require_rdma: false,
+        tensor_size: None,
     }
 }
 
@@ -241,18 +243,9 @@ fn a_lost_node_without_a_spare_replans_the_instance_on_fewer_nodes() {
     let current = vec![Instance {
         index: 0,
         stages: vec![
-            Stage {
-                node: "a".into(),
-                layers: 0..10,
-            },
-            Stage {
-                node: "b".into(),
-                layers: 10..20,
-            },
-            Stage {
-                node: "c".into(),
-                layers: 20..30,
-            },
+            Stage::new("a", 0..10),
+            Stage::new("b", 10..20),
+            Stage::new("c", 20..30),
         ],
     }];
     assert_eq!(
@@ -354,10 +347,7 @@ fn cordoned_nodes_get_nothing_new_and_lose_what_they_run() {
     assert_eq!(nodes_of(&p.instances[0]), ["b"]);
     let on_a = vec![Instance {
         index: 0,
-        stages: vec![Stage {
-            node: "a".into(),
-            layers: 0..30,
-        }],
+        stages: vec![Stage::new("a", 0..30)],
     }];
     let mut c = cluster(&[("a", 40), ("b", 40)]);
     c.nodes.get_mut("a").unwrap().schedulable = false;
@@ -395,6 +385,7 @@ fn nothing_fits_explains_with_numbers() {
     };
     let f = Footprint {
         kv_bytes_per_token_per_layer: 4096,
+        kv_heads: None,
         ..f
     };
     let mut c = cluster(&[("a", 16), ("b", 16)]);
@@ -440,6 +431,7 @@ fn link_requirements_are_met_or_explained() {
     let f = model();
     let s = Strategy {
         require_rdma: true,
+        tensor_size: None,
         ..strategy(Parallelism::Pipeline)
     };
     let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &[]));
@@ -459,26 +451,6 @@ fn link_requirements_are_met_or_explained() {
         plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &[]))
             .unplaced
             .is_none()
-    );
-}
-
-#[test]
-fn tensor_parallelism_is_not_placed_yet() {
-    let f = model();
-    let p = plan(
-        &mut cluster(&[("a", 99)]),
-        &request(
-            "r",
-            Tier::Reasoning,
-            1,
-            &f,
-            &strategy(Parallelism::Tensor),
-            &[],
-        ),
-    );
-    assert_eq!(
-        p.unplaced.unwrap().reason,
-        UnplaceableReason::UnsupportedStrategy
     );
 }
 
@@ -511,18 +483,9 @@ fn a_lost_stage_moves_to_a_spare_even_when_fewer_nodes_would_do() {
     let current = vec![Instance {
         index: 0,
         stages: vec![
-            Stage {
-                node: "n0".into(),
-                layers: 0..10,
-            },
-            Stage {
-                node: "n1".into(),
-                layers: 10..20,
-            },
-            Stage {
-                node: "n2".into(),
-                layers: 20..30,
-            },
+            Stage::new("n0", 0..10),
+            Stage::new("n1", 10..20),
+            Stage::new("n2", 20..30),
         ],
     }];
     c.nodes.get_mut("n1").unwrap().schedulable = false;

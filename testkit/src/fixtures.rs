@@ -65,6 +65,7 @@ pub fn strategy(name: &str, parallelism: Parallelism) -> ShardingStrategy {
             },
             stage_overhead: None,
             links: None,
+            tensor_size: None,
         },
     }
 }
@@ -158,6 +159,7 @@ pub fn shard(
             next: (stage + 1 < stage_count).then(|| name(stage + 1)),
             previous: (stage > 0).then(|| name(stage - 1)),
             chat_template: None,
+            tensor: None,
         },
         status: None,
     };

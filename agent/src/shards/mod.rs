@@ -30,11 +30,15 @@ use crate::stage::{OnCrash, StageWorker};
 mod fetch;
 mod healing;
 mod kv_room;
+mod tensor;
 use healing::{fail_shard, stage_crashed};
 use kv_room::KvRoom;
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
+
+/// A tensor rank's listener and its `host:port` as its group reaches it.
+type MeshListener = (Arc<std::net::TcpListener>, String);
 
 /// A loaded stage, served on the data plane.
 pub struct ServedStage {
@@ -65,6 +69,11 @@ pub struct ShardSet {
     failures: Arc<Mutex<BTreeMap<Key, retry::Record>>>,
     /// The status each Shard should show; one task per Shard writes it.
     statuses: Arc<Mutex<BTreeMap<Key, watch::Sender<ShardStatus>>>>,
+    /// Ranks of tensor groups: their meshes (leaders' and followers').
+    ranks: Arc<Mutex<BTreeMap<Key, tensor::Rank>>>,
+    /// Where each tensor rank's group reaches it, kept while its Shard
+    /// runs here so that its address stays what it reported.
+    listeners: Arc<Mutex<BTreeMap<Key, MeshListener>>>,
     endpoint: Arc<str>,
 }
 
@@ -76,8 +85,27 @@ impl ShardSet {
             phases: Arc::default(),
             failures: Arc::default(),
             statuses: Arc::default(),
+            ranks: Arc::default(),
+            listeners: Arc::default(),
             endpoint: endpoint.into(),
         }
+    }
+
+    /// The listener Shard `k`'s tensor group reaches it at (bound on every
+    /// interface on first use) and its `host:port` as peers reach it.
+    fn mesh_listener(&self, k: &Key) -> std::io::Result<MeshListener> {
+        let mut listeners = self.listeners.lock().expect("listener lock");
+        if let Some((l, e)) = listeners.get(k) {
+            return Ok((l.clone(), e.clone()));
+        }
+        // Every interface, IPv6 and IPv4 where the machine has both.
+        let listener = std::net::TcpListener::bind(("::", 0))
+            .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))?;
+        let port = listener.local_addr()?.port();
+        let endpoint = format!("{}:{port}", tensor::endpoint_host(&self.endpoint));
+        let entry = (Arc::new(listener), endpoint);
+        listeners.insert(k.clone(), entry.clone());
+        Ok(entry)
     }
 
     /// Number of loaded shards.
@@ -138,6 +166,10 @@ pub struct Sources {
     /// Memory kept free for the rest of the machine (`--memory-reserve`):
     /// a head's KV budget never counts on it.
     pub memory_reserve: u64,
+    /// Every Shard (a tensor rank finds its group's addresses there).
+    pub directory: kube::runtime::reflector::Store<Shard>,
+    /// The cluster's data-plane token (a tensor group's ranks prove it).
+    pub token: shardplane_dataplane::Token,
 }
 
 /// The API's name for an engine.
@@ -267,7 +299,7 @@ pub async fn run(
                 wanted.retain(|k, _| seen_during_init.contains(k));
                 sweep(&wanted);
                 // Shards deleted while the watch was down.
-                let gone: Vec<Key> = shards
+                let mut gone: Vec<Key> = shards
                     .loaded
                     .lock()
                     .expect("shard set lock")
@@ -275,6 +307,15 @@ pub async fn run(
                     .filter(|k| !seen_during_init.contains(*k))
                     .cloned()
                     .collect();
+                let followers: Vec<Key> = shards
+                    .ranks
+                    .lock()
+                    .expect("rank lock")
+                    .keys()
+                    .filter(|k| !seen_during_init.contains(*k) && !gone.contains(k))
+                    .cloned()
+                    .collect();
+                gone.extend(followers);
                 for k in gone {
                     unload(&k, &shards, &metrics, &sources.cache);
                 }
@@ -330,6 +371,16 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
     shards.failures.lock().expect("failure lock").remove(key);
     // Its writer writes what it was last given, then ends.
     shards.statuses.lock().expect("status lock").remove(key);
+    shards.listeners.lock().expect("listener lock").remove(key);
+    if let Some(rank) = shards.ranks.lock().expect("rank lock").remove(key) {
+        // A follower's thread ends; a leader's group ends with its stage.
+        rank.mesh.close();
+        if let Some(bytes) = rank.follower_bytes {
+            cache.unpin(&rank.spec.source.cache_key());
+            metrics.weight_bytes.sub(bytes as i64);
+            tracing::info!(shard = %key.1, namespace = %key.0, "unloaded");
+        }
+    }
     if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
         cache.unpin(&l.spec.source.cache_key());
         // In-flight sequences hold the stage until their streams end.
@@ -347,11 +398,26 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
     // source in place), layers and template.
-    if let Some(l) = shards.loaded.lock().expect("shard set lock").get(&k)
-        && (l.spec.layers.start, l.spec.layers.end) == layers
-        && l.spec.chat_template == shard.spec.chat_template
-        && l.spec.source == shard.spec.source
-        && l.spec.format == shard.spec.format
+    let same = |loaded: &ShardSpec| {
+        (loaded.layers.start, loaded.layers.end) == layers
+            && loaded.chat_template == shard.spec.chat_template
+            && loaded.source == shard.spec.source
+            && loaded.format == shard.spec.format
+            && loaded.tensor == shard.spec.tensor
+    };
+    let following = shards
+        .ranks
+        .lock()
+        .expect("rank lock")
+        .get(&k)
+        .is_some_and(|r| r.follower_bytes.is_some() && r.mesh.broken().is_none() && same(&r.spec));
+    if following
+        || shards
+            .loaded
+            .lock()
+            .expect("shard set lock")
+            .get(&k)
+            .is_some_and(|l| same(&l.spec))
     {
         return;
     }
@@ -379,12 +445,23 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     tokio::spawn(async move {
         match bring_up(&client, &shard, &shards, &metrics, &sources).await {
             Ok(loaded) => {
+                let message = match &shard.spec.tensor {
+                    Some(t) => format!(
+                        "rank {} of {} of layers {}-{} loaded; its group joined",
+                        t.rank,
+                        t.weights.len(),
+                        layers.0,
+                        layers.1
+                    ),
+                    None => format!("layers {}-{} loaded", layers.0, layers.1),
+                };
                 let status = ShardStatus {
                     phase: Some(ShardPhase::Ready),
                     reason: Some("Loaded".into()),
-                    message: Some(format!("layers {}-{} loaded", layers.0, layers.1)),
-                    engine: Some(crd_engine(sources.engine)),
+                    message: Some(message),
+                    engine: Some(loaded.engine),
                     endpoint: Some(shards.endpoint.to_string()),
+                    tensor_endpoint: loaded.tensor_endpoint,
                     memory_bytes: Some(loaded.bytes),
                     kv_budget_tokens: Some(loaded.kv_budget_tokens),
                     observed_generation: shard.metadata.generation,
@@ -533,49 +610,60 @@ async fn bring_up(
     let spec = shard.spec.clone();
     let spec_kv = shard.spec.kv_cache;
     let engine_kind = sources.engine;
+    let engine_name = match &shard.spec.tensor {
+        Some(_) => Engine::Candle,
+        None => crd_engine(engine_kind),
+    };
     // Only a stage that runs the whole model reuses prefixes (see the
     // engine's `reuse_prefix`): a pipeline's stages keep no cache and leave
     // its budget to their KV.
     let whole = shard.spec.layers.start == 0 && shard.spec.layers.end == shard.spec.total_layers;
-    let prefix_cache_bytes = if whole { sources.prefix_cache_bytes } else { 0 };
-    let loaded = tokio::task::spawn_blocking(move || {
-        let layout = StageLayout::new(
-            spec.layers.start as usize..spec.layers.end as usize,
-            spec.total_layers as usize,
-        )?;
-        let options = LoadOptions {
-            context_length: Some(spec.kv_cache.context_length as usize),
-            prefix_cache_bytes,
-            ..Default::default()
-        };
-        let (engine, text) = load_model_stage(&path, layout, engine_kind, &options)?;
-        let text = match (text, &spec.chat_template) {
-            (Some(text), Some(source)) => {
-                Some(text.with_template(text.template.with_source(source)?))
+    let prefix_cache_bytes = if whole && shard.spec.tensor.is_none() {
+        sources.prefix_cache_bytes
+    } else {
+        0
+    };
+    let (engine, text, tensor) = match &shard.spec.tensor {
+        None => {
+            let (engine, text) = load(path, spec, engine_kind, prefix_cache_bytes).await?;
+            (engine, text, None)
+        }
+        Some(_) => match tensor::load_and_join(client, shard, shards, sources, path).await? {
+            tensor::Joined::Leads {
+                stage,
+                text,
+                mesh,
+                endpoint,
+            } => (stage, text, Some((mesh, endpoint))),
+            tensor::Joined::Follows {
+                stage,
+                mesh,
+                endpoint,
+            } => {
+                let bytes = stage.weight_bytes();
+                metrics.weight_bytes.add(bytes as i64);
+                let rank = tensor::Rank {
+                    mesh: mesh.clone(),
+                    spec: shard.spec.clone(),
+                    follower_bytes: Some(bytes),
+                };
+                // Kept before its mesh is watched: a break then finds it.
+                put_rank(&k, rank, shards, metrics, sources);
+                let generation = shard.metadata.generation;
+                watch_group(client, &k, generation, &mesh, shards, metrics, sources);
+                tensor::follow(stage, mesh, &k.1).map_err(|e| Failure {
+                    reason: "LoadFailed",
+                    message: format!("cannot start the rank's thread: {e}"),
+                })?;
+                return Ok(Loaded {
+                    bytes: bytes as u64,
+                    kv_budget_tokens: 0,
+                    engine: Engine::Candle,
+                    tensor_endpoint: Some(endpoint),
+                });
             }
-            (text, _) => text,
-        };
-        Ok::<_, shardplane_engine::Error>((engine, text.map(Arc::new)))
-    })
-    .await
-    .map_err(|e| Failure {
-        reason: "LoadPanicked",
-        message: e.to_string(),
-    })?
-    .map_err(|e| Failure {
-        reason: match e {
-            shardplane_engine::Error::CorruptModel { .. }
-            | shardplane_engine::Error::MissingMetadata { .. } => "CorruptWeights",
-            shardplane_engine::Error::UnsupportedArchitecture(_)
-            | shardplane_engine::Error::UnsupportedTensorType { .. } => "UnsupportedModel",
-            shardplane_engine::Error::LayerRange { .. } => "LayerRangeDoesNotFit",
-            shardplane_engine::Error::Io { .. } => "WeightsUnreadable",
-            shardplane_engine::Error::ChatTemplate(_) => "InvalidChatTemplate",
-            _ => "LoadFailed",
         },
-        message: e.to_string(),
-    })?;
-    let (engine, text) = loaded;
+    };
     let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
     let on_crash: OnCrash = {
         let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
@@ -626,6 +714,8 @@ async fn bring_up(
     let loaded = Loaded {
         bytes: bytes as u64,
         kv_budget_tokens: budget,
+        engine: engine_name,
+        tensor_endpoint: tensor.as_ref().map(|(_, e)| e.clone()),
     };
     let served = Arc::new(ServedStage {
         namespace: k.0.clone(),
@@ -634,11 +724,25 @@ async fn bring_up(
         worker,
         text,
     });
+    // A leader's rank is kept before its stage, so that its old group
+    // breaking meanwhile cannot take the new stage with it.
+    if let Some((mesh, _)) = &tensor {
+        let rank = tensor::Rank {
+            mesh: mesh.clone(),
+            spec: shard.spec.clone(),
+            follower_bytes: None,
+        };
+        put_rank(&k, rank, shards, metrics, sources);
+    }
     let replaced = shards
         .loaded
         .lock()
         .expect("shard set lock")
         .insert(k.clone(), served.clone());
+    if let Some((mesh, _)) = &tensor {
+        let generation = shard.metadata.generation;
+        watch_group(client, &k, generation, mesh, shards, metrics, sources);
+    }
     tokio::spawn(kv_room::remeasure(
         shards.clone(),
         k,
@@ -661,4 +765,130 @@ struct Loaded {
     bytes: u64,
     /// Tokens of KV its machine holds for it.
     kv_budget_tokens: u64,
+    /// The engine it runs on.
+    engine: Engine,
+    /// A tensor rank's address for its group.
+    tensor_endpoint: Option<String>,
+}
+
+/// Loads a stage that is not split; its tokenizer on a first stage.
+async fn load(
+    path: std::path::PathBuf,
+    spec: ShardSpec,
+    engine_kind: EngineKind,
+    prefix_cache_bytes: usize,
+) -> Result<(Box<dyn shardplane_engine::Stage>, Option<Arc<TextModel>>), Failure> {
+    tokio::task::spawn_blocking(move || {
+        let (layout, options) = layout_and_options(&spec, prefix_cache_bytes)?;
+        let (engine, text) = load_model_stage(&path, layout, engine_kind, &options)?;
+        let text = with_template(text, &spec)?;
+        Ok::<_, shardplane_engine::Error>((engine, text.map(Arc::new)))
+    })
+    .await
+    .map_err(|e| Failure {
+        reason: "LoadPanicked",
+        message: e.to_string(),
+    })?
+    .map_err(load_failure)
+}
+
+/// The layers a Shard's stage runs and how it loads them.
+fn layout_and_options(
+    spec: &ShardSpec,
+    prefix_cache_bytes: usize,
+) -> shardplane_engine::Result<(StageLayout, LoadOptions)> {
+    let layout = StageLayout::new(
+        spec.layers.start as usize..spec.layers.end as usize,
+        spec.total_layers as usize,
+    )?;
+    let options = LoadOptions {
+        context_length: Some(spec.kv_cache.context_length as usize),
+        prefix_cache_bytes,
+        ..Default::default()
+    };
+    Ok((layout, options))
+}
+
+/// A first stage's text model with the Shard's chat template, when it
+/// names one.
+fn with_template(
+    text: Option<TextModel>,
+    spec: &ShardSpec,
+) -> shardplane_engine::Result<Option<TextModel>> {
+    Ok(match (text, &spec.chat_template) {
+        (Some(text), Some(source)) => Some(text.with_template(text.template.with_source(source)?)),
+        (text, _) => text,
+    })
+}
+
+/// A load's error as a Shard's failure.
+fn load_failure(e: shardplane_engine::Error) -> Failure {
+    Failure {
+        reason: match e {
+            shardplane_engine::Error::CorruptModel { .. }
+            | shardplane_engine::Error::MissingMetadata { .. } => "CorruptWeights",
+            shardplane_engine::Error::UnsupportedArchitecture(_)
+            | shardplane_engine::Error::UnsupportedTensorType { .. } => "UnsupportedModel",
+            shardplane_engine::Error::LayerRange { .. } => "LayerRangeDoesNotFit",
+            shardplane_engine::Error::Io { .. } => "WeightsUnreadable",
+            shardplane_engine::Error::ChatTemplate(_) => "InvalidChatTemplate",
+            shardplane_engine::Error::Tensor(_) => "TensorSplitImpossible",
+            _ => "LoadFailed",
+        },
+        message: e.to_string(),
+    }
+}
+
+/// Keeps `rank` as Shard `k`'s; one it replaces is let go of (its mesh
+/// closed; a follower's weights and cache pin released), and a leader's
+/// stage when the Shard now follows.
+fn put_rank(k: &Key, rank: tensor::Rank, shards: &ShardSet, metrics: &Metrics, sources: &Sources) {
+    let follows = rank.follower_bytes.is_some();
+    let old = shards
+        .ranks
+        .lock()
+        .expect("rank lock")
+        .insert(k.clone(), rank);
+    if let Some(old) = old {
+        old.mesh.close();
+        if let Some(bytes) = old.follower_bytes {
+            sources.cache.unpin(&old.spec.source.cache_key());
+            metrics.weight_bytes.sub(bytes as i64);
+        }
+    }
+    let led = follows
+        .then(|| shards.loaded.lock().expect("shard set lock").remove(k))
+        .flatten();
+    if let Some(stage) = led {
+        sources.cache.unpin(&stage.spec.source.cache_key());
+        metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
+    }
+}
+
+/// Fails Shard `k` when its tensor group's `mesh` breaks.
+fn watch_group(
+    client: &Client,
+    k: &Key,
+    generation: Option<i64>,
+    mesh: &crate::tensor::SharedMesh,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+) {
+    let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
+    let (k, watched) = (k.clone(), mesh.id());
+    let runtime = tokio::runtime::Handle::current();
+    mesh.on_broken(Box::new(move |why| {
+        // Called on the rank's thread: the handling needs the runtime.
+        let _inside = runtime.enter();
+        tensor::group_broken(
+            &client,
+            k,
+            generation,
+            (watched, why),
+            &shards,
+            &metrics,
+            &sources,
+        );
+    }));
 }

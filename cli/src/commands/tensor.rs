@@ -17,22 +17,21 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use shardplane_agent::tensor::{MeshFollowers, SharedMesh, follow};
 use shardplane_dataplane::Token;
 use shardplane_dataplane::collective::{Mesh, MeshConfig};
 use shardplane_engine::bench::Spread;
 use shardplane_engine::candle::CandleStage;
 use shardplane_engine::config::read_dir_config;
 use shardplane_engine::gguf::GgufFile;
-use shardplane_engine::tensor::command::{decode_reply, encode_reply};
 use shardplane_engine::tensor::{
     AllReduce, Command, Followers, Reply, TensorGroup, TensorRank, TensorSplit,
 };
-use shardplane_engine::{Error, LoadOptions, ModelConfig, Stage, StageLayout};
+use shardplane_engine::{LoadOptions, ModelConfig, Stage, StageLayout};
 
 use super::model_args::ModelArgs;
 
@@ -102,77 +101,30 @@ pub fn all_reduce_micros(ranks: usize, values: usize, rounds: usize) -> anyhow::
     Ok(Spread::of(timings.into_iter().next().unwrap_or_default()))
 }
 
-/// A mesh the ranks' collectives and the group's commands share, joined
-/// after the stage is loaded (loading takes longer than any peer waits).
-#[derive(Clone, Default)]
-struct SharedMesh(Arc<Mutex<Option<Mesh>>>);
-
-impl SharedMesh {
-    /// The collective of a rank loaded before the mesh is joined.
-    fn collective(&self) -> Box<dyn AllReduce> {
-        let mesh = self.clone();
-        Box::new(move |values: &mut [f32]| {
-            mesh.with(|m| m.all_reduce(values).map_err(|e| e.to_string()))
-        })
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&mut Mesh) -> Result<T, String>) -> Result<T, String> {
-        let mut slot = self.0.lock().map_err(|_| "the mesh's lock is poisoned")?;
-        f(slot
-            .as_mut()
-            .ok_or("the tensor group has not joined (or has left)")?)
-    }
-
-    fn set(&self, mesh: Option<Mesh>) {
-        if let Ok(mut slot) = self.0.lock() {
-            *slot = mesh;
-        }
-    }
-}
-
 /// Followers in processes of their own, reached through rank 0's mesh.
 struct Processes {
-    mesh: SharedMesh,
+    followers: MeshFollowers,
     children: Vec<Child>,
-    started: Vec<bool>,
 }
 
 impl Followers for Processes {
     fn count(&self) -> usize {
-        self.children.len()
+        self.followers.count()
     }
 
     fn start(&mut self, command: &Command) {
-        let bytes = command.encode();
-        for (i, started) in self.started.iter_mut().enumerate() {
-            *started = self
-                .mesh
-                .with(|m| m.send_message(i + 1, &bytes).map_err(|e| e.to_string()))
-                .is_ok();
-        }
+        self.followers.start(command);
     }
 
     fn finish(&mut self) -> Vec<Reply> {
-        (0..self.children.len())
-            .map(|i| {
-                if !self.started[i] {
-                    return Err((false, "unreachable".into()));
-                }
-                let reply = self.mesh.with(|m| match m.receive_message(i + 1, false) {
-                    Ok(Some(bytes)) => decode_reply(&bytes).map_err(|e| e.to_string()),
-                    Ok(None) => Err("its process has gone".into()),
-                    Err(e) => Err(e.to_string()),
-                });
-                reply.unwrap_or_else(|e| Err((false, e)))
-            })
-            .collect()
+        self.followers.finish()
     }
 }
 
 impl Drop for Processes {
     fn drop(&mut self) {
         // Closing the connections ends the followers' loops.
-        self.mesh.set(None);
+        self.followers.close();
         let deadline = Instant::now() + Duration::from_secs(5);
         for child in &mut self.children {
             while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
@@ -244,8 +196,7 @@ pub fn load_group_processes(
     let joined = Mesh::join(&listener, &group_config(0, addresses, token))?;
     mesh.set(Some(joined));
     let followers = Processes {
-        mesh,
-        started: vec![false; children.len()],
+        followers: MeshFollowers::new(mesh, children.len() + 1),
         children,
     };
     Ok(Box::new(TensorGroup::led(
@@ -340,21 +291,6 @@ pub fn run_rank(args: TensorRankArgs) -> anyhow::Result<()> {
         &listener,
         &group_config(args.rank, addresses, token),
     )?));
-    shardplane_engine::tensor::follow(
-        &mut stage,
-        || {
-            mesh.with(|m| m.receive_message(0, true).map_err(|e| e.to_string()))
-                .map_err(Error::Unavailable)?
-                .map(|bytes| Command::decode(&bytes))
-                .transpose()
-        },
-        |reply| {
-            mesh.with(|m| {
-                m.send_message(0, &encode_reply(reply))
-                    .map_err(|e| e.to_string())
-            })
-            .map_err(Error::Unavailable)
-        },
-    )?;
+    follow(&mut stage, &mesh)?;
     Ok(())
 }

@@ -173,6 +173,10 @@ pub struct StageStatus {
     /// The Shard's phase as last observed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<ShardPhase>,
+    /// The Shard's rank in its stage's tensor group (0 leads); unset when
+    /// the stage is not split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_rank: Option<u32>,
 }
 
 impl ModelDeployment {

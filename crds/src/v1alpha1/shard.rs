@@ -92,6 +92,29 @@ pub struct ShardSpec {
     /// that renders conversations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// Set when this stage is computed by a tensor-parallel group: which
+    /// rank of the group this Shard is, every rank's share weight and every
+    /// rank's Shard. Every rank runs the same layers; rank 0 leads (serves
+    /// the data plane, is named by the stages before and after it) and the
+    /// others follow it over the group's own connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<TensorRankSpec>,
+}
+
+/// One rank of a tensor-parallel group.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct TensorRankSpec {
+    /// This Shard's rank (0 leads).
+    pub rank: u32,
+    /// Every rank's share weight, in rank order: attention heads (in whole
+    /// KV-head groups) and MLP columns go to the ranks in these proportions.
+    #[schemars(length(min = 2, max = crate::limits::MAX_TENSOR_RANKS))]
+    pub weights: Vec<u32>,
+    /// Every rank's Shard name, in rank order (this one's included).
+    #[schemars(length(min = 2, max = crate::limits::MAX_TENSOR_RANKS))]
+    pub group: Vec<String>,
 }
 
 /// The lifecycle of a shard on its node.
@@ -142,6 +165,10 @@ pub struct ShardStatus {
     /// The data-plane endpoint (`host:port`) serving this stage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
+    /// A tensor-parallel rank's address for its group (`host:port`): where
+    /// it waits for the higher ranks to join it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_endpoint: Option<String>,
     /// The engine that runs the stage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<Engine>,

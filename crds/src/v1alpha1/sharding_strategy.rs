@@ -93,6 +93,13 @@ pub struct ShardingStrategySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = crate::limits::MAX_NODES_PER_INSTANCE))]
     pub max_nodes: Option<u32>,
+    /// With `parallelism: tensor`, the ranks of each tensor group: an
+    /// instance on N nodes is a pipeline of N / tensorSize stages, each
+    /// split across tensorSize nodes. Unset: one stage split across every
+    /// node of the instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 2, max = crate::limits::MAX_TENSOR_RANKS))]
+    pub tensor_size: Option<u32>,
     /// The KV cache every instance must have room for.
     pub kv_cache: KvCacheBudget,
     /// Memory each stage needs beyond its weights and KV cache (activations,

@@ -81,8 +81,11 @@ impl Served {
 /// and every stage its `next` names, in order, are Ready. Shards of one
 /// instance may stand side by side for a while (one kept on a lost node
 /// until its replacement is Ready), so an instance is the chain its head
-/// names, not every Shard with its index.
+/// names, not every Shard with its index. A tensor group is its rank 0
+/// (Ready only once every rank has joined it).
 fn ready_heads(shards: &[Arc<Shard>]) -> Vec<&Arc<Shard>> {
+    // A tensor group's other ranks follow its rank 0, which alone serves.
+    let leads = |s: &Shard| s.spec.tensor.as_ref().is_none_or(|t| t.rank == 0);
     let ready = |s: &Shard| s.status.as_ref().and_then(|st| st.phase) == Some(ShardPhase::Ready);
     let by_name: HashMap<&str, &Arc<Shard>> = shards
         .iter()
@@ -91,7 +94,7 @@ fn ready_heads(shards: &[Arc<Shard>]) -> Vec<&Arc<Shard>> {
         .collect();
     shards
         .iter()
-        .filter(|head| head.spec.stage == 0 && ready(head))
+        .filter(|head| head.spec.stage == 0 && leads(head) && ready(head))
         .filter(|head| {
             let (count, instance) = (head.spec.stage_count, head.spec.instance);
             let mut at: &Shard = head;

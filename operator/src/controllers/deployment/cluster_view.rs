@@ -33,6 +33,7 @@ pub fn footprint(status: &ModelStatus) -> Option<placement::Footprint> {
         embedding_bytes: status.embedding_bytes.unwrap_or(0),
         output_bytes: status.output_bytes.unwrap_or(0),
         kv_bytes_per_token_per_layer: status.kv_bytes_per_token.unwrap_or(0) / layers,
+        kv_heads: status.kv_heads,
     })
 }
 
@@ -67,6 +68,7 @@ pub fn strategy(spec: &ShardingStrategySpec) -> placement::Strategy {
         max_latency_micros: links.max_latency_micros,
         min_bandwidth_mbps: links.min_bandwidth_mbps,
         require_rdma: links.require_rdma,
+        tensor_size: spec.tensor_size,
     }
 }
 
@@ -148,12 +150,14 @@ pub fn cluster(
     cluster
 }
 
-/// A deployment's current placement, from its Shards (complete instances only).
+/// A deployment's current placement, from its Shards (complete instances
+/// only: every stage, every rank of every tensor group).
 pub fn current_instances(shards: &[&Shard]) -> Vec<placement::Instance> {
     let mut by_instance: BTreeMap<u32, Vec<&Shard>> = BTreeMap::new();
     for s in shards {
         by_instance.entry(s.spec.instance).or_default().push(s);
     }
+    let rank = |s: &Shard| s.spec.tensor.as_ref().map_or(0, |t| t.rank);
     by_instance
         .into_iter()
         .filter_map(|(index, mut stages)| {
@@ -163,29 +167,50 @@ pub fn current_instances(shards: &[&Shard]) -> Vec<placement::Instance> {
             // stages that stand.)
             stages.retain(|s| s.metadata.deletion_timestamp.is_none());
             stages.sort_by(|a, b| {
-                a.spec.stage.cmp(&b.spec.stage).then_with(|| {
-                    b.metadata
-                        .creation_timestamp
-                        .cmp(&a.metadata.creation_timestamp)
-                })
+                (a.spec.stage, rank(a))
+                    .cmp(&(b.spec.stage, rank(b)))
+                    .then_with(|| {
+                        b.metadata
+                            .creation_timestamp
+                            .cmp(&a.metadata.creation_timestamp)
+                    })
             });
-            stages.dedup_by_key(|s| s.spec.stage);
+            stages.dedup_by_key(|s| (s.spec.stage, rank(s)));
             let count = stages.first()?.spec.stage_count as usize;
-            let complete = stages.len() == count
-                && stages
-                    .iter()
-                    .enumerate()
-                    .all(|(i, s)| s.spec.stage as usize == i);
-            complete.then(|| placement::Instance {
+            let instance = placement::Instance {
                 index,
                 stages: stages
                     .iter()
                     .map(|s| placement::Stage {
                         node: s.spec.node.clone(),
                         layers: s.spec.layers.start..s.spec.layers.end,
+                        tensor: s.spec.tensor.as_ref().map(|t| placement::TensorRank {
+                            rank: t.rank,
+                            weights: t.weights.clone(),
+                        }),
                     })
                     .collect(),
-            })
+            };
+            let pipeline = instance.pipeline();
+            let groups_whole = stages.iter().all(|s| {
+                s.spec.tensor.as_ref().is_none_or(|t| {
+                    stages
+                        .iter()
+                        .filter(|o| o.spec.stage == s.spec.stage)
+                        .count()
+                        == t.weights.len()
+                })
+            });
+            let complete = groups_whole
+                && pipeline.len() == count
+                && pipeline.iter().enumerate().all(|(i, group)| {
+                    group.iter().all(|e| {
+                        stages
+                            .iter()
+                            .any(|s| s.spec.stage as usize == i && s.spec.node == e.node)
+                    })
+                });
+            complete.then_some(instance)
         })
         .collect()
 }
@@ -226,5 +251,48 @@ mod tests {
         assert_eq!(current[0].stages[1].node, "spare");
         // A stage missing is still an incomplete instance.
         assert!(current_instances(&[&a, &c]).is_empty());
+    }
+
+    /// Rank `rank` of `ranks` of stage `stage` (layers `layers`) on `node`.
+    fn rank(
+        node: &str,
+        stage: u32,
+        stages: u32,
+        layers: (u32, u32),
+        rank: u32,
+        ranks: u32,
+    ) -> Shard {
+        let layers = LayerRange {
+            start: layers.0,
+            end: layers.1,
+        };
+        let mut s = shardplane_testkit::fixtures::shard("d", node, stage, stages, layers);
+        s.metadata.name = Some(format!("d-0-{stage}-{rank}"));
+        s.spec.tensor = Some(shardplane_crds::TensorRankSpec {
+            rank,
+            weights: vec![1; ranks as usize],
+            group: (0..ranks).map(|r| format!("d-0-{stage}-{r}")).collect(),
+        });
+        s
+    }
+
+    #[test]
+    fn tensor_ranks_make_an_instance_only_when_every_group_is_whole() {
+        let (a, b, c, d) = (
+            rank("a", 0, 2, (0, 15), 0, 2),
+            rank("b", 0, 2, (0, 15), 1, 2),
+            rank("c", 1, 2, (15, 30), 0, 2),
+            rank("d", 1, 2, (15, 30), 1, 2),
+        );
+        let current = current_instances(&[&d, &b, &c, &a]);
+        let entries: Vec<(&str, u32)> = current[0]
+            .stages
+            .iter()
+            .map(|s| (s.node.as_str(), s.tensor.as_ref().unwrap().rank))
+            .collect();
+        assert_eq!(entries, [("a", 0), ("b", 1), ("c", 0), ("d", 1)]);
+        assert_eq!(current[0].pipeline().len(), 2);
+        // A rank missing: no instance (it is placed again).
+        assert!(current_instances(&[&a, &c, &d]).is_empty());
     }
 }

@@ -204,12 +204,36 @@ pub fn retiring(mine: &[&Shard], desired: &[Shard], replicas: u32) -> Retiring {
 /// A Shard's name: deployment, instance, stage and a hash of where it runs,
 /// so a stage moved to another node is a new Shard (as a moved Pod is a new
 /// Pod). The hash is the first four bytes of the SHA-256 of
-/// `<node>/<first layer>/<end layer>`, in hex: fixed by this definition, so
-/// names survive upgrades of the operator and of Rust.
+/// `<node>/<first layer>/<end layer>` (followed by `/tensor <rank> of
+/// <ranks>` for a rank of a tensor group), in hex: fixed by this
+/// definition, so names survive upgrades of the operator and of Rust.
 pub fn shard_name(deployment: &str, instance: u32, stage: usize, s: &placement::Stage) -> String {
-    let digest = Sha256::digest(format!("{}/{}/{}", s.node, s.layers.start, s.layers.end));
+    let mut hashed = format!("{}/{}/{}", s.node, s.layers.start, s.layers.end);
+    if let Some(t) = &s.tensor {
+        hashed.push_str(&format!("/tensor {} of {}", t.rank, t.weights.len()));
+    }
+    let digest = Sha256::digest(hashed);
     let hash: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
     format!("{deployment}-{instance}-{stage}-{hash}")
+}
+
+/// Every entry of `instance` with its pipeline stage's index and its Shard's
+/// name, in order.
+pub fn named_stages<'i>(
+    deployment: &str,
+    instance: &'i placement::Instance,
+) -> Vec<Vec<(&'i placement::Stage, String)>> {
+    instance
+        .pipeline()
+        .into_iter()
+        .enumerate()
+        .map(|(i, group)| {
+            group
+                .iter()
+                .map(|s| (s, shard_name(deployment, instance.index, i, s)))
+                .collect()
+        })
+        .collect()
 }
 
 fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) -> Vec<Shard> {
@@ -217,51 +241,57 @@ fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) ->
     let owner = d.controller_owner_ref(&()).into_iter().collect::<Vec<_>>();
     let mut out = Vec::new();
     for inst in &plan.instances {
-        let names: Vec<String> = inst
-            .stages
-            .iter()
-            .enumerate()
-            .map(|(i, s)| shard_name(&name, inst.index, i, s))
-            .collect();
-        for (i, s) in inst.stages.iter().enumerate() {
-            let labels = BTreeMap::from([
-                (NODE_LABEL.to_string(), node_label_value(&s.node)),
-                (DEPLOYMENT_LABEL.to_string(), name.clone()),
-                (INSTANCE_LABEL.to_string(), inst.index.to_string()),
-                (TIER_LABEL.to_string(), v.pool.spec.tier.to_string()),
-            ]);
-            out.push(Shard {
-                metadata: ObjectMeta {
-                    name: Some(names[i].clone()),
-                    namespace: d.namespace(),
-                    labels: Some(labels),
-                    owner_references: Some(owner.clone()),
-                    ..Default::default()
-                },
-                spec: ShardSpec {
-                    deployment: name.clone(),
-                    model: v.model.name_any(),
-                    source: v.model.pinned_source(),
-                    format: v.model.spec.format,
-                    node: s.node.clone(),
-                    instance: inst.index,
-                    stage: i as u32,
-                    stage_count: inst.stages.len() as u32,
-                    layers: LayerRange {
-                        start: s.layers.start,
-                        end: s.layers.end,
+        let stages = named_stages(&name, inst);
+        // The stages before and after name each other's leaders (rank 0).
+        let leader = |i: usize| stages.get(i).map(|g| g[0].1.clone());
+        for (i, group) in stages.iter().enumerate() {
+            let names: Vec<String> = group.iter().map(|(_, n)| n.clone()).collect();
+            for (s, shard) in group {
+                let labels = BTreeMap::from([
+                    (NODE_LABEL.to_string(), node_label_value(&s.node)),
+                    (DEPLOYMENT_LABEL.to_string(), name.clone()),
+                    (INSTANCE_LABEL.to_string(), inst.index.to_string()),
+                    (TIER_LABEL.to_string(), v.pool.spec.tier.to_string()),
+                ]);
+                let leads = s.tensor.as_ref().is_none_or(|t| t.rank == 0);
+                out.push(Shard {
+                    metadata: ObjectMeta {
+                        name: Some(shard.clone()),
+                        namespace: d.namespace(),
+                        labels: Some(labels),
+                        owner_references: Some(owner.clone()),
+                        ..Default::default()
                     },
-                    total_layers: v.footprint.layers(),
-                    kv_cache: v.strategy.spec.kv_cache,
-                    engine: None,
-                    next: names.get(i + 1).cloned(),
-                    previous: i.checked_sub(1).map(|p| names[p].clone()),
-                    chat_template: (i == 0)
-                        .then(|| v.model.spec.chat_template.clone())
-                        .flatten(),
-                },
-                status: None,
-            });
+                    spec: ShardSpec {
+                        deployment: name.clone(),
+                        model: v.model.name_any(),
+                        source: v.model.pinned_source(),
+                        format: v.model.spec.format,
+                        node: s.node.clone(),
+                        instance: inst.index,
+                        stage: i as u32,
+                        stage_count: stages.len() as u32,
+                        layers: LayerRange {
+                            start: s.layers.start,
+                            end: s.layers.end,
+                        },
+                        total_layers: v.footprint.layers(),
+                        kv_cache: v.strategy.spec.kv_cache,
+                        engine: None,
+                        next: leader(i + 1),
+                        previous: i.checked_sub(1).and_then(leader),
+                        chat_template: (i == 0 && leads)
+                            .then(|| v.model.spec.chat_template.clone())
+                            .flatten(),
+                        tensor: s.tensor.as_ref().map(|t| TensorRankSpec {
+                            rank: t.rank,
+                            weights: t.weights.clone(),
+                            group: names.clone(),
+                        }),
+                    },
+                    status: None,
+                });
+            }
         }
     }
     out
@@ -273,9 +303,13 @@ pub fn describe(plan: &placement::Plan) -> String {
         .iter()
         .map(|i| {
             let stages: Vec<String> = i
-                .stages
+                .pipeline()
                 .iter()
-                .map(|s| format!("{}[{}-{})", s.node, s.layers.start, s.layers.end))
+                .map(|group| {
+                    let nodes: Vec<&str> = group.iter().map(|s| s.node.as_str()).collect();
+                    let layers = &group[0].layers;
+                    format!("{}[{}-{})", nodes.join("+"), layers.start, layers.end)
+                })
                 .collect();
             format!("instance {}: {}", i.index, stages.join(" -> "))
         })
@@ -386,10 +420,7 @@ mod tests {
 
     #[test]
     fn shard_names_are_pinned() {
-        let stage = |node: &str, layers: std::ops::Range<u32>| placement::Stage {
-            node: node.into(),
-            layers,
-        };
+        let stage = |node: &str, layers: std::ops::Range<u32>| placement::Stage::new(node, layers);
         // Fixed by the definition (checked against `sha256sum` of
         // "node-0/0/30" and "studio-3/40/80"): a change here renames every
         // Shard of every cluster on upgrade.

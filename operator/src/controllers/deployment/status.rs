@@ -7,7 +7,7 @@ use kube::ResourceExt;
 use shardplane_crds::*;
 
 use super::cluster_view::current_instances;
-use super::plan::{Planned, describe, shard_name};
+use super::plan::{Planned, describe, named_stages};
 use super::validate::Blocked;
 use crate::conditions;
 
@@ -74,21 +74,18 @@ pub fn planned(
         .filter_map(|s| Some((s.name_any(), s.status.as_ref()?.phase?)))
         .collect();
     for inst in &plan.instances {
-        let stages: Vec<StageStatus> = inst
-            .stages
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let shard = shard_name(&name, inst.index, i, s);
-                StageStatus {
-                    phase: phases.get(&shard).copied(),
-                    shard,
-                    node: s.node.clone(),
-                    layers: LayerRange {
-                        start: s.layers.start,
-                        end: s.layers.end,
-                    },
-                }
+        let stages: Vec<StageStatus> = named_stages(&name, inst)
+            .into_iter()
+            .flatten()
+            .map(|(s, shard)| StageStatus {
+                phase: phases.get(&shard).copied(),
+                shard,
+                node: s.node.clone(),
+                layers: LayerRange {
+                    start: s.layers.start,
+                    end: s.layers.end,
+                },
+                tensor_rank: s.tensor.as_ref().map(|t| t.rank),
             })
             .collect();
         let ready = stages.iter().all(|s| s.phase == Some(ShardPhase::Ready));

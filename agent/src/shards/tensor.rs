@@ -1,0 +1,355 @@
+//! Shards that are ranks of a tensor group: each agent loads its rank's
+//! share, says where its group may reach it, waits until every rank has,
+//! and joins them; rank 0 then serves the stage like any other, the others
+//! follow it.
+//!
+//! ```text
+//!  fetched ─► listen (kept while the agent runs the Shard) ─► load the share
+//!    ─► Loading, status.tensorEndpoint = host:port
+//!    ─► every rank's tensorEndpoint known (Shard directory) ─► join the mesh
+//!    ─► rank 0: a TensorGroup behind the stage's worker    ─► Ready
+//!       rank k: a thread running the leader's commands     ─► Ready
+//!  the mesh fails (a rank gone, its leader left) ─► unloaded, Failed
+//!    (TensorGroupBroken) ─► retried: the group forms again, with whoever
+//!    the operator placed meanwhile
+//! ```
+//!
+//! The mesh's peers prove they hold the cluster's data-plane token; what
+//! they exchange (partial sums, commands) is not encrypted.
+
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::Client;
+use kube::runtime::reflector::ObjectRef;
+use shardplane_crds::{Shard, ShardPhase, ShardSpec, ShardStatus, TensorRankSpec};
+use shardplane_dataplane::collective::{Mesh, MeshConfig};
+use shardplane_engine::Stage;
+use shardplane_engine::pipeline::{TextModel, load_tensor_rank};
+use shardplane_engine::tensor::TensorGroup;
+
+use super::{Key, ShardSet, Sources, key, report, set_phase};
+use crate::cache::Failure;
+use crate::metrics::Metrics;
+use crate::tensor::{MeshFollowers, SharedMesh};
+
+/// The longest a rank waits for the rest of its group to load and join.
+const GROUP_WAIT: Duration = Duration::from_secs(600);
+/// The longest one attempt to join waits for a peer.
+const JOIN_ATTEMPT: Duration = Duration::from_secs(10);
+/// The longest a joined rank waits for a peer's partial sums or reply.
+const PEER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A rank of a tensor group this agent runs.
+pub(super) struct Rank {
+    /// Its group's connections.
+    pub mesh: SharedMesh,
+    /// The Shard's spec when it was loaded.
+    pub spec: ShardSpec,
+    /// A follower's weights (a leader's are its worker's).
+    pub follower_bytes: Option<usize>,
+}
+
+/// A loaded rank, joined to its group.
+pub(super) enum Joined {
+    /// Rank 0: serves the stage through its worker.
+    Leads {
+        stage: Box<dyn Stage>,
+        text: Option<Arc<TextModel>>,
+        mesh: SharedMesh,
+        endpoint: String,
+    },
+    /// Another rank: to run the leader's commands (see [`follow`]).
+    Follows {
+        stage: Box<dyn Stage>,
+        mesh: SharedMesh,
+        endpoint: String,
+    },
+}
+
+/// Loads the tensor rank `shard` names from the weights at `path` and joins
+/// its group.
+pub(super) async fn load_and_join(
+    client: &Client,
+    shard: &Shard,
+    shards: &ShardSet,
+    sources: &Sources,
+    path: std::path::PathBuf,
+) -> Result<Joined, Failure> {
+    let k = key(shard);
+    let spec = shard.spec.clone();
+    let t = spec.tensor.clone().ok_or_else(|| Failure {
+        reason: "InvalidSpec",
+        message: "not a tensor rank".into(),
+    })?;
+    let (listener, endpoint) = shards.mesh_listener(&k).map_err(|e| Failure {
+        reason: "TensorGroupIncomplete",
+        message: format!("cannot listen for the tensor group: {e}"),
+    })?;
+    let mesh = SharedMesh::default();
+    let collective = mesh.collective();
+    let rank = t.rank as usize;
+    let weights: Vec<f64> = t.weights.iter().map(|&w| f64::from(w)).collect();
+    let loaded = tokio::task::spawn_blocking(move || {
+        let (layout, options) = super::layout_and_options(&spec, 0)?;
+        let (stage, text) = load_tensor_rank(&path, layout, &options, &weights, rank, collective)?;
+        let text = super::with_template(text, &spec)?.map(Arc::new);
+        Ok::<_, shardplane_engine::Error>((stage, text))
+    })
+    .await
+    .map_err(|e| Failure {
+        reason: "LoadPanicked",
+        message: e.to_string(),
+    })?
+    .map_err(super::load_failure)?;
+    let (stage, text) = loaded;
+    let waiting = ShardStatus {
+        phase: Some(ShardPhase::Loading),
+        reason: Some("JoiningTensorGroup".into()),
+        message: Some(format!(
+            "rank {rank} of {} loaded; waiting for every rank to join",
+            t.weights.len()
+        )),
+        tensor_endpoint: Some(endpoint.clone()),
+        observed_generation: shard.metadata.generation,
+        ..Default::default()
+    };
+    report(client, shards, &k, waiting);
+    let joined = join(shard, &t, listener, sources).await?;
+    mesh.set(Some(joined));
+    if rank == 0 {
+        let followers = MeshFollowers::new(mesh.clone(), t.weights.len());
+        return Ok(Joined::Leads {
+            stage: Box::new(TensorGroup::led(stage, Box::new(followers))),
+            text,
+            mesh,
+            endpoint,
+        });
+    }
+    Ok(Joined::Follows {
+        stage,
+        mesh,
+        endpoint,
+    })
+}
+
+/// Runs the leader's commands on `stage` on a thread of its own until the
+/// leader leaves or the mesh fails; either marks `mesh` broken.
+pub(super) fn follow(
+    mut stage: Box<dyn Stage>,
+    mesh: SharedMesh,
+    shard: &str,
+) -> std::io::Result<()> {
+    let name = shard.to_string();
+    let rank = mesh.rank();
+    std::thread::Builder::new()
+        .name(format!("tensor-rank-{rank}"))
+        .spawn(move || {
+            let why = match crate::tensor::follow(stage.as_mut(), &mesh) {
+                Ok(()) => "the group's leader left".to_string(),
+                Err(e) => e.to_string(),
+            };
+            tracing::info!(shard = %name, why, "tensor rank stopped following");
+            mesh.break_with(&why);
+        })
+        .map(drop)
+}
+
+/// Joins rank `t.rank`'s group once every rank of it says where it
+/// listens, trying again (with what the ranks say then) until
+/// [`GROUP_WAIT`] passes. A rank counts only when its Shard names the same
+/// group, weights and layers as `shard` (an earlier placement's rank does
+/// not) and its node is not lost; the wait ends early when `shard` itself
+/// changes or goes.
+async fn join(
+    shard: &Shard,
+    t: &TensorRankSpec,
+    listener: Arc<TcpListener>,
+    sources: &Sources,
+) -> Result<Mesh, Failure> {
+    let k = key(shard);
+    let deadline = Instant::now() + GROUP_WAIT;
+    let incomplete = |why: String| Failure {
+        reason: "TensorGroupIncomplete",
+        message: why,
+    };
+    let mut last = String::from("no rank has said where it listens");
+    while Instant::now() < deadline {
+        let own = sources.directory.get(&ObjectRef::new(&k.1).within(&k.0));
+        if own.is_none_or(|s| s.spec != shard.spec) {
+            return Err(incomplete(
+                "the Shard changed (or went) while its tensor group formed".into(),
+            ));
+        }
+        let endpoints: Result<Vec<String>, String> = t
+            .group
+            .iter()
+            .map(|name| peer_endpoint(sources, &k.0, name, shard))
+            .collect();
+        let endpoints = match endpoints {
+            Ok(e) => e,
+            Err(why) => {
+                last = why;
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                continue;
+            }
+        };
+        let config = MeshConfig {
+            group: group_id(&k.0, shard),
+            rank: t.rank as usize,
+            addresses: Vec::new(),
+            token: sources.token.clone(),
+            timeout: JOIN_ATTEMPT,
+        };
+        let listener = listener.clone();
+        let attempt = tokio::task::spawn_blocking(move || {
+            let addresses = endpoints
+                .iter()
+                .map(|e| resolve(e))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut mesh = Mesh::join(
+                &listener,
+                &MeshConfig {
+                    addresses,
+                    ..config
+                },
+            )
+            .map_err(|e| e.to_string())?;
+            mesh.set_timeout(PEER_TIMEOUT).map_err(|e| e.to_string())?;
+            Ok::<_, String>(mesh)
+        })
+        .await
+        .map_err(|e| incomplete(e.to_string()))?;
+        match attempt {
+            Ok(mesh) => return Ok(mesh),
+            Err(why) => {
+                tracing::info!(shard = %k.1, why, "the tensor group did not form; trying again");
+                last = why;
+            }
+        }
+    }
+    Err(incomplete(format!(
+        "the tensor group did not form within {GROUP_WAIT:?}: {last}"
+    )))
+}
+
+/// Where rank Shard `name` of `shard`'s group listens, when it belongs to
+/// the same group and its node is not lost.
+fn peer_endpoint(sources: &Sources, ns: &str, name: &str, shard: &Shard) -> Result<String, String> {
+    let peer = sources
+        .directory
+        .get(&ObjectRef::new(name).within(ns))
+        .ok_or_else(|| format!("rank Shard {name} does not exist (yet)"))?;
+    let (mine, theirs) = (&shard.spec, &peer.spec);
+    let same_group = match (&mine.tensor, &theirs.tensor) {
+        (Some(a), Some(b)) => a.group == b.group && a.weights == b.weights,
+        _ => false,
+    };
+    if !same_group
+        || theirs.layers != mine.layers
+        || theirs.deployment != mine.deployment
+        || theirs.source != mine.source
+    {
+        return Err(format!("rank Shard {name} belongs to another tensor group"));
+    }
+    let status = peer.status.as_ref();
+    if status.and_then(|s| s.phase) == Some(ShardPhase::Unknown) {
+        return Err(format!("rank Shard {name}'s node is lost"));
+    }
+    status
+        .and_then(|s| s.tensor_endpoint.clone())
+        .ok_or_else(|| format!("rank Shard {name} has not said where it listens"))
+}
+
+/// The group's name on the wire: a digest of what makes it one group (its
+/// namespace, every rank's Shard, the weights, the layers, the weights'
+/// source), so that a rank of another placement that reuses a name is
+/// refused.
+fn group_id(ns: &str, shard: &Shard) -> String {
+    use sha2::{Digest, Sha256};
+    let t = shard.spec.tensor.as_ref();
+    let text = format!(
+        "{ns}|{:?}|{:?}|{}-{}|{:?}",
+        t.map(|t| &t.group),
+        t.map(|t| &t.weights),
+        shard.spec.layers.start,
+        shard.spec.layers.end,
+        shard.spec.source,
+    );
+    let digest = Sha256::digest(text.as_bytes());
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `host:port` as an address.
+fn resolve(endpoint: &str) -> Result<SocketAddr, String> {
+    endpoint
+        .to_socket_addrs()
+        .map_err(|e| format!("{endpoint}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{endpoint} resolves to no address"))
+}
+
+/// The host of a data-plane endpoint (`scheme://host:port`).
+pub(super) fn endpoint_host(endpoint: &str) -> &str {
+    let rest = endpoint.split_once("://").map_or(endpoint, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host,
+        _ => authority,
+    }
+}
+
+/// Shard `k`'s tensor group broke (`mesh` is the [`SharedMesh::id`] of
+/// the one that did): unless
+/// another load replaced it meanwhile, its rank is unloaded and the Shard
+/// fails (and is retried) like any failure.
+pub(super) fn group_broken(
+    client: &Client,
+    k: Key,
+    generation: Option<i64>,
+    (mesh, why): (usize, String),
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+) {
+    let rank = {
+        let mut ranks = shards.ranks.lock().expect("rank lock");
+        match ranks.get(&k) {
+            Some(r) if r.mesh.id() == mesh => ranks.remove(&k),
+            _ => None,
+        }
+    };
+    let Some(rank) = rank else {
+        return;
+    };
+    rank.mesh.close();
+    sources.cache.unpin(&rank.spec.source.cache_key());
+    match rank.follower_bytes {
+        Some(bytes) => metrics.weight_bytes.sub(bytes as i64),
+        None => {
+            if let Some(stage) = shards.loaded.lock().expect("shard set lock").remove(&k) {
+                metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
+            }
+        }
+    }
+    set_phase(shards, metrics, &k, Some(ShardPhase::Failed));
+    let f = Failure {
+        reason: "TensorGroupBroken",
+        message: format!("the tensor group broke: {why}"),
+    };
+    super::healing::fail_shard(client, k, generation, f, shards, metrics, sources);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_host;
+
+    #[test]
+    fn the_host_of_an_endpoint() {
+        assert_eq!(endpoint_host("https://10.0.0.2:7443"), "10.0.0.2");
+        assert_eq!(endpoint_host("http://node-a.local:80/"), "node-a.local");
+        assert_eq!(endpoint_host("https://[fd00::1]:7443"), "[fd00::1]");
+        assert_eq!(endpoint_host("127.0.0.1:9"), "127.0.0.1");
+    }
+}
