@@ -100,19 +100,21 @@ async fn group_tokens(endpoint: &str, ns: &str, shard: &str, prompt: &str) -> St
     format!("tokens: {tokens:?}")
 }
 
-/// The deployment's Shards once its one instance is Ready with a group of
-/// two ranks on nodes other than `not_on`: (leader, follower).
-async fn ready_group(
+/// The Shards of deployment `name` once its one instance is Ready with
+/// `entries` Shards, none on `not_on`, in pipeline order (stage, then rank).
+async fn ready_ranks(
     deployments: &Api<ModelDeployment>,
     shards: &Api<Shard>,
+    name: &str,
+    entries: usize,
     not_on: Option<&str>,
-) -> (Shard, Shard) {
-    shardplane_testkit::eventually("the tensor group is Ready", WAIT, || async {
-        let d = deployments.get("tp").await.ok()?;
+) -> Vec<Shard> {
+    shardplane_testkit::eventually("the tensor groups are Ready", WAIT, || async {
+        let d = deployments.get(name).await.ok()?;
         let st = d.status.as_ref()?;
         let stages = &st.instances.first()?.stages;
         let placed = st.ready_replicas == 1
-            && stages.len() == 2
+            && stages.len() == entries
             && stages.iter().all(|s| Some(s.node.as_str()) != not_on);
         if !placed {
             return None;
@@ -125,22 +127,26 @@ async fn ready_group(
             .into_iter()
             .filter(|s| stages.iter().any(|st| st.shard == s.name_any()))
             .collect();
-        ranks.sort_by_key(|s| s.spec.tensor.as_ref().map(|t| t.rank));
-        let ready = ranks.len() == 2
+        ranks.sort_by_key(|s| (s.spec.stage, s.spec.tensor.as_ref().map(|t| t.rank)));
+        let ready = ranks.len() == entries
             && ranks
                 .iter()
                 .all(|s| s.status.as_ref().and_then(|st| st.phase) == Some(ShardPhase::Ready));
-        ready.then(|| (ranks[0].clone(), ranks[1].clone()))
+        ready.then_some(ranks)
     })
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_rank() {
-    let client = control_plane().client().await.unwrap();
-    let ns = control_plane().namespace(&client, "tp").await.unwrap();
+/// The cluster a test deploys on: an operator and `n` labelled agents.
+struct Cluster {
+    _operator: ChildGuard,
+    agents: Vec<(String, ChildGuard)>,
+    tag: String,
+}
+
+fn cluster(n: usize) -> Cluster {
     let tag = unique_name("tp");
-    let _operator = shardplane(&[
+    let operator = shardplane(&[
         "operator",
         "--admin-address",
         &free_address().to_string(),
@@ -150,36 +156,69 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         "3",
     ]);
     let label = format!("tp={tag}");
-    let agents: Vec<(String, ChildGuard)> = (0..3)
+    let agents = (0..n)
         .map(|i| {
             let node = format!("{tag}-n{i}");
             let a = agent(&node, &label);
             (node, a)
         })
         .collect();
+    Cluster {
+        _operator: operator,
+        agents,
+        tag,
+    }
+}
+
+/// Deploys the test model as `name` in `ns` on the cluster's agents with
+/// a tensor strategy of equal shares on `nodes` nodes in groups of
+/// `tensor_size` (one group when unset).
+async fn deploy(
+    client: &kube::Client,
+    ns: &str,
+    c: &Cluster,
+    name: &str,
+    nodes: u32,
+    tensor_size: Option<u32>,
+) -> Api<ModelDeployment> {
     let mut model = fixtures::model("smollm2");
     model.spec.source = ModelSource::Path(PathSource {
         path: shardplane_testkit::test_model().display().to_string(),
         sha256: None,
     });
-    Api::<Model>::namespaced(client.clone(), &ns)
+    Api::<Model>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &model)
         .await
         .unwrap();
-    let pool = fixtures::node_pool_selecting(&format!("pool-{tag}"), Tier::Reasoning, ("tp", &tag));
+    let tag = &c.tag;
+    let pool = fixtures::node_pool_selecting(&format!("pool-{tag}"), Tier::Reasoning, ("tp", tag));
     let mut strategy = fixtures::strategy(&format!("tp-{tag}"), Parallelism::Tensor);
-    // Equal shares, as `generate --tensor 2` splits.
+    // Equal shares and layers, as `generate --tensor 2 [--stages ...]` splits.
     strategy.spec.placement = PlacementPolicy::EvenLayers;
-    strategy.spec.min_nodes = Some(2);
-    strategy.spec.max_nodes = Some(2);
+    strategy.spec.min_nodes = Some(nodes);
+    strategy.spec.max_nodes = Some(nodes);
+    strategy.spec.tensor_size = tensor_size;
     strategy.spec.kv_cache = KvCacheBudget {
         context_length: 512,
         concurrent_sequences: 2,
     };
-    let deployments = fixtures::deploy(&client, &ns, "tp", "smollm2", &pool, &strategy).await;
+    fixtures::deploy(client, ns, name, "smollm2", &pool, &strategy).await
+}
+
+/// One test at a time: each starts several agents on this machine's cores.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_rank() {
+    let _serial = SERIAL.lock().await;
+    let client = control_plane().client().await.unwrap();
+    let ns = control_plane().namespace(&client, "tp").await.unwrap();
+    let c = cluster(3);
+    let deployments = deploy(&client, &ns, &c, "tp", 2, None).await;
     let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
 
-    let (leader, follower) = ready_group(&deployments, &shards, None).await;
+    let ranks = ready_ranks(&deployments, &shards, "tp", 2, None).await;
+    let (leader, follower) = (ranks[0].clone(), ranks[1].clone());
     let (lt, ft) = (
         leader.spec.tensor.clone().unwrap(),
         follower.spec.tensor.clone().unwrap(),
@@ -216,8 +255,8 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
     // The follower's agent dies: its rank moves to the spare agent, the
     // leader stays, the group forms again and answers the same.
     let victim = follower.spec.node.clone();
-    let index = agents.iter().position(|(n, _)| *n == victim).unwrap();
-    agents[index].1.signal("-KILL");
+    let index = c.agents.iter().position(|(n, _)| *n == victim).unwrap();
+    c.agents[index].1.signal("-KILL");
     // The leader hears of it at its next step at the latest.
     let mut probe = dp::client(
         dp::channel(&endpoint, None).unwrap(),
@@ -237,7 +276,8 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
             ..Default::default()
         })
         .await;
-    let (healed_leader, healed_follower) = ready_group(&deployments, &shards, Some(&victim)).await;
+    let healed = ready_ranks(&deployments, &shards, "tp", 2, Some(&victim)).await;
+    let (healed_leader, healed_follower) = (&healed[0], &healed[1]);
     assert_eq!(
         healed_leader.spec.node, leader.spec.node,
         "the leader stays"
@@ -259,5 +299,49 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         let got = group_tokens(&endpoint, &ns, &healed_leader.name_any(), prompt).await;
         assert_eq!(&got, want, "{prompt:?} after healing");
     }
-    drop(agents);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
+    let _serial = SERIAL.lock().await;
+    let client = control_plane().client().await.unwrap();
+    let ns = control_plane().namespace(&client, "tpp").await.unwrap();
+    let c = cluster(4);
+    let deployments = deploy(&client, &ns, &c, "tpp", 4, Some(2)).await;
+    let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
+    let ranks = ready_ranks(&deployments, &shards, "tpp", 4, None).await;
+    let shape: Vec<(u32, u32, u32, u32)> = ranks
+        .iter()
+        .map(|s| {
+            let t = s.spec.tensor.as_ref().unwrap();
+            (s.spec.stage, t.rank, s.spec.layers.start, s.spec.layers.end)
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [(0, 0, 0, 15), (0, 1, 0, 15), (1, 0, 15, 30), (1, 1, 15, 30)]
+    );
+    // The stages name each other's leaders; the second group's ranks know
+    // only their own group.
+    assert_eq!(
+        ranks[0].spec.next.as_deref(),
+        Some(ranks[2].name_any().as_str())
+    );
+    assert_eq!(
+        ranks[1].spec.next.as_deref(),
+        Some(ranks[2].name_any().as_str())
+    );
+    assert_eq!(
+        ranks[3].spec.previous.as_deref(),
+        Some(ranks[0].name_any().as_str())
+    );
+    let nodes: std::collections::BTreeSet<&str> =
+        ranks.iter().map(|s| s.spec.node.as_str()).collect();
+    assert_eq!(nodes.len(), 4);
+    let endpoint = ranks[0].status.as_ref().unwrap().endpoint.clone().unwrap();
+    for prompt in PROMPTS {
+        let want = local_tokens(prompt, &["--tensor", "2", "--stages", "0-14,15-29"]);
+        let got = group_tokens(&endpoint, &ns, &ranks[0].name_any(), prompt).await;
+        assert_eq!(got, want, "{prompt:?}");
+    }
 }

@@ -54,6 +54,12 @@ const NONCE: usize = 32;
 /// the socket buffers); larger ones are written from threads of their own
 /// while this one reads, so two ranks writing to each other never block.
 const INLINE_BYTES: usize = 32 * 1024;
+/// Idle time before the first keep-alive probe on a mesh connection.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// Time between keep-alive probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+/// Unanswered probes after which the connection is dropped.
+const KEEPALIVE_PROBES: u32 = 3;
 /// The collective number that marks a message.
 const MESSAGE: u64 = u64::MAX;
 
@@ -464,6 +470,16 @@ fn connect(
 fn prepare(stream: &TcpStream, timeout: Duration, peer: usize) -> Result<(), CollectiveError> {
     let io = |source| CollectiveError::Io { peer, source };
     stream.set_nodelay(true).map_err(io)?;
+    // A follower waits for its leader without a deadline: the kernel's
+    // probes find a peer whose machine went silent (no FIN, no RST) within
+    // about 20 s.
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(stream)
+        .set_tcp_keepalive(&keepalive)
+        .map_err(io)?;
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     stream.set_write_timeout(Some(timeout)).map_err(io)
 }

@@ -623,6 +623,9 @@ async fn bring_up(
     } else {
         0
     };
+    // What the stage runs as: a tensor rank's group may have changed while
+    // it joined.
+    let mut joined_spec = shard.spec.clone();
     let (engine, text, tensor) = match &shard.spec.tensor {
         None => {
             let (engine, text) = load(path, spec, engine_kind, prefix_cache_bytes).await?;
@@ -634,17 +637,22 @@ async fn bring_up(
                 text,
                 mesh,
                 endpoint,
-            } => (stage, text, Some((mesh, endpoint))),
+                spec,
+            } => {
+                joined_spec = spec;
+                (stage, text, Some((mesh, endpoint)))
+            }
             tensor::Joined::Follows {
                 stage,
                 mesh,
                 endpoint,
+                spec,
             } => {
                 let bytes = stage.weight_bytes();
                 metrics.weight_bytes.add(bytes as i64);
                 let rank = tensor::Rank {
                     mesh: mesh.clone(),
-                    spec: shard.spec.clone(),
+                    spec,
                     follower_bytes: Some(bytes),
                 };
                 // Kept before its mesh is watched: a break then finds it.
@@ -720,7 +728,7 @@ async fn bring_up(
     let served = Arc::new(ServedStage {
         namespace: k.0.clone(),
         name: k.1.clone(),
-        spec: shard.spec.clone(),
+        spec: joined_spec.clone(),
         worker,
         text,
     });
@@ -729,7 +737,7 @@ async fn bring_up(
     if let Some((mesh, _)) = &tensor {
         let rank = tensor::Rank {
             mesh: mesh.clone(),
-            spec: shard.spec.clone(),
+            spec: joined_spec,
             follower_bytes: None,
         };
         put_rank(&k, rank, shards, metrics, sources);

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use kube::Client;
 use kube::runtime::reflector::ObjectRef;
-use shardplane_crds::{Shard, ShardPhase, ShardSpec, ShardStatus, TensorRankSpec};
+use shardplane_crds::{Shard, ShardPhase, ShardSpec, ShardStatus};
 use shardplane_dataplane::collective::{Mesh, MeshConfig};
 use shardplane_engine::Stage;
 use shardplane_engine::pipeline::{TextModel, load_tensor_rank};
@@ -59,12 +59,16 @@ pub(super) enum Joined {
         text: Option<Arc<TextModel>>,
         mesh: SharedMesh,
         endpoint: String,
+        /// The spec it joined as (its group may have changed meanwhile).
+        spec: ShardSpec,
     },
     /// Another rank: to run the leader's commands (see [`follow`]).
     Follows {
         stage: Box<dyn Stage>,
         mesh: SharedMesh,
         endpoint: String,
+        /// The spec it joined as.
+        spec: ShardSpec,
     },
 }
 
@@ -116,7 +120,7 @@ pub(super) async fn load_and_join(
         ..Default::default()
     };
     report(client, shards, &k, waiting);
-    let joined = join(shard, &t, listener, sources).await?;
+    let (joined, spec) = join(shard, listener, sources).await?;
     mesh.set(Some(joined));
     if rank == 0 {
         let followers = MeshFollowers::new(mesh.clone(), t.weights.len());
@@ -125,12 +129,14 @@ pub(super) async fn load_and_join(
             text,
             mesh,
             endpoint,
+            spec,
         });
     }
     Ok(Joined::Follows {
         stage,
         mesh,
         endpoint,
+        spec,
     })
 }
 
@@ -156,19 +162,21 @@ pub(super) fn follow(
         .map(drop)
 }
 
-/// Joins rank `t.rank`'s group once every rank of it says where it
-/// listens, trying again (with what the ranks say then) until
+/// Joins the group of the rank `shard` is once every rank of it says where
+/// it listens, trying again (with what the ranks say then) until
 /// [`GROUP_WAIT`] passes. A rank counts only when its Shard names the same
-/// group, weights and layers as `shard` (an earlier placement's rank does
-/// not) and its node is not lost; the wait ends early when `shard` itself
-/// changes or goes.
+/// group, weights and layers (an earlier placement's rank does not) and its
+/// node is not lost. When the Shard's group changes meanwhile (a lost rank
+/// placed elsewhere) and nothing else does, the new group is joined; any
+/// other change, or the Shard going, ends the wait. Returns the mesh and
+/// the spec it joined as.
 async fn join(
     shard: &Shard,
-    t: &TensorRankSpec,
     listener: Arc<TcpListener>,
     sources: &Sources,
-) -> Result<Mesh, Failure> {
+) -> Result<(Mesh, ShardSpec), Failure> {
     let k = key(shard);
+    let mut spec = shard.spec.clone();
     let deadline = Instant::now() + GROUP_WAIT;
     let incomplete = |why: String| Failure {
         reason: "TensorGroupIncomplete",
@@ -177,15 +185,25 @@ async fn join(
     let mut last = String::from("no rank has said where it listens");
     while Instant::now() < deadline {
         let own = sources.directory.get(&ObjectRef::new(&k.1).within(&k.0));
-        if own.is_none_or(|s| s.spec != shard.spec) {
-            return Err(incomplete(
-                "the Shard changed (or went) while its tensor group formed".into(),
-            ));
+        match own {
+            Some(now) if now.spec == spec => {}
+            Some(now) if only_group_changed(&spec, &now.spec) => {
+                tracing::info!(shard = %k.1, "the tensor group changed; joining the new one");
+                spec = now.spec.clone();
+            }
+            _ => {
+                return Err(incomplete(
+                    "the Shard changed (or went) while its tensor group formed".into(),
+                ));
+            }
         }
+        let Some(t) = spec.tensor.clone() else {
+            return Err(incomplete("not a tensor rank".into()));
+        };
         let endpoints: Result<Vec<String>, String> = t
             .group
             .iter()
-            .map(|name| peer_endpoint(sources, &k.0, name, shard))
+            .map(|name| peer_endpoint(sources, &k.0, name, &spec))
             .collect();
         let endpoints = match endpoints {
             Ok(e) => e,
@@ -196,7 +214,7 @@ async fn join(
             }
         };
         let config = MeshConfig {
-            group: group_id(&k.0, shard),
+            group: group_id(&k.0, &spec),
             rank: t.rank as usize,
             addresses: Vec::new(),
             token: sources.token.clone(),
@@ -222,7 +240,7 @@ async fn join(
         .await
         .map_err(|e| incomplete(e.to_string()))?;
         match attempt {
-            Ok(mesh) => return Ok(mesh),
+            Ok(mesh) => return Ok((mesh, spec)),
             Err(why) => {
                 tracing::info!(shard = %k.1, why, "the tensor group did not form; trying again");
                 last = why;
@@ -234,14 +252,33 @@ async fn join(
     )))
 }
 
-/// Where rank Shard `name` of `shard`'s group listens, when it belongs to
+/// Whether `now` differs from `was` in its tensor group's members alone
+/// (the same rank, weights, layers and weights' source: what was loaded
+/// still holds).
+fn only_group_changed(was: &ShardSpec, now: &ShardSpec) -> bool {
+    let (Some(a), Some(b)) = (&was.tensor, &now.tensor) else {
+        return false;
+    };
+    let mut same = now.clone();
+    if let Some(t) = same.tensor.as_mut() {
+        t.group.clone_from(&a.group);
+    }
+    a.group.len() == b.group.len() && same == *was
+}
+
+/// Where rank Shard `name` of the group `mine` names listens, when it belongs to
 /// the same group and its node is not lost.
-fn peer_endpoint(sources: &Sources, ns: &str, name: &str, shard: &Shard) -> Result<String, String> {
+fn peer_endpoint(
+    sources: &Sources,
+    ns: &str,
+    name: &str,
+    mine: &ShardSpec,
+) -> Result<String, String> {
     let peer = sources
         .directory
         .get(&ObjectRef::new(name).within(ns))
         .ok_or_else(|| format!("rank Shard {name} does not exist (yet)"))?;
-    let (mine, theirs) = (&shard.spec, &peer.spec);
+    let theirs = &peer.spec;
     let same_group = match (&mine.tensor, &theirs.tensor) {
         (Some(a), Some(b)) => a.group == b.group && a.weights == b.weights,
         _ => false,
@@ -266,16 +303,16 @@ fn peer_endpoint(sources: &Sources, ns: &str, name: &str, shard: &Shard) -> Resu
 /// namespace, every rank's Shard, the weights, the layers, the weights'
 /// source), so that a rank of another placement that reuses a name is
 /// refused.
-fn group_id(ns: &str, shard: &Shard) -> String {
+fn group_id(ns: &str, spec: &ShardSpec) -> String {
     use sha2::{Digest, Sha256};
-    let t = shard.spec.tensor.as_ref();
+    let t = spec.tensor.as_ref();
     let text = format!(
         "{ns}|{:?}|{:?}|{}-{}|{:?}",
         t.map(|t| &t.group),
         t.map(|t| &t.weights),
-        shard.spec.layers.start,
-        shard.spec.layers.end,
-        shard.spec.source,
+        spec.layers.start,
+        spec.layers.end,
+        spec.source,
     );
     let digest = Sha256::digest(text.as_bytes());
     digest[..16].iter().map(|b| format!("{b:02x}")).collect()
