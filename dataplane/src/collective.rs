@@ -165,10 +165,13 @@ impl Mesh {
         while peers.iter().skip(me + 1).any(Option::is_none) {
             match listener.accept() {
                 Ok((stream, _)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(|source| CollectiveError::Io { peer: me, source })?;
-                    prepare(&stream, config.timeout, me)?;
+                    // A connection that cannot be set up (reset already) is
+                    // dropped like a stranger.
+                    if stream.set_nonblocking(false).is_err()
+                        || prepare(&stream, config.timeout, me).is_err()
+                    {
+                        continue;
+                    }
                     // A stranger, a rank out of turn or one that fails its
                     // proof is dropped: the real peer may still come (and
                     // one that never does is named when the join times out).

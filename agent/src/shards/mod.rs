@@ -98,9 +98,16 @@ impl ShardSet {
         if let Some((l, e)) = listeners.get(k) {
             return Ok((l.clone(), e.clone()));
         }
-        // Every interface, IPv6 and IPv4 where the machine has both.
-        let listener = std::net::TcpListener::bind(("::", 0))
-            .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))?;
+        // Every interface of the endpoint's address family (a name: IPv6,
+        // else IPv4).
+        let host = tensor::endpoint_host(&self.endpoint);
+        let ipv4 = host.parse::<std::net::Ipv4Addr>().is_ok();
+        let listener = if ipv4 {
+            std::net::TcpListener::bind(("0.0.0.0", 0))?
+        } else {
+            std::net::TcpListener::bind(("::", 0))
+                .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))?
+        };
         let port = listener.local_addr()?.port();
         let endpoint = format!("{}:{port}", tensor::endpoint_host(&self.endpoint));
         let entry = (Arc::new(listener), endpoint);
@@ -307,14 +314,27 @@ pub async fn run(
                     .filter(|k| !seen_during_init.contains(*k))
                     .cloned()
                     .collect();
-                let followers: Vec<Key> = shards
+                let ranks: Vec<Key> = shards
                     .ranks
                     .lock()
                     .expect("rank lock")
                     .keys()
-                    .filter(|k| !seen_during_init.contains(*k) && !gone.contains(k))
                     .cloned()
                     .collect();
+                let listening: Vec<Key> = shards
+                    .listeners
+                    .lock()
+                    .expect("listener lock")
+                    .keys()
+                    .cloned()
+                    .collect();
+                let mut followers: Vec<Key> = ranks
+                    .into_iter()
+                    .chain(listening)
+                    .filter(|k| !seen_during_init.contains(k) && !gone.contains(k))
+                    .collect();
+                followers.sort();
+                followers.dedup();
                 gone.extend(followers);
                 for k in gone {
                     unload(&k, &shards, &metrics, &sources.cache);
@@ -467,8 +487,16 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                     observed_generation: shard.metadata.generation,
                     ..Default::default()
                 };
-                set_phase(&shards, &metrics, &k, status.phase);
-                report(&client, &shards, &k, status);
+                // A tensor rank whose group broke meanwhile has been failed
+                // (and is retried): it is not Ready. Held while Ready is
+                // set, so that a break after the check reports after it.
+                let ranks = shards.ranks.lock().expect("rank lock");
+                let broken = shard.spec.tensor.is_some()
+                    && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
+                if !broken {
+                    set_phase(&shards, &metrics, &k, status.phase);
+                    report(&client, &shards, &k, status);
+                }
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);

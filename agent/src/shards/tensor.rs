@@ -370,6 +370,13 @@ pub(super) fn group_broken(
             }
         }
     }
+    // A new load of the Shard is under way (its spec changed): it stands
+    // for the Shard; the old rank is only let go of.
+    let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
+    if matches!(phase, Some(ShardPhase::Downloading | ShardPhase::Loading)) {
+        tracing::info!(shard = %k.1, why, "the replaced rank's group broke");
+        return;
+    }
     set_phase(shards, metrics, &k, Some(ShardPhase::Failed));
     let f = Failure {
         reason: "TensorGroupBroken",
