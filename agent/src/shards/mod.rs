@@ -487,16 +487,29 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                     observed_generation: shard.metadata.generation,
                     ..Default::default()
                 };
-                // A tensor rank whose group broke meanwhile has been failed
-                // (and is retried): it is not Ready. Held while Ready is
-                // set, so that a break after the check reports after it.
-                let ranks = shards.ranks.lock().expect("rank lock");
+                // A tensor rank whose group broke as it formed is not Ready:
+                // its rank is let go of (if the break's handler has not
+                // already) and the Shard fails, to be tried again. The lock
+                // is held throughout, so a break after the check is handled
+                // (and reported) after Ready.
+                let mut ranks = shards.ranks.lock().expect("rank lock");
                 let broken = shard.spec.tensor.is_some()
                     && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
-                if !broken {
+                if broken {
+                    if let Some(rank) = ranks.remove(&k) {
+                        tensor::release(&k, rank, &shards, &metrics, &sources);
+                    }
+                    let f = Failure {
+                        reason: "TensorGroupBroken",
+                        message: "the tensor group broke as it formed".into(),
+                    };
+                    let generation = shard.metadata.generation;
+                    fail_shard(&client, k, generation, f, &shards, &metrics, &sources);
+                } else {
                     set_phase(&shards, &metrics, &k, status.phase);
                     report(&client, &shards, &k, status);
                 }
+                drop(ranks);
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);

@@ -350,29 +350,24 @@ pub(super) fn group_broken(
     metrics: &Metrics,
     sources: &Sources,
 ) {
-    let rank = {
+    // The phase is read with the rank taken, under the rank lock: a load
+    // that ends meanwhile sees either its rank or the phase it left.
+    let (rank, phase) = {
         let mut ranks = shards.ranks.lock().expect("rank lock");
-        match ranks.get(&k) {
+        let rank = match ranks.get(&k) {
             Some(r) if r.mesh.id() == mesh => ranks.remove(&k),
             _ => None,
-        }
+        };
+        let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
+        (rank, phase)
     };
     let Some(rank) = rank else {
         return;
     };
-    rank.mesh.close();
-    sources.cache.unpin(&rank.spec.source.cache_key());
-    match rank.follower_bytes {
-        Some(bytes) => metrics.weight_bytes.sub(bytes as i64),
-        None => {
-            if let Some(stage) = shards.loaded.lock().expect("shard set lock").remove(&k) {
-                metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
-            }
-        }
-    }
-    // A new load of the Shard is under way (its spec changed): it stands
-    // for the Shard; the old rank is only let go of.
-    let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
+    release(&k, rank, shards, metrics, sources);
+    // A load of the Shard is under way: it stands for the Shard. The rank
+    // was the one it replaces (only let go of), or its own, just joined
+    // (the load then finds its rank gone and fails the Shard).
     if matches!(phase, Some(ShardPhase::Downloading | ShardPhase::Loading)) {
         tracing::info!(shard = %k.1, why, "the replaced rank's group broke");
         return;
@@ -383,6 +378,27 @@ pub(super) fn group_broken(
         message: format!("the tensor group broke: {why}"),
     };
     super::healing::fail_shard(client, k, generation, f, shards, metrics, sources);
+}
+
+/// Lets go of Shard `k`'s `rank`, taken out of the rank set: its mesh
+/// closed, its weights (a leader's stage with them) and cache pin released.
+pub(super) fn release(
+    k: &Key,
+    rank: Rank,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+) {
+    rank.mesh.close();
+    sources.cache.unpin(&rank.spec.source.cache_key());
+    match rank.follower_bytes {
+        Some(bytes) => metrics.weight_bytes.sub(bytes as i64),
+        None => {
+            if let Some(stage) = shards.loaded.lock().expect("shard set lock").remove(k) {
+                metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
