@@ -26,9 +26,11 @@ pub struct Cache {
     changed: Arc<tokio::sync::Notify>,
     budget: Option<u64>,
     pins: Arc<Mutex<BTreeMap<String, usize>>>,
-    /// One lock per repository key: two stages of one repository starting
-    /// at once fetch one after the other, never into the same `.partial`.
-    repository_locks: Arc<Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+    /// One lock per model key: two stages of one model starting at once (two
+    /// deployments of it on this node, or a stage reloading while the old
+    /// fetch runs) fetch one after the other, never into the same `.partial`
+    /// — a GGUF file from a peer or its source, or a repository's files.
+    fetch_locks: Arc<Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>>,
 }
 
 /// What the cache knows of a file, kept beside it (`<file>.json`) so the
@@ -150,7 +152,7 @@ impl Cache {
             changed: Arc::default(),
             budget: None,
             pins: Arc::default(),
-            repository_locks: Arc::default(),
+            fetch_locks: Arc::default(),
         })
     }
 
@@ -379,12 +381,12 @@ impl Cache {
         ))
     }
 
-    /// Holds `key`'s repository for one fetch (see `repository_locks`).
-    pub(crate) async fn lock_repository(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    /// Holds `key`'s files for one fetch (see `fetch_locks`).
+    pub(crate) async fn lock_fetch(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = self
-            .repository_locks
+            .fetch_locks
             .lock()
-            .expect("repository locks")
+            .expect("fetch locks")
             .entry(key.to_string())
             .or_default()
             .clone();

@@ -259,8 +259,9 @@ pub async fn measure(client: &dp::Client) -> Result<Measurement, tonic::Status> 
     })
 }
 
-/// Measures the links to every other node with a data plane, once every
-/// `every`, and writes them to `node`'s status.
+/// Measures the links to every other reachable node with a data plane (not
+/// draining, not marked not Ready: a dead node's port may be another
+/// program's by now), once every `every`, and writes them to `node`'s status.
 pub async fn run(
     client: Client,
     node: String,
@@ -276,7 +277,7 @@ pub async fn run(
         for peer in nodes.state() {
             let name = peer.metadata.name.clone().unwrap_or_default();
             let Some(status) = &peer.status else { continue };
-            if name == node || status.draining {
+            if name == node || !status.reachable() {
                 continue;
             }
             let Some(r) = route(&mine, status) else {

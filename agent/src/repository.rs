@@ -144,7 +144,7 @@ pub async fn fetch(
     stage: &StageLayout,
     mut progress: impl FnMut(u64, Option<u64>),
 ) -> Result<PathBuf, Failure> {
-    let _one_at_a_time = cache.lock_repository(key).await;
+    let _one_at_a_time = cache.lock_fetch(key).await;
     let dir = cache.repository_dir(key);
     std::fs::create_dir_all(&dir).map_err(|e| unwritable(&dir, e))?;
     let mut names: Vec<&str> = Vec::new();

@@ -813,18 +813,23 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
         }
     };
 
-    // A downloads the model from its URL and lists it.
-    let mut first = fixtures::shard("first", &a, 0, 1, LayerRange { start: 0, end: 30 });
-    first.spec.source = source.clone();
-    shards.create(&PostParams::default(), &first).await.unwrap();
+    // A downloads the model from its URL once, although two stages of it
+    // arrive at once (the second waits for the first's file), and lists it.
+    for name in ["first", "twin"] {
+        let mut shard = fixtures::shard(name, &a, 0, 1, LayerRange { start: 0, end: 30 });
+        shard.spec.source = source.clone();
+        shards.create(&PostParams::default(), &shard).await.unwrap();
+    }
     ready("first-0-0").await;
+    ready("twin-0-0").await;
     shardplane_testkit::eventually("A lists the model", WAIT, || async {
         let st = nodes.get(&a).await.ok()?.status?;
         st.cached_models.iter().any(|m| m.key == key).then_some(())
     })
     .await;
-    let downloads = log.lock().unwrap().len();
-    assert!(downloads >= 1);
+    let downloads = log.lock().unwrap().clone();
+    assert_eq!(downloads, ["full"], "one download for both stages");
+    let downloads = downloads.len();
 
     // B already has two pieces of an interrupted copy.
     let model = std::fs::read(shardplane_testkit::test_model()).unwrap();
@@ -846,10 +851,11 @@ async fn an_agent_copies_weights_from_a_peer_verified_and_resumes_an_interrupted
         .await
         .unwrap();
     ready("second-0-0").await;
+    let requests = log.lock().unwrap().clone();
     assert_eq!(
-        log.lock().unwrap().len(),
+        requests.len(),
         downloads,
-        "no request went to the URL"
+        "no request went to the URL: {requests:?}"
     );
     assert_eq!(
         std::fs::read(cache_b.file_for(&key)).unwrap(),

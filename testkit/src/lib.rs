@@ -515,6 +515,9 @@ pub fn token_file() -> &'static Path {
 
 /// Serves the test model at `/m.gguf` on loopback; returns the base URL and
 /// the log of requests for it: each request's Range header, or `full`.
+/// Requests for other paths are not logged: the port is an ephemeral one a
+/// dead agent of an earlier test may have had, and live agents may still
+/// probe that agent's old address.
 pub async fn serve_test_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use axum::extract::Request;
     use axum::middleware::{self, Next};
@@ -525,7 +528,7 @@ pub async fn serve_test_model() -> (String, std::sync::Arc<std::sync::Mutex<Vec<
             "/m.gguf",
             tower_http::services::ServeFile::new(test_model()),
         )
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
+        .route_layer(middleware::from_fn(move |req: Request, next: Next| {
             let seen = seen.clone();
             async move {
                 let range = req.headers().get("range").and_then(|v| v.to_str().ok());

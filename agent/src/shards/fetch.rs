@@ -49,8 +49,11 @@ pub(super) async fn fetch(
             model_hub_client(client, shard, hf).await?,
         ),
     };
-    let (done, total, reporter) = progress_reporter(client, shards, shard);
     let key = shard.spec.source.cache_key();
+    // Another stage of the same model may be fetching it right now: wait for
+    // it (the file is then in the cache) rather than write the same file.
+    let _one_at_a_time = sources.cache.lock_fetch(&key).await;
+    let (done, total, reporter) = progress_reporter(client, shards, shard);
     // A peer's copy is checked against the SHA-256 the Model pins (its
     // `sha256`, or the hub's LFS hash the operator resolved), never against
     // what the peer says of its own file: without a pin, the source.
@@ -106,7 +109,7 @@ pub(super) async fn fetch(
     let result = sources
         .cache
         .fetch(
-            &shard.spec.source.cache_key(),
+            &key,
             &url,
             sha256.as_deref(),
             hub_client.as_ref(),

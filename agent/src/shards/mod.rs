@@ -240,7 +240,7 @@ impl PeerSources {
             .filter_map(|n| {
                 let name = n.metadata.name.clone()?;
                 let status = n.status.as_ref()?;
-                if name == self.node || status.draining {
+                if name == self.node || !status.reachable() {
                     return None;
                 }
                 let model = status.cached_models.iter().find(|m| m.key == key)?;

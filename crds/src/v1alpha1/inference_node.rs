@@ -204,3 +204,58 @@ pub struct InferenceNodeStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,
 }
+
+impl InferenceNodeStatus {
+    /// Whether other agents should reach out to the node (to measure a link,
+    /// or to copy weights from it): it is not draining, and the operator has
+    /// not marked it not Ready (its Lease lapsed: the process is gone, and
+    /// its address may belong to something else by now). Without an operator
+    /// no condition is written and a node counts as reachable.
+    pub fn reachable(&self) -> bool {
+        !self.draining
+            && !self
+                .conditions
+                .iter()
+                .any(|c| c.type_ == super::CONDITION_READY && c.status != "True")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+    fn ready(status: &str) -> Condition {
+        Condition {
+            type_: super::super::CONDITION_READY.into(),
+            status: status.into(),
+            reason: "LeaseExpired".into(),
+            message: String::new(),
+            last_transition_time: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+            observed_generation: None,
+        }
+    }
+
+    #[test]
+    fn a_node_is_reachable_unless_draining_or_marked_not_ready() {
+        let fresh = InferenceNodeStatus::default();
+        assert!(fresh.reachable(), "no operator, no condition");
+        let up = InferenceNodeStatus {
+            conditions: vec![ready("True")],
+            ..Default::default()
+        };
+        assert!(up.reachable());
+        for status in ["False", "Unknown"] {
+            let down = InferenceNodeStatus {
+                conditions: vec![ready(status)],
+                ..Default::default()
+            };
+            assert!(!down.reachable(), "Ready={status}");
+        }
+        let draining = InferenceNodeStatus {
+            draining: true,
+            ..up
+        };
+        assert!(!draining.reachable());
+    }
+}
