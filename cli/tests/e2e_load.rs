@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use e2e::{WAIT, agent_status, create_model, operator, start};
-use futures::StreamExt;
 use kube::Api;
 use kube::api::PostParams;
 use shardplane_crds::*;
@@ -67,29 +66,28 @@ async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> Outc
                 r.text().await.unwrap_or_default()
             ));
         }
-        let mut stream = r.bytes_stream();
-        let mut text = String::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| format!("stream: {e}"))?;
-            text.push_str(&String::from_utf8_lossy(&chunk));
-            while let Some(end) = text.find("\n\n") {
-                let event: String = text.drain(..end + 2).collect();
-                let data = event.trim().strip_prefix("data: ").unwrap_or("");
-                if data == "[DONE]" {
-                    return Ok(());
-                }
-                // An error event has a top-level `error` (an answer may
-                // well say "error" in its text).
-                let parsed: Option<serde_json::Value> = serde_json::from_str(data).ok();
-                if parsed.as_ref().is_some_and(|v| v.get("error").is_some()) {
-                    return Err(format!("error event: {data}"));
-                }
-                if data.contains("\"content\"") {
-                    tokens += 1;
-                }
+        let done = shardplane_testkit::sse::each_event(r.bytes_stream(), |data| {
+            if data == "[DONE]" {
+                return Ok(true);
             }
+            // An error event has a top-level `error` (an answer may well
+            // say "error" in its text).
+            let parsed: Option<serde_json::Value> = serde_json::from_str(data).ok();
+            if parsed.as_ref().is_some_and(|v| v.get("error").is_some()) {
+                return Err(format!("error event: {data}"));
+            }
+            if data.contains("\"content\"") {
+                tokens += 1;
+            }
+            Ok(false)
+        })
+        .await
+        .map_err(|e| format!("stream: {e}"))?;
+        if done {
+            Ok(())
+        } else {
+            Err("the stream ended without [DONE]".into())
         }
-        Err("the stream ended without [DONE]".into())
     }
     .await;
     Outcome {

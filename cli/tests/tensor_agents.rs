@@ -2,8 +2,9 @@
 //! with `parallelism: tensor` becomes one group of two ranks on two agents;
 //! its leader answers with exactly the greedy tokens of the same split run
 //! in one process (`generate --tensor 2`), which are the whole model's on
-//! prompts without near-ties; when a rank's agent is killed only that rank
-//! moves, the group forms again and answers the same.
+//! prompts without near-ties; when a rank's agent is killed mid-answer only
+//! that rank moves, the group forms again, and the gateway goes on with the
+//! answer there: the client gets exactly the uninterrupted answer.
 //!
 //! The split of a quantized model rounds differently from the whole model
 //! (its partial sums are added in another order), so on a near-tie the
@@ -100,6 +101,73 @@ async fn group_tokens(endpoint: &str, ns: &str, shard: &str, prompt: &str) -> St
     format!("tokens: {tokens:?}")
 }
 
+/// The name the cluster's deployment is served as.
+fn served_name(c: &Cluster) -> String {
+    format!("smollm2-{}", c.tag)
+}
+
+/// Tokens of [`stream_completion`]'s answer (the test model runs at tens
+/// of tokens a second here: long enough to be cut mid-way).
+const LONG_ANSWER: u32 = 160;
+
+/// A greedy completion of [`LONG_ANSWER`] tokens streamed through the
+/// gateway at `listen`: its text. `mid_way` runs once eight chunks arrived.
+async fn stream_completion(
+    listen: &str,
+    model: &str,
+    mut mid_way: Option<Box<dyn FnOnce() + '_>>,
+) -> Result<String, String> {
+    let body = serde_json::json!({
+        "model": model,
+        "prompt": "def fibonacci(n):",
+        "max_tokens": LONG_ANSWER,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let r = reqwest::Client::new()
+        .post(format!("http://{listen}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        // The lost rank's Lease runs out (3 s), then it is placed and loads.
+        .timeout(Duration::from_secs(240))
+        .send()
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    if r.status() != 200 {
+        return Err(format!(
+            "{}: {}",
+            r.status(),
+            r.text().await.unwrap_or_default()
+        ));
+    }
+    let (mut text, mut chunks) = (String::new(), 0);
+    let done = shardplane_testkit::sse::each_event(r.bytes_stream(), |data| {
+        if data == "[DONE]" {
+            return Ok(true);
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if v.get("error").is_some() {
+            return Err(format!("error event: {data}"));
+        }
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+        chunks += 1;
+        if chunks == 8
+            && let Some(f) = mid_way.take()
+        {
+            f();
+        }
+        Ok(false)
+    })
+    .await?;
+    if done {
+        Ok(text)
+    } else {
+        Err("the stream ended without [DONE]".into())
+    }
+}
+
 /// The Shards of deployment `name` once its one instance is Ready with
 /// `entries` Shards, none on `not_on`, in pipeline order (stage, then rank).
 async fn ready_ranks(
@@ -182,6 +250,8 @@ async fn deploy(
     tensor_size: Option<u32>,
 ) -> Api<ModelDeployment> {
     let mut model = fixtures::model("smollm2");
+    // Unique across the cluster: the gateway of each test serves it by name.
+    model.spec.served_name = Some(served_name(c));
     model.spec.source = ModelSource::Path(PathSource {
         path: shardplane_testkit::test_model().display().to_string(),
         sha256: None,
@@ -252,30 +322,49 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         assert_eq!(&got, want, "{prompt:?}");
     }
 
-    // The follower's agent dies: its rank moves to the spare agent, the
-    // leader stays, the group forms again and answers the same.
+    // Through the gateway: an answer streamed whole, then the same answer
+    // while the follower's agent is killed mid-way. The group is the
+    // deployment's one instance: the answer waits for the operator to move
+    // the lost rank to the spare agent and for the group to form again, then
+    // goes on there, and the client gets exactly the uninterrupted answer.
+    let (listen, admin) = (free_address().to_string(), free_address().to_string());
+    let _gateway = shardplane(&[
+        "gateway",
+        "--listen",
+        &listen,
+        "--admin-address",
+        &admin,
+        "--allow-anonymous",
+    ]);
+    let served = served_name(&c);
+    let whole = shardplane_testkit::eventually("the gateway serves the group", WAIT, || async {
+        stream_completion(&listen, &served, None).await.ok()
+    })
+    .await;
     let victim = follower.spec.node.clone();
     let index = c.agents.iter().position(|(n, _)| *n == victim).unwrap();
-    c.agents[index].1.signal("-KILL");
-    // The leader hears of it at its next step at the latest.
-    let mut probe = dp::client(
-        dp::channel(&endpoint, None).unwrap(),
-        dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
+    let started = std::time::Instant::now();
+    let cut = stream_completion(
+        &listen,
+        &served,
+        Some(Box::new(|| c.agents[index].1.signal("-KILL"))),
+    )
+    .await
+    .expect("the answer survives the lost rank");
+    let took = started.elapsed();
+    assert_eq!(cut, whole, "the resumed answer is the uninterrupted one");
+    let resumed = shardplane_testkit::metrics::sum(
+        &shardplane_testkit::metrics::scrape(&admin).await,
+        "shardplane_gateway_resumed_answers_total",
     );
-    let _ = probe
-        .generate(dp::GenerateRequest {
-            shard: Some(dp::ShardRef {
-                namespace: ns.clone(),
-                name: leader.name_any(),
-            }),
-            input: Some(dp::generate_request::Input::Prompt("Hello".into())),
-            sampling: Some(dp::Sampling {
-                max_tokens: 2,
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await;
+    assert_eq!(resumed, 1.0, "the answer was resumed once");
+    eprintln!(
+        "REPORT tensor group: an answer cut by a lost rank resumed on the healed group; it took {:.1} s",
+        took.as_secs_f64()
+    );
+
+    // Only the lost rank moved to the spare agent; the leader stayed, and
+    // the group answers as before.
     let healed = ready_ranks(&deployments, &shards, "tp", 2, Some(&victim)).await;
     let (healed_leader, healed_follower) = (&healed[0], &healed[1]);
     assert_eq!(

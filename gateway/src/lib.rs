@@ -49,6 +49,9 @@ pub struct GatewayConfig {
     pub rate_limit_per_minute: Option<u32>,
     /// How long a request waits while every instance is busy (then 429).
     pub busy_wait: std::time::Duration,
+    /// How long an answer cut off by a failed instance waits for an
+    /// instance to resume on (another replica, or the same one re-placed).
+    pub heal_wait: std::time::Duration,
     /// How long an instance has to start an answer and to give its first
     /// token before the next is tried.
     pub deadlines: routing::Deadlines,
@@ -164,6 +167,7 @@ pub async fn run(
     )
     .with_data_plane_tls(tls)
     .with_busy_wait(config.busy_wait)
+    .with_heal_wait(config.heal_wait)
     .with_deadlines(config.deadlines)
     .with_external_allowlist(config.external_allowlist.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)

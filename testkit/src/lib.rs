@@ -37,6 +37,7 @@ pub mod fixtures;
 pub mod hub;
 pub mod metrics;
 pub mod netns;
+pub mod sse;
 
 /// The root of the repository (where `scripts/` lives).
 pub fn repo_root() -> PathBuf {

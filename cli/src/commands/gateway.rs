@@ -56,6 +56,14 @@ pub struct GatewayArgs {
     /// Retry-After. 0 answers 429 at once.
     #[arg(long, env = "SHARDPLANE_BUSY_WAIT_SECONDS", default_value_t = 60)]
     busy_wait_seconds: u64,
+    /// Seconds an answer cut off mid-way by a failed instance waits for an
+    /// instance to resume it on: another replica, or the same one once the
+    /// operator has re-placed the stage or tensor rank it lost (the lost
+    /// node's Lease has to run out first, then the stage loads). The client
+    /// sees a pause, then the rest of the answer; when none is ready in
+    /// time, the answer ends with an error. 0 ends it at once.
+    #[arg(long, env = "SHARDPLANE_HEAL_WAIT_SECONDS", default_value_t = 120)]
+    heal_wait_seconds: u64,
     /// Seconds an instance has to start an answer (it admits or refuses at
     /// once, so only a hung or unreachable instance takes longer); then the
     /// next instance is tried.
@@ -121,6 +129,7 @@ pub fn run(args: GatewayArgs) -> anyhow::Result<()> {
     let config = GatewayConfig {
         data_plane_tls: args.tls.gateway()?,
         busy_wait: std::time::Duration::from_secs(args.busy_wait_seconds),
+        heal_wait: std::time::Duration::from_secs(args.heal_wait_seconds),
         deadlines: shardplane_gateway::routing::Deadlines {
             start: std::time::Duration::from_secs(args.start_timeout_seconds.into()),
             first_token: std::time::Duration::from_secs(args.first_token_timeout_seconds.into()),

@@ -247,32 +247,24 @@ pub async fn chat(
 /// wrong.
 #[allow(dead_code)] // not every test that shares this module calls it
 pub async fn read_chat_stream(r: reqwest::Response) -> Result<String, String> {
-    use futures::StreamExt;
-    let (mut buffer, mut text, mut finished, mut done) =
-        (String::new(), String::new(), false, false);
-    let mut chunks = r.bytes_stream();
-    while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| format!("the stream broke after {text:?}: {e}"))?;
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            if v.get("error").is_some() {
-                return Err(format!("an error mid-stream: {data}"));
-            }
-            if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-                text.push_str(t);
-            }
-            finished |= v["choices"][0]["finish_reason"].is_string();
+    let (mut text, mut finished, mut done) = (String::new(), false, false);
+    shardplane_testkit::sse::each_event(r.bytes_stream(), |data| {
+        if data == "[DONE]" {
+            done = true;
+            return Ok(false);
         }
-    }
+        let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+        if v.get("error").is_some() {
+            return Err(format!("an error mid-stream: {data}"));
+        }
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+        finished |= v["choices"][0]["finish_reason"].is_string();
+        Ok(false)
+    })
+    .await
+    .map_err(|e| format!("after {text:?}: {e}"))?;
     if done && finished && !text.is_empty() {
         Ok(text)
     } else {

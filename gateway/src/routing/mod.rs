@@ -55,6 +55,32 @@ pub struct Instance {
     pub endpoint: String,
     /// The head's node (its data-plane certificate names it).
     pub node: String,
+    /// Which placement of the instance this is: a digest of its Shards'
+    /// identities, specs, nodes and restarts. An answer that broke off on an
+    /// instance may resume on it once this changed (the operator re-placed
+    /// a lost stage or rank, or a failed stage came back).
+    pub incarnation: u64,
+}
+
+/// The digest [`Instance::incarnation`] of the Shards of `instance`.
+fn incarnation(shards: &[Arc<Shard>], instance: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut parts: Vec<_> = shards
+        .iter()
+        .filter(|s| s.spec.instance == instance)
+        .map(|s| {
+            (
+                s.metadata.uid.clone(),
+                s.metadata.generation,
+                s.spec.node.clone(),
+                s.status.as_ref().and_then(|st| st.restarts),
+            )
+        })
+        .collect();
+    parts.sort();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    parts.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// A served name and its deployment.
@@ -122,6 +148,7 @@ pub struct Router {
     http: reqwest::Client,
     metrics: Metrics,
     busy_wait: Duration,
+    heal_wait: Duration,
     deadlines: Deadlines,
     outliers: outliers::Outliers,
     external: Arc<crate::external::Allowlist>,
@@ -200,6 +227,7 @@ impl Router {
             http,
             metrics,
             busy_wait: Duration::from_secs(60),
+            heal_wait: Duration::from_secs(120),
             deadlines: Deadlines::default(),
             outliers: outliers::Outliers::default(),
             external: Arc::default(),
@@ -229,6 +257,14 @@ impl Router {
     /// answer it is busy, before it is answered 429.
     pub fn with_busy_wait(mut self, busy_wait: Duration) -> Self {
         self.busy_wait = busy_wait;
+        self
+    }
+
+    /// How long an answer cut off by a failed instance waits for an
+    /// instance to resume on (another replica, or the same one once the
+    /// operator re-placed what it lost) before it ends with an error.
+    pub fn with_heal_wait(mut self, heal_wait: Duration) -> Self {
+        self.heal_wait = heal_wait;
         self
     }
 
@@ -332,6 +368,7 @@ impl Router {
                         shard,
                         endpoint,
                         node: head.spec.node.clone(),
+                        incarnation: incarnation(&mine, head.spec.instance),
                     },
                 ))
             })

@@ -1,11 +1,15 @@
 //! An answer after its first token: events are read from the instance's
 //! stream and the tokens given are kept, so that when the instance fails
 //! mid-answer another ready instance of the same deployment goes on after
-//! them (`GenerateRequest.resume`) and the client sees one answer.
+//! them (`GenerateRequest.resume`) and the client sees one answer. With no
+//! other instance (one pipeline or tensor group holding a large model), the
+//! answer waits for the operator to re-place what the instance lost and
+//! resumes on the instance's next incarnation.
 //!
 //! ```text
 //!  instance A: Delta Delta ✗ ─► resume(tokens so far) ─► instance B: Delta … Finished
-//!                                 busy? wait and retry   none left? 502 to the client
+//!                                 busy? wait and retry    (or A re-placed: A′)
+//!                                 none? wait for one, up to the heal wait; then 502
 //! ```
 
 use std::collections::VecDeque;
@@ -15,6 +19,9 @@ use shardplane_dataplane as dp;
 
 use super::{Attempt, BusyWait, Instance, Opened, Outstanding, Router};
 use crate::protocol::{ApiError, Event, Finish, Prompt};
+
+/// How often an answer waiting for an instance to resume on looks again.
+const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// An answer being streamed, and what it takes to resume it elsewhere.
 pub(super) struct Answering {
@@ -28,8 +35,8 @@ pub(super) struct Answering {
     /// The text held back at the end has been given (only `Finished` is
     /// left, so there is nothing to resume).
     tail_seen: bool,
-    /// Instances this answer ran on.
-    tried: Vec<String>,
+    /// Instances this answer ran on (key and incarnation).
+    tried: Vec<(String, u64)>,
     pending: VecDeque<dp::generate_response::Event>,
     /// Events of a delta received and not yet given.
     queued: VecDeque<Event>,
@@ -56,7 +63,7 @@ impl Answering {
             prompt: prompt.clone(),
             tokens: Vec::new(),
             tail_seen: false,
-            tried: vec![inst.key.clone()],
+            tried: vec![(inst.key.clone(), inst.incarnation)],
             pending: opened.first.into(),
             queued: VecDeque::new(),
             stream: opened.stream,
@@ -125,13 +132,20 @@ impl Answering {
             .upstream_errors
             .with_label_values(&[&self.model, "instance"]);
         errors.inc();
-        let from = self.tried.last().cloned().unwrap_or_default();
+        let from = self
+            .tried
+            .last()
+            .map(|(k, _)| k.clone())
+            .unwrap_or_default();
         if self.tail_seen {
             return Err(ApiError::upstream(why));
         }
         let mut wait = BusyWait::new(router.busy_wait);
+        let healed_by = tokio::time::Instant::now() + router.heal_wait;
+        let mut waited = false;
         loop {
-            // Read again on every try: a replica re-placed meanwhile counts.
+            // Read again on every try: a replica re-placed meanwhile counts,
+            // and so does this answer's instance once it was re-placed.
             let deployment = router
                 .deployments
                 .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
@@ -139,7 +153,7 @@ impl Answering {
                 .map(|d| router.instances(&d))
                 .unwrap_or_default()
                 .into_iter()
-                .filter(|i| !self.tried.contains(&i.key))
+                .filter(|i| !self.tried.contains(&(i.key.clone(), i.incarnation)))
                 .collect();
             match self.resume_on(&router, candidates, &from, &why).await? {
                 None => return Ok(()),
@@ -147,10 +161,26 @@ impl Answering {
                     if busy && wait.pause(&router.metrics, &self.model).await {
                         continue;
                     }
-                    return Err(ApiError::upstream(if failures.is_empty() {
-                        format!("{why}; no other instance is ready to resume it")
+                    if !busy && tokio::time::Instant::now() + HEAL_POLL < healed_by {
+                        if !waited {
+                            waited = true;
+                            tracing::info!(model = %self.model, %from, %why, seconds = router.heal_wait.as_secs(), "an answer broke off and no instance is ready to resume it; waiting for one");
+                        }
+                        tokio::time::sleep(HEAL_POLL).await;
+                        continue;
+                    }
+                    let waited = if waited {
+                        format!(" within {} s", router.heal_wait.as_secs())
                     } else {
-                        format!("{why}; resuming it failed ({})", failures.join("; "))
+                        String::new()
+                    };
+                    return Err(ApiError::upstream(if failures.is_empty() {
+                        format!("{why}; no instance became ready to resume it{waited}")
+                    } else {
+                        format!(
+                            "{why}; resuming it failed{waited} ({})",
+                            failures.join("; ")
+                        )
                     }));
                 }
             }
@@ -176,8 +206,12 @@ impl Answering {
         for inst in candidates {
             match router.open(&inst, &self.prompt, &self.tokens).await {
                 Ok(opened) => {
-                    self.tried.push(inst.key.clone());
-                    tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
+                    self.tried.push((inst.key.clone(), inst.incarnation));
+                    if inst.key == from {
+                        tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
+                    } else {
+                        tracing::warn!(model = %self.model, %from, to = %inst.key, tokens = self.tokens.len(), %why, "an answer broke off; resumed on another instance");
+                    }
                     router
                         .metrics
                         .resumed_answers
@@ -199,7 +233,7 @@ impl Answering {
                     failures.push(format!("{}: {failure}", inst.key));
                 }
                 Err(Attempt::Next(failure)) => {
-                    self.tried.push(inst.key.clone());
+                    self.tried.push((inst.key.clone(), inst.incarnation));
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
                 }

@@ -160,3 +160,46 @@ fn an_instance_is_the_chain_its_head_names() {
     ];
     assert!(heads(&crossed).is_empty());
 }
+
+#[test]
+fn an_instance_is_another_incarnation_once_re_placed_or_restarted_not_while_it_serves() {
+    use shardplane_crds::{LayerRange, ShardPhase, ShardStatus};
+    let stage = |s: u32, node: &str| {
+        let mut shard = shardplane_testkit::fixtures::shard(
+            "d",
+            node,
+            s,
+            2,
+            LayerRange {
+                start: 15 * s,
+                end: 15 * (s + 1),
+            },
+        );
+        shard.metadata.uid = Some(format!("uid-{s}"));
+        shard.metadata.generation = Some(1);
+        shard.status = Some(ShardStatus {
+            phase: Some(ShardPhase::Ready),
+            ..Default::default()
+        });
+        shard
+    };
+    let of =
+        |shards: Vec<Shard>| incarnation(&shards.into_iter().map(Arc::new).collect::<Vec<_>>(), 0);
+    let serving = of(vec![stage(0, "a"), stage(1, "b")]);
+    // Status other than restarts, and other instances, do not count.
+    let mut busy = stage(1, "b");
+    busy.status.as_mut().unwrap().kv_budget_tokens = Some(7);
+    let mut other = stage(1, "z");
+    other.spec.instance = 1;
+    assert_eq!(of(vec![stage(0, "a"), busy, other]), serving);
+    // A stage moved to another node, edited, re-created or restarted does.
+    let mut edited = stage(1, "b");
+    edited.metadata.generation = Some(2);
+    let mut recreated = stage(1, "b");
+    recreated.metadata.uid = Some("uid-new".into());
+    let mut restarted = stage(1, "b");
+    restarted.status.as_mut().unwrap().restarts = Some(1);
+    for changed in [stage(1, "c"), edited, recreated, restarted] {
+        assert_ne!(of(vec![stage(0, "a"), changed]), serving);
+    }
+}
