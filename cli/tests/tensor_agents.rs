@@ -341,6 +341,7 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         stream_completion(&listen, &served, None).await.ok()
     })
     .await;
+    assert!(whole.len() > 200, "a long answer: {whole:?}");
     let victim = follower.spec.node.clone();
     let index = c.agents.iter().position(|(n, _)| *n == victim).unwrap();
     let started = std::time::Instant::now();
@@ -372,6 +373,14 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         "the leader stays"
     );
     assert_ne!(healed_follower.spec.node, victim);
+    for s in [healed_leader, healed_follower] {
+        assert_eq!(
+            s.status.as_ref().unwrap().observed_generation,
+            s.metadata.generation,
+            "{} reports the spec it joined as",
+            s.name_any()
+        );
+    }
     assert_eq!(
         healed_follower.spec.tensor.as_ref().unwrap().weights,
         ft.weights,

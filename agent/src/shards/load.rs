@@ -81,6 +81,7 @@ pub(super) async fn bring_up(
     // What the stage runs as: a tensor rank's group may have changed while
     // it joined.
     let mut joined_spec = shard.spec.clone();
+    let mut generation = shard.metadata.generation;
     let (engine, text, tensor) = match &shard.spec.tensor {
         None => {
             let (engine, text) = load(path, spec, engine_kind, prefix_cache_bytes).await?;
@@ -93,8 +94,10 @@ pub(super) async fn bring_up(
                 mesh,
                 endpoint,
                 spec,
+                generation: joined,
             } => {
                 joined_spec = spec;
+                generation = joined;
                 (stage, text, Some((mesh, endpoint)))
             }
             tensor::Joined::Follows {
@@ -102,6 +105,7 @@ pub(super) async fn bring_up(
                 mesh,
                 endpoint,
                 spec,
+                generation,
             } => {
                 let bytes = stage.weight_bytes();
                 metrics.weight_bytes.add(bytes as i64);
@@ -112,17 +116,18 @@ pub(super) async fn bring_up(
                 };
                 // Kept before its mesh is watched: a break then finds it.
                 put_rank(&k, rank, shards, metrics, sources);
-                let generation = shard.metadata.generation;
                 watch_group(client, &k, generation, &mesh, shards, metrics, sources);
-                tensor::follow(stage, mesh, &k.1).map_err(|e| Failure {
-                    reason: "LoadFailed",
-                    message: format!("cannot start the rank's thread: {e}"),
-                })?;
+                if let Err(e) = tensor::follow(stage, mesh.clone(), &k.1) {
+                    // Handled as any break (the rank let go of, the Shard
+                    // failed and tried again), not left kept and idle.
+                    mesh.break_with(&format!("cannot start the rank's thread: {e}"));
+                }
                 return Ok(Loaded {
                     bytes: bytes as u64,
                     kv_budget_tokens: 0,
                     engine: Engine::Candle,
                     tensor_endpoint: Some(endpoint),
+                    generation,
                 });
             }
         },
@@ -130,7 +135,7 @@ pub(super) async fn bring_up(
     let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
     let on_crash: OnCrash = {
         let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
-        let (k, generation) = (k.clone(), shard.metadata.generation);
+        let k = k.clone();
         let runtime = tokio::runtime::Handle::current();
         Box::new(move |message| {
             // Called on the stage's thread: the handling needs the runtime.
@@ -179,6 +184,7 @@ pub(super) async fn bring_up(
         kv_budget_tokens: budget,
         engine: engine_name,
         tensor_endpoint: tensor.as_ref().map(|(_, e)| e.clone()),
+        generation,
     };
     let served = Arc::new(ServedStage {
         namespace: k.0.clone(),
@@ -203,7 +209,6 @@ pub(super) async fn bring_up(
         .expect("shard set lock")
         .insert(k.clone(), served.clone());
     if let Some((mesh, _)) = &tensor {
-        let generation = shard.metadata.generation;
         watch_group(client, &k, generation, mesh, shards, metrics, sources);
     }
     tokio::spawn(kv_room::remeasure(
@@ -232,6 +237,9 @@ pub(super) struct Loaded {
     pub(super) engine: Engine,
     /// A tensor rank's address for its group.
     pub(super) tensor_endpoint: Option<String>,
+    /// The Shard's generation it runs as (a tensor rank's group may have
+    /// changed while it joined).
+    pub(super) generation: Option<i64>,
 }
 
 /// Loads a stage that is not split; its tokenizer on a first stage.
@@ -331,6 +339,8 @@ pub(super) fn put_rank(
     if let Some(stage) = led {
         sources.cache.unpin(&stage.spec.source.cache_key());
         metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
+        // Its stage's series go with it (a follower serves none).
+        metrics.forget_shard(&stage.name);
     }
 }
 

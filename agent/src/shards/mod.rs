@@ -483,7 +483,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                     tensor_endpoint: loaded.tensor_endpoint,
                     memory_bytes: Some(loaded.bytes),
                     kv_budget_tokens: Some(loaded.kv_budget_tokens),
-                    observed_generation: shard.metadata.generation,
+                    observed_generation: loaded.generation,
                     ..Default::default()
                 };
                 // A tensor rank whose group broke as it formed is not Ready:
@@ -502,8 +502,15 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                         reason: "TensorGroupBroken",
                         message: "the tensor group broke as it formed".into(),
                     };
-                    let generation = shard.metadata.generation;
-                    fail_shard(&client, k, generation, f, &shards, &metrics, &sources);
+                    fail_shard(
+                        &client,
+                        k,
+                        loaded.generation,
+                        f,
+                        &shards,
+                        &metrics,
+                        &sources,
+                    );
                 } else {
                     set_phase(&shards, &metrics, &k, status.phase);
                     report(&client, &shards, &k, status);

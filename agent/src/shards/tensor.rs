@@ -61,6 +61,8 @@ pub(super) enum Joined {
         endpoint: String,
         /// The spec it joined as (its group may have changed meanwhile).
         spec: ShardSpec,
+        /// The Shard's generation with that spec.
+        generation: Option<i64>,
     },
     /// Another rank: to run the leader's commands (see [`follow`]).
     Follows {
@@ -69,6 +71,8 @@ pub(super) enum Joined {
         endpoint: String,
         /// The spec it joined as.
         spec: ShardSpec,
+        /// The Shard's generation with that spec.
+        generation: Option<i64>,
     },
 }
 
@@ -120,7 +124,7 @@ pub(super) async fn load_and_join(
         ..Default::default()
     };
     report(client, shards, &k, waiting);
-    let (joined, spec) = join(shard, listener, sources).await?;
+    let (joined, spec, generation) = join(shard, listener, sources).await?;
     mesh.set(Some(joined));
     if rank == 0 {
         let followers = MeshFollowers::new(mesh.clone(), t.weights.len());
@@ -130,6 +134,7 @@ pub(super) async fn load_and_join(
             mesh,
             endpoint,
             spec,
+            generation,
         });
     }
     Ok(Joined::Follows {
@@ -137,6 +142,7 @@ pub(super) async fn load_and_join(
         mesh,
         endpoint,
         spec,
+        generation,
     })
 }
 
@@ -168,15 +174,16 @@ pub(super) fn follow(
 /// group, weights and layers (an earlier placement's rank does not) and its
 /// node is not lost. When the Shard's group changes meanwhile (a lost rank
 /// placed elsewhere) and nothing else does, the new group is joined; any
-/// other change, or the Shard going, ends the wait. Returns the mesh and
-/// the spec it joined as.
+/// other change, or the Shard going, ends the wait. Returns the mesh, and
+/// the spec it joined as with the Shard's generation then.
 async fn join(
     shard: &Shard,
     listener: Arc<TcpListener>,
     sources: &Sources,
-) -> Result<(Mesh, ShardSpec), Failure> {
+) -> Result<(Mesh, ShardSpec, Option<i64>), Failure> {
     let k = key(shard);
     let mut spec = shard.spec.clone();
+    let mut generation = shard.metadata.generation;
     let deadline = Instant::now() + GROUP_WAIT;
     let incomplete = |why: String| Failure {
         reason: "TensorGroupIncomplete",
@@ -190,6 +197,7 @@ async fn join(
             Some(now) if only_group_changed(&spec, &now.spec) => {
                 tracing::info!(shard = %k.1, "the tensor group changed; joining the new one");
                 spec = now.spec.clone();
+                generation = now.metadata.generation;
             }
             _ => {
                 return Err(incomplete(
@@ -240,7 +248,7 @@ async fn join(
         .await
         .map_err(|e| incomplete(e.to_string()))?;
         match attempt {
-            Ok(mesh) => return Ok((mesh, spec)),
+            Ok(mesh) => return Ok((mesh, spec, generation)),
             Err(why) => {
                 tracing::info!(shard = %k.1, why, "the tensor group did not form; trying again");
                 last = why;

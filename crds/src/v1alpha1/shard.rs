@@ -24,6 +24,7 @@ use super::{
     printcolumn(name = "Model", type_ = "string", json_path = ".spec.model"),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
     printcolumn(name = "Stage", type_ = "integer", json_path = ".spec.stage"),
+    printcolumn(name = "Rank", type_ = "integer", json_path = ".spec.tensor.rank"),
     printcolumn(name = "From", type_ = "integer", json_path = ".spec.layers.start"),
     printcolumn(name = "To", type_ = "integer", json_path = ".spec.layers.end"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),

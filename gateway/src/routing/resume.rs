@@ -23,6 +23,11 @@ use crate::protocol::{ApiError, Event, Finish, Prompt};
 /// How often an answer waiting for an instance to resume on looks again.
 const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
+/// Runs of one answer an instance takes at most (its first and one after
+/// it came back): an answer that itself breaks its stage does not keep the
+/// deployment's only instance failing.
+const RUNS_PER_INSTANCE: usize = 2;
+
 /// An answer being streamed, and what it takes to resume it elsewhere.
 pub(super) struct Answering {
     router: Router,
@@ -35,8 +40,17 @@ pub(super) struct Answering {
     /// The text held back at the end has been given (only `Finished` is
     /// left, so there is nothing to resume).
     tail_seen: bool,
-    /// Instances this answer ran on (key and incarnation).
+    /// Instances (key and incarnation) this answer broke off on, or failed
+    /// to start on, while they are still ready: not tried again until they
+    /// changed or left the ready instances and came back.
     tried: Vec<(String, u64)>,
+    /// The instance (key and incarnation) the answer runs on now.
+    running: Option<(String, u64)>,
+    /// Keys of the instances this answer ran on, once per run.
+    ran: Vec<String>,
+    /// Until when a broken-off answer waits for an instance (set at the
+    /// first break the cluster may heal; one wait per answer).
+    heal_by: Option<tokio::time::Instant>,
     pending: VecDeque<dp::generate_response::Event>,
     /// Events of a delta received and not yet given.
     queued: VecDeque<Event>,
@@ -63,7 +77,10 @@ impl Answering {
             prompt: prompt.clone(),
             tokens: Vec::new(),
             tail_seen: false,
-            tried: vec![(inst.key.clone(), inst.incarnation)],
+            tried: Vec::new(),
+            running: Some((inst.key.clone(), inst.incarnation)),
+            ran: vec![inst.key.clone()],
+            heal_by: None,
             pending: opened.first.into(),
             queued: VecDeque::new(),
             stream: opened.stream,
@@ -84,13 +101,25 @@ impl Answering {
                     Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
                     Ok(Some(_)) => continue,
                     Ok(None) => {
-                        self.resume("the instance ended the answer early".into())
+                        self.resume("the instance ended the answer early".into(), true)
                             .await?;
                         continue;
                     }
                     Err(s) => {
-                        self.resume(format!("the instance failed mid-answer: {}", s.message()))
-                            .await?;
+                        // A lost node or stage may come back; an error about
+                        // the answer itself (its KV outgrew the budget, say)
+                        // would come again: no waiting for that.
+                        use dp::tonic::Code;
+                        let heals = matches!(
+                            s.code(),
+                            Code::Unavailable
+                                | Code::Unknown
+                                | Code::Aborted
+                                | Code::Cancelled
+                                | Code::DeadlineExceeded
+                        );
+                        let why = format!("the instance failed mid-answer: {}", s.message());
+                        self.resume(why, heals).await?;
                         continue;
                     }
                 },
@@ -123,37 +152,45 @@ impl Answering {
         }
     }
 
-    /// Goes on with the answer on another ready instance of the deployment,
-    /// after the tokens given so far; an error when none can.
-    async fn resume(&mut self, why: String) -> Result<(), ApiError> {
+    /// Goes on with the answer on another ready instance of the deployment
+    /// (or on the one it broke off on, once that changed), after the tokens
+    /// given so far; when the break is one the cluster may heal (`heals`)
+    /// and none is ready, waits for one until the answer's heal wait is
+    /// spent. An error when none can.
+    async fn resume(&mut self, why: String, heals: bool) -> Result<(), ApiError> {
         let router = self.router.clone();
-        let errors = router
+        router
             .metrics
             .upstream_errors
-            .with_label_values(&[&self.model, "instance"]);
-        errors.inc();
-        let from = self
-            .tried
-            .last()
-            .map(|(k, _)| k.clone())
-            .unwrap_or_default();
+            .with_label_values(&[&self.model, "instance"])
+            .inc();
+        let from = self.ran.last().cloned().unwrap_or_default();
         if self.tail_seen {
             return Err(ApiError::upstream(why));
         }
+        if let Some(broken) = self.running.take() {
+            self.tried.push(broken);
+        }
         let mut wait = BusyWait::new(router.busy_wait);
-        let healed_by = tokio::time::Instant::now() + router.heal_wait;
+        if heals && self.heal_by.is_none() {
+            self.heal_by = Some(tokio::time::Instant::now() + router.heal_wait);
+        }
+        let heal_by = self.heal_by.filter(|_| heals);
         let mut waited = false;
         loop {
             // Read again on every try: a replica re-placed meanwhile counts,
-            // and so does this answer's instance once it was re-placed.
+            // and so does this answer's instance once it changed or left the
+            // ready ones and came back (an agent restarted in place).
             let deployment = router
                 .deployments
                 .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
-            let candidates: Vec<Instance> = deployment
-                .map(|d| router.instances(&d))
-                .unwrap_or_default()
+            let ready: Vec<Instance> = deployment.map(|d| router.instances(&d)).unwrap_or_default();
+            self.tried
+                .retain(|t| ready.iter().any(|i| (&i.key, i.incarnation) == (&t.0, t.1)));
+            let candidates: Vec<Instance> = ready
                 .into_iter()
                 .filter(|i| !self.tried.contains(&(i.key.clone(), i.incarnation)))
+                .filter(|i| self.ran.iter().filter(|k| **k == i.key).count() < RUNS_PER_INSTANCE)
                 .collect();
             match self.resume_on(&router, candidates, &from, &why).await? {
                 None => return Ok(()),
@@ -161,7 +198,8 @@ impl Answering {
                     if busy && wait.pause(&router.metrics, &self.model).await {
                         continue;
                     }
-                    if !busy && tokio::time::Instant::now() + HEAL_POLL < healed_by {
+                    let now = tokio::time::Instant::now();
+                    if !busy && heal_by.is_some_and(|by| now + HEAL_POLL < by) {
                         if !waited {
                             waited = true;
                             tracing::info!(model = %self.model, %from, %why, seconds = router.heal_wait.as_secs(), "an answer broke off and no instance is ready to resume it; waiting for one");
@@ -206,7 +244,8 @@ impl Answering {
         for inst in candidates {
             match router.open(&inst, &self.prompt, &self.tokens).await {
                 Ok(opened) => {
-                    self.tried.push((inst.key.clone(), inst.incarnation));
+                    self.ran.push(inst.key.clone());
+                    self.running = Some((inst.key.clone(), inst.incarnation));
                     if inst.key == from {
                         tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
                     } else {
