@@ -265,17 +265,31 @@ async fn copy_piece(
     copied: &(dyn Fn(u64) + Send + Sync),
 ) -> Result<(), PieceError> {
     use std::os::unix::fs::FileExt;
-    let mut stream = peer
-        .clone()
-        .read_blob(shardplane_dataplane::ReadBlobRequest {
-            key: key.to_string(),
-            offset,
-            length,
-        })
-        .await?
-        .into_inner();
+    // A peer that is alive but sends nothing fails the piece (and the copy
+    // goes to the next source) instead of holding the model's fetch lock.
+    let idle = |what: &str| {
+        PieceError::Peer(tonic::Status::deadline_exceeded(format!(
+            "the peer sent nothing for {} s {what}",
+            crate::cache::DOWNLOAD_IDLE.as_secs()
+        )))
+    };
+    let mut stream = tokio::time::timeout(
+        crate::cache::DOWNLOAD_IDLE,
+        peer.clone()
+            .read_blob(shardplane_dataplane::ReadBlobRequest {
+                key: key.to_string(),
+                offset,
+                length,
+            }),
+    )
+    .await
+    .map_err(|_| idle("after the read was asked"))??
+    .into_inner();
     let mut at = offset;
-    while let Some(chunk) = stream.message().await? {
+    while let Some(chunk) = tokio::time::timeout(crate::cache::DOWNLOAD_IDLE, stream.message())
+        .await
+        .map_err(|_| idle("mid-piece"))??
+    {
         if chunk.offset != at || at + chunk.data.len() as u64 > offset + length {
             return Err(PieceError::OutOfPlace {
                 got: chunk.offset,
