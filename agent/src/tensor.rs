@@ -100,6 +100,38 @@ impl SharedMesh {
         }
     }
 
+    /// Looks every `every` whether a peer has gone while the mesh is idle
+    /// (on a thread, until the mesh breaks or is taken away): a leader
+    /// between requests reads nothing, so without this it would hear of a
+    /// dead follower only when its next request fails. A look never waits
+    /// for a step under way (it skips the turn).
+    pub fn watch_idle(&self, every: std::time::Duration) -> std::io::Result<()> {
+        let mesh = self.clone();
+        std::thread::Builder::new()
+            .name("tensor-idle-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(every);
+                    if mesh.broken().is_some() {
+                        return;
+                    }
+                    let checked = match mesh.mesh.try_lock() {
+                        Ok(slot) => match slot.as_ref() {
+                            Some(m) => m.check_idle().map_err(|e| e.to_string()),
+                            None => return,
+                        },
+                        Err(std::sync::TryLockError::WouldBlock) => Ok(()),
+                        Err(std::sync::TryLockError::Poisoned(_)) => return,
+                    };
+                    if let Err(why) = checked {
+                        mesh.break_with(&why);
+                        return;
+                    }
+                }
+            })
+            .map(drop)
+    }
+
     /// This rank (0 before the mesh is joined).
     pub fn rank(&self) -> usize {
         self.mesh

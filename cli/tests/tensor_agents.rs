@@ -442,4 +442,19 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
         let got = group_tokens(&endpoint, &ns, &ranks[0].name_any(), prompt).await;
         assert_eq!(got, want, "{prompt:?}");
     }
+
+    // The second group's follower dies while nothing is asked: its leader
+    // finds out by itself (it reads nothing between requests) and fails,
+    // rather than stay Ready until a request fails on it.
+    let victim = ranks[3].spec.node.clone();
+    let index = c.agents.iter().position(|(n, _)| *n == victim).unwrap();
+    c.agents[index].1.signal("-KILL");
+    let leader = ranks[2].name_any();
+    let failure = shardplane_testkit::eventually("the idle leader notices", WAIT, || async {
+        let st = shards.get(&leader).await.ok()?.status?;
+        st.last_failure
+            .filter(|f| f.starts_with("TensorGroupBroken"))
+    })
+    .await;
+    assert!(failure.contains("rank 1"), "{failure}");
 }

@@ -277,6 +277,32 @@ impl Mesh {
         Ok(())
     }
 
+    /// Checks, without waiting, that no peer has gone while the group is
+    /// idle (nothing in flight, so nothing is read): a peer whose connection
+    /// was closed (its process died) or failed (reset, or keep-alive probes
+    /// unanswered) is an error. Bytes waiting to be read are left there.
+    pub fn check_idle(&self) -> Result<(), CollectiveError> {
+        for (peer, stream) in self.peers.iter().enumerate() {
+            let Some(stream) = stream else { continue };
+            let io = |source| CollectiveError::Io { peer, source };
+            stream.set_nonblocking(true).map_err(io)?;
+            let peeked = stream.peek(&mut [0u8; 1]);
+            stream.set_nonblocking(false).map_err(io)?;
+            match peeked {
+                Ok(0) => {
+                    return Err(io(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the connection was closed while the group was idle",
+                    )));
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        Ok(())
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

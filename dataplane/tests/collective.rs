@@ -133,3 +133,27 @@ fn a_rank_that_never_comes_is_named_when_the_join_times_out() {
         "{e}"
     );
 }
+
+#[test]
+fn an_idle_rank_finds_a_peer_gone_without_waiting_and_leaves_waiting_bytes_alone() {
+    let mut meshes = Mesh::loopback(3, &Token::random().unwrap(), Duration::from_secs(5)).unwrap();
+    let (two, mut one, mut zero) = (
+        meshes.pop().unwrap(),
+        meshes.pop().unwrap(),
+        meshes.pop().unwrap(),
+    );
+    zero.check_idle().unwrap();
+    // A message waiting is neither taken nor an error.
+    one.send_message(0, b"reply").unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    zero.check_idle().unwrap();
+    assert_eq!(zero.receive_message(1, false).unwrap().unwrap(), b"reply");
+    // Rank 2's process ends: its connections close.
+    drop(two);
+    std::thread::sleep(Duration::from_millis(50));
+    let e = zero.check_idle().unwrap_err();
+    assert!(matches!(e, CollectiveError::Io { peer: 2, .. }), "{e}");
+    // The connections the check looked at read as before (blocking).
+    one.send_message(0, b"later").unwrap();
+    assert_eq!(zero.receive_message(1, false).unwrap().unwrap(), b"later");
+}

@@ -36,6 +36,8 @@ use crate::tensor::{MeshFollowers, SharedMesh};
 
 /// The longest a rank waits for the rest of its group to load and join.
 const GROUP_WAIT: Duration = Duration::from_secs(600);
+/// How often a leader looks whether a follower has gone while idle.
+const IDLE_CHECK: Duration = Duration::from_secs(2);
 /// The longest one attempt to join waits for a peer.
 const JOIN_ATTEMPT: Duration = Duration::from_secs(10);
 /// The longest a joined rank waits for a peer's partial sums or reply.
@@ -127,6 +129,10 @@ pub(super) async fn load_and_join(
     let (joined, spec, generation) = join(shard, listener, sources).await?;
     mesh.set(Some(joined));
     if rank == 0 {
+        // Between requests nothing is read: a dead follower is looked for.
+        if let Err(e) = mesh.watch_idle(IDLE_CHECK) {
+            tracing::warn!(shard = %k.1, error = %e, "cannot watch the idle tensor group; a lost rank is found at the next request");
+        }
         let followers = MeshFollowers::new(mesh.clone(), t.weights.len());
         return Ok(Joined::Leads {
             stage: Box::new(TensorGroup::led(stage, Box::new(followers))),
