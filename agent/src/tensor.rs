@@ -104,7 +104,8 @@ impl SharedMesh {
     /// (on a thread, until the mesh breaks or is taken away): a leader
     /// between requests reads nothing, so without this it would hear of a
     /// dead follower only when its next request fails. A look never waits
-    /// for a step under way (it skips the turn).
+    /// for the mesh (it skips the turn while a step holds it); one between a
+    /// step's messages is harmless (a reply waiting is left to be read).
     pub fn watch_idle(&self, every: std::time::Duration) -> std::io::Result<()> {
         let mesh = self.clone();
         std::thread::Builder::new()

@@ -448,12 +448,19 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
     // rather than stay Ready until a request fails on it.
     let victim = ranks[3].spec.node.clone();
     let index = c.agents.iter().position(|(n, _)| *n == victim).unwrap();
-    c.agents[index].1.signal("-KILL");
     let leader = ranks[2].name_any();
+    let before = shards
+        .get(&leader)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .last_failure;
+    c.agents[index].1.signal("-KILL");
     let failure = shardplane_testkit::eventually("the idle leader notices", WAIT, || async {
         let st = shards.get(&leader).await.ok()?.status?;
         st.last_failure
-            .filter(|f| f.starts_with("TensorGroupBroken"))
+            .filter(|f| f.starts_with("TensorGroupBroken") && Some(f) != before.as_ref())
     })
     .await;
     assert!(failure.contains("rank 1"), "{failure}");

@@ -326,6 +326,7 @@ async fn kubectl_get_shows_printer_columns_and_the_category() -> anyhow::Result<
             "MODEL",
             "NODE",
             "STAGE",
+            "RANK",
             "FROM",
             "TO",
             "PHASE",

@@ -153,7 +153,13 @@ fn an_idle_rank_finds_a_peer_gone_without_waiting_and_leaves_waiting_bytes_alone
     std::thread::sleep(Duration::from_millis(50));
     let e = zero.check_idle().unwrap_err();
     assert!(matches!(e, CollectiveError::Io { peer: 2, .. }), "{e}");
-    // The connections the check looked at read as before (blocking).
-    one.send_message(0, b"later").unwrap();
+    // The connections the check looked at read as before: a read waits for
+    // a message sent later (a socket left non-blocking would fail at once).
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        one.send_message(0, b"later").unwrap();
+        one
+    });
     assert_eq!(zero.receive_message(1, false).unwrap().unwrap(), b"later");
+    drop(later.join().unwrap());
 }

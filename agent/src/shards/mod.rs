@@ -495,12 +495,18 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 let broken = shard.spec.tensor.is_some()
                     && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
                 if broken {
+                    let why = ranks
+                        .get(&k)
+                        .and_then(|r| r.mesh.broken().map(str::to_string));
                     if let Some(rank) = ranks.remove(&k) {
                         tensor::release(&k, rank, &shards, &metrics, &sources);
                     }
                     let f = Failure {
                         reason: "TensorGroupBroken",
-                        message: "the tensor group broke as it formed".into(),
+                        message: match why {
+                            Some(why) => format!("the tensor group broke as it formed: {why}"),
+                            None => "the tensor group broke as it formed".into(),
+                        },
                     };
                     fail_shard(
                         &client,

@@ -110,6 +110,8 @@ impl Answering {
                         // the answer itself (its KV outgrew the budget, say)
                         // would come again: no waiting for that.
                         use dp::tonic::Code;
+                        // (An HTTP/2 stream reset, as from an agent shutting
+                        // down, comes as Internal.)
                         let heals = matches!(
                             s.code(),
                             Code::Unavailable
@@ -117,7 +119,8 @@ impl Answering {
                                 | Code::Aborted
                                 | Code::Cancelled
                                 | Code::DeadlineExceeded
-                        );
+                        ) || (s.code() == Code::Internal
+                            && s.message().starts_with("h2 protocol error"));
                         let why = format!("the instance failed mid-answer: {}", s.message());
                         self.resume(why, heals).await?;
                         continue;
