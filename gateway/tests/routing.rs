@@ -232,13 +232,44 @@ async fn an_answer_broken_off_resumes_on_another_instance_after_the_tokens_given
 }
 
 #[tokio::test]
-async fn an_answer_broken_off_with_no_instance_left_is_a_502() {
+async fn an_answer_broken_off_with_no_instance_left_is_a_502_once_the_heal_wait_is_spent() {
     let (breaking, _) = serve(Behaviour::FailAt(3)).await;
     let (router, _) = router(vec![head(0, Some(&breaking))]);
+    let router = router.with_heal_wait(Duration::from_secs(2));
     let answer = router.complete("m", &prompt()).await.unwrap();
+    let started = std::time::Instant::now();
     let e = text(answer.events).await.unwrap_err();
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "it waited"
+    );
     assert_eq!(e.status.as_u16(), 502, "{e:?}");
-    assert!(e.message.contains("no other instance"), "{e:?}");
+    assert!(
+        e.message
+            .contains("no instance became ready to resume it within 2 s"),
+        "{e:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_broken_off_resumes_on_its_own_instance_once_that_is_re_placed() {
+    let (breaking, _) = serve(Behaviour::FailAt(2)).await;
+    let (healed, resumed) = serve(Behaviour::Answer).await;
+    let (router, mut shards) = router(vec![head(0, Some(&breaking))]);
+    let router = router.with_heal_wait(Duration::from_secs(30));
+    let answer = router.complete("m", &prompt()).await.unwrap();
+    // The answer breaks and waits: the same instance, still listed as it
+    // was, is not tried again; then the operator moves its Shard.
+    let replace = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(resumed.lock().unwrap().is_empty(), "not resumed before");
+        let mut moved = head(0, Some(&healed));
+        moved.spec.node = "node-elsewhere".into();
+        shards.apply_watcher_event(&watcher::Event::Apply(moved));
+    };
+    let (got, ()) = tokio::join!(text(answer.events), replace);
+    assert_eq!(got.unwrap(), WHOLE);
+    assert_eq!(*resumed.lock().unwrap(), vec![vec![0, 1]]);
 }
 
 #[tokio::test]
