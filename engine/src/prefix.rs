@@ -58,6 +58,44 @@ pub struct Hit<'a, B> {
     pub tokens: usize,
 }
 
+impl<B> Hit<'_, B> {
+    /// The index of the first block a layer that sees `window` positions
+    /// (itself included; `None`: all) needs to go on from the hit: the next
+    /// query, at position `tokens`, sees keys from `tokens + 1 - window`.
+    /// Every block but a tail is `block_tokens` long, so the blocks before
+    /// it are whole and a sliding layer may do without them.
+    pub fn first_needed(&self, block_tokens: usize, window: Option<usize>) -> usize {
+        window.map_or(0, |w| {
+            ((self.tokens + 1).saturating_sub(w) / block_tokens.max(1)).min(self.blocks.len())
+        })
+    }
+}
+
+impl<T> Hit<'_, Vec<Option<T>>> {
+    /// For blocks that hold rows per layer (`None`: a sliding layer had
+    /// forgotten them when the block was stored): the first block each
+    /// layer of `windows` needs ([`Hit::first_needed`]), when every block
+    /// from there holds that layer's rows; `None` when one does not, and the
+    /// hit cannot be used.
+    pub fn layer_firsts(
+        &self,
+        block_tokens: usize,
+        windows: &[Option<usize>],
+    ) -> Option<Vec<usize>> {
+        windows
+            .iter()
+            .enumerate()
+            .map(|(l, &w)| {
+                let first = self.first_needed(block_tokens, w);
+                let held = self.blocks[first..]
+                    .iter()
+                    .all(|b| b.get(l).is_some_and(Option::is_some));
+                held.then_some(first)
+            })
+            .collect()
+    }
+}
+
 struct Entry<B> {
     parent: u64,
     tokens: Vec<u32>,
@@ -187,6 +225,12 @@ impl<B> PrefixCache<B> {
             blocks: keys.iter().map(|k| &self.entries[k].data).collect(),
             tokens: covered,
         }
+    }
+
+    /// Takes back `tokens` counted as hits by the last lookup, when its
+    /// caller could not use them (a sliding layer's rows were not kept).
+    pub fn unused_hit(&mut self, tokens: usize) {
+        self.stats.hit_tokens = self.stats.hit_tokens.saturating_sub(tokens as u64);
     }
 
     /// Stores the whole blocks of `tokens` that are not cached yet, then
@@ -363,6 +407,43 @@ mod tests {
     ) -> (Vec<Range<usize>>, usize) {
         let hit = c.lookup(tokens, limit);
         (hit.blocks.into_iter().cloned().collect(), hit.tokens)
+    }
+
+    #[test]
+    fn a_sliding_layer_needs_only_the_blocks_its_window_reaches() {
+        let mut c = cache(1000);
+        let prompt: Vec<u32> = (0..10).collect();
+        insert(&mut c, &prompt);
+        let hit = c.lookup(&prompt, 9);
+        // Blocks [0..4] [4..8] and the tail [8]; the next query is at 9.
+        assert_eq!(hit.first_needed(4, None), 0);
+        assert_eq!(hit.first_needed(4, Some(10)), 0, "keys from 0");
+        assert_eq!(hit.first_needed(4, Some(6)), 1, "keys from 4");
+        assert_eq!(hit.first_needed(4, Some(3)), 1, "keys from 7");
+        assert_eq!(hit.first_needed(4, Some(2)), 2, "keys from 8: the tail");
+        assert_eq!(
+            hit.first_needed(4, Some(1)),
+            2,
+            "keys from 9: none cached, the tail kept"
+        );
+        // Per-layer rows: a global layer and a sliding one of window 2
+        // whose first block's rows were forgotten.
+        let rows = |held: [bool; 2]| held.map(|h| h.then_some(())).to_vec();
+        let blocks = [rows([true, false]), rows([true, true]), rows([true, true])];
+        let layered = Hit {
+            blocks: blocks.iter().collect(),
+            tokens: 9,
+        };
+        assert_eq!(layered.layer_firsts(4, &[None, Some(2)]), Some(vec![0, 2]));
+        assert_eq!(layered.layer_firsts(4, &[None, Some(6)]), Some(vec![0, 1]));
+        assert_eq!(
+            layered.layer_firsts(4, &[None, Some(10)]),
+            None,
+            "block 0 needed"
+        );
+        assert_eq!(c.stats().hit_tokens, 9);
+        c.unused_hit(9);
+        assert_eq!(c.stats().hit_tokens, 0);
     }
 
     #[test]

@@ -13,87 +13,19 @@
 //!                ──► reference.json (prompt, tokens, logits) ◄── compared
 //! ```
 
-use std::ops::Range;
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::ops::Range;
+use std::path::Path;
+
+#[cfg(feature = "mlx")]
+use common::mlx;
+use common::{
+    Loader, Reference, TOLERANCE, Tiny, argmax, candle, gap, tiny, tiny_quantized, tiny_with,
+};
 use shardplane_engine::candle::CandleStage;
 use shardplane_engine::pipeline::LocalPipeline;
-use shardplane_engine::{LoadOptions, Stage, StageLayout};
-
-/// What the reference computed.
-#[derive(serde::Deserialize)]
-struct Reference {
-    prompt: Vec<u32>,
-    /// Greedy tokens after the prompt.
-    tokens: Vec<u32>,
-    /// The logits that chose each token, and those after the last one.
-    logits: Vec<Vec<f32>>,
-    /// Top-1 minus top-2 of each row.
-    margins: Vec<f32>,
-}
-
-/// A tiny model of `family` with its reference outputs.
-struct Tiny {
-    _dir: tempfile::TempDir,
-    gguf: PathBuf,
-    mlx: PathBuf,
-    layers: usize,
-    reference: Reference,
-}
-
-fn tiny(family: &str) -> Tiny {
-    tiny_with(family, &[])
-}
-
-/// A tiny model quantized by mlx-lm to `bits` (MLX layout only; the
-/// reference is the quantized model's).
-fn tiny_quantized(family: &str, bits: u32) -> Tiny {
-    tiny_with(family, &["0", &bits.to_string()])
-}
-
-fn tiny_with(family: &str, extra: &[&str]) -> Tiny {
-    let dir = tempfile::tempdir().unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/tiny_model.py");
-    let mut args = vec![dir.path().as_os_str(), family.as_ref()];
-    args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
-    shardplane_testkit::run_reference(&script, &args);
-    let text = std::fs::read_to_string(dir.path().join("reference.json")).unwrap();
-    let reference: Reference = serde_json::from_str(&text).unwrap();
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("mlx/config.json")).unwrap())
-            .unwrap();
-    assert_eq!(reference.logits.len(), reference.tokens.len() + 1);
-    Tiny {
-        gguf: dir.path().join("model.gguf"),
-        mlx: dir.path().join("mlx"),
-        layers: config["num_hidden_layers"].as_u64().unwrap() as usize,
-        reference,
-        _dir: dir,
-    }
-}
-
-/// The largest difference between two logit rows, as a fraction of the
-/// reference row's range.
-fn gap(got: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(got.len(), reference.len(), "vocabulary sizes differ");
-    let max = reference.iter().cloned().fold(f32::MIN, f32::max);
-    let min = reference.iter().cloned().fold(f32::MAX, f32::min);
-    got.iter()
-        .zip(reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / (max - min)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .unwrap()
-}
-
-const TOLERANCE: f32 = 1e-4;
+use shardplane_engine::{LoadOptions, StageLayout};
 
 /// Runs one sequence per schedule through `p` together: each feeds the
 /// prompt in slices of the schedule's sizes (one slice a step), then its own
@@ -182,25 +114,6 @@ fn sliding_splits(layers: usize, pattern: usize) -> Vec<Vec<Range<usize>>> {
 /// took it whole (prefill and decode mixed in one step, across a window).
 fn schedules(prompt: usize) -> [Vec<usize>; 2] {
     [vec![prompt], vec![3, 3, prompt - 6]]
-}
-
-/// Loads one stage of a tiny model.
-type Loader<'a> = Box<dyn Fn(StageLayout) -> Box<dyn Stage> + 'a>;
-
-/// candle multiplying in f32 (it would quantize safetensors matrices to
-/// Q8_0 otherwise; the GGUF's f32 weights stay f32 either way).
-fn candle(path: &Path) -> Loader<'_> {
-    let options = LoadOptions {
-        dequantize: true,
-        ..Default::default()
-    };
-    Box::new(move |layout| Box::new(CandleStage::load(path, layout, &options).unwrap()))
-}
-
-#[cfg(feature = "mlx")]
-fn mlx(path: &Path) -> Loader<'_> {
-    use shardplane_engine::mlx::MlxStage;
-    Box::new(move |layout| Box::new(MlxStage::load(path, layout, &LoadOptions::default()).unwrap()))
 }
 
 /// Every engine and format, every split (`splits` of the model's layer
@@ -467,64 +380,6 @@ fn deepseek_v2_matches_mlx_lm_on_both_engines_at_every_split() {
 #[test]
 fn deepseek_v2_group_limited_routing_matches_mlx_lm_on_both_engines() {
     check_family("deepseek_v2_groups", whole_and_first_layer);
-}
-
-/// DeepSeek V3's latent cache rows go through the prefix cache: a prompt of
-/// two whole blocks and a few tokens, run again after its first sequence
-/// left, starts from the cached blocks and tail (all but its last token) and
-/// gives the same logits.
-#[test]
-fn deepseek_v3_starts_from_cached_latent_blocks_on_both_engines() {
-    use shardplane_engine::{StageInput, StageOutput};
-    let t = tiny("deepseek_v3");
-    let options = LoadOptions {
-        dequantize: true,
-        prefix_cache_bytes: 64 << 20,
-        ..Default::default()
-    };
-    let block = shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS;
-    let prompt: Vec<u32> = (0..2 * block as u32 + 6)
-        .map(|i| (i * 37 + 11) % 256)
-        .collect();
-    let logits = |out: StageOutput| match out {
-        StageOutput::Logits(l) => l,
-        StageOutput::Hidden(_) => panic!("a whole model gives logits"),
-    };
-    let mut engines: Vec<(&str, Box<dyn Stage>)> = vec![(
-        "candle",
-        Box::new(CandleStage::load(&t.mlx, StageLayout::whole(t.layers), &options).unwrap()),
-    )];
-    #[cfg(feature = "mlx")]
-    engines.push((
-        "MLX",
-        Box::new(
-            shardplane_engine::mlx::MlxStage::load(&t.mlx, StageLayout::whole(t.layers), &options)
-                .unwrap(),
-        ),
-    ));
-    for (engine, mut stage) in engines {
-        let whole = logits(
-            stage
-                .forward(1, StageInput::Tokens(prompt.clone()))
-                .unwrap(),
-        );
-        assert!(stage.release(1));
-        let reused = stage.reuse_prefix(2, &prompt);
-        assert_eq!(
-            reused,
-            prompt.len() - 1,
-            "{engine}: the whole blocks and the tail after them (all but the last token) come \
-             from the cache"
-        );
-        let rest = StageInput::Tokens(prompt[reused..].to_vec());
-        let again = logits(stage.forward(2, rest).unwrap());
-        let g = gap(&again, &whole);
-        assert!(
-            g < 1e-5,
-            "{engine}: {g} of the logit range from the uncached run"
-        );
-        assert_eq!(stage.prefix_cache().hit_tokens, prompt.len() as u64 - 1);
-    }
 }
 
 /// DeepSeek V3 as checkpoints converted by older mlx-lm hold it: the per-head

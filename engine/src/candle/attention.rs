@@ -3,7 +3,8 @@
 //! latent attention, see `latent.rs`).
 //!
 //! ```text
-//!  q, k, v rows of every sequence ─► append k, v to each sequence's cache
+//!  q, k, v rows of every sequence ─► (a sliding layer: forget the rows no
+//!     query sees any more, but a window) ─► append k, v to each sequence's cache
 //!     ─► every query row (a prompt's or a decoding one) over the keys it
 //!        sees, one pass over all rows (kv.rs)
 //!     ─► out rows: heads × value dim
@@ -19,6 +20,7 @@ use std::collections::HashMap;
 
 use super::kv::{self, QueryRow};
 use super::{KV_CHUNK, SequenceCache};
+use crate::config::sliding_kept;
 use crate::error::Result;
 use crate::stage::{Item, SequenceId};
 
@@ -63,15 +65,21 @@ pub(super) fn attend_cached(
     };
     for item in items {
         let (from, to) = (item.offset, item.offset + item.len);
-        sequences
+        let kv = &mut sequences
             .get_mut(&item.seq)
             .expect("cache made in run")
-            .layers[l]
-            .append(
-                &rows.k[from * k_width..to * k_width],
-                &rows.v[from * v_width..to * v_width],
-                KV_CHUNK,
-            )?;
+            .layers[l];
+        // A sliding layer forgets, a window's worth at a time, what neither
+        // this step's queries nor a later one see, but for a window more
+        // (`sliding_kept`) that a repeated prompt may start from.
+        if let Some(window) = shape.window {
+            kv.forget_before(item.first_key(Some(sliding_kept(window))), window);
+        }
+        kv.append(
+            &rows.k[from * k_width..to * k_width],
+            &rows.v[from * v_width..to * v_width],
+            KV_CHUNK,
+        )?;
     }
     let total: usize = items.iter().map(|i| i.len).sum();
     // Every query row, of a prompt or decoding, against the keys it sees:

@@ -12,6 +12,12 @@
 //!         the values ─► output rows
 //! ```
 //!
+//! A sliding layer forgets the rows no later query can see (but a window
+//! more, for the prefix cache): once a window's worth of them can go, they
+//! are dropped from the front (the rest moved down, the buffer kept), so
+//! such a layer holds about three windows and a step's rows at most,
+//! however long the sequence.
+//!
 //! Decoding is where many sequences meet: reading each cache where it lies
 //! replaces a score of small tensor operations per sequence and layer (split,
 //! copy, append, two products, softmax) with one loop, so a batch of 32
@@ -31,6 +37,8 @@ pub(super) struct LayerKv {
     /// Latent attention: no values of their own; each token's value is the
     /// first this many floats of its key row (one KV head).
     values_in_keys: Option<usize>,
+    /// The position of the first row held (rows before it were forgotten).
+    start: usize,
 }
 
 impl LayerKv {
@@ -40,7 +48,15 @@ impl LayerKv {
             v: Vec::new(),
             width,
             values_in_keys: None,
+            start: 0,
         }
+    }
+
+    /// Empty, to hold rows from position `start` on (a sliding layer seeded
+    /// from the prefix cache with only the blocks its window reaches).
+    pub fn start_at(&mut self, start: usize) {
+        debug_assert!(self.k.is_empty());
+        self.start = start;
     }
 
     /// A cache of latent attention's rows of `width` floats, whose first
@@ -52,20 +68,52 @@ impl LayerKv {
         }
     }
 
+    /// Where position `t`'s row begins in the buffers.
+    fn at(&self, t: usize) -> usize {
+        debug_assert!(
+            t >= self.start,
+            "row {t} was forgotten (from {})",
+            self.start
+        );
+        (t - self.start) * self.width
+    }
+
     /// Token `t`'s value row of KV head `group` (`dim` floats).
     fn value(&self, t: usize, group: usize, dim: usize) -> &[f32] {
         match self.values_in_keys {
-            Some(_) => &self.k[t * self.width..t * self.width + dim],
+            Some(_) => &self.k[self.at(t)..self.at(t) + dim],
             None => {
-                let at = t * self.width + group * dim;
+                let at = self.at(t) + group * dim;
                 &self.v[at..at + dim]
             }
         }
     }
 
-    /// Tokens held.
+    /// Positions covered: one past the last row held.
     pub fn len(&self) -> usize {
-        self.k.len() / self.width
+        self.start + self.k.len() / self.width
+    }
+
+    /// The first position held.
+    #[cfg(test)]
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Forgets the rows before `position` (no query will see them) once at
+    /// least `lag` of them are held, so moving the rest down is paid once
+    /// per `lag` tokens.
+    pub fn forget_before(&mut self, position: usize, lag: usize) {
+        let position = position.min(self.len());
+        if position < self.start + lag.max(1) {
+            return;
+        }
+        let rows = (position - self.start) * self.width;
+        self.k.drain(..rows);
+        if self.values_in_keys.is_none() {
+            self.v.drain(..rows);
+        }
+        self.start = position;
     }
 
     /// Bytes reserved (what the sequence costs, not only what it uses).
@@ -100,14 +148,18 @@ impl LayerKv {
         Ok(())
     }
 
-    /// The rows of tokens `range` (a prefix-cache block).
-    pub fn rows(&self, range: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
-        let span = range.start * self.width..range.end * self.width;
+    /// The rows of tokens `range` (a prefix-cache block); `None` when some
+    /// were forgotten.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Option<(Vec<f32>, Vec<f32>)> {
+        if range.start < self.start {
+            return None;
+        }
+        let span = self.at(range.start)..self.at(range.end);
         let v = match self.values_in_keys {
             Some(_) => Vec::new(),
             None => self.v[span.clone()].to_vec(),
         };
-        (self.k[span].to_vec(), v)
+        Some((self.k[span].to_vec(), v))
     }
 }
 
@@ -195,7 +247,7 @@ fn attend_block(
     out: &mut [f32],
 ) {
     let (kv, hd, vd) = (block[0].kv, shape.head_dim, shape.value_dim);
-    let at = |t: usize| t * kv.width + group * hd;
+    let at = |t: usize| kv.at(t) + group * hd;
     let lo = block.iter().map(|r| r.first).min().unwrap_or(0);
     let hi = block.iter().map(|r| r.end).max().unwrap_or(0);
     let qs: Vec<&[f32]> = block
@@ -394,8 +446,60 @@ mod tests {
         let k = values(5 * 8, 1);
         let v = values(5 * 8, 2);
         kv.append(&k, &v, 4).unwrap();
-        assert_eq!(kv.rows(1..3), (k[8..24].to_vec(), v[8..24].to_vec()));
+        assert_eq!(kv.rows(1..3), Some((k[8..24].to_vec(), v[8..24].to_vec())));
         assert_eq!(kv.value(4, 1, 4), &v[4 * 8 + 4..4 * 8 + 8]);
+    }
+
+    #[test]
+    fn a_sliding_layer_forgets_old_rows_and_attends_as_before() {
+        let (heads, kv_heads, hd, window) = (4, 2, 8, 5);
+        let width = kv_heads * hd;
+        let shape = HeadShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            value_dim: hd,
+            scale: 0.3,
+        };
+        let (mut all, mut sliding) = (LayerKv::new(width), LayerKv::new(width));
+        let (mut max_held, mut max_bytes) = (0, 0);
+        for t in 0..400 {
+            let (k, v) = (values(width, 2 * t), values(width, 2 * t + 1));
+            all.append(&k, &v, 16).unwrap();
+            // What the engine does before a step's rows go in: forget what
+            // the step's query (at t) cannot see.
+            sliding.forget_before((t as usize + 1).saturating_sub(window), window);
+            sliding.append(&k, &v, 16).unwrap();
+            assert_eq!(sliding.len(), t as usize + 1);
+            max_held = max_held.max(sliding.len() - sliding.start());
+            max_bytes = max_bytes.max(sliding.bytes());
+            let q = values(heads * hd, 1000 + t);
+            let first = (t as usize + 1).saturating_sub(window);
+            let mut outs = [vec![0f32; heads * hd], vec![0f32; heads * hd]];
+            for (kv, out) in [&all, &sliding].into_iter().zip(&mut outs) {
+                let row = QueryRow {
+                    q: &q,
+                    kv,
+                    first,
+                    end: t as usize + 1,
+                };
+                attend_rows(&[row], &shape, None, out);
+            }
+            let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&outs[0]), bits(&outs[1]), "position {t}");
+        }
+        assert!(
+            max_held < 2 * window,
+            "held {max_held} rows of a window of {window}"
+        );
+        assert_eq!(
+            max_bytes,
+            2 * 16 * width * 4,
+            "one chunk of 16 rows, never more"
+        );
+        // Blocks before the window are gone; those within it read back.
+        assert_eq!(sliding.rows(0..4), None);
+        assert_eq!(sliding.rows(398..400), all.rows(398..400));
     }
 
     #[test]

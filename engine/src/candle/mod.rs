@@ -62,8 +62,9 @@ pub struct CandleStage {
     interleaved_rope: bool,
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
-    /// Blocks of prompts' KV: per layer, keys and values of the block's tokens.
-    prefix: PrefixCache<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Blocks of prompts' KV: per layer, keys and values of the block's
+    /// tokens (`None`: a sliding layer had forgotten them).
+    prefix: PrefixCache<Vec<Option<BlockRows>>>,
     /// This stage's rank in a tensor group: its share of every layer, and
     /// the collective summing the attention and MLP outputs.
     tensor: Option<TensorRank>,
@@ -80,6 +81,9 @@ impl std::fmt::Debug for CandleStage {
             .finish()
     }
 }
+
+/// One layer's keys and values of a prefix-cache block.
+type BlockRows = (Vec<f32>, Vec<f32>);
 
 /// The KV cache of one sequence in this stage's layers.
 struct SequenceCache {
@@ -653,14 +657,32 @@ impl Stage for CandleStage {
             return 0;
         }
         let mut cache = self.new_cache();
+        let block_tokens = self.prefix.block_tokens();
+        let windows: Vec<Option<usize>> = (0..cache.layers.len())
+            .map(|l| {
+                self.config
+                    .layer_attention(self.layout.layers.start + l)
+                    .window
+            })
+            .collect();
         let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
         if hit.blocks.is_empty() {
             return 0;
         }
+        // Each layer from the first block it needs: a sliding layer's rows
+        // before its window may not have been kept.
+        let Some(firsts) = hit.layer_firsts(block_tokens, &windows) else {
+            let unused = hit.tokens;
+            self.prefix.unused_hit(unused);
+            return 0;
+        };
         let seeded = (|| -> Result<SequenceCache> {
             for (l, kv) in cache.layers.iter_mut().enumerate() {
-                for block in &hit.blocks {
-                    kv.append(&block[l].0, &block[l].1, KV_CHUNK)?;
+                let first = firsts[l];
+                kv.start_at(first * block_tokens);
+                for block in &hit.blocks[first..] {
+                    let (k, v) = block[l].as_ref().expect("checked by layer_firsts");
+                    kv.append(k, v, KV_CHUNK)?;
                 }
             }
             cache.position = hit.tokens;
@@ -702,9 +724,12 @@ impl Stage for CandleStage {
                         "a KV cache shorter than its tokens".into(),
                     ));
                 }
-                let (k, v) = kv.rows(range.clone());
-                bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
-                layers.push((k, v));
+                // A sliding layer's forgotten rows are missing from the block.
+                let rows = kv.rows(range.clone());
+                if let Some((k, v)) = &rows {
+                    bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
+                }
+                layers.push(rows);
             }
             Ok::<_, Error>((layers, bytes))
         });

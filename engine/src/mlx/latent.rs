@@ -123,6 +123,7 @@ impl LatentWeights {
     ) -> Result<Array> {
         let w = &self.widths;
         let (n, pos, heads) = (item.len, item.position, self.heads);
+        debug_assert_eq!(cache.start, 0, "latent attention has no window");
         let (rank, rope, qd) = (w.kv_lora_rank, w.rope_dim, w.query_dim());
         let qi = q
             .slice(&[item.offset, 0], &[item.offset + n, heads * qd])?

@@ -41,7 +41,7 @@ pub use array::{
 };
 use weights::{LayerWeights, Linear, Loader, Projections};
 
-use crate::config::{ModelConfig, read_dir_config, safetensors_files};
+use crate::config::{ModelConfig, read_dir_config, safetensors_files, sliding_kept};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
@@ -62,15 +62,18 @@ pub fn lock() -> MutexGuard<'static, ()> {
 
 /// One sequence's KV cache in one layer: `[1, kv_heads, capacity, head_dim]`
 /// each (latent attention: `k` the latent, `v` the rotated key part, one
-/// head each).
+/// head each). Row 0 is position `start`: a sliding layer, when it needs
+/// more room, keeps only the rows its queries can still see (so it holds
+/// about two windows at most, however long the sequence).
 struct LayerCache {
     k: Array,
     v: Array,
+    start: usize,
+    capacity: usize,
 }
 
 struct SequenceCache {
     position: usize,
-    capacity: usize,
     layers: Vec<Option<LayerCache>>,
     /// The token ids it holds, when it came as tokens (a first stage).
     tokens: Vec<u32>,
@@ -91,8 +94,9 @@ pub struct MlxStage {
     weight_bytes: usize,
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, `[1, kv_heads, block, head_dim]`
-    /// keys and values (copies, not views of a sequence's cache).
-    prefix: PrefixCache<Vec<LayerCache>>,
+    /// keys and values (copies, not views of a sequence's cache; `None`: a
+    /// sliding layer had forgotten the block's rows).
+    prefix: PrefixCache<Vec<Option<LayerCache>>>,
 }
 
 impl std::fmt::Debug for MlxStage {
@@ -352,40 +356,67 @@ impl MlxStage {
         }
     }
 
-    /// Makes room in `item`'s caches for its new tokens.
+    /// Each layer's window (`None`: it sees every position).
+    fn windows(&self) -> Vec<Option<usize>> {
+        (0..self.layers.len())
+            .map(|l| {
+                self.config
+                    .layer_attention(self.layout.layers.start + l)
+                    .window
+            })
+            .collect()
+    }
+
+    /// Makes room in `item`'s caches for its new tokens: a layer that is
+    /// full grows by whole chunks; a sliding one moves to new arrays that
+    /// keep only the rows from the step's first key on (and a window more,
+    /// `sliding_kept`, for the prefix cache), with room for a window (or a
+    /// chunk) more.
     fn reserve(&mut self, item: &Item) -> Result<()> {
         let (kvh, kw, vw) = self.cache_widths();
-        let layers = self.layers.len();
+        let windows = self.windows();
         let cache = self
             .sequences
             .entry(item.seq)
             .or_insert_with(|| SequenceCache {
                 position: 0,
-                capacity: 0,
-                layers: (0..layers).map(|_| None).collect(),
+                layers: windows.iter().map(|_| None).collect(),
                 tokens: Vec::new(),
             });
-        let needed = item.position + item.len;
-        if needed <= cache.capacity {
-            return Ok(());
-        }
-        let capacity = needed.div_ceil(KV_CHUNK) * KV_CHUNK;
-        for slot in &mut cache.layers {
+        let (position, needed) = (item.position, item.position + item.len);
+        for (slot, window) in cache.layers.iter_mut().zip(windows) {
+            let (start, capacity) = slot.as_ref().map_or((0, 0), |c| (c.start, c.capacity));
+            if needed <= start + capacity {
+                continue;
+            }
+            let (keep, room) = match window {
+                Some(w) => (
+                    item.first_key(Some(sliding_kept(w))).max(start),
+                    w.max(KV_CHUNK),
+                ),
+                None => (start, 0),
+            };
+            let capacity = (needed - keep + room).div_ceil(KV_CHUNK) * KV_CHUNK;
             let grown = |old: Option<&Array>, hd: usize| -> Result<Array> {
                 let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
                 match old {
-                    Some(old) if item.position > 0 => {
-                        let kept = old.slice(&[0, 0, 0, 0], &[1, kvh, item.position, hd])?;
-                        fresh.slice_update(&kept, &[0, 0, 0, 0], &[1, kvh, item.position, hd])
+                    Some(old) if position > keep => {
+                        let kept =
+                            old.slice(&[0, 0, keep - start, 0], &[1, kvh, position - start, hd])?;
+                        fresh.slice_update(&kept, &[0, 0, 0, 0], &[1, kvh, position - keep, hd])
                     }
                     _ => Ok(fresh),
                 }
             };
             let k = grown(slot.as_ref().map(|c| &c.k), kw)?;
             let v = grown(slot.as_ref().map(|c| &c.v), vw)?;
-            *slot = Some(LayerCache { k, v });
+            *slot = Some(LayerCache {
+                k,
+                v,
+                start: keep,
+                capacity,
+            });
         }
-        cache.capacity = capacity;
         Ok(())
     }
 
@@ -463,13 +494,20 @@ impl MlxStage {
                 .get_mut(&item.seq)
                 .and_then(|s| s.layers[l].as_mut())
                 .expect("reserved before the layers");
-            let (start, stop) = ([0, 0, pos, 0], [1, kvh, pos + n, hd]);
-            cache.k = cache.k.slice_update(&ki, &start, &stop)?;
-            cache.v = cache.v.slice_update(&vi, &start, &stop)?;
+            // Row 0 of the arrays is position `cache.start`.
+            let base = cache.start;
+            let at = |p: usize| p - base;
+            let (from, to) = ([0, 0, at(pos), 0], [1, kvh, at(pos + n), hd]);
+            cache.k = cache.k.slice_update(&ki, &from, &to)?;
+            cache.v = cache.v.slice_update(&vi, &from, &to)?;
             // A sliding layer reads only the keys its window reaches.
             let first = item.first_key(shape.window);
-            let keys = cache.k.slice(&[0, 0, first, 0], &[1, kvh, pos + n, hd])?;
-            let values = cache.v.slice(&[0, 0, first, 0], &[1, kvh, pos + n, hd])?;
+            let keys = cache
+                .k
+                .slice(&[0, 0, at(first), 0], &[1, kvh, at(pos + n), hd])?;
+            let values = cache
+                .v
+                .slice(&[0, 0, at(first), 0], &[1, kvh, at(pos + n), hd])?;
             let window_mask = match shape.window {
                 Some(_) => item
                     .mask(first, shape.window)
@@ -592,28 +630,50 @@ impl Stage for MlxStage {
             return 0;
         }
         let (kvh, kw, vw) = self.cache_widths();
+        let windows = self.windows();
+        let block_tokens = self.prefix.block_tokens();
         let _guard = lock();
         let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
         if hit.blocks.is_empty() {
             return 0;
         }
+        // Each layer from the first block it needs: a sliding layer's rows
+        // before its window may not have been kept.
+        let Some(firsts) = hit.layer_firsts(block_tokens, &windows) else {
+            let unused = hit.tokens;
+            self.prefix.unused_hit(unused);
+            return 0;
+        };
         let (blocks, held) = (hit.blocks, hit.tokens);
-        let capacity = held.div_ceil(KV_CHUNK) * KV_CHUNK;
         let seeded = (|| -> Result<Vec<Option<LayerCache>>> {
             let mut layers = Vec::with_capacity(self.layers.len());
-            for l in 0..self.layers.len() {
+            for (l, &first) in firsts.iter().enumerate() {
+                let start = first * block_tokens;
+                let rows = held - start;
+                let capacity = rows.div_ceil(KV_CHUNK).max(1) * KV_CHUNK;
                 let fill = |part: fn(&LayerCache) -> &Array, hd: usize| -> Result<Array> {
-                    let parts: Vec<&Array> = blocks.iter().map(|b| part(&b[l])).collect();
                     let fresh = Array::zeros(&[1, kvh, capacity, hd], Dtype::F32)?;
+                    let parts: Vec<&Array> = blocks[first..]
+                        .iter()
+                        .map(|b| part(b[l].as_ref().expect("checked by layer_firsts")))
+                        .collect();
+                    if parts.is_empty() {
+                        return Ok(fresh);
+                    }
                     fresh.slice_update(
                         &Array::concatenate(&parts, 2)?,
                         &[0, 0, 0, 0],
-                        &[1, kvh, held, hd],
+                        &[1, kvh, rows, hd],
                     )
                 };
                 let (k, v) = (fill(|c| &c.k, kw)?, fill(|c| &c.v, vw)?);
                 Array::eval(&[&k, &v])?;
-                layers.push(Some(LayerCache { k, v }));
+                layers.push(Some(LayerCache {
+                    k,
+                    v,
+                    start,
+                    capacity,
+                }));
             }
             Ok(layers)
         })();
@@ -623,7 +683,6 @@ impl Stage for MlxStage {
                     seq,
                     SequenceCache {
                         position: held,
-                        capacity,
                         layers,
                         tokens: tokens[..held].to_vec(),
                     },
@@ -653,22 +712,33 @@ impl Stage for MlxStage {
         let _guard = lock();
         let stored = self.prefix.insert(&cache.tokens, |range| {
             let n = range.len();
-            // A copy of the block, so the sequence's whole cache is not kept.
-            let copy = |a: &Array, hd: usize| -> Result<Array> {
-                let part = a.slice(&[0, 0, range.start, 0], &[1, kvh, range.end, hd])?;
-                Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
-                    &part,
-                    &[0, 0, 0, 0],
-                    &[1, kvh, n, hd],
-                )
-            };
             let mut layers = Vec::with_capacity(cache.layers.len());
             let mut bytes = 0;
-            for c in cache.layers.iter().flatten() {
+            for c in &cache.layers {
+                // A sliding layer's forgotten rows are missing from the block.
+                let Some(c) = c.as_ref().filter(|c| c.start <= range.start) else {
+                    layers.push(None);
+                    continue;
+                };
+                // A copy of the block, so the sequence's whole cache is not kept.
+                let (from, to) = (range.start - c.start, range.end - c.start);
+                let copy = |a: &Array, hd: usize| -> Result<Array> {
+                    let part = a.slice(&[0, 0, from, 0], &[1, kvh, to, hd])?;
+                    Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
+                        &part,
+                        &[0, 0, 0, 0],
+                        &[1, kvh, n, hd],
+                    )
+                };
                 let (k, v) = (copy(&c.k, kw)?, copy(&c.v, vw)?);
                 Array::eval(&[&k, &v])?;
                 bytes += k.nbytes() + v.nbytes();
-                layers.push(LayerCache { k, v });
+                layers.push(Some(LayerCache {
+                    k,
+                    v,
+                    start: range.start,
+                    capacity: n,
+                }));
             }
             Ok::<_, Error>((layers, bytes))
         });

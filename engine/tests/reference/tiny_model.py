@@ -1,7 +1,7 @@
 """Writes a tiny model of one family with random weights, in the
 MLX-community layout and as GGUF, with mlx-lm's logits as the reference.
 
-    python tiny_model.py OUT_DIR FAMILY [SEED] [BITS]
+    python tiny_model.py OUT_DIR FAMILY [SEED] [BITS] [--forced N]
 
 OUT_DIR/mlx/         config.json + model.safetensors (f32, Hugging Face names),
                      tokenizer.json + tokenizer_config.json (a byte-level BPE;
@@ -23,6 +23,13 @@ OUT_DIR/reference.json
     logits   the logits that chose each of them (17 rows: after the prompt,
              then after each greedy token)
     margins  top-1 minus top-2 logit of each row (how far from a tie)
+
+With --forced N, the model's context is at least N
+and reference.json also has
+    forced         N token ids drawn at random (seeded)
+    forced_logits  the logits after each of them (N rows), from one pass over
+                   the whole sequence: what a long sequence must give, step
+                   by step, however its KV cache is kept.
 
 The reference is mlx-lm's model class run on the whole sequence at every
 step (no KV cache), so it is the family's definition, not an optimisation of
@@ -288,12 +295,16 @@ FAMILIES["qwen3_moe_routed"] = dict(FAMILIES["qwen3_moe"], mlp_only_layers=[])
 
 PROMPT = [2, 17, 201, 5, 99, 64, 130, 7, 250, 33, 12]
 STEPS = 16
+# Tokens of the forced sequence (--forced), 0: none.
+FORCED = 0
 
 
 def build(family, seed):
     from mlx_lm.utils import _get_classes
 
-    config = FAMILIES[family]
+    config = dict(FAMILIES[family])
+    if FORCED > config["max_position_embeddings"]:
+        config["max_position_embeddings"] = FORCED
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     mx.random.seed(seed)
@@ -698,6 +709,11 @@ def write_gguf(family, config, weights, path, qtype=None):
 
 
 def main():
+    global FORCED
+    if "--forced" in sys.argv:
+        at = sys.argv.index("--forced")
+        FORCED = int(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     out = Path(sys.argv[1])
     family = sys.argv[2]
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
@@ -722,7 +738,13 @@ def main():
     write_tokenizer_files(out / "mlx", config["vocab_size"], harmony=family == "gpt_oss")
     if family in GGUF_ARCH and (quant is None or qtype is not None):
         write_gguf(family, config, dense, out / "model.gguf", qtype)
-    (out / "reference.json").write_text(json.dumps(reference(model)))
+    result = reference(model)
+    if FORCED:
+        tokens = np.random.default_rng(seed).integers(0, config["vocab_size"], FORCED)
+        logits = model(mx.array([tokens.tolist()]))[0].astype(mx.float32)
+        result["forced"] = tokens.tolist()
+        result["forced_logits"] = np.array(logits).tolist()
+    (out / "reference.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -228,6 +228,28 @@ pub struct SlidingWindow {
     pub rope_theta: f32,
 }
 
+/// Positions a sliding layer keeps before its window, at least: a prompt
+/// that repeats an earlier sequence up to about this far before that
+/// sequence's end still finds every row its window needs in the prefix cache.
+pub const SLIDING_REACH: usize = 64;
+
+/// Positions a sliding layer of `window` keeps behind its next query: the
+/// window, and as much again (at least [`SLIDING_REACH`]).
+pub fn sliding_kept(window: usize) -> usize {
+    window.saturating_add(window.max(SLIDING_REACH))
+}
+
+/// KV rows a sliding layer of `window` holds at most for one sequence of
+/// `context` tokens, however the engines keep them: what it keeps, up to a
+/// window (or 256 rows) it has not let go yet, 256 of rounding to whole
+/// chunks, and one step's 512 prompt rows; never more than the context.
+pub fn sliding_rows_held(window: usize, context: usize) -> usize {
+    sliding_kept(window)
+        .saturating_add(window.max(256))
+        .saturating_add(256 + 512)
+        .min(context)
+}
+
 /// How one layer attends: its window and RoPE.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerAttention {
