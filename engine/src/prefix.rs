@@ -236,17 +236,21 @@ impl<B> PrefixCache<B> {
     /// Stores the whole blocks of `tokens` that are not cached yet, then
     /// its tail (what follows the last whole block before its last token);
     /// `make` gives a block's data and its bytes from its token range (an
-    /// error stops the insert, keeping what was stored). Then evicts down to
-    /// the budget.
+    /// error stops the insert, keeping what was stored). A cached block
+    /// whose data is `incomplete` (a sliding layer's rows were forgotten
+    /// when it was stored) takes this sequence's instead when that is
+    /// complete, so one long prompt cannot leave a shared prefix unusable
+    /// for good. Then evicts down to the budget.
     pub fn insert<E>(
         &mut self,
         tokens: &[u32],
         make: impl FnMut(Range<usize>) -> Result<(B, usize), E>,
+        incomplete: impl Fn(&B) -> bool,
     ) -> Result<(), E> {
         if !self.enabled() {
             return Ok(());
         }
-        let stored = self.store_chain(tokens, make);
+        let stored = self.store_chain(tokens, make, incomplete);
         // What was stored before an error counts against the budget too.
         self.evict();
         stored
@@ -258,6 +262,7 @@ impl<B> PrefixCache<B> {
         &mut self,
         tokens: &[u32],
         mut make: impl FnMut(Range<usize>) -> Result<(B, usize), E>,
+        incomplete: impl Fn(&B) -> bool,
     ) -> Result<(), E> {
         self.clock += 1;
         let mut parent = 0;
@@ -267,6 +272,11 @@ impl<B> PrefixCache<B> {
             let key = block_key(parent, block);
             let stored = match self.entries.get(&key) {
                 Some(e) if e.parent == parent && e.tokens == block => {
+                    if incomplete(&e.data) {
+                        let start = i * self.block_tokens;
+                        let made = make(start..start + self.block_tokens)?;
+                        self.complete(key, made, &incomplete);
+                    }
                     self.touch(key);
                     true
                 }
@@ -302,7 +312,13 @@ impl<B> PrefixCache<B> {
             let tail = &tokens[start..end];
             let key = block_key(parent, tail);
             match self.entries.get(&key) {
-                Some(e) if e.parent == parent && e.tokens == tail => self.touch(key),
+                Some(e) if e.parent == parent && e.tokens == tail => {
+                    if incomplete(&e.data) {
+                        let made = make(start..end)?;
+                        self.complete(key, made, &incomplete);
+                    }
+                    self.touch(key)
+                }
                 Some(_) => {}
                 None => {
                     if self.store(key, parent, tail, whole, make(start..end)?) {
@@ -342,6 +358,18 @@ impl<B> PrefixCache<B> {
         self.stats.blocks += 1;
         self.stats.inserted_blocks += 1;
         true
+    }
+
+    /// Puts `made` in place of entry `key`'s data, when `made` is complete.
+    fn complete(&mut self, key: u64, (data, bytes): (B, usize), incomplete: &impl Fn(&B) -> bool) {
+        if incomplete(&data) {
+            return;
+        }
+        if let Some(e) = self.entries.get_mut(&key) {
+            self.stats.bytes = self.stats.bytes - e.bytes as u64 + bytes as u64;
+            e.data = data;
+            e.bytes = bytes;
+        }
     }
 
     fn evict(&mut self) {
@@ -391,10 +419,14 @@ mod tests {
 
     fn insert(c: &mut PrefixCache<Range<usize>>, tokens: &[u32]) -> usize {
         let mut made = 0;
-        c.insert(tokens, |r| {
-            made += 1;
-            Ok::<_, ()>((r, 10))
-        })
+        c.insert(
+            tokens,
+            |r| {
+                made += 1;
+                Ok::<_, ()>((r, 10))
+            },
+            |_| false,
+        )
         .unwrap();
         made
     }
@@ -444,6 +476,46 @@ mod tests {
         assert_eq!(c.stats().hit_tokens, 9);
         c.unused_hit(9);
         assert_eq!(c.stats().hit_tokens, 0);
+    }
+
+    /// A block stored without some of its rows (`None` here) takes a later
+    /// sequence's complete data, and only that.
+    #[test]
+    fn an_incomplete_block_takes_a_later_sequence_s_complete_data() {
+        let mut c: PrefixCache<Option<usize>> = PrefixCache::new(4, 1000);
+        let tokens: Vec<u32> = (0..10).collect();
+        let incomplete = |b: &Option<usize>| b.is_none();
+        let insert = |c: &mut PrefixCache<Option<usize>>, held_from: usize| {
+            let mut made = Vec::new();
+            c.insert(
+                &tokens,
+                |r| {
+                    made.push(r.start);
+                    Ok::<_, ()>(((r.start >= held_from).then_some(r.start), 10))
+                },
+                incomplete,
+            )
+            .unwrap();
+            made
+        };
+        // The first sequence had forgotten its first block's rows.
+        assert_eq!(insert(&mut c, 4), [0, 4, 8]);
+        let data = |c: &mut PrefixCache<Option<usize>>| -> Vec<Option<usize>> {
+            c.lookup(&(0..10).collect::<Vec<_>>(), 9)
+                .blocks
+                .into_iter()
+                .copied()
+                .collect()
+        };
+        assert_eq!(data(&mut c), [None, Some(4), Some(8)]);
+        // One that had forgotten them too changes nothing.
+        assert_eq!(insert(&mut c, 4), [0]);
+        assert_eq!(data(&mut c), [None, Some(4), Some(8)]);
+        // One that holds them fills the block in; complete blocks stay.
+        assert_eq!(insert(&mut c, 0), [0]);
+        assert_eq!(data(&mut c), [Some(0), Some(4), Some(8)]);
+        assert_eq!(insert(&mut c, 0), Vec::<usize>::new());
+        assert_eq!((c.stats().blocks, c.stats().bytes), (3, 30));
     }
 
     #[test]
@@ -543,13 +615,17 @@ mod tests {
         assert_eq!(insert(&mut c, &(0..8).collect::<Vec<_>>()), 0);
         // Three blocks of which the third cannot be made.
         let failing = |c: &mut PrefixCache<Range<usize>>| {
-            c.insert(&(0..12).collect::<Vec<_>>(), |r| {
-                if r.start == 8 {
-                    Err("no memory")
-                } else {
-                    Ok((r, 10))
-                }
-            })
+            c.insert(
+                &(0..12).collect::<Vec<_>>(),
+                |r| {
+                    if r.start == 8 {
+                        Err("no memory")
+                    } else {
+                        Ok((r, 10))
+                    }
+                },
+                |_| false,
+            )
         };
         let mut c = cache(100);
         assert_eq!(failing(&mut c), Err("no memory"));

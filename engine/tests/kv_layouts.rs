@@ -27,6 +27,9 @@ const LONG: usize = 1100;
 /// Tokens fed as the prompt before the rest goes one a step.
 const PROMPT: usize = 20;
 
+/// Tokens of each slice of the sequence that goes in slices.
+const SLICE: usize = 37;
+
 /// Logits within this fraction of the reference row's range (the engines
 /// sum in another order than mlx-lm over a long sequence).
 const TOLERANCE: f32 = 1e-4;
@@ -42,9 +45,11 @@ fn logits(out: StageOutput) -> Vec<f32> {
     }
 }
 
-/// Runs the forced sequence through `p` as sequence `seq` (a prompt, then
-/// one token a step), checks every row against the reference, and returns
-/// each stage's most KV bytes.
+/// Runs the forced sequence through `p` twice at once: as sequence `seq` in
+/// slices of [`SLICE`] tokens (prompt slices that meet forgotten rows), and
+/// as `seq + 1`, [`PROMPT`] tokens and then one a step beside it; checks the
+/// logits of every step of both against the reference, and returns each
+/// stage's most KV bytes.
 fn run_long(what: &str, p: &mut LocalPipeline, t: &Tiny, seq: u64) -> Vec<usize> {
     let r = &t.reference;
     assert_eq!(
@@ -53,23 +58,41 @@ fn run_long(what: &str, p: &mut LocalPipeline, t: &Tiny, seq: u64) -> Vec<usize>
         "the reference has the forced sequence"
     );
     let mut most = vec![0usize; p.stages().len()];
-    let mut check = |p: &mut LocalPipeline, row: &[f32], at: usize| {
-        let g = gap(row, &r.forced_logits[at]);
-        assert!(
-            g < TOLERANCE,
-            "{what}: position {at} differs by {g} of the logit range"
-        );
+    // Tokens fed so far, per sequence.
+    let mut fed = [0usize; 2];
+    loop {
+        let batch: Vec<(u64, Vec<u32>)> = (0..2)
+            .filter(|&i| fed[i] < LONG)
+            .map(|i| {
+                let n = match (i, fed[i]) {
+                    (0, _) => SLICE,
+                    (_, 0) => PROMPT,
+                    _ => 1,
+                };
+                let end = (fed[i] + n).min(LONG);
+                (seq + i as u64, r.forced[fed[i]..end].to_vec())
+            })
+            .collect();
+        if batch.is_empty() {
+            break;
+        }
+        let rows = p.step(batch.clone()).unwrap();
+        for ((s, input), row) in batch.iter().zip(rows) {
+            let i = (s - seq) as usize;
+            fed[i] += input.len();
+            let at = fed[i] - 1;
+            let g = gap(&row, &r.forced_logits[at]);
+            assert!(
+                g < TOLERANCE,
+                "{what}: sequence {s} at position {at} differs by {g} of the logit range"
+            );
+        }
         for (m, stage) in most.iter_mut().zip(p.stages()) {
             *m = (*m).max(stage.kv_cache_bytes());
         }
-    };
-    let rows = p.step(vec![(seq, r.forced[..PROMPT].to_vec())]).unwrap();
-    check(p, &rows[0], PROMPT - 1);
-    for at in PROMPT..LONG {
-        let rows = p.step(vec![(seq, vec![r.forced[at]])]).unwrap();
-        check(p, &rows[0], at);
     }
     p.release(seq);
+    p.release(seq + 1);
     most
 }
 
@@ -106,18 +129,18 @@ fn gemma3_sliding_layers_hold_a_window_and_match_mlx_lm_over_a_long_sequence() {
             let mut p = LocalPipeline::from_stages(stages);
             let most = run_long(&what, &mut p, &t, 1);
             if ranges.len() == 2 {
-                // Five sliding layers: at most 512 rows each (MLX's arrays:
-                // a chunk for the rows kept and one of room; candle's
-                // buffer: one chunk), where keeping every row would take
-                // 1100 or more.
-                let bound = 5 * 512 * ROW_BYTES;
+                // Two sequences in five sliding layers: at most 512 rows
+                // each (MLX's arrays: a chunk for the rows kept and one of
+                // room; candle's buffer: one chunk), where keeping every
+                // row would take 1100 or more.
+                let bound = 2 * 5 * 512 * ROW_BYTES;
                 assert!(
                     most[0] > 0 && most[0] <= bound,
                     "{what}: the sliding stage held {} bytes of KV (bound {bound})",
                     most[0]
                 );
-                // The global layer keeps every row.
-                assert!(most[1] >= LONG * ROW_BYTES, "{what}: {} bytes", most[1]);
+                // The global layer keeps every row of both.
+                assert!(most[1] >= 2 * LONG * ROW_BYTES, "{what}: {} bytes", most[1]);
             }
             eprintln!("{what}: most KV bytes per stage {most:?}");
         }
@@ -149,7 +172,8 @@ fn cached_stages(t: &Tiny) -> Vec<(&'static str, Box<dyn Stage>)> {
 /// rows missing where they were forgotten: the same sequence again starts
 /// from the cache (its window's blocks are there) and gives the reference's
 /// logits; a prompt that ends where the sliding rows are gone is not served
-/// from the cache (nor counted as a hit) and is computed in full, correctly.
+/// from the cache (nor counted as a hit) and is computed in full, correctly;
+/// and then its own complete blocks take the incomplete ones' place.
 #[test]
 fn gemma3_reuses_cached_blocks_only_where_its_window_was_kept() {
     let t = long_gemma();
@@ -172,10 +196,13 @@ fn gemma3_reuses_cached_blocks_only_where_its_window_was_kept() {
         assert_eq!(stage.prefix_cache().hit_tokens, before + LONG as u64 - 1);
         stage.release(2);
         // A prompt ending mid-way: its sliding layers' rows there are gone.
-        let half = &r.forced[..LONG / 2];
+        // Sixteen whole blocks and one token: every block its window needs
+        // is one the long sequences stored.
+        let mid = 16 * shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS + 1;
+        let early = &r.forced[..mid];
         let before = stage.prefix_cache().hit_tokens;
         assert_eq!(
-            stage.reuse_prefix(3, half),
+            stage.reuse_prefix(3, early),
             0,
             "{engine}: nothing to start from"
         );
@@ -184,13 +211,29 @@ fn gemma3_reuses_cached_blocks_only_where_its_window_was_kept() {
             before,
             "{engine}: no hit counted"
         );
-        let row = logits(stage.forward(3, StageInput::Tokens(half.to_vec())).unwrap());
-        let g = gap(&row, &r.forced_logits[LONG / 2 - 1]);
+        let row = logits(
+            stage
+                .forward(3, StageInput::Tokens(early.to_vec()))
+                .unwrap(),
+        );
+        let g = gap(&row, &r.forced_logits[mid - 1]);
         assert!(
             g < TOLERANCE,
             "{engine}: {g} of the logit range computed in full"
         );
         stage.release(3);
+        // That sequence, its prompt run in one step, held every row: its
+        // blocks fill in those the long one left without the sliding rows,
+        // and the prompt again starts from the cache.
+        assert_eq!(stage.reuse_prefix(4, early), mid - 1, "{engine}: filled in");
+        let rest = StageInput::Tokens(early[mid - 1..].to_vec());
+        let row = logits(stage.forward(4, rest).unwrap());
+        let g = gap(&row, &r.forced_logits[mid - 1]);
+        assert!(
+            g < TOLERANCE,
+            "{engine}: {g} of the logit range from filled-in blocks"
+        );
+        stage.release(4);
     }
 }
 

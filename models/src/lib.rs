@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use shardplane_crds::{ModelSpec, ModelStatus};
+use shardplane_crds::{ModelSpec, ModelStatus, SlidingWindowStatus};
 use shardplane_formats::{GgufHeader, ModelConfig};
 
 /// What can go wrong below a model's resolution: clients, tokens, headers.
@@ -118,6 +118,28 @@ pub fn resolve_path(
         shardplane_crds::ModelFormat::Gguf => resolve_gguf(path, spec),
         shardplane_crds::ModelFormat::Safetensors => safetensors::resolve_dir(path, spec),
     }
+}
+
+/// The sliding-window layers of a model of `layers` layers, as the status
+/// reports them (`None`: it has none). `held_tokens` is the context-free
+/// bound the engines keep; placement takes the least of it and the context.
+pub(crate) fn sliding_window(c: &ModelConfig, layers: usize) -> Option<SlidingWindowStatus> {
+    let window = c.sliding?.window;
+    let sliding: Vec<u32> = (0..layers)
+        .filter(|&l| c.layer_attention(l).window.is_some())
+        .map(|l| l as u32)
+        .collect();
+    if sliding.is_empty() {
+        return None;
+    }
+    // Prompts go 512 tokens a step by default (`--prefill-tokens-per-step`);
+    // an agent set to take more holds that much more for a moment.
+    let held = shardplane_formats::config::sliding_rows_held(window, 512, usize::MAX);
+    Some(SlidingWindowStatus {
+        tokens: u32::try_from(window).unwrap_or(u32::MAX),
+        held_tokens: u32::try_from(held).unwrap_or(u32::MAX),
+        layers: sliding,
+    })
 }
 
 pub(crate) fn format_unresolved(origin: &str, e: shardplane_formats::Error) -> Unresolved {
@@ -270,6 +292,7 @@ fn status_from_gguf(
         embedding_bytes: Some(embedding),
         output_bytes: Some(head.saturating_add(header.tensor_bytes("output_norm.weight"))),
         kv_bytes_per_token: Some(kv_per_layer.saturating_mul(layers as u64)),
+        sliding_window: sliding_window(&c, layers),
         total_bytes,
         layer_bytes,
         ..Default::default()

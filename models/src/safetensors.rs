@@ -114,6 +114,7 @@ pub fn status_from(
             // row), bounded by check_shape and the reader.
             (parsed.kv_bytes_per_token_per_layer() as u64).saturating_mul(layers),
         ),
+        sliding_window: crate::sliding_window(&parsed, layers as usize),
         total_bytes: Some(sum("")),
         layer_bytes,
         ..Default::default()
@@ -338,5 +339,43 @@ mod tests {
         let status = status_from(&config, &tensors, &spec).unwrap();
         assert_eq!(status.kv_bytes_per_token, Some(61 * 576 * 4));
         assert_eq!(status.experts, Some(256));
+    }
+
+    /// Gemma 3 27B's shape: 62 layers, every sixth global, the others in a
+    /// window of 1024; the status names the sliding ones and what they hold.
+    #[test]
+    fn sliding_layers_are_reported_with_what_they_hold() {
+        let config = serde_json::json!({
+            "model_type": "gemma3_text",
+            "hidden_size": 5376, "num_hidden_layers": 62, "intermediate_size": 21504,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+            "vocab_size": 262208, "max_position_embeddings": 131072,
+            "sliding_window": 1024, "sliding_window_pattern": 6,
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+            "query_pre_attn_scalar": 168,
+        });
+        let tensors = BTreeMap::from([("model.layers.0.mlp.gate_proj.weight".to_string(), 100u64)]);
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "source": {"path": {"path": "/models/gemma-3-27b"}},
+            "format": "safetensors",
+        }))
+        .unwrap();
+        let status = status_from(&config, &tensors, &spec).unwrap();
+        let sliding = status.sliding_window.expect("Gemma 3 slides");
+        assert_eq!(sliding.tokens, 1024);
+        // The window, one more for the prefix cache, one not let go yet, a
+        // chunk of rounding and a step's prompt rows.
+        assert_eq!(sliding.held_tokens, 1024 * 3 + 256 + 512);
+        assert_eq!(
+            sliding.layers.len(),
+            62 - 10,
+            "layers 5, 11, …, 59 are global"
+        );
+        assert!(!sliding.layers.contains(&5) && sliding.layers.contains(&61));
+        // A model without a window reports none.
+        let mut dense = config.clone();
+        dense["model_type"] = "llama".into();
+        let status = status_from(&dense, &tensors, &spec).unwrap();
+        assert_eq!(status.sliding_window, None);
     }
 }

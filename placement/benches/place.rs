@@ -49,6 +49,7 @@ fn main() {
         output_bytes: GIB,
         kv_bytes_per_token_per_layer: 2 * 1024,
         kv_heads: None,
+        kv_token_caps: Vec::new(),
     };
     let big_model = Footprint {
         layer_bytes: vec![3 * GIB; 80],
@@ -56,6 +57,7 @@ fn main() {
         output_bytes: 2 * GIB,
         kv_bytes_per_token_per_layer: 4 * 1024,
         kv_heads: None,
+        kv_token_caps: Vec::new(),
     };
     let whole = Strategy {
         parallelism: Parallelism::None,

@@ -16,6 +16,10 @@ pub struct Footprint {
     /// KV heads per layer, when known: a tensor group has at most this
     /// many ranks, each with whole heads.
     pub kv_heads: Option<u32>,
+    /// Per layer, the most tokens of KV one sequence holds there however
+    /// long it grows (sliding-window layers); empty, or `None` for a layer:
+    /// every token up to the context.
+    pub kv_token_caps: Vec<Option<u64>>,
 }
 
 /// The KV cache an instance reserves.
@@ -35,12 +39,27 @@ impl Footprint {
 
     /// Bytes one layer needs: its weights and its KV cache for the budget.
     pub fn layer_cost(&self, layer: u32, kv: KvBudget) -> u64 {
+        self.layer_bytes[layer as usize].saturating_add(self.layer_kv_bytes(layer, kv))
+    }
+
+    /// Bytes of KV cache one layer needs for the budget: a sliding layer's
+    /// capped tokens, every other layer's whole context, per sequence.
+    pub fn layer_kv_bytes(&self, layer: u32, kv: KvBudget) -> u64 {
+        let tokens = match self.kv_token_caps.get(layer as usize).copied().flatten() {
+            Some(cap) => kv.context_length.min(cap),
+            None => kv.context_length,
+        };
         // Saturating: a hostile model or budget reads as "too big", never wraps.
-        self.layer_bytes[layer as usize].saturating_add(
-            self.kv_bytes_per_token_per_layer
-                .saturating_mul(kv.context_length)
-                .saturating_mul(kv.sequences),
-        )
+        self.kv_bytes_per_token_per_layer
+            .saturating_mul(tokens)
+            .saturating_mul(kv.sequences)
+    }
+
+    /// Bytes of KV cache of `layers` for the budget.
+    pub fn layers_kv_bytes(&self, layers: &Range<u32>, kv: KvBudget) -> u64 {
+        layers.clone().fold(0u64, |sum, l| {
+            sum.saturating_add(self.layer_kv_bytes(l, kv))
+        })
     }
 
     /// Bytes a stage running `layers` needs, with `overhead` on top.
@@ -67,9 +86,6 @@ impl Footprint {
 
     /// Bytes of KV cache of the whole model for the budget.
     pub fn kv_bytes(&self, kv: KvBudget) -> u64 {
-        self.kv_bytes_per_token_per_layer
-            .saturating_mul(kv.context_length)
-            .saturating_mul(kv.sequences)
-            .saturating_mul(self.layers() as u64)
+        self.layers_kv_bytes(&(0..self.layers()), kv)
     }
 }

@@ -172,6 +172,7 @@ mod tests {
             output_bytes: 50,
             kv_bytes_per_token_per_layer: 0,
             kv_heads: None,
+            kv_token_caps: Vec::new(),
         }
     }
 

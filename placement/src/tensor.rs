@@ -87,11 +87,7 @@ impl Footprint {
         let weights = layers.clone().fold(0u64, |sum, l| {
             sum.saturating_add(self.layer_bytes[l as usize])
         });
-        let kv_bytes = self
-            .kv_bytes_per_token_per_layer
-            .saturating_mul(kv.context_length)
-            .saturating_mul(kv.sequences)
-            .saturating_mul(u64::from(layers.end - layers.start));
+        let kv_bytes = self.layers_kv_bytes(layers, kv);
         let mut bytes = part(weights, rank.weights_ppm())
             .saturating_add(part(kv_bytes, rank.kv_ppm(self.kv_heads)))
             .saturating_add(overhead);

@@ -20,6 +20,7 @@ fn footprint() -> impl Generator<Value = Footprint> {
             output_bytes: out,
             kv_bytes_per_token_per_layer: kv,
             kv_heads: None,
+            kv_token_caps: Vec::new(),
         },
     )
 }

@@ -12,6 +12,7 @@ fn model() -> Footprint {
         output_bytes: GIB,
         kv_bytes_per_token_per_layer: 0,
         kv_heads: None,
+        kv_token_caps: Vec::new(),
     }
 }
 
@@ -373,16 +374,60 @@ fn scaling_down_keeps_the_first_instances() {
     assert_eq!(one, three[..1]);
 }
 
-#[test]
-fn nothing_fits_explains_with_numbers() {
-    let f = model();
-    let s = Strategy {
+/// A pipeline holding 4 sequences of 32768 tokens.
+fn long_context() -> Strategy {
+    Strategy {
         kv: KvBudget {
             context_length: 32_768,
             sequences: 4,
         },
         ..strategy(Parallelism::Pipeline)
+    }
+}
+
+/// Sliding-window layers hold a capped number of tokens per sequence: a
+/// model whose every layer but five slides needs a fraction of the KV a
+/// model that keeps every token does, and fits where the other does not.
+#[test]
+fn sliding_layers_count_only_the_tokens_they_hold() {
+    let s = long_context();
+    let full = Footprint {
+        kv_bytes_per_token_per_layer: 4096,
+        ..model()
     };
+    // Layers 5, 11, 17, 23, 29 global; the others hold 4096 tokens at most.
+    let sliding = Footprint {
+        kv_token_caps: (0..30)
+            .map(|l| ((l + 1) % 6 != 0).then_some(4096))
+            .collect(),
+        ..full.clone()
+    };
+    let kv = |f: &Footprint| f.kv_bytes(s.kv);
+    assert_eq!(kv(&full), 30 * 4096 * 32_768 * 4);
+    assert_eq!(kv(&sliding), (5 * 32_768 + 25 * 4096) * 4096 * 4);
+    // A budget shorter than the cap counts the budget.
+    let short = KvBudget {
+        context_length: 1000,
+        sequences: 4,
+    };
+    assert_eq!(sliding.kv_bytes(short), full.kv_bytes(short));
+    let nodes = [("a", 20), ("b", 20)];
+    let p = plan(
+        &mut cluster(&nodes),
+        &request("r", Tier::Reasoning, 1, &full, &s, &[]),
+    );
+    assert!(p.instances.is_empty(), "47 GiB do not fit in 40");
+    let p = plan(
+        &mut cluster(&nodes),
+        &request("r", Tier::Reasoning, 1, &sliding, &s, &[]),
+    );
+    assert_eq!(p.instances.len(), 1, "{:?}", p.unplaced);
+}
+
+#[test]
+fn nothing_fits_explains_with_numbers() {
+    let f = model();
+    let s = long_context();
     let f = Footprint {
         kv_bytes_per_token_per_layer: 4096,
         kv_heads: None,

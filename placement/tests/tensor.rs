@@ -14,6 +14,7 @@ fn model() -> Footprint {
         output_bytes: GIB,
         kv_bytes_per_token_per_layer: 0,
         kv_heads: Some(3),
+        kv_token_caps: Vec::new(),
     }
 }
 

@@ -62,6 +62,22 @@ pub struct ModelSpec {
     pub chat_template: Option<String>,
 }
 
+/// A model's sliding-window layers.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct SlidingWindowStatus {
+    /// Positions a query of these layers sees, itself included.
+    pub tokens: u32,
+    /// Tokens of KV one sequence holds at most in each of these layers, as
+    /// the engines keep them (the window, a window more for the prefix
+    /// cache, room to grow, and a step of 512 prompt tokens, the agents'
+    /// default).
+    pub held_tokens: u32,
+    /// The layers that slide (0-based, ascending).
+    pub layers: Vec<u32>,
+}
+
 /// What the operator read from the model's source: everything placement needs.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -116,6 +132,11 @@ pub struct ModelStatus {
     /// the engines hold them: f32).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_bytes_per_token: Option<u64>,
+    /// The layers that attend within a sliding window (Gemma 3, gpt-oss):
+    /// their KV cache holds a bounded number of tokens however long a
+    /// sequence grows, and placement counts them so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<SlidingWindowStatus>,
     /// Total bytes of the weights as stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_bytes: Option<u64>,

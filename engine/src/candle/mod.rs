@@ -715,24 +715,28 @@ impl Stage for CandleStage {
         if cache.tokens.len() != cache.position {
             return;
         }
-        let stored = self.prefix.insert(&cache.tokens, |range| {
-            let mut layers = Vec::with_capacity(cache.layers.len());
-            let mut bytes = 0;
-            for kv in &cache.layers {
-                if kv.len() < range.end {
-                    return Err(Error::InvalidInput(
-                        "a KV cache shorter than its tokens".into(),
-                    ));
+        let stored = self.prefix.insert(
+            &cache.tokens,
+            |range| {
+                let mut layers = Vec::with_capacity(cache.layers.len());
+                let mut bytes = 0;
+                for kv in &cache.layers {
+                    if kv.len() < range.end {
+                        return Err(Error::InvalidInput(
+                            "a KV cache shorter than its tokens".into(),
+                        ));
+                    }
+                    // A sliding layer's forgotten rows are missing from the block.
+                    let rows = kv.rows(range.clone());
+                    if let Some((k, v)) = &rows {
+                        bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
+                    }
+                    layers.push(rows);
                 }
-                // A sliding layer's forgotten rows are missing from the block.
-                let rows = kv.rows(range.clone());
-                if let Some((k, v)) = &rows {
-                    bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
-                }
-                layers.push(rows);
-            }
-            Ok::<_, Error>((layers, bytes))
-        });
+                Ok::<_, Error>((layers, bytes))
+            },
+            |block| block.iter().any(Option::is_none),
+        );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");
         }

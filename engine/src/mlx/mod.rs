@@ -710,38 +710,42 @@ impl Stage for MlxStage {
         }
         let (kvh, kw, vw) = self.cache_widths();
         let _guard = lock();
-        let stored = self.prefix.insert(&cache.tokens, |range| {
-            let n = range.len();
-            let mut layers = Vec::with_capacity(cache.layers.len());
-            let mut bytes = 0;
-            for c in &cache.layers {
-                // A sliding layer's forgotten rows are missing from the block.
-                let Some(c) = c.as_ref().filter(|c| c.start <= range.start) else {
-                    layers.push(None);
-                    continue;
-                };
-                // A copy of the block, so the sequence's whole cache is not kept.
-                let (from, to) = (range.start - c.start, range.end - c.start);
-                let copy = |a: &Array, hd: usize| -> Result<Array> {
-                    let part = a.slice(&[0, 0, from, 0], &[1, kvh, to, hd])?;
-                    Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
-                        &part,
-                        &[0, 0, 0, 0],
-                        &[1, kvh, n, hd],
-                    )
-                };
-                let (k, v) = (copy(&c.k, kw)?, copy(&c.v, vw)?);
-                Array::eval(&[&k, &v])?;
-                bytes += k.nbytes() + v.nbytes();
-                layers.push(Some(LayerCache {
-                    k,
-                    v,
-                    start: range.start,
-                    capacity: n,
-                }));
-            }
-            Ok::<_, Error>((layers, bytes))
-        });
+        let stored = self.prefix.insert(
+            &cache.tokens,
+            |range| {
+                let n = range.len();
+                let mut layers = Vec::with_capacity(cache.layers.len());
+                let mut bytes = 0;
+                for c in &cache.layers {
+                    // A sliding layer's forgotten rows are missing from the block.
+                    let Some(c) = c.as_ref().filter(|c| c.start <= range.start) else {
+                        layers.push(None);
+                        continue;
+                    };
+                    // A copy of the block, so the sequence's whole cache is not kept.
+                    let (from, to) = (range.start - c.start, range.end - c.start);
+                    let copy = |a: &Array, hd: usize| -> Result<Array> {
+                        let part = a.slice(&[0, 0, from, 0], &[1, kvh, to, hd])?;
+                        Array::zeros(&[1, kvh, n, hd], Dtype::F32)?.slice_update(
+                            &part,
+                            &[0, 0, 0, 0],
+                            &[1, kvh, n, hd],
+                        )
+                    };
+                    let (k, v) = (copy(&c.k, kw)?, copy(&c.v, vw)?);
+                    Array::eval(&[&k, &v])?;
+                    bytes += k.nbytes() + v.nbytes();
+                    layers.push(Some(LayerCache {
+                        k,
+                        v,
+                        start: range.start,
+                        capacity: n,
+                    }));
+                }
+                Ok::<_, Error>((layers, bytes))
+            },
+            |block| block.iter().any(Option::is_none),
+        );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");
         }

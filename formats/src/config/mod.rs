@@ -240,13 +240,15 @@ pub fn sliding_kept(window: usize) -> usize {
 }
 
 /// KV rows a sliding layer of `window` holds at most for one sequence of
-/// `context` tokens, however the engines keep them: what it keeps, up to a
-/// window (or 256 rows) it has not let go yet, 256 of rounding to whole
-/// chunks, and one step's 512 prompt rows; never more than the context.
-pub fn sliding_rows_held(window: usize, context: usize) -> usize {
+/// `context` tokens, however the engines keep them, when a step takes at
+/// most `step` of its prompt's tokens: what it keeps, up to a window (or
+/// 256 rows) it has not let go yet, 256 of rounding to whole chunks, and
+/// the step's rows; never more than the context.
+pub fn sliding_rows_held(window: usize, step: usize, context: usize) -> usize {
     sliding_kept(window)
         .saturating_add(window.max(256))
-        .saturating_add(256 + 512)
+        .saturating_add(256)
+        .saturating_add(step)
         .min(context)
 }
 

@@ -34,7 +34,24 @@ pub fn footprint(status: &ModelStatus) -> Option<placement::Footprint> {
         output_bytes: status.output_bytes.unwrap_or(0),
         kv_bytes_per_token_per_layer: status.kv_bytes_per_token.unwrap_or(0) / layers,
         kv_heads: status.kv_heads,
+        kv_token_caps: kv_token_caps(status, layers as usize),
     })
+}
+
+/// Per layer, the tokens of KV a sequence holds at most there: the status's
+/// sliding-window layers hold `heldTokens`, the others every token (layers
+/// the status names out of range are left out).
+fn kv_token_caps(status: &ModelStatus, layers: usize) -> Vec<Option<u64>> {
+    let Some(sliding) = &status.sliding_window else {
+        return Vec::new();
+    };
+    let mut caps = vec![None; layers];
+    for &l in &sliding.layers {
+        if let Some(cap) = caps.get_mut(l as usize) {
+            *cap = Some(u64::from(sliding.held_tokens));
+        }
+    }
+    caps
 }
 
 /// The planner's view of a strategy.
@@ -231,6 +248,31 @@ mod tests {
             k8s_openapi::jiff::Timestamp::from_second(created).unwrap(),
         ));
         s
+    }
+
+    #[test]
+    fn sliding_layers_reach_the_planner_capped() {
+        let status = ModelStatus {
+            layers: Some(4),
+            layer_bytes: vec![10; 4],
+            kv_bytes_per_token: Some(400),
+            sliding_window: Some(shardplane_crds::SlidingWindowStatus {
+                tokens: 128,
+                held_tokens: 1152,
+                // 9 is no layer of this model: left out.
+                layers: vec![0, 2, 9],
+            }),
+            ..Default::default()
+        };
+        let f = footprint(&status).unwrap();
+        assert_eq!(f.kv_bytes_per_token_per_layer, 100);
+        assert_eq!(f.kv_token_caps, [Some(1152), None, Some(1152), None]);
+        let without = footprint(&ModelStatus {
+            sliding_window: None,
+            ..status
+        })
+        .unwrap();
+        assert!(without.kv_token_caps.is_empty());
     }
 
     #[test]
