@@ -188,7 +188,7 @@ pub fn observed(events: Events, model: &str, metrics: &Metrics, start: Instant) 
                 tokens_in.inc_by(*prompt_tokens as u64);
                 tokens_out.inc_by(*completion_tokens as u64);
             }
-            Ok(Event::Logprobs(_)) | Err(_) => {}
+            Ok(Event::Logprobs(_) | Event::Waiting) | Err(_) => {}
         }
         e
     }))

@@ -176,6 +176,7 @@ async fn text(mut events: Events) -> Result<String, ApiError> {
             Event::ToolCall(c) => panic!("a call nobody offered tools for: {c:?}"),
             Event::Logprobs(l) => panic!("log-probabilities nobody asked for: {l:?}"),
             Event::Reasoning(r) => panic!("reasoning from a model that does not think: {r:?}"),
+            Event::Waiting => {}
             Event::Done { .. } => return Ok(text),
         }
     }
@@ -249,6 +250,39 @@ async fn an_answer_broken_off_with_no_instance_left_is_a_502_once_the_heal_wait_
             .contains("no instance became ready to resume it within 2 s"),
         "{e:?}"
     );
+}
+
+/// While it waits, the answer tells its client every keep-alive period
+/// (its dialect then sends a comment, a ping or an empty line), and still
+/// ends with the 502 once the wait is spent.
+#[tokio::test]
+async fn an_answer_waiting_to_heal_sends_keep_alives() {
+    let (breaking, _) = serve(Behaviour::FailAt(3)).await;
+    let (router, _) = router(vec![head(0, Some(&breaking))]);
+    let router = router
+        .with_heal_wait(Duration::from_secs(3))
+        .with_keepalive(Duration::from_millis(500));
+    let mut events = router.complete("m", &prompt()).await.unwrap().events;
+    let (mut text, mut waits) = (String::new(), Vec::new());
+    let started = std::time::Instant::now();
+    let end = loop {
+        match events.next().await.expect("an end") {
+            Ok(Event::Text(t)) => text.push_str(&t),
+            Ok(Event::Waiting) => waits.push(started.elapsed()),
+            other => break other,
+        }
+    };
+    let e = end.unwrap_err();
+    assert_eq!(e.status.as_u16(), 502, "{e:?}");
+    assert_eq!(text, "w0 w1 w2 ", "the text before the break");
+    assert!(
+        (4..=7).contains(&waits.len()),
+        "about one keep-alive each 0.5 s of a 3 s wait: {waits:?}"
+    );
+    for pair in waits.windows(2) {
+        assert!(pair[1] - pair[0] >= Duration::from_millis(450), "{waits:?}");
+    }
+    assert!(events.next().await.is_none(), "nothing after the error");
 }
 
 #[tokio::test]

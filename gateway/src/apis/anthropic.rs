@@ -372,6 +372,7 @@ impl Dialect for Anthropic {
             }
             // Not asked for: this API has none.
             Ok(Event::Logprobs(_)) => Vec::new(),
+            Ok(Event::Waiting) => vec![sse(Some("ping"), &json!({"type": "ping"}))],
             Ok(Event::ToolCall(c)) => {
                 let mut out = blocks.close();
                 out.push(

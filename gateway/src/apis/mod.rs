@@ -136,6 +136,10 @@ fn json_response(v: &Value) -> Response {
 }
 
 /// One server-sent event.
+/// An SSE comment: clients skip it, proxies see bytes (the keep-alive of
+/// an answer waiting for its deployment to heal).
+const SSE_WAITING: &str = ": waiting for the deployment to heal\n\n";
+
 fn sse(event: Option<&str>, data: &Value) -> String {
     match event {
         Some(e) => format!("event: {e}\ndata: {}\n\n", json_body(data)),
@@ -217,6 +221,7 @@ async fn collect(mut events: Events) -> Result<Collected, ApiError> {
             Event::Reasoning(r) => reasoning.push_str(&r),
             Event::ToolCall(c) => tool_calls.push(c),
             Event::Logprobs(l) => logprobs.extend(l),
+            Event::Waiting => {}
             Event::Done {
                 finish,
                 prompt_tokens,

@@ -287,6 +287,8 @@ impl Dialect for Ollama {
                     pending.extend(l);
                     return Vec::new();
                 }
+                // An empty line, its log-probabilities left for the next.
+                Ok(Event::Waiting) => return vec![json_body(&api.line(&model, "", false)) + "\n"],
                 Ok(Event::ToolCall(c)) => api.calls_line(&model, &[c]),
                 Ok(Event::Reasoning(r)) => {
                     let mut line = api.line(&model, "", false);

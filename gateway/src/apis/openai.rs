@@ -13,7 +13,9 @@ use super::fields::{
     only_value, stops, tools, uint,
 };
 use super::rendering::Rendering;
-use super::{Collected, Dialect, Request, chunked, error_type, id, listing, now_secs, sse};
+use super::{
+    Collected, Dialect, Request, SSE_WAITING, chunked, error_type, id, listing, now_secs, sse,
+};
 use crate::App;
 use crate::protocol::{ApiError, Event, Events, Finish, Input, Kind, Prompt};
 use crate::routing::Served;
@@ -450,6 +452,7 @@ impl Dialect for OpenAi {
                 logprobs(Some(l));
                 Vec::new()
             }
+            Ok(Event::Waiting) => vec![SSE_WAITING.to_string()],
             Ok(Event::Text(t)) => vec![chunk(json!({"content": t}), logprobs(None), None)],
             // (only a chat has reasoning)
             Ok(Event::Reasoning(r)) => {

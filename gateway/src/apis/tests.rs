@@ -419,6 +419,94 @@ fn reasoning_comes_out_as_each_api_gives_it() {
     );
 }
 
+/// An answer waiting for its deployment to heal keeps each stream alive in
+/// the dialect's own way, and the text around the wait is unchanged.
+#[test]
+fn a_waiting_answer_keeps_each_stream_alive_in_its_dialect() {
+    let events = || -> Events {
+        let events = vec![
+            Event::Text("Hi".into()),
+            Event::Waiting,
+            Event::Waiting,
+            Event::Text(" there".into()),
+            Event::Done {
+                finish: Finish::Stop,
+                prompt_tokens: 1,
+                completion_tokens: 2,
+                cached_tokens: 0,
+            },
+        ];
+        Box::pin(futures::stream::iter(events.into_iter().map(Ok)))
+    };
+    let raw = |chunks: BoxStream<'static, String>| -> Vec<String> {
+        futures::executor::block_on(chunks.collect())
+    };
+    let chat =
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9});
+    // OpenAI chat and Responses: SSE comments, which clients skip.
+    let req = OpenAi::Chat.parse(&chat).unwrap();
+    let chunks = raw(OpenAi::Chat.stream(&req, 0, events()));
+    let comments = chunks.iter().filter(|c| c.starts_with(": ")).count();
+    assert_eq!(comments, 2, "{chunks:?}");
+    assert!(
+        chunks
+            .iter()
+            .filter(|c| c.starts_with(": "))
+            .all(|c| c == SSE_WAITING)
+    );
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c.strip_prefix("data: "))
+        .filter(|d| !d.contains("[DONE]"))
+        .map(|d| serde_json::from_str::<Value>(d.trim()).unwrap())
+        .filter_map(|d| {
+            d["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(text, "Hi there");
+    let api = Responses::default();
+    let req = api.parse(&json!({"model": "m", "input": "hi"})).unwrap();
+    let chunks = raw(api.stream(&req, 0, events()));
+    assert_eq!(chunks.iter().filter(|c| *c == SSE_WAITING).count(), 2);
+    // Anthropic: its own ping event (one opens every stream).
+    let req = Anthropic.parse(&chat).unwrap();
+    let chunks = raw(Anthropic.stream(&req, 0, events()));
+    let pings = chunks
+        .iter()
+        .filter(|c| c.starts_with("event: ping\n"))
+        .count();
+    assert_eq!(pings, 3, "{chunks:?}");
+    // Ollama: a line with no text, not done.
+    let req = Ollama::Chat
+        .parse(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .unwrap();
+    let lines: Vec<Value> = raw(Ollama::Chat.stream(&req, 0, events()))
+        .iter()
+        .map(|l| serde_json::from_str(l.trim()).unwrap())
+        .collect();
+    let contents: Vec<(&str, bool)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["message"]["content"].as_str().unwrap(),
+                l["done"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        contents,
+        [
+            ("Hi", false),
+            ("", false),
+            ("", false),
+            (" there", false),
+            ("", true)
+        ]
+    );
+}
+
 #[test]
 fn anthropic_refuses_what_it_does_not_implement_and_takes_the_rest() {
     let m = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],

@@ -149,6 +149,8 @@ pub struct Router {
     metrics: Metrics,
     busy_wait: Duration,
     heal_wait: Duration,
+    /// How often an answer waiting to heal tells its client (`Event::Waiting`).
+    keepalive: Duration,
     deadlines: Deadlines,
     outliers: outliers::Outliers,
     external: Arc<crate::external::Allowlist>,
@@ -228,6 +230,7 @@ impl Router {
             metrics,
             busy_wait: Duration::from_secs(60),
             heal_wait: Duration::from_secs(120),
+            keepalive: Duration::from_secs(10),
             deadlines: Deadlines::default(),
             outliers: outliers::Outliers::default(),
             external: Arc::default(),
@@ -265,6 +268,14 @@ impl Router {
     /// operator re-placed what it lost) before it ends with an error.
     pub fn with_heal_wait(mut self, heal_wait: Duration) -> Self {
         self.heal_wait = heal_wait;
+        self
+    }
+
+    /// How often an answer waiting to heal sends its client a keep-alive
+    /// (10 s unless set), so that proxies and clients with idle timeouts
+    /// keep the connection.
+    pub fn with_keepalive(mut self, keepalive: Duration) -> Self {
+        self.keepalive = keepalive.max(Duration::from_millis(100));
         self
     }
 
@@ -537,7 +548,8 @@ impl Router {
                     e @ (Event::Text(_)
                     | Event::Reasoning(_)
                     | Event::ToolCall(_)
-                    | Event::Logprobs(_)),
+                    | Event::Logprobs(_)
+                    | Event::Waiting),
                 ) => Some((Ok(e), Some(answering))),
                 last => Some((last, None)),
             }

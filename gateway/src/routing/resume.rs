@@ -28,6 +28,16 @@ const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 /// deployment's only instance failing.
 const RUNS_PER_INSTANCE: usize = 2;
 
+/// What a resume came to.
+#[derive(Debug, PartialEq, Eq)]
+enum Resumed {
+    /// The answer runs again.
+    Running,
+    /// It still waits for an instance: the client is told, and the wait
+    /// goes on at the next event asked for.
+    Waiting,
+}
+
 /// An answer being streamed, and what it takes to resume it elsewhere.
 pub(super) struct Answering {
     router: Router,
@@ -51,6 +61,11 @@ pub(super) struct Answering {
     /// Until when a broken-off answer waits for an instance (set at the
     /// first break the cluster may heal; one wait per answer).
     heal_by: Option<tokio::time::Instant>,
+    /// A resume that paused its wait to let the client know (`Waiting`):
+    /// why the answer broke off, and whether the cluster may heal it.
+    resuming: Option<(String, bool)>,
+    /// The wait was logged (once per answer).
+    logged_wait: bool,
     pending: VecDeque<dp::generate_response::Event>,
     /// Events of a delta received and not yet given.
     queued: VecDeque<Event>,
@@ -81,6 +96,8 @@ impl Answering {
             running: Some((inst.key.clone(), inst.incarnation)),
             ran: vec![inst.key.clone()],
             heal_by: None,
+            resuming: None,
+            logged_wait: false,
             pending: opened.first.into(),
             queued: VecDeque::new(),
             stream: opened.stream,
@@ -94,6 +111,11 @@ impl Answering {
         if let Some(e) = self.queued.pop_front() {
             return Ok(e);
         }
+        if let Some((why, heals)) = self.resuming.take()
+            && self.resume(why, heals).await? == Resumed::Waiting
+        {
+            return Ok(Event::Waiting);
+        }
         loop {
             let event = match self.pending.pop_front() {
                 Some(e) => e,
@@ -101,8 +123,10 @@ impl Answering {
                     Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
                     Ok(Some(_)) => continue,
                     Ok(None) => {
-                        self.resume("the instance ended the answer early".into(), true)
-                            .await?;
+                        let why = "the instance ended the answer early".to_string();
+                        if self.resume(why, true).await? == Resumed::Waiting {
+                            return Ok(Event::Waiting);
+                        }
                         continue;
                     }
                     Err(s) => {
@@ -122,7 +146,9 @@ impl Answering {
                         ) || (s.code() == Code::Internal
                             && s.message().starts_with("h2 protocol error"));
                         let why = format!("the instance failed mid-answer: {}", s.message());
-                        self.resume(why, heals).await?;
+                        if self.resume(why, heals).await? == Resumed::Waiting {
+                            return Ok(Event::Waiting);
+                        }
                         continue;
                     }
                 },
@@ -159,19 +185,21 @@ impl Answering {
     /// (or on the one it broke off on, once that changed), after the tokens
     /// given so far; when the break is one the cluster may heal (`heals`)
     /// and none is ready, waits for one until the answer's heal wait is
-    /// spent. An error when none can.
-    async fn resume(&mut self, why: String, heals: bool) -> Result<(), ApiError> {
+    /// spent, pausing every `Router::keepalive` (`Resumed::Waiting`: the
+    /// next call to `next` goes on waiting). An error when none can.
+    async fn resume(&mut self, why: String, heals: bool) -> Result<Resumed, ApiError> {
         let router = self.router.clone();
-        router
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&self.model, "instance"])
-            .inc();
         let from = self.ran.last().cloned().unwrap_or_default();
-        if self.tail_seen {
-            return Err(ApiError::upstream(why));
-        }
         if let Some(broken) = self.running.take() {
+            // A new break (not a wait going on after a pause).
+            router
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&self.model, "instance"])
+                .inc();
+            if self.tail_seen {
+                return Err(ApiError::upstream(why));
+            }
             self.tried.push(broken);
         }
         let mut wait = BusyWait::new(router.busy_wait);
@@ -179,7 +207,7 @@ impl Answering {
             self.heal_by = Some(tokio::time::Instant::now() + router.heal_wait);
         }
         let heal_by = self.heal_by.filter(|_| heals);
-        let mut waited = false;
+        let paused_at = tokio::time::Instant::now() + router.keepalive;
         loop {
             // Read again on every try: a replica re-placed meanwhile counts,
             // and so does this answer's instance once it changed or left the
@@ -196,21 +224,25 @@ impl Answering {
                 .filter(|i| self.ran.iter().filter(|k| **k == i.key).count() < RUNS_PER_INSTANCE)
                 .collect();
             match self.resume_on(&router, candidates, &from, &why).await? {
-                None => return Ok(()),
+                None => return Ok(Resumed::Running),
                 Some((failures, busy)) => {
                     if busy && wait.pause(&router.metrics, &self.model).await {
                         continue;
                     }
                     let now = tokio::time::Instant::now();
                     if !busy && heal_by.is_some_and(|by| now + HEAL_POLL < by) {
-                        if !waited {
-                            waited = true;
+                        if !self.logged_wait {
+                            self.logged_wait = true;
                             tracing::info!(model = %self.model, %from, %why, seconds = router.heal_wait.as_secs(), "an answer broke off and no instance is ready to resume it; waiting for one");
+                        }
+                        if now >= paused_at {
+                            self.resuming = Some((why, heals));
+                            return Ok(Resumed::Waiting);
                         }
                         tokio::time::sleep(HEAL_POLL).await;
                         continue;
                     }
-                    let waited = if waited {
+                    let waited = if self.logged_wait {
                         format!(" within {} s", router.heal_wait.as_secs())
                     } else {
                         String::new()

@@ -16,7 +16,7 @@ use shardplane_dataplane as dp;
 
 use super::{Responses, call_item, message_item, reasoning_item, response, status, usage};
 use crate::apis::openai::token_logprobs;
-use crate::apis::{Request, chunked, id, now_secs, sse};
+use crate::apis::{Request, SSE_WAITING, chunked, id, now_secs, sse};
 use crate::protocol::{Event, Events, Finish};
 
 /// The stream of `req`'s answer, from its `events`.
@@ -58,6 +58,7 @@ pub(super) fn stream(api: &Responses, req: &Request, events: Events) -> BoxStrea
             s.pending.extend(l);
             Vec::new()
         }
+        Ok(Event::Waiting) => vec![SSE_WAITING.to_string()],
         Ok(Event::ToolCall(c)) => s.call(c),
         Ok(Event::Done {
             finish,
