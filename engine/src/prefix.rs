@@ -236,21 +236,21 @@ impl<B> PrefixCache<B> {
     /// Stores the whole blocks of `tokens` that are not cached yet, then
     /// its tail (what follows the last whole block before its last token);
     /// `make` gives a block's data and its bytes from its token range (an
-    /// error stops the insert, keeping what was stored). A cached block
-    /// whose data is `incomplete` (a sliding layer's rows were forgotten
-    /// when it was stored) takes this sequence's instead when that is
-    /// complete, so one long prompt cannot leave a shared prefix unusable
-    /// for good. Then evicts down to the budget.
+    /// error stops the insert, keeping what was stored). A cached block for
+    /// which `refill` says so (its data lacks rows, a sliding layer's that
+    /// were forgotten when it was stored, that this sequence still holds)
+    /// is made again from this sequence, so one long prompt cannot leave a
+    /// shared prefix unusable for good. Then evicts down to the budget.
     pub fn insert<E>(
         &mut self,
         tokens: &[u32],
         make: impl FnMut(Range<usize>) -> Result<(B, usize), E>,
-        incomplete: impl Fn(&B) -> bool,
+        refill: impl Fn(&B, Range<usize>) -> bool,
     ) -> Result<(), E> {
         if !self.enabled() {
             return Ok(());
         }
-        let stored = self.store_chain(tokens, make, incomplete);
+        let stored = self.store_chain(tokens, make, refill);
         // What was stored before an error counts against the budget too.
         self.evict();
         stored
@@ -262,7 +262,7 @@ impl<B> PrefixCache<B> {
         &mut self,
         tokens: &[u32],
         mut make: impl FnMut(Range<usize>) -> Result<(B, usize), E>,
-        incomplete: impl Fn(&B) -> bool,
+        refill: impl Fn(&B, Range<usize>) -> bool,
     ) -> Result<(), E> {
         self.clock += 1;
         let mut parent = 0;
@@ -272,10 +272,10 @@ impl<B> PrefixCache<B> {
             let key = block_key(parent, block);
             let stored = match self.entries.get(&key) {
                 Some(e) if e.parent == parent && e.tokens == block => {
-                    if incomplete(&e.data) {
-                        let start = i * self.block_tokens;
-                        let made = make(start..start + self.block_tokens)?;
-                        self.complete(key, made, &incomplete);
+                    let range = i * self.block_tokens..(i + 1) * self.block_tokens;
+                    if refill(&e.data, range.clone()) {
+                        let made = make(range)?;
+                        self.refill(key, made);
                     }
                     self.touch(key);
                     true
@@ -313,9 +313,9 @@ impl<B> PrefixCache<B> {
             let key = block_key(parent, tail);
             match self.entries.get(&key) {
                 Some(e) if e.parent == parent && e.tokens == tail => {
-                    if incomplete(&e.data) {
+                    if refill(&e.data, start..end) {
                         let made = make(start..end)?;
-                        self.complete(key, made, &incomplete);
+                        self.refill(key, made);
                     }
                     self.touch(key)
                 }
@@ -360,9 +360,10 @@ impl<B> PrefixCache<B> {
         true
     }
 
-    /// Puts `made` in place of entry `key`'s data, when `made` is complete.
-    fn complete(&mut self, key: u64, (data, bytes): (B, usize), incomplete: &impl Fn(&B) -> bool) {
-        if incomplete(&data) {
+    /// Puts `made` in place of entry `key`'s data (unless it alone is over
+    /// the budget).
+    fn refill(&mut self, key: u64, (data, bytes): (B, usize)) {
+        if bytes > self.budget {
             return;
         }
         if let Some(e) = self.entries.get_mut(&key) {
@@ -425,7 +426,7 @@ mod tests {
                 made += 1;
                 Ok::<_, ()>((r, 10))
             },
-            |_| false,
+            |_, _| false,
         )
         .unwrap();
         made
@@ -478,13 +479,12 @@ mod tests {
         assert_eq!(c.stats().hit_tokens, 0);
     }
 
-    /// A block stored without some of its rows (`None` here) takes a later
-    /// sequence's complete data, and only that.
+    /// A block stored without some of its rows (`None` here) is made again
+    /// from a later sequence that holds them, and only then.
     #[test]
     fn an_incomplete_block_takes_a_later_sequence_s_complete_data() {
         let mut c: PrefixCache<Option<usize>> = PrefixCache::new(4, 1000);
         let tokens: Vec<u32> = (0..10).collect();
-        let incomplete = |b: &Option<usize>| b.is_none();
         let insert = |c: &mut PrefixCache<Option<usize>>, held_from: usize| {
             let mut made = Vec::new();
             c.insert(
@@ -493,7 +493,7 @@ mod tests {
                     made.push(r.start);
                     Ok::<_, ()>(((r.start >= held_from).then_some(r.start), 10))
                 },
-                incomplete,
+                |b, r| b.is_none() && r.start >= held_from,
             )
             .unwrap();
             made
@@ -508,8 +508,8 @@ mod tests {
                 .collect()
         };
         assert_eq!(data(&mut c), [None, Some(4), Some(8)]);
-        // One that had forgotten them too changes nothing.
-        assert_eq!(insert(&mut c, 4), [0]);
+        // One that had forgotten them too changes nothing (nor copies).
+        assert_eq!(insert(&mut c, 4), Vec::<usize>::new());
         assert_eq!(data(&mut c), [None, Some(4), Some(8)]);
         // One that holds them fills the block in; complete blocks stay.
         assert_eq!(insert(&mut c, 0), [0]);
@@ -624,7 +624,7 @@ mod tests {
                         Ok((r, 10))
                     }
                 },
-                |_| false,
+                |_, _| false,
             )
         };
         let mut c = cache(100);

@@ -32,6 +32,8 @@ enum Behaviour {
     Answer,
     /// The answer up to token `n`, then the stage fails.
     FailAt(usize),
+    /// The answer up to token `n`, then an error with this code.
+    FailAtWith(usize, dp::tonic::Code),
     /// Refused: too much work queued.
     Busy,
 }
@@ -64,6 +66,12 @@ fn answer(
             && i == n
         {
             events.push(Err(Status::unavailable("the stage went away")));
+            return Ok(events);
+        }
+        if let Behaviour::FailAtWith(n, code) = behaviour
+            && i == n
+        {
+            events.push(Err(Status::new(code, "this answer went wrong")));
             return Ok(events);
         }
         events.push(event(E::Delta(dp::Delta {
@@ -283,6 +291,103 @@ async fn an_answer_waiting_to_heal_sends_keep_alives() {
         assert!(pair[1] - pair[0] >= Duration::from_millis(450), "{waits:?}");
     }
     assert!(events.next().await.is_none(), "nothing after the error");
+}
+
+/// Waiting for busy instances to take a broken-off answer over sends
+/// keep-alives too, and pausing for them does not stretch the busy wait.
+#[tokio::test]
+async fn a_resume_waiting_for_busy_instances_sends_keep_alives_within_its_wait() {
+    let (breaking, _) = serve(Behaviour::FailAt(2)).await;
+    let (busy, busy_calls) = serve(Behaviour::Busy).await;
+    let (router, _) = router(vec![head(0, Some(&breaking)), head(1, Some(&busy))]);
+    // Busy instances are waited for 0.7 s (`router`); no heal wait.
+    let router = router
+        .with_heal_wait(Duration::ZERO)
+        .with_keepalive(Duration::from_millis(200));
+    let mut events = router.complete("m", &prompt()).await.unwrap().events;
+    let started = std::time::Instant::now();
+    let mut waits = 0;
+    let end = loop {
+        match events.next().await.expect("an end") {
+            Ok(Event::Waiting) => waits += 1,
+            Ok(Event::Text(_)) => {}
+            other => break other,
+        }
+    };
+    let e = end.unwrap_err();
+    assert_eq!(e.status.as_u16(), 502, "{e:?}");
+    assert!(
+        waits >= 1,
+        "keep-alives while busy instances were waited for"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the busy wait of 0.7 s was not stretched: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        busy_calls.lock().unwrap().len() >= 2,
+        "tried again while waiting"
+    );
+}
+
+/// An error about the answer itself (its KV outgrew the budget, a bad
+/// request) would come again: it is not waited for, whatever the heal wait.
+#[tokio::test]
+async fn an_error_about_the_answer_itself_is_not_waited_for() {
+    use dp::tonic::Code;
+    for code in [
+        Code::ResourceExhausted,
+        Code::InvalidArgument,
+        Code::FailedPrecondition,
+        Code::Internal,
+    ] {
+        let (breaking, calls) = serve(Behaviour::FailAtWith(2, code)).await;
+        let (router, _) = router(vec![head(0, Some(&breaking))]);
+        let router = router.with_heal_wait(Duration::from_secs(30));
+        let answer = router.complete("m", &prompt()).await.unwrap();
+        let started = std::time::Instant::now();
+        let e = text(answer.events).await.unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{code:?}: no wait"
+        );
+        assert_eq!(e.status.as_u16(), 502, "{code:?}: {e:?}");
+        assert!(
+            e.message.contains("this answer went wrong"),
+            "{code:?}: {e:?}"
+        );
+        assert_eq!(calls.lock().unwrap().len(), 1, "{code:?}: not tried again");
+    }
+}
+
+/// An instance takes one answer at most twice (its first run and one after
+/// it came back), so an answer that itself breaks its stage cannot keep
+/// the deployment's only instance failing: re-placed again and again, the
+/// instance is tried once more, then the answer ends when its wait is spent.
+#[tokio::test]
+async fn an_instance_takes_one_answer_at_most_twice() {
+    let (breaking, calls) = serve(Behaviour::FailAt(2)).await;
+    let (router, mut shards) = router(vec![head(0, Some(&breaking))]);
+    let router = router.with_heal_wait(Duration::from_secs(3));
+    let answer = router.complete("m", &prompt()).await.unwrap();
+    // The operator moves the Shard every 0.3 s (a new incarnation each time).
+    let moves = async {
+        for n in 0..12 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut moved = head(0, Some(&breaking));
+            moved.spec.node = format!("node-elsewhere-{n}");
+            shards.apply_watcher_event(&watcher::Event::Apply(moved));
+        }
+    };
+    let (got, ()) = tokio::join!(text(answer.events), moves);
+    let e = got.unwrap_err();
+    assert_eq!(e.status.as_u16(), 502, "{e:?}");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![vec![], vec![0, 1]],
+        "the first run and one resume, no more"
+    );
 }
 
 #[tokio::test]

@@ -95,7 +95,6 @@ impl LayerKv {
     }
 
     /// The first position held.
-    #[cfg(test)]
     pub fn start(&self) -> usize {
         self.start
     }

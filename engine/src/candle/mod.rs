@@ -735,7 +735,10 @@ impl Stage for CandleStage {
                 }
                 Ok::<_, Error>((layers, bytes))
             },
-            |block| block.iter().any(Option::is_none),
+            |block, range| {
+                block.iter().any(Option::is_none)
+                    && cache.layers.iter().all(|kv| kv.start() <= range.start)
+            },
         );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");

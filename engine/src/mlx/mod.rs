@@ -744,7 +744,14 @@ impl Stage for MlxStage {
                 }
                 Ok::<_, Error>((layers, bytes))
             },
-            |block| block.iter().any(Option::is_none),
+            |block, range| {
+                block.iter().any(Option::is_none)
+                    && cache
+                        .layers
+                        .iter()
+                        .flatten()
+                        .all(|c| c.start <= range.start)
+            },
         );
         if let Err(e) = stored {
             tracing::warn!(error = %e, "cannot keep a sequence's blocks in the prefix cache");

@@ -201,6 +201,10 @@ impl Drop for Outstanding {
 enum Attempt {
     /// Try the next candidate.
     Next(String),
+    /// The candidate started the answer, then failed before its first
+    /// token: try the next, and count a run of the answer on it (see
+    /// `resume`: it may be the answer that breaks it).
+    Broke(String),
     /// The candidate is too busy to start it soon: try the next; when every
     /// candidate says so, the client hears 429.
     Busy(String),
@@ -462,7 +466,7 @@ impl Router {
                                 tracing::debug!(model = name, instance = %inst.key, %why, "instance busy; trying the next");
                                 tried.push(format!("{}: {why}", inst.key));
                             }
-                            Err(Attempt::Next(why)) => {
+                            Err(Attempt::Next(why) | Attempt::Broke(why)) => {
                                 failed += 1;
                                 self.metrics
                                     .upstream_errors
@@ -481,7 +485,7 @@ impl Router {
                     match self.try_external(name, &ns, &ext, prompt).await {
                         Ok(answer) => return Ok(answer),
                         Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
-                        Err(Attempt::Next(why) | Attempt::Busy(why)) => {
+                        Err(Attempt::Next(why) | Attempt::Broke(why) | Attempt::Busy(why)) => {
                             failed += 1;
                             self.metrics
                                 .upstream_errors
@@ -624,6 +628,11 @@ impl Router {
             .map_err(refused)?
             .into_inner();
         let (mut prompt_tokens, mut started) = (0, false);
+        // Once started, a failure is a run of the answer that broke off.
+        let broke = |a: Attempt, started: bool| match a {
+            Attempt::Next(why) if started => Attempt::Broke(why),
+            a => a,
+        };
         loop {
             use dp::generate_response::Event as E;
             let (by, what, d) = match started {
@@ -632,9 +641,12 @@ impl Router {
             };
             let message = tokio::time::timeout_at(by, stream.message())
                 .await
-                .map_err(|_| late(what, d))?;
-            match message.map_err(refused)? {
-                None => return Err(Attempt::Next("the stream ended without an answer".into())),
+                .map_err(|_| broke(late(what, d), started))?;
+            match message.map_err(|s| broke(refused(s), started))? {
+                None => {
+                    let why = "the stream ended without an answer".to_string();
+                    return Err(broke(Attempt::Next(why), started));
+                }
                 Some(dp::GenerateResponse { event: Some(e) }) => match e {
                     E::Started(s) => {
                         prompt_tokens = s.prompt_tokens;

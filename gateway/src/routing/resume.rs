@@ -64,8 +64,11 @@ pub(super) struct Answering {
     /// A resume that paused its wait to let the client know (`Waiting`):
     /// why the answer broke off, and whether the cluster may heal it.
     resuming: Option<(String, bool)>,
-    /// The wait was logged (once per answer).
+    /// The wait was logged (once per break).
     logged_wait: bool,
+    /// The wait for busy instances of the break being resumed (kept across
+    /// a pause, so that pauses do not stretch it).
+    busy_wait: Option<BusyWait>,
     pending: VecDeque<dp::generate_response::Event>,
     /// Events of a delta received and not yet given.
     queued: VecDeque<Event>,
@@ -98,6 +101,7 @@ impl Answering {
             heal_by: None,
             resuming: None,
             logged_wait: false,
+            busy_wait: None,
             pending: opened.first.into(),
             queued: VecDeque::new(),
             stream: opened.stream,
@@ -201,8 +205,12 @@ impl Answering {
                 return Err(ApiError::upstream(why));
             }
             self.tried.push(broken);
+            self.busy_wait = None;
         }
-        let mut wait = BusyWait::new(router.busy_wait);
+        let mut wait = self
+            .busy_wait
+            .take()
+            .unwrap_or_else(|| BusyWait::new(router.busy_wait));
         if heals && self.heal_by.is_none() {
             self.heal_by = Some(tokio::time::Instant::now() + router.heal_wait);
         }
@@ -227,6 +235,12 @@ impl Answering {
                 None => return Ok(Resumed::Running),
                 Some((failures, busy)) => {
                     if busy && wait.pause(&router.metrics, &self.model).await {
+                        // A wait for busy instances says so as well.
+                        if tokio::time::Instant::now() >= paused_at {
+                            self.resuming = Some((why, heals));
+                            self.busy_wait = Some(wait);
+                            return Ok(Resumed::Waiting);
+                        }
                         continue;
                     }
                     let now = tokio::time::Instant::now();
@@ -237,6 +251,7 @@ impl Answering {
                         }
                         if now >= paused_at {
                             self.resuming = Some((why, heals));
+                            self.busy_wait = Some(wait);
                             return Ok(Resumed::Waiting);
                         }
                         tokio::time::sleep(HEAL_POLL).await;
@@ -277,9 +292,13 @@ impl Answering {
         let mut failures = Vec::new();
         let mut busy = false;
         for inst in candidates {
-            match router.open(&inst, &self.prompt, &self.tokens).await {
+            let opened = router.open(&inst, &self.prompt, &self.tokens).await;
+            let broke = matches!(opened, Err(Attempt::Broke(_)));
+            match opened {
                 Ok(opened) => {
                     self.ran.push(inst.key.clone());
+                    // A later break that waits is logged again.
+                    self.logged_wait = false;
                     self.running = Some((inst.key.clone(), inst.incarnation));
                     if inst.key == from {
                         tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
@@ -306,7 +325,11 @@ impl Answering {
                     busy = true;
                     failures.push(format!("{}: {failure}", inst.key));
                 }
-                Err(Attempt::Next(failure)) => {
+                Err(Attempt::Next(failure) | Attempt::Broke(failure)) => {
+                    // Started and broke off again: a run of the answer.
+                    if broke {
+                        self.ran.push(inst.key.clone());
+                    }
                     self.tried.push((inst.key.clone(), inst.incarnation));
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
