@@ -63,8 +63,8 @@ pub fn lock() -> MutexGuard<'static, ()> {
 /// One sequence's KV cache in one layer: `[1, kv_heads, capacity, head_dim]`
 /// each (latent attention: `k` the latent, `v` the rotated key part, one
 /// head each). Row 0 is position `start`: a sliding layer, when it needs
-/// more room, keeps only the rows its queries can still see (so it holds
-/// about two windows at most, however long the sequence).
+/// more room, keeps only the rows its queries can still see and a window
+/// more (so it holds a few windows at most, however long the sequence).
 struct LayerCache {
     k: Array,
     v: Array,
