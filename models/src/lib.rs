@@ -121,20 +121,21 @@ pub fn resolve_path(
 }
 
 /// The sliding-window layers of a model of `layers` layers, as the status
-/// reports them (`None`: it has none). `held_tokens` is the context-free
-/// bound the engines keep; placement takes the least of it and the context.
+/// reports them (`None`: it has none). `held_tokens` is the bound the
+/// engines keep whatever the context; placement takes the least of it and
+/// the context.
 pub(crate) fn sliding_window(c: &ModelConfig, layers: usize) -> Option<SlidingWindowStatus> {
     let window = c.sliding?.window;
-    let sliding: Vec<u32> = (0..layers)
-        .filter(|&l| c.layer_attention(l).window.is_some())
-        .map(|l| l as u32)
+    let sliding: Vec<u32> = (0u32..)
+        .zip(c.layer_windows(0..layers))
+        .filter_map(|(l, w)| w.map(|_| l))
         .collect();
     if sliding.is_empty() {
         return None;
     }
     // Prompts go 512 tokens a step by default (`--prefill-tokens-per-step`);
     // an agent set to take more holds that much more for a moment.
-    let held = shardplane_formats::config::sliding_rows_held(window, 512, usize::MAX);
+    let held = shardplane_formats::config::sliding_rows_held(window, 512);
     Some(SlidingWindowStatus {
         tokens: u32::try_from(window).unwrap_or(u32::MAX),
         held_tokens: u32::try_from(held).unwrap_or(u32::MAX),

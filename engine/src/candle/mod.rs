@@ -658,13 +658,7 @@ impl Stage for CandleStage {
         }
         let mut cache = self.new_cache();
         let block_tokens = self.prefix.block_tokens();
-        let windows: Vec<Option<usize>> = (0..cache.layers.len())
-            .map(|l| {
-                self.config
-                    .layer_attention(self.layout.layers.start + l)
-                    .window
-            })
-            .collect();
+        let windows = self.config.layer_windows(self.layout.layers.clone());
         let hit = self.prefix.lookup(tokens, tokens.len().saturating_sub(1));
         if hit.blocks.is_empty() {
             return 0;

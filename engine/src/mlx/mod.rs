@@ -356,15 +356,9 @@ impl MlxStage {
         }
     }
 
-    /// Each layer's window (`None`: it sees every position).
+    /// Each of the stage's layers' window (`None`: it sees every position).
     fn windows(&self) -> Vec<Option<usize>> {
-        (0..self.layers.len())
-            .map(|l| {
-                self.config
-                    .layer_attention(self.layout.layers.start + l)
-                    .window
-            })
-            .collect()
+        self.config.layer_windows(self.layout.layers.clone())
     }
 
     /// Makes room in `item`'s caches for its new tokens: a layer that is

@@ -239,17 +239,16 @@ pub fn sliding_kept(window: usize) -> usize {
     window.saturating_add(window.max(SLIDING_REACH))
 }
 
-/// KV rows a sliding layer of `window` holds at most for one sequence of
-/// `context` tokens, however the engines keep them, when a step takes at
-/// most `step` of its prompt's tokens: what it keeps, up to a window (or
-/// 256 rows) it has not let go yet, 256 of rounding to whole chunks, and
-/// the step's rows; never more than the context.
-pub fn sliding_rows_held(window: usize, step: usize, context: usize) -> usize {
+/// KV rows a sliding layer of `window` holds at most for one sequence,
+/// however the engines keep them, when a step takes at most `step` of its
+/// prompt's tokens: what it keeps, up to a window (or 256 rows) it has not
+/// let go yet, 256 of rounding to whole chunks, and the step's rows (never
+/// more than the context, which the caller applies).
+pub fn sliding_rows_held(window: usize, step: usize) -> usize {
     sliding_kept(window)
         .saturating_add(window.max(256))
         .saturating_add(256)
         .saturating_add(step)
-        .min(context)
 }
 
 /// How one layer attends: its window and RoPE.
@@ -468,6 +467,12 @@ impl ModelConfig {
     /// base and linear scale (YaRN, or per-frequency factors).
     pub fn rope_frequencies_scaled(&self) -> bool {
         self.yarn.is_some() || self.rope_factors.is_some()
+    }
+
+    /// The window of each of `layers` (`None`: the layer sees every
+    /// position).
+    pub fn layer_windows(&self, layers: std::ops::Range<usize>) -> Vec<Option<usize>> {
+        layers.map(|l| self.layer_attention(l).window).collect()
     }
 
     /// How layer `layer` attends: its window and its RoPE.

@@ -61,8 +61,9 @@ pub(super) struct Answering {
     /// Until when a broken-off answer waits for an instance (set at the
     /// first break the cluster may heal; one wait per answer).
     heal_by: Option<tokio::time::Instant>,
-    /// A resume that paused its wait to let the client know (`Waiting`):
-    /// why the answer broke off, and whether the cluster may heal it.
+    /// A break to resume from (just found, or its wait paused to let the
+    /// client know, `Waiting`): why the answer broke off, and whether the
+    /// cluster may heal it.
     resuming: Option<(String, bool)>,
     /// The wait was logged (once per break).
     logged_wait: bool,
@@ -115,22 +116,20 @@ impl Answering {
         if let Some(e) = self.queued.pop_front() {
             return Ok(e);
         }
-        if let Some((why, heals)) = self.resuming.take()
-            && self.resume(why, heals).await? == Resumed::Waiting
-        {
-            return Ok(Event::Waiting);
-        }
         loop {
+            // A break (just now, or one whose wait paused to tell the client).
+            if let Some((why, heals)) = self.resuming.take()
+                && self.resume(why, heals).await? == Resumed::Waiting
+            {
+                return Ok(Event::Waiting);
+            }
             let event = match self.pending.pop_front() {
                 Some(e) => e,
                 None => match self.stream.message().await {
                     Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
                     Ok(Some(_)) => continue,
                     Ok(None) => {
-                        let why = "the instance ended the answer early".to_string();
-                        if self.resume(why, true).await? == Resumed::Waiting {
-                            return Ok(Event::Waiting);
-                        }
+                        self.resuming = Some(("the instance ended the answer early".into(), true));
                         continue;
                     }
                     Err(s) => {
@@ -150,9 +149,7 @@ impl Answering {
                         ) || (s.code() == Code::Internal
                             && s.message().starts_with("h2 protocol error"));
                         let why = format!("the instance failed mid-answer: {}", s.message());
-                        if self.resume(why, heals).await? == Resumed::Waiting {
-                            return Ok(Event::Waiting);
-                        }
+                        self.resuming = Some((why, heals));
                         continue;
                     }
                 },
@@ -237,9 +234,7 @@ impl Answering {
                     if busy && wait.pause(&router.metrics, &self.model).await {
                         // A wait for busy instances says so as well.
                         if tokio::time::Instant::now() >= paused_at {
-                            self.resuming = Some((why, heals));
-                            self.busy_wait = Some(wait);
-                            return Ok(Resumed::Waiting);
+                            return Ok(self.pause(why, heals, wait));
                         }
                         continue;
                     }
@@ -250,9 +245,7 @@ impl Answering {
                             tracing::info!(model = %self.model, %from, %why, seconds = router.heal_wait.as_secs(), "an answer broke off and no instance is ready to resume it; waiting for one");
                         }
                         if now >= paused_at {
-                            self.resuming = Some((why, heals));
-                            self.busy_wait = Some(wait);
-                            return Ok(Resumed::Waiting);
+                            return Ok(self.pause(why, heals, wait));
                         }
                         tokio::time::sleep(HEAL_POLL).await;
                         continue;
@@ -273,6 +266,14 @@ impl Answering {
                 }
             }
         }
+    }
+
+    /// Pauses a resume's wait to tell the client: the next call to `next`
+    /// goes on with it (the same break, the same busy wait).
+    fn pause(&mut self, why: String, heals: bool, wait: BusyWait) -> Resumed {
+        self.resuming = Some((why, heals));
+        self.busy_wait = Some(wait);
+        Resumed::Waiting
     }
 
     /// One try of `candidates` in turn: `None` once one took the answer
