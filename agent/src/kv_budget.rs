@@ -10,25 +10,31 @@
 //! ```
 //!
 //! The budget is the Shard's `kvCache` in tokens (context length ×
-//! concurrent sequences), what placement made room for on every stage of
+//! concurrent sequences, or its sequences' [`KvCost`]), what placement made room for on every stage of
 //! the instance, capped by each stage machine's free memory at load
 //! (`shards::kv_room`, again while it runs): the head's own, and the least the later
 //! stages report in their Shards' status (`kvBudgetTokens`), since the
 //! head's generations are all that a later stage holds.
+//!
+//! A whole model with sliding-window layers (Gemma 3, gpt-oss) counts a
+//! sequence by its [`KvCost`]: tokens at the bytes a token takes in every
+//! layer, where a sliding layer holds at most its kept rows, so a long
+//! sequence costs less than its length and more of them fit.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Notify;
 
 /// A head's KV budget, what is reserved of it, and who waits for room.
 #[derive(Debug, Default)]
 pub struct KvLedger {
-    /// Tokens of KV the generations admitted here may come to hold, at most.
+    /// Tokens of KV the generations admitted here may come to hold, at
+    /// most (in the budget's units, [`KvLedger::units`]).
     pub reserved_tokens: AtomicU64,
     /// Tokens of KV the stage holds at most (its Shard's context length ×
-    /// concurrent sequences, capped by its machine's free memory; 0: not
-    /// set).
+    /// concurrent sequences, or their cost, capped by its machine's free
+    /// memory; 0: not set).
     pub budget_tokens: AtomicU64,
     /// The least a later stage of the instance holds (0: none reported).
     pub downstream_tokens: AtomicU64,
@@ -45,6 +51,62 @@ pub struct KvLedger {
     holders: Mutex<Vec<Holder>>,
     /// The next admission's number (its age: lower is older).
     admissions: AtomicU64,
+    /// What a sequence costs in the budget (unset: its length).
+    cost: OnceLock<KvCost>,
+}
+
+/// What a sequence of some tokens costs in a stage's KV budget: tokens at
+/// the bytes a token takes in all the stage's layers, where a sliding
+/// layer holds at most `rows` of any sequence.
+///
+/// ```text
+///  units(t) = ⌈ (full layers × t + Σ sliding layers × min(t, rows)) / layers ⌉
+/// ```
+///
+/// Without sliding layers a sequence costs its length. Gemma 3 27B (62
+/// layers, 52 sliding with a window of 1024, holding at most 3840 rows with
+/// 512-token prompt steps): a 32k-token sequence costs 8506.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvCost {
+    /// The stage's layers.
+    layers: u64,
+    /// Rows held at most, and how many layers hold so few.
+    capped: Vec<(u64, u64)>,
+}
+
+impl KvCost {
+    /// The cost on layers of these windows (`None`: a full layer) when a
+    /// step takes at most `step` prompt tokens; see
+    /// [`shardplane_engine::config::sliding_rows_held`].
+    pub fn of_windows(windows: &[Option<usize>], step: usize) -> Self {
+        let mut capped: Vec<(u64, u64)> = Vec::new();
+        for window in windows.iter().flatten() {
+            let rows = shardplane_engine::config::sliding_rows_held(*window, step) as u64;
+            match capped.iter_mut().find(|(r, _)| *r == rows) {
+                Some((_, n)) => *n += 1,
+                None => capped.push((rows, 1)),
+            }
+        }
+        KvCost {
+            layers: windows.len() as u64,
+            capped,
+        }
+    }
+
+    /// What a sequence of `tokens` costs.
+    pub fn units(&self, tokens: u64) -> u64 {
+        if self.capped.is_empty() || self.layers == 0 {
+            return tokens;
+        }
+        let held: u64 = self.capped.iter().map(|(_, n)| n).sum();
+        let full = u128::from(self.layers.saturating_sub(held)) * u128::from(tokens);
+        let sliding: u128 = self
+            .capped
+            .iter()
+            .map(|&(rows, n)| u128::from(n) * u128::from(tokens.min(rows)))
+            .sum();
+        u64::try_from((full + sliding).div_ceil(u128::from(self.layers))).unwrap_or(u64::MAX)
+    }
 }
 
 impl KvLedger {
@@ -80,6 +142,17 @@ impl KvLedger {
         if before > 0 && (after == 0 || after > before) {
             self.room.notify_waiters();
         }
+    }
+
+    /// Sets what a sequence costs in the budget (once, when the stage
+    /// loads, before it admits anything); a second cost is ignored.
+    pub fn set_cost(&self, cost: KvCost) {
+        let _ = self.cost.set(cost);
+    }
+
+    /// What a sequence of `tokens` costs in the budget.
+    pub fn units(&self, tokens: u64) -> u64 {
+        self.cost.get().map_or(tokens, |c| c.units(tokens))
     }
 
     /// Generations that wait for room (preempted, or to grow): a new one is
@@ -126,7 +199,10 @@ impl Drop for Counted<'_> {
 #[derive(Debug)]
 pub struct KvReservation {
     ledger: Arc<KvLedger>,
+    /// Tokens of its sequence the share covers.
     tokens: u64,
+    /// What they cost in the budget.
+    units: u64,
     /// When it was admitted.
     admitted: u64,
     /// Set when an older generation asks it to yield.
@@ -141,6 +217,7 @@ impl KvReservation {
         let mut r = KvReservation {
             ledger: ledger.clone(),
             tokens: 0,
+            units: 0,
             admitted: ledger.admissions.fetch_add(1, Ordering::AcqRel),
             yield_asked: Arc::default(),
         };
@@ -155,22 +232,35 @@ impl KvReservation {
         Ok(r)
     }
 
-    /// Tokens held.
+    /// Tokens of its sequence the share covers.
     pub fn tokens(&self) -> u64 {
         self.tokens
     }
 
-    /// Grows the share to `tokens` (never shrinks it), or says how much of
-    /// the budget is taken.
+    /// Grows the share to cover `tokens` of its sequence (never shrinks
+    /// it), or says how much of the budget is taken (in the budget's
+    /// units, [`KvLedger::units`]).
     pub fn grow(&mut self, tokens: u64) -> Result<(), (u64, u64)> {
-        let more = tokens.saturating_sub(self.tokens);
+        if tokens <= self.tokens {
+            return Ok(());
+        }
+        let units = self.ledger.units(tokens);
+        let more = units.saturating_sub(self.units);
+        if more == 0 {
+            // Past what its sliding layers hold, nothing more.
+            self.tokens = tokens;
+            return Ok(());
+        }
         let budget = self.ledger.budget();
         self.ledger
             .reserved_tokens
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |reserved| {
                 (budget == 0 || reserved + more <= budget).then_some(reserved + more)
             })
-            .map(|_| self.tokens += more)
+            .map(|_| {
+                self.tokens = tokens;
+                self.units += more;
+            })
             .map_err(|reserved| (reserved, budget))
     }
 
@@ -227,13 +317,14 @@ impl KvReservation {
             .lock()
             .expect("holders lock")
             .retain(|h| !Arc::ptr_eq(&h.yield_asked, &self.yield_asked));
-        let tokens = std::mem::take(&mut self.tokens);
+        self.tokens = 0;
+        let units = std::mem::take(&mut self.units);
         let _ = self.ledger.reserved_tokens.fetch_update(
             Ordering::AcqRel,
             Ordering::Acquire,
-            |reserved| Some(reserved.saturating_sub(tokens)),
+            |reserved| Some(reserved.saturating_sub(units)),
         );
-        if tokens > 0 {
+        if units > 0 {
             self.ledger.room.notify_waiters();
         }
     }
@@ -266,6 +357,69 @@ impl Drop for KvReservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardplane_engine::config::sliding_kept;
+
+    /// Gemma 3 27B's layers: every sixth global, the others a window of 1024.
+    fn gemma3_27b() -> KvCost {
+        let windows: Vec<_> = (0..62).map(|l| (l % 6 != 5).then_some(1024)).collect();
+        KvCost::of_windows(&windows, 512)
+    }
+
+    #[test]
+    fn a_sequence_costs_its_length_in_full_layers_and_its_held_rows_in_sliding_ones() {
+        // No sliding layers: its length.
+        assert_eq!(KvCost::default().units(5000), 5000);
+        assert_eq!(KvCost::of_windows(&[None; 4], 512).units(5000), 5000);
+        assert_eq!(KvCost::of_windows(&[], 512).units(5000), 5000);
+        // 52 of 62 layers hold at most 2048 kept + 1024 not let go + 256 of
+        // rounding + 512 of a step = 3840 rows.
+        let gemma = gemma3_27b();
+        assert_eq!(gemma.units(1000), 1000);
+        assert_eq!(gemma.units(3840), 3840);
+        assert_eq!(
+            gemma.units(32768),
+            (10 * 32768 + 52 * 3840_u64).div_ceil(62)
+        );
+        assert_eq!(gemma.units(32768), 8506);
+        // Never less than the full layers' share, and no overflow.
+        assert!(gemma.units(u64::MAX) > u64::MAX / 62 * 10);
+        // Windows of two sizes (and bigger prompt steps) each hold their own.
+        let two = KvCost::of_windows(&[Some(128), None, Some(4096), Some(128)], 2048);
+        let (small, big): (u64, u64) = (2816, 14592);
+        assert_eq!(small, sliding_kept(128) as u64 + 256 + 256 + 2048);
+        assert_eq!(big, sliding_kept(4096) as u64 + 4096 + 256 + 2048);
+        assert_eq!(two.units(20_000), (20_000 + 2 * small + big).div_ceil(4));
+        assert_eq!(two.units(10_000), (10_000 + 2 * small + 10_000).div_ceil(4));
+    }
+
+    #[test]
+    fn sequences_on_sliding_layers_reserve_what_they_cost() {
+        let ledger = Arc::new(KvLedger::default());
+        ledger.set_cost(gemma3_27b());
+        // Room for two 32k-token sequences, not the 65536 tokens they are.
+        ledger.budget_tokens.store(2 * 8506, Ordering::Relaxed);
+        let mut a = KvReservation::take(&ledger, 1000).unwrap();
+        assert_eq!(
+            (a.tokens(), ledger.reserved_tokens.load(Ordering::Relaxed)),
+            (1000, 1000)
+        );
+        // Growing past the held rows costs only the full layers' share.
+        a.grow(32768).unwrap();
+        assert_eq!(
+            (a.tokens(), ledger.reserved_tokens.load(Ordering::Relaxed)),
+            (32768, 8506)
+        );
+        // Shrinking is not growing.
+        a.grow(5).unwrap();
+        assert_eq!(a.tokens(), 32768);
+        let b = KvReservation::take(&ledger, 32768).unwrap();
+        assert_eq!(
+            KvReservation::take(&ledger, 1).unwrap_err(),
+            (2 * 8506, 2 * 8506)
+        );
+        drop((a, b));
+        assert_eq!(ledger.reserved_tokens.load(Ordering::Relaxed), 0);
+    }
 
     #[tokio::test]
     async fn the_youngest_younger_holder_yields_and_regains_its_room_keeping_its_age() {

@@ -240,7 +240,8 @@ impl Metrics {
                 "KV tokens of a stage: reserved by the generations a head admitted (kind=reserved) \
                  and the budget it admits within, context length x concurrent sequences, or less \
                  when its machine's free memory, or a later stage's, holds less (kind=budget), by \
-                 shard.",
+                 shard. On a whole model with sliding-window layers a long sequence counts as \
+                 fewer tokens than its length (those layers hold only its last ones).",
             ),
             &["shard", "kind"],
         )

@@ -100,6 +100,47 @@ fn model_source(path: &std::path::Path, sha256: Option<&str>) -> ModelSource {
     })
 }
 
+/// A whole model with sliding-window layers counts a long sequence as less
+/// than its length in the KV budget its status reports (those layers hold
+/// only a sequence's last rows), so more sequences fit; a stage of a
+/// pipeline counts tokens (its head admits within the least of its stages).
+async fn sliding_layers_count_less(shards: &Api<Shard>, node: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/reference/tiny_model.py");
+    shardplane_testkit::run_reference(&script, &[dir.path().as_os_str(), "gemma3_text".as_ref()]);
+    let gguf = dir.path().join("model.gguf");
+    // The tiny Gemma 3 has 7 layers, every sixth global: 6 slide with a
+    // window of 4 and hold at most 1092 rows of a sequence (4 + 64 kept,
+    // 256 not yet let go, 256 of rounding, a 512-token prompt step). At
+    // 2048 tokens a sequence costs ⌈(2048 + 6 × 1092) / 7⌉ = 1229.
+    for (deployment, stage, layers, budget) in [
+        ("gemma", 0, LayerRange { start: 0, end: 7 }, 2 * 1229),
+        ("gemmatail", 1, LayerRange { start: 3, end: 7 }, 2 * 2048),
+    ] {
+        let mut shard = fixtures::shard(deployment, node, stage, stage + 1, layers);
+        shard.spec.model = "tiny-gemma3".into();
+        shard.spec.source = model_source(&gguf, None);
+        shard.spec.total_layers = 7;
+        shard.spec.kv_cache = KvCacheBudget {
+            context_length: 2048,
+            concurrent_sequences: 2,
+        };
+        let name = shard.name_any();
+        shards.create(&PostParams::default(), &shard).await.unwrap();
+        let status = eventually("the Gemma 3 shard is Ready", || async {
+            let st = shards.get(&name).await.ok()?.status?;
+            (st.phase == Some(ShardPhase::Ready)).then_some(st)
+        })
+        .await;
+        assert_eq!(status.kv_budget_tokens, Some(budget), "{name}: {status:?}");
+        shards
+            .delete(&name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+}
+
 /// A change to a path Model's spec lets go of its report, metadata and all:
 /// a node holding the file reports for the new spec, once (it is not let go
 /// of again and again), and a path no node holds stays unresolved rather than
@@ -259,6 +300,8 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
         .then_some(())
     })
     .await;
+
+    sliding_layers_count_less(&shards, &node).await;
 
     // A url source is downloaded into the cache, resuming an interrupted
     // download, verified, and listed in the node's status.

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 
 pub use shardplane_formats::config::{
     Activation, Architecture, LatentAttention, LayerAttention, ModelConfig, Moe, Routing,
-    SlidingWindow, sliding_kept,
+    SlidingWindow, sliding_kept, sliding_rows_held,
 };
 
 /// Reads the configuration of a safetensors model directory (the

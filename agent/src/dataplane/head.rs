@@ -148,14 +148,15 @@ impl Service {
                 stage.spec.kv_cache.context_length
             ),
         };
-        if budget > 0 && most > budget {
+        if budget > 0 && ledger.units(most) > budget {
             self.metrics
                 .generations
                 .with_label_values(&["refused"])
                 .inc();
             return Err(Status::resource_exhausted(format!(
-                "this sequence may need {most} tokens of KV (prompt and max_tokens), more than \
+                "this sequence may need {most} tokens of KV (prompt and max_tokens){}, more than \
                  the {budget} {} holds even for it alone; ask for fewer",
+                counted(ledger, most),
                 holder()
             )));
         }
@@ -167,10 +168,11 @@ impl Service {
                     .inc();
                 Status::resource_exhausted(format!(
                     "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
-                     (its prompt and the next tokens of its answer), and {reserved} of the {budget} \
-                     {} holds are reserved by the sequences it runs{}",
+                     (its prompt and the next tokens of its answer){}, and {reserved} of the \
+                     {budget} {} holds are reserved by the sequences it runs{}",
                     stage.name,
                     self.node,
+                    counted(ledger, need),
                     holder(),
                     match waiting {
                         0 => String::new(),
@@ -406,9 +408,10 @@ impl Generation {
                 return Ok((tokens, false));
             }
             let budget = stats.kv.budget();
-            if need > budget {
+            if stats.kv.units(need) > budget {
                 return Err(Status::resource_exhausted(format!(
-                    "this sequence needs {need} tokens of KV, more than shard {}'s whole budget of {budget}",
+                    "this sequence needs {need} tokens of KV{}, more than shard {}'s whole budget of {budget}",
+                    counted(&stats.kv, need),
                     self.seq.stage.name
                 )));
             }
@@ -558,6 +561,17 @@ impl Generation {
         }))
         .await?;
         Ok(())
+    }
+}
+
+/// How `tokens` of a sequence count in `ledger`'s budget, when that is
+/// not their number (a whole model with sliding layers), for a refusal.
+fn counted(ledger: &crate::kv_budget::KvLedger, tokens: u64) -> String {
+    match ledger.units(tokens) {
+        units if units == tokens => String::new(),
+        units => format!(
+            ", counted as {units} since its sliding-window layers hold only its last tokens"
+        ),
     }
 }
 

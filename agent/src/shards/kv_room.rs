@@ -8,9 +8,12 @@
 //!  memory available + what the stage holds now (its KV, its prefix cache,
 //!  and the engine's allocator cache: buffers freed but kept for reuse)
 //!    − reserve − prefix-cache budget ─► ÷ bytes a token takes in its layers
-//!    ─► at most context × sequences, at least one context
+//!    ─► at most sequences × cost(context), at least cost(context)
 //!  every 15 s ─► ledger.budget_tokens ─► Shard status, when it moved by 1/16
 //! ```
+//!
+//! The figure is in the ledger's units ([`KvCost`]): tokens, but on a
+//! whole model with sliding layers a sequence costs less than its length.
 //!
 //! A Mac whose user opens other programs while it serves then makes its
 //! instance admit fewer sequences (the youngest are preempted if those
@@ -25,13 +28,14 @@ use shardplane_crds::ShardPhase;
 use shardplane_engine::pipeline::EngineKind;
 
 use super::{Key, ServedStage, ShardSet};
+use crate::kv_budget::KvCost;
 use crate::stage::StageStats;
 
 /// How often a running stage measures its machine again.
 pub(super) const INTERVAL: Duration = Duration::from_secs(15);
 
 /// A stage's Shard's KV cache and what bounds it on this machine.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct KvRoom {
     /// The Shard's context length.
     pub context: u64,
@@ -43,12 +47,16 @@ pub(super) struct KvRoom {
     pub reserve: u64,
     /// The stage's prefix cache budget in bytes.
     pub prefix_cache: u64,
+    /// What a sequence costs in the budget (its length, unless the stage
+    /// is a whole model with sliding layers).
+    pub cost: KvCost,
 }
 
 impl KvRoom {
-    /// Tokens the Shard asks for: context length × concurrent sequences.
+    /// What the Shard asks for: concurrent sequences of its context
+    /// length (context × sequences tokens, or less with sliding layers).
     pub fn shard_tokens(&self) -> u64 {
-        self.context.saturating_mul(self.sequences)
+        self.cost.units(self.context).saturating_mul(self.sequences)
     }
 
     /// Measures the machine now (`available` bytes), counting what the
@@ -66,15 +74,17 @@ impl KvRoom {
     }
 
     /// The Shard's tokens, capped by what `available` bytes hold: less the
-    /// reserve and the prefix cache's budget, over the bytes a token takes;
-    /// but never below one whole context, so one sequence can always run
-    /// (free memory is an estimate, on macOS a low one).
+    /// reserve and the prefix cache's budget, over the bytes a token takes
+    /// in every layer; but never below one whole context, so one sequence
+    /// can always run (free memory is an estimate, on macOS a low one).
     pub fn tokens(&self, available: u64) -> u64 {
         let room = available
             .saturating_sub(self.reserve)
             .saturating_sub(self.prefix_cache);
         match room.checked_div(self.per_token) {
-            Some(fits) => self.shard_tokens().min(fits.max(self.context)),
+            Some(fits) => self
+                .shard_tokens()
+                .min(fits.max(self.cost.units(self.context))),
             None => self.shard_tokens(),
         }
     }
@@ -161,6 +171,7 @@ mod tests {
             per_token,
             reserve,
             prefix_cache,
+            cost: KvCost::default(),
         }
     }
 
@@ -175,6 +186,31 @@ mod tests {
         assert_eq!(room(1024, GIB, 0).tokens(GIB / 2), 1024);
         // A stage without KV (no bytes per token) keeps the Shard's.
         assert_eq!(room(0, GIB, 0).tokens(0), 8192);
+    }
+
+    #[test]
+    fn sliding_layers_make_a_shard_ask_for_less() {
+        // Three of four layers hold at most 580 + 512 rows (window 4, 512
+        // prompt tokens a step): 8 sequences of 4096 cost ⌈(4096 + 3 × 1092)
+        // / 4⌉ = 1843 each.
+        let sliding = KvRoom {
+            context: 4096,
+            cost: KvCost::of_windows(&[Some(4), Some(4), Some(4), None], 512),
+            ..room(1000, 0, 0)
+        };
+        assert_eq!(sliding.shard_tokens(), 8 * 1843);
+        assert_eq!(sliding.tokens(u64::MAX), 8 * 1843);
+        // Free memory for 3000 tokens at every layer's bytes: 3000, but
+        // never less than one sequence's cost.
+        assert_eq!(sliding.tokens(3_000_000), 3000);
+        assert_eq!(sliding.tokens(0), 1843);
+        // Sequences no longer than what the sliding layers hold cost their
+        // length.
+        let short = KvRoom {
+            cost: KvCost::of_windows(&[Some(4), Some(4), Some(4), None], 512),
+            ..room(1000, 0, 0)
+        };
+        assert_eq!(short.shard_tokens(), 8 * 1024);
     }
 
     #[test]

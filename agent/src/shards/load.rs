@@ -22,6 +22,7 @@ use super::{
     Key, ServedStage, ShardSet, Sources, crd_engine, fetch, key, owned, report, set_phase, tensor,
 };
 use crate::cache::Failure;
+use crate::kv_budget::KvCost;
 use crate::metrics::Metrics;
 use crate::stage::{OnCrash, StageWorker};
 
@@ -133,6 +134,19 @@ pub(super) async fn bring_up(
         },
     };
     let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
+    // A whole model's sliding layers hold at most their kept rows of a
+    // sequence: its head counts a long one as less (`KvCost`). A
+    // pipeline's stages count tokens, so that the head can admit within
+    // the least its later stages report.
+    let cost = if whole {
+        let layers = shard.spec.layers.start as usize..shard.spec.layers.end as usize;
+        KvCost::of_windows(
+            &engine.config().layer_windows(layers),
+            sources.budget.prefill_tokens,
+        )
+    } else {
+        KvCost::default()
+    };
     let on_crash: OnCrash = {
         let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
         let k = k.clone();
@@ -166,7 +180,9 @@ pub(super) async fn bring_up(
         per_token: (kv_bytes_per_token as u64).saturating_mul(layers),
         reserve: sources.memory_reserve,
         prefix_cache: prefix_cache_bytes as u64,
+        cost: cost.clone(),
     };
+    worker.stats.kv.set_cost(cost);
     let budget = room.measure(&worker.stats, crate::machine::available_memory());
     if budget < room.shard_tokens() {
         tracing::warn!(
@@ -174,7 +190,7 @@ pub(super) async fn bring_up(
             budget,
             shard_tokens = room.shard_tokens(),
             "the machine's free memory holds less KV than the Shard asks: the instance's head \
-             admits at most {budget} tokens"
+             admits at most {budget} tokens (counted as its KV budget counts them)"
         );
     }
     let bytes = worker.weight_bytes;
@@ -231,7 +247,7 @@ pub(super) async fn bring_up(
 pub(super) struct Loaded {
     /// Memory it uses: weights (and the KV cache as it grows).
     pub(super) bytes: u64,
-    /// Tokens of KV its machine holds for it.
+    /// Tokens of KV its machine holds for it (`KvCost`'s units).
     pub(super) kv_budget_tokens: u64,
     /// The engine it runs on.
     pub(super) engine: Engine,
