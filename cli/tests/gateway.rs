@@ -80,6 +80,8 @@ async fn wait_http(base: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
+    // The Shards name the quickstart's path on the nodes.
+    shardplane_testkit::install_quickstart_model();
     let python = shardplane_testkit::venv_python();
     let client = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client, "gateway").await.unwrap();
@@ -432,11 +434,12 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
                 raw.push_str(&String::from_utf8_lossy(&chunk));
                 while let Some(end) = raw.find("\n\n") {
                     let event: String = raw.drain(..end + 2).collect();
-                    let data = event
-                        .trim()
-                        .strip_prefix("data: ")
-                        .unwrap_or_default()
-                        .to_string();
+                    // A comment (the keep-alive of an answer taken over
+                    // or waiting) carries no data.
+                    let Some(data) = event.trim().strip_prefix("data: ") else {
+                        continue;
+                    };
+                    let data = data.to_string();
                     if data == "[DONE]" {
                         done = true;
                         continue;

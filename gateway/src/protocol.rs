@@ -61,11 +61,12 @@ pub enum Event {
     /// The log-probabilities of the tokens whose text comes next (when the
     /// request asked for them).
     Logprobs(Vec<dp::TokenLogprobs>),
-    /// Nothing yet: the answer broke off and waits for its deployment to
-    /// heal (sent every 10 s of the wait by default, so that proxies and
-    /// clients with idle timeouts keep the connection). Streams send their
-    /// dialect's keep-alive (an SSE comment, Anthropic's `ping`, an empty
-    /// Ollama line); whole answers ignore it.
+    /// Nothing yet: the answer has been silent for a while (10 s by
+    /// default) — it waits for its deployment to heal, another instance
+    /// takes it over, a stage or an external endpoint is slow — so that
+    /// proxies and clients with idle timeouts keep the connection. Streams
+    /// send their dialect's keep-alive (an SSE comment, Anthropic's `ping`,
+    /// an empty Ollama line); whole answers ignore it.
     Waiting,
     /// The end.
     Done {

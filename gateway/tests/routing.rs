@@ -293,6 +293,52 @@ async fn an_answer_waiting_to_heal_sends_keep_alives() {
     assert!(events.next().await.is_none(), "nothing after the error");
 }
 
+/// While another instance takes a broken-off answer over (running its
+/// prompt and tokens again before it gives the next one), the client hears
+/// keep-alives too, and then the rest of the answer.
+#[tokio::test]
+async fn an_answer_being_taken_over_sends_keep_alives() {
+    let (breaking, _) = serve(Behaviour::FailAt(2)).await;
+    let calls = Calls::default();
+    let seen = calls.clone();
+    let slow = FakeDataPlane::generating(move |r| answer(Behaviour::Answer, &seen, r))
+        .first_after(Duration::from_millis(1600))
+        .serve(token())
+        .await;
+    // The slow instance is still loading when the answer starts, so it
+    // starts on the breaking one; ready by the break.
+    let (router, mut shards) = router(vec![head(0, Some(&breaking)), head(1, None)]);
+    let router = router.with_keepalive(Duration::from_millis(300));
+    let mut events = router.complete("m", &prompt()).await.unwrap().events;
+    let mut seen_events = Vec::new();
+    let end = loop {
+        match events.next().await.expect("an end") {
+            Ok(Event::Text(t)) => {
+                if seen_events.is_empty() {
+                    shards.apply_watcher_event(&watcher::Event::Apply(head(1, Some(&slow))));
+                }
+                seen_events.push(t)
+            }
+            Ok(Event::Waiting) => seen_events.push("…".into()),
+            other => break other,
+        }
+    };
+    assert!(matches!(end, Ok(Event::Done { .. })), "{end:?}");
+    let text: String = seen_events.iter().filter(|e| *e != "…").cloned().collect();
+    assert_eq!(text, WHOLE, "{seen_events:?}");
+    let during = seen_events
+        .iter()
+        .skip_while(|e| *e != "w1 ")
+        .take_while(|e| *e != "w2 ")
+        .filter(|e| *e == "…")
+        .count();
+    assert!(
+        (3..=10).contains(&during),
+        "about one keep-alive each 0.3 s of a 1.6 s take-over: {seen_events:?}"
+    );
+    assert_eq!(calls.lock().unwrap().last(), Some(&vec![0, 1]));
+}
+
 /// Waiting for busy instances to take a broken-off answer over sends
 /// keep-alives too, and pausing for them does not stretch the busy wait.
 #[tokio::test]
@@ -364,25 +410,49 @@ async fn an_error_about_the_answer_itself_is_not_waited_for() {
 /// An instance takes one answer at most twice (its first run and one after
 /// it came back), so an answer that itself breaks its stage cannot keep
 /// the deployment's only instance failing: re-placed again and again, the
-/// instance is tried once more, then the answer ends when its wait is spent.
+/// instance is tried once more, then the answer ends at once (no instance
+/// is left that may take it, so there is nothing to wait for).
 #[tokio::test]
 async fn an_instance_takes_one_answer_at_most_twice() {
     let (breaking, calls) = serve(Behaviour::FailAt(2)).await;
     let (router, mut shards) = router(vec![head(0, Some(&breaking))]);
-    let router = router.with_heal_wait(Duration::from_secs(3));
+    let router = router.with_heal_wait(Duration::from_secs(30));
     let answer = router.complete("m", &prompt()).await.unwrap();
-    // The operator moves the Shard every 0.3 s (a new incarnation each time).
+    let started = std::time::Instant::now();
+    // The operator moves the Shard every 0.3 s (a new incarnation each
+    // time), to nodes whose names its Shard's name takes (as the
+    // operator's do): still instance 0.
     let moves = async {
+        let mut before = head(0, Some(&breaking));
         for n in 0..12 {
             tokio::time::sleep(Duration::from_millis(300)).await;
             let mut moved = head(0, Some(&breaking));
             moved.spec.node = format!("node-elsewhere-{n}");
-            shards.apply_watcher_event(&watcher::Event::Apply(moved));
+            moved.metadata.name = Some(format!("chat-0-0-{n}"));
+            shards.apply_watcher_event(&watcher::Event::Delete(before));
+            shards.apply_watcher_event(&watcher::Event::Apply(moved.clone()));
+            before = moved;
         }
     };
-    let (got, ()) = tokio::join!(text(answer.events), moves);
+    let (got, ended) = tokio::join!(
+        async {
+            let got = text(answer.events).await;
+            (got, started.elapsed())
+        },
+        moves
+    )
+    .0;
     let e = got.unwrap_err();
     assert_eq!(e.status.as_u16(), 502, "{e:?}");
+    assert!(
+        e.message
+            .contains("each of the deployment's 1 instances has run it 2 times"),
+        "{e:?}"
+    );
+    assert!(
+        ended < Duration::from_secs(10),
+        "it ended once the only instance had run it twice, not after the 30 s wait: {ended:?}"
+    );
     assert_eq!(
         *calls.lock().unwrap(),
         vec![vec![], vec![0, 1]],

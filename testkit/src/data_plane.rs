@@ -11,7 +11,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use shardplane_dataplane as dp;
 use shardplane_dataplane::data_plane_server::{DataPlane, DataPlaneServer};
 use shardplane_dataplane::tonic::{self, Request, Response, Status, Streaming};
@@ -30,6 +30,8 @@ pub type Step = dyn Fn(usize, dp::Step) -> Result<dp::ForwardResponse, Status> +
 pub struct FakeDataPlane {
     generate: Option<Arc<Generate>>,
     step: Option<Arc<Step>>,
+    /// How long a `Generate` stream is silent before its first event.
+    first_after: std::time::Duration,
 }
 
 impl FakeDataPlane {
@@ -44,8 +46,15 @@ impl FakeDataPlane {
     ) -> Self {
         FakeDataPlane {
             generate: Some(Arc::new(answer)),
-            step: None,
+            ..Default::default()
         }
+    }
+
+    /// Each `Generate` stream says nothing for `delay` first, as a stage
+    /// running a long prompt does.
+    pub fn first_after(mut self, delay: std::time::Duration) -> Self {
+        self.first_after = delay;
+        self
     }
 
     /// A later stage answering each step of `Forward` with what `answer`
@@ -54,8 +63,8 @@ impl FakeDataPlane {
         answer: impl Fn(usize, dp::Step) -> Result<dp::ForwardResponse, Status> + Send + Sync + 'static,
     ) -> Self {
         FakeDataPlane {
-            generate: None,
             step: Some(Arc::new(answer)),
+            ..Default::default()
         }
     }
 
@@ -101,7 +110,13 @@ impl DataPlane for FakeDataPlane {
             return unscripted("Generate");
         };
         let events = answer(request.into_inner())?;
-        Ok(Response::new(Box::pin(futures::stream::iter(events))))
+        let events = futures::stream::iter(events);
+        if self.first_after.is_zero() {
+            return Ok(Response::new(Box::pin(events)));
+        }
+        let silence = futures::stream::once(tokio::time::sleep(self.first_after))
+            .filter_map(|()| async { None });
+        Ok(Response::new(Box::pin(silence.chain(events))))
     }
 
     async fn forward(

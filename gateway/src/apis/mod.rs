@@ -135,11 +135,11 @@ fn json_response(v: &Value) -> Response {
         .into_response()
 }
 
-/// One server-sent event.
 /// An SSE comment: clients skip it, proxies see bytes (the keep-alive of
-/// an answer waiting for its deployment to heal).
-const SSE_WAITING: &str = ": waiting for the deployment to heal\n\n";
+/// an answer silent for a while: waiting to heal, taken over, a slow stage).
+const SSE_WAITING: &str = ": still working on the answer\n\n";
 
+/// One server-sent event.
 fn sse(event: Option<&str>, data: &Value) -> String {
     match event {
         Some(e) => format!("event: {e}\ndata: {}\n\n", json_body(data)),

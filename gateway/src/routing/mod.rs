@@ -55,6 +55,9 @@ pub struct Instance {
     pub endpoint: String,
     /// The head's node (its data-plane certificate names it).
     pub node: String,
+    /// Which of the deployment's instances it is (`spec.instance`, kept
+    /// when its Shards move to other nodes and change names).
+    pub index: u32,
     /// Which placement of the instance this is: a digest of its Shards'
     /// identities, specs, nodes and restarts. An answer that broke off on an
     /// instance may resume on it once this changed (the operator re-placed
@@ -149,7 +152,8 @@ pub struct Router {
     metrics: Metrics,
     busy_wait: Duration,
     heal_wait: Duration,
-    /// How often an answer waiting to heal tells its client (`Event::Waiting`).
+    /// How long an answer is silent at most: then it tells its client
+    /// (`Event::Waiting`).
     keepalive: Duration,
     deadlines: Deadlines,
     outliers: outliers::Outliers,
@@ -275,9 +279,10 @@ impl Router {
         self
     }
 
-    /// How often an answer waiting to heal sends its client a keep-alive
-    /// (10 s unless set), so that proxies and clients with idle timeouts
-    /// keep the connection.
+    /// How long a streamed answer is silent at most before it sends its
+    /// client a keep-alive (10 s unless set): while it waits to heal, while
+    /// another instance takes it over, or while a stage is slow; so that
+    /// proxies and clients with idle timeouts keep the connection.
     pub fn with_keepalive(mut self, keepalive: Duration) -> Self {
         self.keepalive = keepalive.max(Duration::from_millis(100));
         self
@@ -383,6 +388,7 @@ impl Router {
                         shard,
                         endpoint,
                         node: head.spec.node.clone(),
+                        index: head.spec.instance,
                         incarnation: incarnation(&mine, head.spec.instance),
                     },
                 ))
@@ -410,7 +416,12 @@ impl Router {
         let mut wait = BusyWait::new(self.busy_wait);
         loop {
             match self.walk(name, prompt).await {
-                Ok(answer) => return Ok(answer),
+                Ok(answer) => {
+                    return Ok(Answer {
+                        events: resume::kept_alive(answer.events, self.keepalive),
+                        ..answer
+                    });
+                }
                 Err(Walked { busy: true, error }) => {
                     if !wait.pause(&self.metrics, name).await {
                         return Err(error);
@@ -552,8 +563,7 @@ impl Router {
                     e @ (Event::Text(_)
                     | Event::Reasoning(_)
                     | Event::ToolCall(_)
-                    | Event::Logprobs(_)
-                    | Event::Waiting),
+                    | Event::Logprobs(_)),
                 ) => Some((Ok(e), Some(answering))),
                 last => Some((last, None)),
             }

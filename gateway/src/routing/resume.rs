@@ -10,6 +10,8 @@
 //!  instance A: Delta Delta ✗ ─► resume(tokens so far) ─► instance B: Delta … Finished
 //!                                 busy? wait and retry    (or A re-placed: A′)
 //!                                 none? wait for one, up to the heal wait; then 502
+//!                                 (at once when every instance ran it twice)
+//!  any answer silent for Router::keepalive ─► Event::Waiting (`kept_alive`)
 //! ```
 
 use std::collections::VecDeque;
@@ -18,7 +20,7 @@ use kube::runtime::reflector::ObjectRef;
 use shardplane_dataplane as dp;
 
 use super::{Attempt, BusyWait, Instance, Opened, Outstanding, Router};
-use crate::protocol::{ApiError, Event, Finish, Prompt};
+use crate::protocol::{ApiError, Event, Events, Finish, Prompt};
 
 /// How often an answer waiting for an instance to resume on looks again.
 const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
@@ -28,14 +30,33 @@ const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 /// deployment's only instance failing.
 const RUNS_PER_INSTANCE: usize = 2;
 
-/// What a resume came to.
-#[derive(Debug, PartialEq, Eq)]
-enum Resumed {
-    /// The answer runs again.
-    Running,
-    /// It still waits for an instance: the client is told, and the wait
-    /// goes on at the next event asked for.
-    Waiting,
+/// `events`, and an [`Event::Waiting`] whenever they gave none for
+/// `keepalive`: while an answer waits for an instance to heal, while
+/// another instance runs its prompt and tokens again to take it over (up to
+/// the first-token deadline), or while a stage or an external endpoint is
+/// slow. Its dialect then sends a comment, a ping or an empty line, so that
+/// the client and the proxies between, some of which cut streams idle for a
+/// minute, hear from it. The answer's work goes on meanwhile: a stream
+/// keeps what it was doing between polls.
+pub(super) fn kept_alive(events: Events, keepalive: std::time::Duration) -> Events {
+    use futures::StreamExt;
+    Box::pin(futures::stream::unfold(
+        Some(events),
+        move |state| async move {
+            let mut events = state?;
+            tokio::select! {
+                event = events.next() => {
+                    let event = event?;
+                    let goes_on = matches!(
+                        event,
+                        Ok(Event::Text(_) | Event::Reasoning(_) | Event::ToolCall(_) | Event::Logprobs(_) | Event::Waiting)
+                    );
+                    Some((event, goes_on.then_some(events)))
+                }
+                () = tokio::time::sleep(keepalive) => Some((Ok(Event::Waiting), Some(events))),
+            }
+        },
+    ))
 }
 
 /// An answer being streamed, and what it takes to resume it elsewhere.
@@ -56,20 +77,11 @@ pub(super) struct Answering {
     tried: Vec<(String, u64)>,
     /// The instance (key and incarnation) the answer runs on now.
     running: Option<(String, u64)>,
-    /// Keys of the instances this answer ran on, once per run.
-    ran: Vec<String>,
+    /// The instances this answer ran on, once per run: key and index.
+    ran: Vec<(String, u32)>,
     /// Until when a broken-off answer waits for an instance (set at the
     /// first break the cluster may heal; one wait per answer).
     heal_by: Option<tokio::time::Instant>,
-    /// A break to resume from (just found, or its wait paused to let the
-    /// client know, `Waiting`): why the answer broke off, and whether the
-    /// cluster may heal it.
-    resuming: Option<(String, bool)>,
-    /// The wait was logged (once per break).
-    logged_wait: bool,
-    /// The wait for busy instances of the break being resumed (kept across
-    /// a pause, so that pauses do not stretch it).
-    busy_wait: Option<BusyWait>,
     pending: VecDeque<dp::generate_response::Event>,
     /// Events of a delta received and not yet given.
     queued: VecDeque<Event>,
@@ -98,11 +110,8 @@ impl Answering {
             tail_seen: false,
             tried: Vec::new(),
             running: Some((inst.key.clone(), inst.incarnation)),
-            ran: vec![inst.key.clone()],
+            ran: vec![(inst.key.clone(), inst.index)],
             heal_by: None,
-            resuming: None,
-            logged_wait: false,
-            busy_wait: None,
             pending: opened.first.into(),
             queued: VecDeque::new(),
             stream: opened.stream,
@@ -117,19 +126,14 @@ impl Answering {
             return Ok(e);
         }
         loop {
-            // A break (just now, or one whose wait paused to tell the client).
-            if let Some((why, heals)) = self.resuming.take()
-                && self.resume(why, heals).await? == Resumed::Waiting
-            {
-                return Ok(Event::Waiting);
-            }
             let event = match self.pending.pop_front() {
                 Some(e) => e,
                 None => match self.stream.message().await {
                     Ok(Some(dp::GenerateResponse { event: Some(e) })) => e,
                     Ok(Some(_)) => continue,
                     Ok(None) => {
-                        self.resuming = Some(("the instance ended the answer early".into(), true));
+                        self.resume("the instance ended the answer early".into(), true)
+                            .await?;
                         continue;
                     }
                     Err(s) => {
@@ -149,7 +153,7 @@ impl Answering {
                         ) || (s.code() == Code::Internal
                             && s.message().starts_with("h2 protocol error"));
                         let why = format!("the instance failed mid-answer: {}", s.message());
-                        self.resuming = Some((why, heals));
+                        self.resume(why, heals).await?;
                         continue;
                     }
                 },
@@ -186,33 +190,27 @@ impl Answering {
     /// (or on the one it broke off on, once that changed), after the tokens
     /// given so far; when the break is one the cluster may heal (`heals`)
     /// and none is ready, waits for one until the answer's heal wait is
-    /// spent, pausing every `Router::keepalive` (`Resumed::Waiting`: the
-    /// next call to `next` goes on waiting). An error when none can.
-    async fn resume(&mut self, why: String, heals: bool) -> Result<Resumed, ApiError> {
+    /// spent. An error when none can.
+    async fn resume(&mut self, why: String, heals: bool) -> Result<(), ApiError> {
         let router = self.router.clone();
-        let from = self.ran.last().cloned().unwrap_or_default();
-        if let Some(broken) = self.running.take() {
-            // A new break (not a wait going on after a pause).
-            router
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&self.model, "instance"])
-                .inc();
-            if self.tail_seen {
-                return Err(ApiError::upstream(why));
-            }
-            self.tried.push(broken);
-            self.busy_wait = None;
+        let from = self.ran.last().map(|r| r.0.clone()).unwrap_or_default();
+        router
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.model, "instance"])
+            .inc();
+        if self.tail_seen {
+            return Err(ApiError::upstream(why));
         }
-        let mut wait = self
-            .busy_wait
-            .take()
-            .unwrap_or_else(|| BusyWait::new(router.busy_wait));
+        if let Some(broken) = self.running.take() {
+            self.tried.push(broken);
+        }
+        let mut wait = BusyWait::new(router.busy_wait);
         if heals && self.heal_by.is_none() {
             self.heal_by = Some(tokio::time::Instant::now() + router.heal_wait);
         }
         let heal_by = self.heal_by.filter(|_| heals);
-        let paused_at = tokio::time::Instant::now() + router.keepalive;
+        let mut logged_wait = false;
         loop {
             // Read again on every try: a replica re-placed meanwhile counts,
             // and so does this answer's instance once it changed or left the
@@ -220,42 +218,52 @@ impl Answering {
             let deployment = router
                 .deployments
                 .get(&ObjectRef::new(&self.deployment).within(&self.namespace));
+            let replicas = deployment
+                .as_ref()
+                .map_or(0, |d| u32::try_from(d.spec.replicas).unwrap_or(0));
             let ready: Vec<Instance> = deployment.map(|d| router.instances(&d)).unwrap_or_default();
             self.tried
                 .retain(|t| ready.iter().any(|i| (&i.key, i.incarnation) == (&t.0, t.1)));
             let candidates: Vec<Instance> = ready
                 .into_iter()
                 .filter(|i| !self.tried.contains(&(i.key.clone(), i.incarnation)))
-                .filter(|i| self.ran.iter().filter(|k| **k == i.key).count() < RUNS_PER_INSTANCE)
+                .filter(|i| self.runs(i.index) < RUNS_PER_INSTANCE)
                 .collect();
             match self.resume_on(&router, candidates, &from, &why).await? {
-                None => return Ok(Resumed::Running),
+                None => return Ok(()),
                 Some((failures, busy)) => {
                     if busy && wait.pause(&router.metrics, &self.model).await {
-                        // A wait for busy instances says so as well.
-                        if tokio::time::Instant::now() >= paused_at {
-                            return Ok(self.pause(why, heals, wait));
-                        }
                         continue;
                     }
                     let now = tokio::time::Instant::now();
-                    if !busy && heal_by.is_some_and(|by| now + HEAL_POLL < by) {
-                        if !self.logged_wait {
-                            self.logged_wait = true;
+                    // Every instance the deployment has took its runs: no
+                    // re-placement can take the answer any more.
+                    let spent =
+                        replicas > 0 && (0..replicas).all(|i| self.runs(i) >= RUNS_PER_INSTANCE);
+                    if !busy && !spent && heal_by.is_some_and(|by| now + HEAL_POLL < by) {
+                        if !logged_wait {
+                            logged_wait = true;
                             tracing::info!(model = %self.model, %from, %why, seconds = router.heal_wait.as_secs(), "an answer broke off and no instance is ready to resume it; waiting for one");
-                        }
-                        if now >= paused_at {
-                            return Ok(self.pause(why, heals, wait));
                         }
                         tokio::time::sleep(HEAL_POLL).await;
                         continue;
                     }
-                    let waited = if self.logged_wait {
+                    let waited = if logged_wait {
                         format!(" within {} s", router.heal_wait.as_secs())
                     } else {
                         String::new()
                     };
-                    return Err(ApiError::upstream(if failures.is_empty() {
+                    return Err(ApiError::upstream(if spent && !busy {
+                        format!(
+                            "{why}; each of the deployment's {replicas} instances has run it \
+                             {RUNS_PER_INSTANCE} times, and it is not tried again{}",
+                            if failures.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" ({})", failures.join("; "))
+                            }
+                        )
+                    } else if failures.is_empty() {
                         format!("{why}; no instance became ready to resume it{waited}")
                     } else {
                         format!(
@@ -268,12 +276,10 @@ impl Answering {
         }
     }
 
-    /// Pauses a resume's wait to tell the client: the next call to `next`
-    /// goes on with it (the same break, the same busy wait).
-    fn pause(&mut self, why: String, heals: bool, wait: BusyWait) -> Resumed {
-        self.resuming = Some((why, heals));
-        self.busy_wait = Some(wait);
-        Resumed::Waiting
+    /// Runs of this answer on the deployment's instance `index`, wherever
+    /// its Shards were.
+    fn runs(&self, index: u32) -> usize {
+        self.ran.iter().filter(|r| r.1 == index).count()
     }
 
     /// One try of `candidates` in turn: `None` once one took the answer
@@ -297,9 +303,7 @@ impl Answering {
             let broke = matches!(opened, Err(Attempt::Broke(_)));
             match opened {
                 Ok(opened) => {
-                    self.ran.push(inst.key.clone());
-                    // A later break that waits is logged again.
-                    self.logged_wait = false;
+                    self.ran.push((inst.key.clone(), inst.index));
                     self.running = Some((inst.key.clone(), inst.incarnation));
                     if inst.key == from {
                         tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
@@ -329,7 +333,7 @@ impl Answering {
                 Err(Attempt::Next(failure) | Attempt::Broke(failure)) => {
                     // Started and broke off again: a run of the answer.
                     if broke {
-                        self.ran.push(inst.key.clone());
+                        self.ran.push((inst.key.clone(), inst.index));
                     }
                     self.tried.push((inst.key.clone(), inst.incarnation));
                     errors.inc();
