@@ -27,6 +27,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::Notify;
 
 /// A head's KV budget, what is reserved of it, and who waits for room.
+/// Its `_tokens` figures are in the budget's units ([`KvLedger::units`]):
+/// tokens, or what sequences cost on a whole model with sliding layers.
 #[derive(Debug, Default)]
 pub struct KvLedger {
     /// Tokens of KV the generations admitted here may come to hold, at
@@ -210,7 +212,8 @@ pub struct KvReservation {
 }
 
 impl KvReservation {
-    /// Reserves `tokens` of `ledger`'s budget as a share that grows and may
+    /// Reserves what `tokens` cost in `ledger`'s budget
+    /// ([`KvLedger::units`]) as a share that grows and may
     /// be asked to yield, or says how much is taken (all of it, to a new
     /// generation, while others wait for room: they go first).
     pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, (u64, u64)> {

@@ -238,7 +238,7 @@ impl Metrics {
             Opts::new(
                 "shardplane_agent_kv_tokens",
                 "KV tokens of a stage: reserved by the generations a head admitted (kind=reserved) \
-                 and the budget it admits within, context length x concurrent sequences, or less \
+                 and the budget it admits within, concurrent sequences x the cost of a context, or less \
                  when its machine's free memory, or a later stage's, holds less (kind=budget), by \
                  shard. On a whole model with sliding-window layers a long sequence counts as \
                  fewer tokens than its length (those layers hold only its last ones).",

@@ -65,7 +65,7 @@ pub struct Budget {
 impl Default for Budget {
     fn default() -> Self {
         Budget {
-            prefill_tokens: 512,
+            prefill_tokens: shardplane_engine::config::PROMPT_STEP,
             decode_step: Duration::from_millis(200),
         }
     }

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use shardplane_formats::config::{
-    Activation, Architecture, LatentAttention, LayerAttention, ModelConfig, Moe, Routing,
-    SlidingWindow, sliding_kept, sliding_rows_held,
+    Activation, Architecture, LatentAttention, LayerAttention, ModelConfig, Moe, PROMPT_STEP,
+    Routing, SlidingWindow, sliding_kept, sliding_rows_held,
 };
 
 /// Reads the configuration of a safetensors model directory (the

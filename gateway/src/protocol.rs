@@ -197,6 +197,11 @@ impl ApiError {
 /// A stream of events.
 pub type Events = Pin<Box<dyn Stream<Item = Result<Event, ApiError>> + Send>>;
 
+/// Whether `event` is an answer's last: its end, or an error.
+pub fn ends(event: &Result<Event, ApiError>) -> bool {
+    matches!(event, Err(_) | Ok(Event::Done { .. }))
+}
+
 /// An answer under way: the first token has arrived (or the answer is done).
 pub struct Answer {
     /// The name the client asked for.

@@ -340,7 +340,7 @@ async fn an_answer_being_taken_over_sends_keep_alives() {
 }
 
 /// Waiting for busy instances to take a broken-off answer over sends
-/// keep-alives too, and pausing for them does not stretch the busy wait.
+/// keep-alives too, and keep-alives do not stretch the busy wait.
 #[tokio::test]
 async fn a_resume_waiting_for_busy_instances_sends_keep_alives_within_its_wait() {
     let (breaking, _) = serve(Behaviour::FailAt(2)).await;
@@ -420,8 +420,8 @@ async fn an_instance_takes_one_answer_at_most_twice() {
     let answer = router.complete("m", &prompt()).await.unwrap();
     let started = std::time::Instant::now();
     // The operator moves the Shard every 0.3 s (a new incarnation each
-    // time), to nodes whose names its Shard's name takes (as the
-    // operator's do): still instance 0.
+    // time), renaming it, as the operator's Shard names carry a hash of
+    // their node: still instance 0.
     let moves = async {
         let mut before = head(0, Some(&breaking));
         for n in 0..12 {
@@ -446,7 +446,7 @@ async fn an_instance_takes_one_answer_at_most_twice() {
     assert_eq!(e.status.as_u16(), 502, "{e:?}");
     assert!(
         e.message
-            .contains("each of the deployment's 1 instances has run it 2 times"),
+            .contains("every instance of the deployment (1) has run it 2 times"),
         "{e:?}"
     );
     assert!(

@@ -133,9 +133,14 @@ pub(crate) fn sliding_window(c: &ModelConfig, layers: usize) -> Option<SlidingWi
     if sliding.is_empty() {
         return None;
     }
-    // Prompts go 512 tokens a step by default (`--prefill-tokens-per-step`);
-    // an agent set to take more holds that much more for a moment.
-    let held = shardplane_formats::config::sliding_rows_held(window, 512);
+    // Prompts go `PROMPT_STEP` tokens a step by default
+    // (`--prefill-tokens-per-step`); an agent set to take more holds that
+    // much more for a moment (its own KV budget counts its own step: the
+    // agent's `KvCost`).
+    let held = shardplane_formats::config::sliding_rows_held(
+        window,
+        shardplane_formats::config::PROMPT_STEP,
+    );
     Some(SlidingWindowStatus {
         tokens: u32::try_from(window).unwrap_or(u32::MAX),
         held_tokens: u32::try_from(held).unwrap_or(u32::MAX),

@@ -120,7 +120,8 @@ impl Service {
             )));
         }
         // KV admission. The Shard's budget, context length × concurrent
-        // sequences, is what placement made room for. A head reserves a
+        // sequences (on a whole model with sliding layers, sequences × the
+        // `KvCost` of a context), is what placement made room for. A head reserves a
         // generation's prompt and next `KV_GROWTH` tokens and grows the share
         // as it decodes; when there is no room to grow, the youngest
         // generation is preempted and resumes by recompute when there is

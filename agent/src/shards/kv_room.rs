@@ -190,8 +190,8 @@ mod tests {
 
     #[test]
     fn sliding_layers_make_a_shard_ask_for_less() {
-        // Three of four layers hold at most 580 + 512 rows (window 4, 512
-        // prompt tokens a step): 8 sequences of 4096 cost ⌈(4096 + 3 × 1092)
+        // Three of four layers hold at most 1092 rows (window 4: 4 + 64
+        // kept, 256 not yet let go, 256 of rounding, a 512-token step): 8 sequences of 4096 cost ⌈(4096 + 3 × 1092)
         // / 4⌉ = 1843 each.
         let sliding = KvRoom {
             context: 4096,

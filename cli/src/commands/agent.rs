@@ -127,7 +127,7 @@ pub struct RunArgs {
     /// Prompt tokens a stage's step takes at most besides its decode tokens:
     /// long prompts run in slices, so sequences already decoding never wait
     /// for a whole prompt.
-    #[arg(long, env = "SHARDPLANE_PREFILL_TOKENS_PER_STEP", default_value_t = 512,
+    #[arg(long, env = "SHARDPLANE_PREFILL_TOKENS_PER_STEP", default_value_t = shardplane_engine::config::PROMPT_STEP as u32,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     prefill_tokens_per_step: u32,
     /// Milliseconds a step should take while sequences decode: prompt

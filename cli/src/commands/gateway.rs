@@ -60,8 +60,9 @@ pub struct GatewayArgs {
     /// instance to resume it on: another replica, or the same one once the
     /// operator has re-placed the stage or tensor rank it lost (the lost
     /// node's Lease has to run out first, then the stage loads). The client
-    /// sees a pause, then the rest of the answer; when none is ready in
-    /// time, the answer ends with an error. 0 ends it at once.
+    /// gets keep-alives, then the rest of the answer; when none is ready in
+    /// time, or every instance has run it twice, the answer ends with an
+    /// error. 0 ends it at once.
     #[arg(long, env = "SHARDPLANE_HEAL_WAIT_SECONDS", default_value_t = 120)]
     heal_wait_seconds: u64,
     /// Seconds an instance has to start an answer (it admits or refuses at

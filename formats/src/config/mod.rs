@@ -233,6 +233,11 @@ pub struct SlidingWindow {
 /// sequence's end still finds every row its window needs in the prefix cache.
 pub const SLIDING_REACH: usize = 64;
 
+/// Prompt tokens an agent's step takes at most unless told otherwise
+/// (`--prefill-tokens-per-step`): what a Model's status assumes of the
+/// rows a sliding layer holds.
+pub const PROMPT_STEP: usize = 512;
+
 /// Positions a sliding layer of `window` keeps behind its next query: the
 /// window, and as much again (at least [`SLIDING_REACH`]).
 pub fn sliding_kept(window: usize) -> usize {

@@ -419,7 +419,7 @@ fn reasoning_comes_out_as_each_api_gives_it() {
     );
 }
 
-/// An answer waiting for its deployment to heal keeps each stream alive in
+/// An answer silent for a while (waiting to heal, say) keeps each stream alive in
 /// the dialect's own way, and the text around the wait is unchanged.
 #[test]
 fn a_waiting_answer_keeps_each_stream_alive_in_its_dialect() {

@@ -39,7 +39,7 @@ use shardplane_dataplane as dp;
 use shardplane_dataplane::tonic::Code;
 
 use crate::metrics::Metrics;
-use crate::protocol::{Answer, ApiError, Event, Input, Prompt};
+use crate::protocol::{Answer, ApiError, Event, Events, Input, Prompt};
 use resume::Answering;
 
 /// A ready instance: its head stage.
@@ -63,6 +63,32 @@ pub struct Instance {
     /// instance may resume on it once this changed (the operator re-placed
     /// a lost stage or rank, or a failed stage came back).
     pub incarnation: u64,
+}
+
+/// `events`, and an [`Event::Waiting`] whenever they gave none for
+/// `keepalive`: while an answer waits for an instance to heal, while
+/// another instance runs its prompt and tokens again to take it over (up to
+/// the first-token deadline), or while a stage or an external endpoint is
+/// slow. Its dialect then sends a comment, a ping or an empty line, so that
+/// the client and the proxies between, some of which cut streams idle for a
+/// minute, hear from it. The answer's work goes on meanwhile: a stream
+/// keeps what it was doing between polls.
+fn kept_alive(events: Events, keepalive: Duration) -> Events {
+    use futures::StreamExt;
+    Box::pin(futures::stream::unfold(
+        Some(events),
+        move |state| async move {
+            let mut events = state?;
+            tokio::select! {
+                event = events.next() => {
+                    let event = event?;
+                    let goes_on = !crate::protocol::ends(&event);
+                    Some((event, goes_on.then_some(events)))
+                }
+                () = tokio::time::sleep(keepalive) => Some((Ok(Event::Waiting), Some(events))),
+            }
+        },
+    ))
 }
 
 /// The digest [`Instance::incarnation`] of the Shards of `instance`.
@@ -418,7 +444,7 @@ impl Router {
             match self.walk(name, prompt).await {
                 Ok(answer) => {
                     return Ok(Answer {
-                        events: resume::kept_alive(answer.events, self.keepalive),
+                        events: kept_alive(answer.events, self.keepalive),
                         ..answer
                     });
                 }
@@ -558,15 +584,9 @@ impl Router {
         let answering = Answering::new(self.clone(), name, deployment, inst, prompt, opened);
         let events = futures::stream::unfold(Some(answering), |state| async move {
             let mut answering = state?;
-            match answering.next().await {
-                Ok(
-                    e @ (Event::Text(_)
-                    | Event::Reasoning(_)
-                    | Event::ToolCall(_)
-                    | Event::Logprobs(_)),
-                ) => Some((Ok(e), Some(answering))),
-                last => Some((last, None)),
-            }
+            let event = answering.next().await;
+            let goes_on = !crate::protocol::ends(&event);
+            Some((event, goes_on.then_some(answering)))
         });
         Ok(Answer {
             model: name.to_string(),

@@ -11,7 +11,6 @@
 //!                                 busy? wait and retry    (or A re-placed: A′)
 //!                                 none? wait for one, up to the heal wait; then 502
 //!                                 (at once when every instance ran it twice)
-//!  any answer silent for Router::keepalive ─► Event::Waiting (`kept_alive`)
 //! ```
 
 use std::collections::VecDeque;
@@ -20,7 +19,7 @@ use kube::runtime::reflector::ObjectRef;
 use shardplane_dataplane as dp;
 
 use super::{Attempt, BusyWait, Instance, Opened, Outstanding, Router};
-use crate::protocol::{ApiError, Event, Events, Finish, Prompt};
+use crate::protocol::{ApiError, Event, Finish, Prompt};
 
 /// How often an answer waiting for an instance to resume on looks again.
 const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
@@ -29,35 +28,6 @@ const HEAL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 /// it came back): an answer that itself breaks its stage does not keep the
 /// deployment's only instance failing.
 const RUNS_PER_INSTANCE: usize = 2;
-
-/// `events`, and an [`Event::Waiting`] whenever they gave none for
-/// `keepalive`: while an answer waits for an instance to heal, while
-/// another instance runs its prompt and tokens again to take it over (up to
-/// the first-token deadline), or while a stage or an external endpoint is
-/// slow. Its dialect then sends a comment, a ping or an empty line, so that
-/// the client and the proxies between, some of which cut streams idle for a
-/// minute, hear from it. The answer's work goes on meanwhile: a stream
-/// keeps what it was doing between polls.
-pub(super) fn kept_alive(events: Events, keepalive: std::time::Duration) -> Events {
-    use futures::StreamExt;
-    Box::pin(futures::stream::unfold(
-        Some(events),
-        move |state| async move {
-            let mut events = state?;
-            tokio::select! {
-                event = events.next() => {
-                    let event = event?;
-                    let goes_on = matches!(
-                        event,
-                        Ok(Event::Text(_) | Event::Reasoning(_) | Event::ToolCall(_) | Event::Logprobs(_) | Event::Waiting)
-                    );
-                    Some((event, goes_on.then_some(events)))
-                }
-                () = tokio::time::sleep(keepalive) => Some((Ok(Event::Waiting), Some(events))),
-            }
-        },
-    ))
-}
 
 /// An answer being streamed, and what it takes to resume it elsewhere.
 pub(super) struct Answering {
@@ -202,6 +172,7 @@ impl Answering {
         if self.tail_seen {
             return Err(ApiError::upstream(why));
         }
+        // (Always running here: a resume starts only from a break.)
         if let Some(broken) = self.running.take() {
             self.tried.push(broken);
         }
@@ -237,7 +208,9 @@ impl Answering {
                     }
                     let now = tokio::time::Instant::now();
                     // Every instance the deployment has took its runs: no
-                    // re-placement can take the answer any more.
+                    // re-placement can take the answer any more. (The
+                    // operator numbers instances 0..replicas and removes
+                    // those beyond.)
                     let spent =
                         replicas > 0 && (0..replicas).all(|i| self.runs(i) >= RUNS_PER_INSTANCE);
                     if !busy && !spent && heal_by.is_some_and(|by| now + HEAL_POLL < by) {
@@ -255,8 +228,8 @@ impl Answering {
                     };
                     return Err(ApiError::upstream(if spent && !busy {
                         format!(
-                            "{why}; each of the deployment's {replicas} instances has run it \
-                             {RUNS_PER_INSTANCE} times, and it is not tried again{}",
+                            "{why}; every instance of the deployment ({replicas}) has run it \
+                             {RUNS_PER_INSTANCE} times; it is not tried again{}",
                             if failures.is_empty() {
                                 String::new()
                             } else {
