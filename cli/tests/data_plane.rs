@@ -174,6 +174,8 @@ async fn ready_endpoints(shards: &Api<Shard>, names: &[&str]) -> Vec<String> {
 async fn an_mlx_agent_and_a_candle_agent_serve_one_pipeline() {
     use shardplane_engine::StageLayout;
     use shardplane_engine::pipeline::{load_model_stage, load_stage};
+    // Some Shards name the quickstart's path on the nodes.
+    shardplane_testkit::install_quickstart_model();
     let client_k = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client_k, "mixed").await.unwrap();
     let (a, b) = (unique_name("mx-a"), unique_name("mx-b"));
@@ -368,6 +370,8 @@ async fn run_against_local(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
+    // Some Shards name the quickstart's path on the nodes.
+    shardplane_testkit::install_quickstart_model();
     let client_k = control_plane().client().await.unwrap();
     let ns = control_plane()
         .namespace(&client_k, "dataplane")
