@@ -47,8 +47,8 @@ pub(super) struct Answering {
     tried: Vec<(String, u64)>,
     /// The instance (key and incarnation) the answer runs on now.
     running: Option<(String, u64)>,
-    /// The instances this answer ran on, once per run: key and index.
-    ran: Vec<(String, u32)>,
+    /// The instances (indexes) this answer ran on, once per run.
+    ran: Vec<u32>,
     /// Until when a broken-off answer waits for an instance (set at the
     /// first break the cluster may heal; one wait per answer).
     heal_by: Option<tokio::time::Instant>,
@@ -80,7 +80,7 @@ impl Answering {
             tail_seen: false,
             tried: Vec::new(),
             running: Some((inst.key.clone(), inst.incarnation)),
-            ran: vec![(inst.key.clone(), inst.index)],
+            ran: vec![inst.index],
             heal_by: None,
             pending: opened.first.into(),
             queued: VecDeque::new(),
@@ -163,7 +163,6 @@ impl Answering {
     /// spent. An error when none can.
     async fn resume(&mut self, why: String, heals: bool) -> Result<(), ApiError> {
         let router = self.router.clone();
-        let from = self.ran.last().map(|r| r.0.clone()).unwrap_or_default();
         router
             .metrics
             .upstream_errors
@@ -172,10 +171,15 @@ impl Answering {
         if self.tail_seen {
             return Err(ApiError::upstream(why));
         }
-        // (Always running here: a resume starts only from a break.)
-        if let Some(broken) = self.running.take() {
-            self.tried.push(broken);
-        }
+        // Always running here: a resume starts only from a break.
+        let from = match self.running.take() {
+            Some(broken) => {
+                let key = broken.0.clone();
+                self.tried.push(broken);
+                key
+            }
+            None => String::new(),
+        };
         let mut wait = BusyWait::new(router.busy_wait);
         if heals && self.heal_by.is_none() {
             self.heal_by = Some(tokio::time::Instant::now() + router.heal_wait);
@@ -226,23 +230,19 @@ impl Answering {
                     } else {
                         String::new()
                     };
+                    let failed = match failures.is_empty() {
+                        true => String::new(),
+                        false => format!(" ({})", failures.join("; ")),
+                    };
                     return Err(ApiError::upstream(if spent && !busy {
                         format!(
                             "{why}; every instance of the deployment ({replicas}) has run it \
-                             {RUNS_PER_INSTANCE} times; it is not tried again{}",
-                            if failures.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", failures.join("; "))
-                            }
+                             {RUNS_PER_INSTANCE} times; it is not tried again{failed}"
                         )
                     } else if failures.is_empty() {
                         format!("{why}; no instance became ready to resume it{waited}")
                     } else {
-                        format!(
-                            "{why}; resuming it failed{waited} ({})",
-                            failures.join("; ")
-                        )
+                        format!("{why}; resuming it failed{waited}{failed}")
                     }));
                 }
             }
@@ -252,7 +252,7 @@ impl Answering {
     /// Runs of this answer on the deployment's instance `index`, wherever
     /// its Shards were.
     fn runs(&self, index: u32) -> usize {
-        self.ran.iter().filter(|r| r.1 == index).count()
+        self.ran.iter().filter(|&&r| r == index).count()
     }
 
     /// One try of `candidates` in turn: `None` once one took the answer
@@ -276,7 +276,7 @@ impl Answering {
             let broke = matches!(opened, Err(Attempt::Broke(_)));
             match opened {
                 Ok(opened) => {
-                    self.ran.push((inst.key.clone(), inst.index));
+                    self.ran.push(inst.index);
                     self.running = Some((inst.key.clone(), inst.incarnation));
                     if inst.key == from {
                         tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
@@ -306,7 +306,7 @@ impl Answering {
                 Err(Attempt::Next(failure) | Attempt::Broke(failure)) => {
                     // Started and broke off again: a run of the answer.
                     if broke {
-                        self.ran.push((inst.key.clone(), inst.index));
+                        self.ran.push(inst.index);
                     }
                     self.tried.push((inst.key.clone(), inst.incarnation));
                     errors.inc();
