@@ -3,32 +3,36 @@
 //!
 //! ```text
 //!  admit: take(prompt + 16) ─► each step: grow by 16 ─► ok: run it
-//!                                                  │ no room
+//!                                                  │ no room (here or on a later stage)
 //!                    ask the youngest younger holder to yield, wait for it
 //!                    (none younger, or asked to yield itself):
 //!                    give_back ─► regain (before new admissions) ─► recompute
 //! ```
 //!
-//! The budget is the Shard's `kvCache` in tokens (context length ×
-//! concurrent sequences, or its sequences' [`KvCost`]), what placement made room for on every stage of
-//! the instance, capped by each stage machine's free memory at load
-//! (`shards::kv_room`, again while it runs): the head's own, and the least the later
-//! stages report in their Shards' status (`kvBudgetTokens`), since the
-//! head's generations are all that a later stage holds.
+//! The budget is the Shard's `kvCache` (context length × concurrent
+//! sequences, counted by its sequences' [`KvCost`]), what placement made
+//! room for on every stage of the instance, capped by each stage machine's
+//! free memory at load (`shards::kv_room`, again while it runs). A head
+//! keeps one account for its own budget and one for each later stage of a
+//! pipeline ([`Later`]: the budget its Shard reports in its status,
+//! `kvBudgetTokens`), since the head's generations are all a later stage
+//! holds: a share fits when it fits in every account.
 //!
-//! A whole model with sliding-window layers (Gemma 3, gpt-oss) counts a
-//! sequence by its [`KvCost`]: tokens at the bytes a token takes in every
-//! layer, where a sliding layer holds at most its kept rows, so a long
-//! sequence costs less than its length and more of them fit.
+//! Each stage counts a sequence by its own layers' [`KvCost`]: tokens at
+//! the bytes a token takes in every layer of the stage, where a sliding
+//! layer holds at most its kept rows, so on a model with sliding layers
+//! (Gemma 3, gpt-oss) a long sequence costs less than its length, and
+//! least on a stage of mostly sliding layers.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Notify;
 
-/// A head's KV budget, what is reserved of it, and who waits for room.
-/// Its `_tokens` figures are in the budget's units ([`KvLedger::units`]):
-/// tokens, or what sequences cost on a whole model with sliding layers.
+/// A head's KV budget, what is reserved of it, what its later stages
+/// hold, and who waits for room. Its `_tokens` figures are in the
+/// budget's units ([`KvLedger::units`]): tokens, or what sequences cost
+/// on a stage with sliding layers.
 #[derive(Debug, Default)]
 pub struct KvLedger {
     /// Tokens of KV the generations admitted here may come to hold, at
@@ -38,23 +42,56 @@ pub struct KvLedger {
     /// concurrent sequences, or their cost, capped by its machine's free
     /// memory; 0: not set).
     pub budget_tokens: AtomicU64,
-    /// The least a later stage of the instance holds (0: none reported).
-    pub downstream_tokens: AtomicU64,
     /// Generations preempted for room that wait to resume.
     pub preempted_waiting: AtomicU64,
     /// Generations that wait for a younger one to yield them room.
     pub growers_waiting: AtomicU64,
     /// Generations preempted for room so far.
     pub preemptions: AtomicU64,
-    /// Woken when reserved KV is given back, and when a generation is asked
-    /// to yield its room.
+    /// Woken when reserved KV is given back, when the stage's budget grows
+    /// or a later stage's account changes, when no generation waits to grow
+    /// any more, and when a generation is asked to yield its room.
     pub room: Notify,
-    /// The generations that hold KV, with their age.
-    holders: Mutex<Vec<Holder>>,
+    /// The shares and the later stages' accounts.
+    state: Mutex<Shares>,
     /// The next admission's number (its age: lower is older).
     admissions: AtomicU64,
     /// What a sequence costs in the budget (unset: its length).
     cost: OnceLock<KvCost>,
+}
+
+/// The generations that hold KV, and the later stages they hold it on.
+#[derive(Debug, Default)]
+struct Shares {
+    holders: Vec<Holder>,
+    later: Vec<Later>,
+}
+
+/// A later stage of a pipeline, as its head counts it: what a sequence
+/// costs there (its layers' [`KvCost`], with its agent's prompt step), and
+/// the budget its Shard reports, in those units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Later {
+    /// Its Shard's name.
+    pub shard: String,
+    /// What a sequence costs in its budget.
+    pub cost: KvCost,
+    /// Its budget (0: none reported, nothing refused for it).
+    pub budget: u64,
+}
+
+/// Where a sequence's tokens do not fit: the head's own budget, or a later
+/// stage's. Figures are in that budget's units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Full {
+    /// The later stage whose budget is short (`None`: the head's own).
+    pub later: Option<String>,
+    /// What the sequence's tokens cost there.
+    pub units: u64,
+    /// What the generations hold there.
+    pub reserved: u64,
+    /// The budget there.
+    pub budget: u64,
 }
 
 /// What a sequence of some tokens costs in a stage's KV budget: tokens at
@@ -112,36 +149,28 @@ impl KvCost {
 }
 
 impl KvLedger {
-    /// Tokens of KV the head admits at most: the least of its own budget and
-    /// its later stages' (0: neither is set, nothing is refused).
+    /// Tokens of KV the stage itself holds at most (0: not set, nothing is
+    /// refused for it); its later stages have their own ([`KvLedger::set_later`]).
     pub fn budget(&self) -> u64 {
-        Self::least(
-            self.budget_tokens.load(Ordering::Relaxed),
-            self.downstream_tokens.load(Ordering::Relaxed),
-        )
+        self.budget_tokens.load(Ordering::Relaxed)
     }
 
-    fn least(own: u64, downstream: u64) -> u64 {
-        match (own, downstream) {
-            (0, d) => d,
-            (o, 0) => o,
-            (o, d) => o.min(d),
-        }
-    }
-
-    /// Sets the stage's own budget (`own`) or the least of its later
-    /// stages' (`downstream`); a budget that grew (or became unbounded)
+    /// Sets the stage's own budget; one that grew (or became unbounded)
     /// wakes the generations waiting for room.
-    pub fn set(&self, own: Option<u64>, downstream: Option<u64>) {
-        let before = self.budget();
-        if let Some(own) = own {
-            self.budget_tokens.store(own, Ordering::Relaxed);
+    pub fn set_budget(&self, budget: u64) {
+        let before = self.budget_tokens.swap(budget, Ordering::Relaxed);
+        if before > 0 && (budget == 0 || budget > before) {
+            self.room.notify_waiters();
         }
-        if let Some(downstream) = downstream {
-            self.downstream_tokens.store(downstream, Ordering::Relaxed);
-        }
-        let after = self.budget();
-        if before > 0 && (after == 0 || after > before) {
+    }
+
+    /// Sets what the later stages hold (as they report it now); a change
+    /// wakes the generations waiting for room, to look again.
+    pub fn set_later(&self, later: Vec<Later>) {
+        let mut shares = self.shares();
+        if shares.later != later {
+            shares.later = later;
+            drop(shares);
             self.room.notify_waiters();
         }
     }
@@ -152,9 +181,31 @@ impl KvLedger {
         let _ = self.cost.set(cost);
     }
 
-    /// What a sequence of `tokens` costs in the budget.
+    /// What a sequence of `tokens` costs in the stage's own budget.
     pub fn units(&self, tokens: u64) -> u64 {
         self.cost.get().map_or(tokens, |c| c.units(tokens))
+    }
+
+    /// The first budget, the stage's own or a later stage's, that a
+    /// sequence of `tokens` would overflow even alone.
+    pub fn beyond(&self, tokens: u64) -> Option<Full> {
+        self.accounts(tokens)
+            .into_iter()
+            .find(|f| f.budget > 0 && f.units > f.budget)
+    }
+
+    /// Every account, the stage's own first, for a sequence of `tokens`.
+    fn accounts(&self, tokens: u64) -> Vec<Full> {
+        let shares = self.shares();
+        let later = shares.later.iter().map(|l| Full {
+            later: Some(l.shard.clone()),
+            units: l.cost.units(tokens),
+            reserved: shares.reserved(&l.cost),
+            budget: l.budget,
+        });
+        std::iter::once(self.own_full(tokens))
+            .chain(later)
+            .collect()
     }
 
     /// Generations that wait for room (preempted, or to grow): a new one is
@@ -163,18 +214,59 @@ impl KvLedger {
         self.preempted_waiting.load(Ordering::Acquire)
             + self.growers_waiting.load(Ordering::Acquire)
     }
+
+    fn shares(&self) -> std::sync::MutexGuard<'_, Shares> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The account with a budget (the stage's own or a later stage's) that
+    /// a sequence of `tokens` would fill most, for a refusal while others
+    /// wait for room; the stage's own when none has a budget.
+    fn tightest(&self, tokens: u64) -> Full {
+        let fill = |f: &Full| {
+            (u128::from(f.reserved) + u128::from(f.units)) * 1_000_000 / u128::from(f.budget)
+        };
+        self.accounts(tokens)
+            .into_iter()
+            .filter(|f| f.budget > 0)
+            .max_by_key(fill)
+            .unwrap_or_else(|| self.own_full(tokens))
+    }
+
+    /// The stage's own account, for a sequence of `tokens`.
+    fn own_full(&self, tokens: u64) -> Full {
+        Full {
+            later: None,
+            units: self.units(tokens),
+            reserved: self.reserved_tokens.load(Ordering::Relaxed),
+            budget: self.budget(),
+        }
+    }
 }
 
-/// A generation that holds KV: when it was admitted, and
-/// whether an older one asked it to yield its room.
+impl Shares {
+    /// What the shares hold in an account where a sequence costs `cost`.
+    fn reserved(&self, cost: &KvCost) -> u64 {
+        self.holders
+            .iter()
+            .fold(0u64, |sum, h| sum.saturating_add(cost.units(h.tokens)))
+    }
+}
+
+/// A generation that holds KV: when it was admitted, how many tokens its
+/// share covers, and whether an older one asked it to yield its room.
 #[derive(Debug)]
 struct Holder {
     admitted: u64,
+    tokens: u64,
     yield_asked: Arc<AtomicBool>,
 }
 
 /// Counts itself in a counter while it lives; wakes the waiters for room
-/// when it goes.
+/// when it goes and the counter falls to 0 (what a preempted generation
+/// waits for before it regains: no generation waiting to grow). Waking
+/// them at every fall would have two growers waiting for the same yield
+/// wake each other in turn until it comes.
 struct Counted<'a>(&'a KvLedger, &'a AtomicU64);
 
 impl<'a> Counted<'a> {
@@ -186,12 +278,14 @@ impl<'a> Counted<'a> {
 
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
-        self.1.fetch_sub(1, Ordering::AcqRel);
-        self.0.room.notify_waiters();
+        if self.1.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.room.notify_waiters();
+        }
     }
 }
 
-/// A generation's share of a stage's KV budget, given back when dropped.
+/// A generation's share of a stage's KV budget (and of its later stages'),
+/// given back when dropped.
 ///
 /// A share ([`KvReservation::take`]) grows as its generation decodes. One that cannot grow asks the youngest younger
 /// holder to yield its room ([`KvReservation::ask_younger_to_yield`]) and
@@ -201,9 +295,9 @@ impl Drop for Counted<'_> {
 #[derive(Debug)]
 pub struct KvReservation {
     ledger: Arc<KvLedger>,
-    /// Tokens of its sequence the share covers.
+    /// Tokens of its sequence the share covers (0: given back).
     tokens: u64,
-    /// What they cost in the budget.
+    /// What they cost in the stage's own budget.
     units: u64,
     /// When it was admitted.
     admitted: u64,
@@ -212,11 +306,11 @@ pub struct KvReservation {
 }
 
 impl KvReservation {
-    /// Reserves what `tokens` cost in `ledger`'s budget
-    /// ([`KvLedger::units`]) as a share that grows and may
-    /// be asked to yield, or says how much is taken (all of it, to a new
-    /// generation, while others wait for room: they go first).
-    pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, (u64, u64)> {
+    /// Reserves what `tokens` cost in `ledger`'s budget and its later
+    /// stages' ([`KvLedger::units`]) as a share that grows and may be asked
+    /// to yield, or says where it does not fit (the stage's own budget, to a
+    /// new generation while others wait for room: they go first).
+    pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, Full> {
         let mut r = KvReservation {
             ledger: ledger.clone(),
             tokens: 0,
@@ -225,13 +319,9 @@ impl KvReservation {
             yield_asked: Arc::default(),
         };
         if ledger.waiting() > 0 {
-            return Err((
-                ledger.reserved_tokens.load(Ordering::Relaxed),
-                ledger.budget(),
-            ));
+            return Err(ledger.tightest(tokens));
         }
         r.grow(tokens)?;
-        r.hold();
         Ok(r)
     }
 
@@ -241,30 +331,53 @@ impl KvReservation {
     }
 
     /// Grows the share to cover `tokens` of its sequence (never shrinks
-    /// it), or says how much of the budget is taken (in the budget's
-    /// units, [`KvLedger::units`]).
-    pub fn grow(&mut self, tokens: u64) -> Result<(), (u64, u64)> {
+    /// it) in every account, or says where it does not fit. A share given
+    /// back holds again, not asked to yield.
+    pub fn grow(&mut self, tokens: u64) -> Result<(), Full> {
         if tokens <= self.tokens {
             return Ok(());
         }
-        let units = self.ledger.units(tokens);
+        let ledger = self.ledger.clone();
+        let mut shares = ledger.shares();
+        // Past what its sliding layers hold, a share grows only by its full
+        // layers' part, and growth that costs nothing more always fits.
+        let units = ledger.units(tokens);
         let more = units.saturating_sub(self.units);
-        if more == 0 {
-            // Past what its sliding layers hold, nothing more.
-            self.tokens = tokens;
-            return Ok(());
+        let own = ledger.own_full(tokens);
+        if more > 0 && own.budget > 0 && own.reserved.saturating_add(more) > own.budget {
+            return Err(own);
         }
-        let budget = self.ledger.budget();
-        self.ledger
-            .reserved_tokens
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |reserved| {
-                (budget == 0 || reserved + more <= budget).then_some(reserved + more)
-            })
-            .map(|_| {
-                self.tokens = tokens;
-                self.units += more;
-            })
-            .map_err(|reserved| (reserved, budget))
+        for later in shares.later.iter().filter(|l| l.budget > 0) {
+            let (now, then) = (later.cost.units(self.tokens), later.cost.units(tokens));
+            let reserved = shares.reserved(&later.cost);
+            if then > now && reserved.saturating_add(then - now) > later.budget {
+                return Err(Full {
+                    later: Some(later.shard.clone()),
+                    units: then,
+                    reserved,
+                    budget: later.budget,
+                });
+            }
+        }
+        ledger.reserved_tokens.fetch_add(more, Ordering::AcqRel);
+        self.units += more;
+        self.tokens = tokens;
+        match shares
+            .holders
+            .iter_mut()
+            .find(|h| Arc::ptr_eq(&h.yield_asked, &self.yield_asked))
+        {
+            Some(h) => h.tokens = tokens,
+            None => {
+                self.yield_asked.store(false, Ordering::Release);
+                shares.holders.push(Holder {
+                    admitted: self.admitted,
+                    tokens,
+                    yield_asked: self.yield_asked.clone(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Whether an older generation asked this one to yield its room.
@@ -276,8 +389,8 @@ impl KvReservation {
     /// (unless one already is); false when there is none, and this one
     /// should yield itself.
     pub fn ask_younger_to_yield(&self) -> bool {
-        let holders = self.ledger.holders.lock().expect("holders lock");
-        let younger = holders.iter().filter(|h| h.admitted > self.admitted);
+        let shares = self.ledger.shares();
+        let younger = shares.holders.iter().filter(|h| h.admitted > self.admitted);
         if younger
             .clone()
             .any(|h| h.yield_asked.load(Ordering::Acquire))
@@ -288,7 +401,7 @@ impl KvReservation {
             return false;
         };
         youngest.yield_asked.store(true, Ordering::Release);
-        drop(holders);
+        drop(shares);
         // It may be waiting for room itself.
         self.ledger.room.notify_waiters();
         true
@@ -301,33 +414,21 @@ impl KvReservation {
         room.await;
     }
 
-    fn hold(&self) {
-        self.yield_asked.store(false, Ordering::Release);
-        self.ledger
-            .holders
-            .lock()
-            .expect("holders lock")
-            .push(Holder {
-                admitted: self.admitted,
-                yield_asked: self.yield_asked.clone(),
-            });
-    }
-
-    /// Gives the whole share back.
+    /// Gives the whole share back, in every account.
     pub fn give_back(&mut self) {
-        self.ledger
+        let mut shares = self.ledger.shares();
+        shares
             .holders
-            .lock()
-            .expect("holders lock")
             .retain(|h| !Arc::ptr_eq(&h.yield_asked, &self.yield_asked));
-        self.tokens = 0;
         let units = std::mem::take(&mut self.units);
+        let held = std::mem::take(&mut self.tokens);
         let _ = self.ledger.reserved_tokens.fetch_update(
             Ordering::AcqRel,
             Ordering::Acquire,
             |reserved| Some(reserved.saturating_sub(units)),
         );
-        if units > 0 {
+        drop(shares);
+        if held > 0 {
             self.ledger.room.notify_waiters();
         }
     }
@@ -343,7 +444,6 @@ impl KvReservation {
             tokio::pin!(room);
             room.as_mut().enable();
             if ledger.growers_waiting.load(Ordering::Acquire) == 0 && self.grow(tokens).is_ok() {
-                self.hold();
                 return;
             }
             room.await;
@@ -416,12 +516,104 @@ mod tests {
         a.grow(5).unwrap();
         assert_eq!(a.tokens(), 32768);
         let b = KvReservation::take(&ledger, 32768).unwrap();
-        assert_eq!(
-            KvReservation::take(&ledger, 1).unwrap_err(),
-            (2 * 8506, 2 * 8506)
-        );
+        let full = KvReservation::take(&ledger, 1).unwrap_err();
+        assert_eq!((full.reserved, full.budget), (2 * 8506, 2 * 8506));
         drop((a, b));
         assert_eq!(ledger.reserved_tokens.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_share_fits_every_later_stage_by_what_it_costs_there() {
+        let windows: Vec<_> = (0..62).map(|l| (l % 6 != 5).then_some(1024)).collect();
+        // A later stage of sliding layers only: a 32k sequence holds 3840
+        // rows there.
+        let cost = KvCost::of_windows(&windows[0..5], 512);
+        assert_eq!(cost.units(32768), 3840);
+        let later = |budget| Later {
+            shard: "d-0-1".into(),
+            cost: cost.clone(),
+            budget,
+        };
+        let ledger = Arc::new(KvLedger::default());
+        ledger.set_later(vec![later(3 * 3840)]);
+        // Three long sequences fit, each counted 3840 there.
+        let a = KvReservation::take(&ledger, 32768).unwrap();
+        let mut b = KvReservation::take(&ledger, 1000).unwrap();
+        b.grow(32768).unwrap();
+        let c = KvReservation::take(&ledger, 40_000).unwrap();
+        // The head's own account (no cost set: tokens, no budget).
+        assert_eq!(
+            ledger.reserved_tokens.load(Ordering::Relaxed),
+            2 * 32768 + 40_000
+        );
+        let full = KvReservation::take(&ledger, 1).unwrap_err();
+        assert_eq!(
+            full,
+            Full {
+                later: Some("d-0-1".into()),
+                units: 1,
+                reserved: 3 * 3840,
+                budget: 3 * 3840
+            }
+        );
+        // Growth that costs the later stage nothing more still fits.
+        let mut c = c;
+        c.grow(50_000).unwrap();
+        // Too long even alone: the head's own budget, or the later stage's.
+        ledger.set_budget(45_000);
+        assert_eq!(ledger.beyond(45_001).unwrap().later, None);
+        assert_eq!(ledger.beyond(45_000), None);
+        ledger.set_later(vec![later(3000)]);
+        let beyond = ledger.beyond(3001).unwrap();
+        assert_eq!(
+            (beyond.later.as_deref(), beyond.units),
+            (Some("d-0-1"), 3001)
+        );
+        drop((a, b, c));
+        assert_eq!(ledger.reserved_tokens.load(Ordering::Relaxed), 0);
+        assert!(KvReservation::take(&ledger, 3000).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_later_stage_that_fills_up_makes_the_youngest_yield_and_its_change_wakes_waiters() {
+        let ledger = Arc::new(KvLedger::default());
+        let later = |budget| {
+            vec![Later {
+                shard: "d-0-1".into(),
+                cost: KvCost::default(),
+                budget,
+            }]
+        };
+        ledger.set_later(later(30));
+        let mut a = KvReservation::take(&ledger, 10).unwrap();
+        let mut b = KvReservation::take(&ledger, 10).unwrap();
+        // The head has no budget of its own; the later stage is full.
+        let full = a.grow(25).unwrap_err();
+        assert_eq!((full.later.as_deref(), full.reserved), (Some("d-0-1"), 20));
+        assert!(a.ask_younger_to_yield());
+        assert!(b.yield_asked());
+        b.give_back();
+        a.grow(25).unwrap();
+        let regained = tokio::spawn(async move {
+            b.regain(10).await;
+            b
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(ledger.waiting(), 1);
+        // Meanwhile a new generation is refused, naming the later stage.
+        let refused = KvReservation::take(&ledger, 1).unwrap_err();
+        assert_eq!(
+            (refused.later.as_deref(), refused.reserved, refused.budget),
+            (Some("d-0-1"), 25, 30)
+        );
+        // The same report again wakes nobody; more room does.
+        ledger.set_later(later(30));
+        tokio::task::yield_now().await;
+        assert!(!regained.is_finished());
+        ledger.set_later(later(40));
+        let b = regained.await.unwrap();
+        assert_eq!((b.tokens(), ledger.waiting()), (10, 0));
+        assert!(!b.yield_asked());
     }
 
     #[tokio::test]
@@ -431,7 +623,8 @@ mod tests {
         let mut a = KvReservation::take(&ledger, 10).unwrap();
         let b = KvReservation::take(&ledger, 10).unwrap();
         let mut c = KvReservation::take(&ledger, 10).unwrap();
-        assert_eq!(KvReservation::take(&ledger, 1).unwrap_err(), (30, 30));
+        let full = KvReservation::take(&ledger, 1).unwrap_err();
+        assert_eq!((full.later, full.reserved, full.budget), (None, 30, 30));
         // The youngest has none younger to ask: it yields itself.
         assert!(!c.ask_younger_to_yield());
         // The oldest asks the youngest, not the one between.

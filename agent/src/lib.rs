@@ -184,6 +184,7 @@ async fn register(
     let mut reg = config.registration.clone();
     reg.data_plane_endpoint = Some(endpoint.to_string());
     reg.engines = shards::engines(config.engine);
+    reg.prompt_step = u32::try_from(config.budget.prefill_tokens).ok();
     ensure_lease_namespace(client, &reg.node).await?;
     let refused = |step| {
         let node = reg.node.clone();

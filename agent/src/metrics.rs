@@ -239,9 +239,10 @@ impl Metrics {
                 "shardplane_agent_kv_tokens",
                 "KV tokens of a stage: reserved by the generations a head admitted (kind=reserved) \
                  and the budget it admits within, concurrent sequences x the cost of a context, or less \
-                 when its machine's free memory, or a later stage's, holds less (kind=budget), by \
-                 shard. On a whole model with sliding-window layers a long sequence counts as \
-                 fewer tokens than its length (those layers hold only its last ones).",
+                 when its machine's free memory holds less (kind=budget), by shard; a pipeline's head \
+                 also admits within each later stage's own budget. On a model with \
+                 sliding-window layers a long sequence counts as fewer tokens than its length \
+                 (those layers hold only its last ones), by each stage's own layers.",
             ),
             &["shard", "kind"],
         )

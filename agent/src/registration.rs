@@ -35,6 +35,9 @@ pub struct Registration {
     /// The engines this agent runs, the one its stages load into first (set
     /// from the agent's engine when it starts).
     pub engines: Vec<Engine>,
+    /// Prompt tokens a step of its stages takes at most (set from the
+    /// agent's scheduler budget when it starts).
+    pub prompt_step: Option<u32>,
 }
 
 impl Registration {
@@ -102,6 +105,7 @@ impl Registration {
             "dataPlaneEndpoint": self.data_plane_endpoint,
             "cachedModels": cached,
             "agentVersion": env!("CARGO_PKG_VERSION"),
+            "promptStepTokens": self.prompt_step,
         });
         let api = Api::<InferenceNode>::all(client.clone());
         shardplane_cluster::apply_status(&api, &self.node, AGENT_MANAGER, &status).await

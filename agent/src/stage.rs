@@ -117,6 +117,9 @@ pub struct StageWorker {
     pub context_length: usize,
     /// Width of the hidden states.
     pub hidden: usize,
+    /// The sliding window of each of the model's layers (`None`: a full
+    /// layer), all of them: a head counts its later stages' KV by theirs.
+    pub windows: Arc<[Option<usize>]>,
     /// Why the thread stopped, once it panicked.
     crashed: Arc<OnceLock<String>>,
 }
@@ -140,6 +143,10 @@ impl StageWorker {
             weight_bytes: shard.weight_bytes(),
             context_length: shard.context_length(),
             hidden: shard.config().hidden_size,
+            windows: shard
+                .config()
+                .layer_windows(0..shard.config().layers)
+                .into(),
             crashed: crashed.clone(),
         };
         let thread = format!("stage {name}");

@@ -100,10 +100,10 @@ fn model_source(path: &std::path::Path, sha256: Option<&str>) -> ModelSource {
     })
 }
 
-/// A whole model with sliding-window layers counts a long sequence as less
-/// than its length in the KV budget its status reports (those layers hold
-/// only a sequence's last rows), so more sequences fit; a stage of a
-/// pipeline counts tokens (its head admits within the least of its stages).
+/// A stage with sliding-window layers, whole model or a pipeline's, counts
+/// a long sequence as less than its length in the KV budget its status
+/// reports (those layers hold only a sequence's last rows), so more
+/// sequences fit.
 async fn sliding_layers_count_less(shards: &Api<Shard>, node: &str) {
     let dir = tempfile::tempdir().unwrap();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -113,10 +113,12 @@ async fn sliding_layers_count_less(shards: &Api<Shard>, node: &str) {
     // The tiny Gemma 3 has 7 layers, every sixth global: 6 slide with a
     // window of 4 and hold at most 1092 rows of a sequence (4 + 64 kept,
     // 256 not yet let go, 256 of rounding, a 512-token prompt step). At
-    // 2048 tokens a sequence costs ⌈(2048 + 6 × 1092) / 7⌉ = 1229.
+    // 2048 tokens a sequence costs ⌈(2048 + 6 × 1092) / 7⌉ = 1229 on the
+    // whole model, and ⌈(2048 + 3 × 1092) / 4⌉ = 1331 on a stage of layers
+    // 3-6 (one global).
     for (deployment, stage, layers, budget) in [
         ("gemma", 0, LayerRange { start: 0, end: 7 }, 2 * 1229),
-        ("gemmatail", 1, LayerRange { start: 3, end: 7 }, 2 * 2048),
+        ("gemmatail", 1, LayerRange { start: 3, end: 7 }, 2 * 1331),
     ] {
         let mut shard = fixtures::shard(deployment, node, stage, stage + 1, layers);
         shard.spec.model = "tiny-gemma3".into();
@@ -247,6 +249,9 @@ async fn an_agent_registers_runs_shards_survives_bad_weights_and_stops_renewing_
         vec![Engine::Candle]
     };
     assert_eq!(status.engines, built_in);
+    // The prompt step its stages take (the default): what a pipeline's head
+    // and placement count its sliding layers with.
+    assert_eq!(status.prompt_step_tokens, Some(512));
     assert!(
         status
             .addresses

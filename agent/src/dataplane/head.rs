@@ -22,12 +22,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use super::next_stage::{Downstream, downstream_kv_tokens};
+use super::next_stage::{Downstream, later_stages};
 use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
-use crate::kv_budget::KvReservation;
+use crate::kv_budget::{Full, KvReservation};
 use crate::metrics::Metrics;
+use crate::shards::ServedStage;
 
 /// Prompt tokens sent down the pipeline in one step; longer prompts go in
 /// several steps, which later stages work on while earlier ones go on.
@@ -120,8 +121,8 @@ impl Service {
             )));
         }
         // KV admission. The Shard's budget, context length × concurrent
-        // sequences (on a whole model with sliding layers, sequences × the
-        // `KvCost` of a context), is what placement made room for. A head reserves a
+        // sequences (with sliding layers, sequences × the `KvCost` of a
+        // context), is what placement made room for. A head reserves a
         // generation's prompt and next `KV_GROWTH` tokens and grows the share
         // as it decodes; when there is no room to grow, the youngest
         // generation is preempted and resumes by recompute when there is
@@ -132,55 +133,43 @@ impl Service {
         let need = most.min(request.context().len() as u64 + KV_GROWTH);
         let waiting = stage.worker.stats.kv.waiting();
         // The later stages hold every token the head admits: it admits within
-        // the least any of them reports.
+        // what each of them reports, counted as each counts it.
         let ledger = &stage.worker.stats.kv;
-        let (downstream, least) = downstream_kv_tokens(&self.directory, &stage);
-        ledger.set(None, Some(downstream));
-        let budget = ledger.budget();
-        // Who sets the budget (for a refusal): a later stage's machine, or
-        // this shard.
-        let holder = || match &least {
-            Some(shard) if downstream == budget => format!("stage {shard}'s machine"),
-            _ => format!(
-                "shard {} on node {} ({} sequences of {})",
-                stage.name,
-                self.node,
-                stage.spec.kv_cache.concurrent_sequences,
-                stage.spec.kv_cache.context_length
-            ),
-        };
-        if budget > 0 && ledger.units(most) > budget {
+        ledger.set_later(later_stages(&self.directory, &self.nodes, &stage));
+        let refused = || {
             self.metrics
                 .generations
                 .with_label_values(&["refused"])
                 .inc();
+        };
+        if let Some(full) = ledger.beyond(most) {
+            refused();
             return Err(Status::resource_exhausted(format!(
                 "this sequence may need {most} tokens of KV (prompt and max_tokens){}, more than \
-                 the {budget} {} holds even for it alone; ask for fewer",
-                counted(ledger, most),
-                holder()
+                 the {} {} holds even for it alone; ask for fewer",
+                counted(&full, most),
+                full.budget,
+                self.holder(&stage, &full)
             )));
         }
-        let reservation = KvReservation::take(&stage.worker.stats.kv, need)
-            .map_err(|(reserved, budget)| {
-                self.metrics
-                    .generations
-                    .with_label_values(&["refused"])
-                    .inc();
-                Status::resource_exhausted(format!(
-                    "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
-                     (its prompt and the next tokens of its answer){}, and {reserved} of the \
-                     {budget} {} holds are reserved by the sequences it runs{}",
-                    stage.name,
-                    self.node,
-                    counted(ledger, need),
-                    holder(),
-                    match waiting {
-                        0 => String::new(),
-                        n => format!("; {n} sequences it runs wait for room first"),
-                    }
-                ))
-            })?;
+        let reservation = KvReservation::take(&stage.worker.stats.kv, need).map_err(|full| {
+            refused();
+            Status::resource_exhausted(format!(
+                "shard {} on node {} has no room for this sequence's KV: it needs {need} tokens \
+                 (its prompt and the next tokens of its answer){}, and {} of the {} {} holds \
+                 are reserved by the sequences it runs{}",
+                stage.name,
+                self.node,
+                counted(&full, need),
+                full.reserved,
+                full.budget,
+                self.holder(&stage, &full),
+                match waiting {
+                    0 => String::new(),
+                    n => format!("; {n} sequences it runs wait for room first"),
+                }
+            ))
+        })?;
         let id: SequenceId = rand::random();
         let context = request.context();
         let (downstream, local_sampler) = if stage.is_last() {
@@ -398,22 +387,27 @@ impl Generation {
             if self.reservation.yield_asked() {
                 break;
             }
+            if need <= self.reservation.tokens() {
+                return Ok((tokens, false));
+            }
             // The later stages' room as they report it now: growth stays
             // within what a machine that filled up since admission holds.
             if self.seq.stage.spec.next.is_some() {
-                let (downstream, _) =
-                    downstream_kv_tokens(&self.service.directory, &self.seq.stage);
-                stats.kv.set(None, Some(downstream));
+                stats.kv.set_later(later_stages(
+                    &self.service.directory,
+                    &self.service.nodes,
+                    &self.seq.stage,
+                ));
             }
-            if need <= self.reservation.tokens() || self.reservation.grow(want).is_ok() {
+            if self.reservation.grow(want).is_ok() {
                 return Ok((tokens, false));
             }
-            let budget = stats.kv.budget();
-            if stats.kv.units(need) > budget {
+            if let Some(full) = stats.kv.beyond(need) {
                 return Err(Status::resource_exhausted(format!(
-                    "this sequence needs {need} tokens of KV{}, more than shard {}'s whole budget of {budget}",
-                    counted(&stats.kv, need),
-                    self.seq.stage.name
+                    "this sequence needs {need} tokens of KV{}, more than the whole {} {} holds",
+                    counted(&full, need),
+                    full.budget,
+                    self.service.holder(&self.seq.stage, &full)
                 )));
             }
             if !self.reservation.ask_younger_to_yield() {
@@ -565,14 +559,31 @@ impl Generation {
     }
 }
 
-/// How `tokens` of a sequence count in `ledger`'s budget, when that is
-/// not their number (a whole model with sliding layers), for a refusal.
-fn counted(ledger: &crate::kv_budget::KvLedger, tokens: u64) -> String {
-    match ledger.units(tokens) {
+/// How `tokens` of a sequence count in the budget that is `full`, when
+/// that is not their number (sliding-window layers), for a refusal.
+fn counted(full: &Full, tokens: u64) -> String {
+    match full.units {
         units if units == tokens => String::new(),
         units => format!(
             ", counted as {units} since its sliding-window layers hold only its last tokens"
         ),
+    }
+}
+
+impl Service {
+    /// Who holds the budget that is `full`, for a refusal: a later stage's
+    /// machine, or the head's shard.
+    fn holder(&self, stage: &ServedStage, full: &Full) -> String {
+        match &full.later {
+            Some(shard) => format!("stage {shard}'s machine"),
+            None => format!(
+                "shard {} on node {} ({} sequences of {})",
+                stage.name,
+                self.node,
+                stage.spec.kv_cache.concurrent_sequences,
+                stage.spec.kv_cache.context_length
+            ),
+        }
     }
 }
 

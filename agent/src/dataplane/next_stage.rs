@@ -1,9 +1,9 @@
 //! The way to the next stage: its Shard and node from the watch-fed stores,
 //! the fastest link to that node, and the `Forward` stream opened there;
-//! the least KV the stages after a head report holding.
+//! what the stages after a head report holding of KV.
 
 use kube::runtime::reflector::{ObjectRef, Store};
-use shardplane_crds::{Shard, ShardPhase};
+use shardplane_crds::{InferenceNode, Shard, ShardPhase};
 use shardplane_dataplane as dp;
 use shardplane_engine::Activations;
 use tokio::sync::mpsc;
@@ -11,6 +11,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
 use super::Service;
+use crate::kv_budget::{KvCost, Later};
 use crate::links::route;
 use crate::shards::ServedStage;
 
@@ -136,15 +137,20 @@ impl Downstream {
     }
 }
 
-/// The least KV, in tokens, that a Ready stage after `stage` reports
-/// holding (0: none reports), and that stage's Shard. A figure below one
-/// context counts as one context, the least any stage holds.
-pub(super) fn downstream_kv_tokens(
+/// The KV accounts of the Ready stages after `stage` that report a
+/// budget (`kvBudgetTokens`), for its head's ledger: each counts a sequence
+/// by its own layers' [`KvCost`], with its agent's prompt step (from its
+/// InferenceNode), and holds at least one context, the least any stage
+/// holds. A node that reports no step (its agent older than the field, or
+/// not seen yet) is counted in plain tokens: never less than what sliding
+/// layers cost, and the unit older agents report their budget in.
+pub(super) fn later_stages(
     directory: &Store<Shard>,
+    nodes: &Store<InferenceNode>,
     stage: &ServedStage,
-) -> (u64, Option<String>) {
+) -> Vec<Later> {
     let context = u64::from(stage.spec.kv_cache.context_length);
-    let mut least = (0, None);
+    let mut later = Vec::new();
     let mut next = stage.spec.next.clone();
     // One hop per stage at most: a loop of `next` names ends the walk.
     for _ in 0..stage.spec.stage_count {
@@ -157,14 +163,23 @@ pub(super) fn downstream_kv_tokens(
             .as_ref()
             .filter(|s| s.phase == Some(ShardPhase::Ready))
             .and_then(|s| s.kv_budget_tokens)
-            .filter(|&t| t > 0)
-            .map(|t| t.max(context));
-        if let Some(tokens) = reported
-            && (least.0 == 0 || tokens < least.0)
-        {
-            least = (tokens, Some(name.clone()));
+            .filter(|&t| t > 0);
+        if let Some(budget) = reported {
+            let step = nodes
+                .get(&ObjectRef::new(&shard.spec.node))
+                .and_then(|n| n.status.as_ref()?.prompt_step_tokens);
+            let layers = shard.spec.layers.start as usize..shard.spec.layers.end as usize;
+            let cost = match (step, stage.worker.windows.get(layers)) {
+                (Some(step), Some(windows)) => KvCost::of_windows(windows, step as usize),
+                _ => KvCost::default(),
+            };
+            later.push(Later {
+                shard: name.clone(),
+                budget: budget.max(cost.units(context)),
+                cost,
+            });
         }
         next = shard.spec.next.clone();
     }
-    least
+    later
 }

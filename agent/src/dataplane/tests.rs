@@ -303,3 +303,49 @@ async fn a_shard_this_node_does_not_serve_is_not_found() {
         .unwrap();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
 }
+
+#[test]
+fn later_stages_count_their_own_sliding_layers_with_their_agents_prompt_step() {
+    use crate::kv_budget::KvCost;
+    use shardplane_crds::{InferenceNode, InferenceNodeSpec, InferenceNodeStatus};
+    // The head d-0-1 (layers 10-19 of 30) of a model whose every sixth layer
+    // is global, the others a window of 4; its next stage d-0-2 runs layers
+    // 20-29 (8 sliding, 2 global) on node-2, whose steps take 2048 prompt
+    // tokens, and reports a budget below one context of 8192.
+    let (mut stage, _) = middle_stage();
+    let windows: Vec<_> = (0..30).map(|l| (l % 6 != 5).then_some(4)).collect();
+    stage.worker.windows = windows.clone().into();
+    stage.spec.kv_cache.context_length = 8192;
+    let mut later = shard(2, Some("127.0.0.1:1"));
+    later.status.as_mut().unwrap().kv_budget_tokens = Some(1000);
+    let (directory, mut writer) = reflector::store();
+    writer.apply_watcher_event(&watcher::Event::Apply(later.clone()));
+    let (nodes, mut node_writer) = reflector::store();
+    let mut node = InferenceNode::new("node-2", InferenceNodeSpec::default());
+    node.status = Some(InferenceNodeStatus {
+        prompt_step_tokens: Some(2048),
+        ..Default::default()
+    });
+    node_writer.apply_watcher_event(&watcher::Event::Apply(node));
+    let cost = KvCost::of_windows(&windows[20..30], 2048);
+    // 2 full layers and 8 holding 4 + 64 kept, 256 and 256 more, and 2048.
+    assert_eq!(cost.units(8192), (2 * 8192 + 8 * 2628_u64).div_ceil(10));
+    let found = super::next_stage::later_stages(&directory, &nodes, &stage);
+    assert_eq!(found.len(), 1);
+    assert_eq!(
+        (found[0].shard.as_str(), &found[0].cost, found[0].budget),
+        ("d-0-2", &cost, cost.units(8192))
+    );
+    // A node that reports no step (an older agent, whose budget is in
+    // tokens): counted in tokens, the floor one context.
+    let (nodes, _) = reflector::store();
+    let found = super::next_stage::later_stages(&directory, &nodes, &stage);
+    assert_eq!(
+        (&found[0].cost, found[0].budget),
+        (&KvCost::default(), 8192)
+    );
+    // A later stage not Ready sets no budget.
+    later.status.as_mut().unwrap().phase = Some(ShardPhase::Loading);
+    writer.apply_watcher_event(&watcher::Event::Apply(later));
+    assert!(super::next_stage::later_stages(&directory, &nodes, &stage).is_empty());
+}

@@ -64,7 +64,7 @@ async fn instance_with(
 ) {
     let mut head = shard(0, None);
     head.spec.stage_count = if pipeline { 2 } else { 1 };
-    // A later stage holds at least one context (see `downstream_kv_tokens`):
+    // A later stage holds at least one context (see `later_stages`):
     // the Shard asks for contexts of what it reports.
     if let Some(kv) = later_kv {
         head.spec.kv_cache.context_length = kv as u32;
@@ -241,7 +241,7 @@ async fn youngest_yields(pipeline: bool) {
 }
 
 #[tokio::test]
-async fn a_head_admits_within_the_least_kv_its_later_stages_hold() {
+async fn a_head_admits_within_the_kv_its_later_stages_hold() {
     // The later stage's machine holds 40 tokens, one context of the Shard;
     // the head's own budget is unset (no cap of its own).
     let (client, worker, text, _dirs) = instance_with(true, Some(40)).await;
@@ -259,7 +259,14 @@ async fn a_head_admits_within_the_least_kv_its_later_stages_hold() {
         "{}",
         refused.message()
     );
-    assert_eq!(worker.stats.kv.budget(), 40);
+    // The head's own budget is unset; the later stage's account is 40.
+    assert_eq!(worker.stats.kv.budget(), 0);
+    let full = worker
+        .stats
+        .kv
+        .beyond(41)
+        .expect("over the later stage's 40");
+    assert_eq!((full.later.as_deref(), full.budget), (Some("d-0-1"), 40));
     // While one generation holds its prompt and next 16 tokens, another's
     // do not fit beside it: refused, with the 40 tokens named; alone, it
     // is answered.

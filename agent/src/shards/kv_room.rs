@@ -1,8 +1,8 @@
 //! What a stage's machine holds of its Shard's KV cache, in tokens:
 //! measured when the stage loads and again every [`INTERVAL`] while it
-//! runs, kept in the stage's ledger (a head admits within the least of its
-//! instance's stages, see `dataplane::head`) and reported in the Shard's
-//! status (`kvBudgetTokens`) when it moves.
+//! runs, kept in the stage's ledger (a head admits within its own and each
+//! of its instance's later stages', see `dataplane::head`) and reported in
+//! the Shard's status (`kvBudgetTokens`) when it moves.
 //!
 //! ```text
 //!  memory available + what the stage holds now (its KV, its prefix cache,
@@ -13,7 +13,7 @@
 //! ```
 //!
 //! The figure is in the ledger's units ([`KvCost`]): tokens, but on a
-//! whole model with sliding layers a sequence costs less than its length.
+//! stage with sliding layers a sequence costs less than its length.
 //!
 //! A Mac whose user opens other programs while it serves then makes its
 //! instance admit fewer sequences (the youngest are preempted if those
@@ -48,7 +48,7 @@ pub(super) struct KvRoom {
     /// The stage's prefix cache budget in bytes.
     pub prefix_cache: u64,
     /// What a sequence costs in the budget (its length, unless the stage
-    /// is a whole model with sliding layers).
+    /// has sliding layers).
     pub cost: KvCost,
 }
 
@@ -69,7 +69,7 @@ impl KvRoom {
             + stats.prefix.lock().unwrap_or_else(|p| p.into_inner()).bytes
             + EngineKind::cached_bytes() as u64;
         let budget = self.tokens(available.saturating_add(held));
-        stats.kv.set(Some(budget), None);
+        stats.kv.set_budget(budget);
         budget
     }
 

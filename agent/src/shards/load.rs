@@ -134,19 +134,15 @@ pub(super) async fn bring_up(
         },
     };
     let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
-    // A whole model's sliding layers hold at most their kept rows of a
-    // sequence: its head counts a long one as less (`KvCost`). A
-    // pipeline's stages count tokens, so that the head can admit within
-    // the least its later stages report.
-    let cost = if whole {
-        let layers = shard.spec.layers.start as usize..shard.spec.layers.end as usize;
-        KvCost::of_windows(
-            &engine.config().layer_windows(layers),
-            sources.budget.prefill_tokens,
-        )
-    } else {
-        KvCost::default()
-    };
+    // Sliding layers hold at most their kept rows of a sequence: each
+    // stage counts a long one as less by its own layers (`KvCost`), its
+    // head counts it so in every stage's budget.
+    let cost = KvCost::of_windows(
+        &engine
+            .config()
+            .layer_windows(shard.spec.layers.start as usize..shard.spec.layers.end as usize),
+        sources.budget.prefill_tokens,
+    );
     let on_crash: OnCrash = {
         let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
         let k = k.clone();
@@ -165,7 +161,7 @@ pub(super) async fn bring_up(
         on_crash,
     );
     // What this machine holds of the Shard's KV. Heads admit generations
-    // within the least of their instance's stages (see `dataplane::head`);
+    // within their own and each later stage's (see `dataplane::head`);
     // every stage reports its own in its status, measured again while it runs.
     let layers = u64::from(
         shard

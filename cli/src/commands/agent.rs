@@ -286,6 +286,7 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
             lease_duration: lease,
             data_plane_endpoint: None,
             engines: Vec::new(),
+            prompt_step: None,
         },
         admin_address: args.admin_address,
         renew_every: lease / 3,

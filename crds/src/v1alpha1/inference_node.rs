@@ -200,6 +200,12 @@ pub struct InferenceNodeStatus {
     /// The agent's version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_version: Option<String>,
+    /// Prompt tokens a step of the agent's stages takes at most
+    /// (`--prefill-tokens-per-step`): a sliding-window layer holds this
+    /// many rows of a sequence beyond its window, so a pipeline's head and
+    /// placement count the node's sliding layers with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_step_tokens: Option<u32>,
     /// `Ready`, driven by the agent's Lease.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Conditions,

@@ -179,10 +179,10 @@ pub struct ShardStatus {
     /// Tokens of KV cache this stage's machine holds for the shard: its
     /// `kvCache` (context length × concurrent sequences), or fewer when the
     /// machine's free memory has room for fewer (measured at load and every
-    /// 15 s). The first stage admits generations within the least of its
-    /// instance's stages. A stage that runs a whole model with
-    /// sliding-window layers counts a sequence as fewer tokens than its
-    /// length once it is longer than those layers hold.
+    /// 15 s). The first stage admits generations within its own and each
+    /// later stage's. A stage with sliding-window layers counts a sequence
+    /// as fewer tokens than its length once it is longer than those layers
+    /// hold (by its own layers and its agent's prompt step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_budget_tokens: Option<u64>,
     /// The generation of the spec this status describes.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use kube::ResourceExt;
 use shardplane_crds::quantity::parse_bytes;
 use shardplane_crds::*;
+use shardplane_formats::config::PROMPT_STEP;
 use shardplane_placement as placement;
 
 use crate::controllers::node_pool::{node_allocatable, node_ready, selects};
@@ -22,8 +23,9 @@ pub fn deployment_key(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// The planner's view of a model.
-pub fn footprint(status: &ModelStatus) -> Option<placement::Footprint> {
+/// The planner's view of a model on nodes whose stages take at most
+/// `prompt_step` prompt tokens a step ([`pool_prompt_step`]).
+pub fn footprint(status: &ModelStatus, prompt_step: usize) -> Option<placement::Footprint> {
     let layers = status.layers? as u64;
     if layers == 0 || status.layer_bytes.len() as u64 != layers {
         return None;
@@ -34,24 +36,46 @@ pub fn footprint(status: &ModelStatus) -> Option<placement::Footprint> {
         output_bytes: status.output_bytes.unwrap_or(0),
         kv_bytes_per_token_per_layer: status.kv_bytes_per_token.unwrap_or(0) / layers,
         kv_heads: status.kv_heads,
-        kv_token_caps: kv_token_caps(status, layers as usize),
+        kv_token_caps: kv_token_caps(status, layers as usize, prompt_step),
     })
 }
 
 /// Per layer, the tokens of KV a sequence holds at most there: the status's
-/// sliding-window layers hold `heldTokens`, the others every token (layers
-/// the status names out of range are left out).
-fn kv_token_caps(status: &ModelStatus, layers: usize) -> Vec<Option<u64>> {
+/// sliding-window layers hold `heldTokens`, which assume the default prompt
+/// step, and one row more or fewer per prompt token `prompt_step` takes
+/// beyond or short of it (`sliding_rows_held`); the others every token
+/// (layers the status names out of range are left out).
+fn kv_token_caps(status: &ModelStatus, layers: usize, prompt_step: usize) -> Vec<Option<u64>> {
     let Some(sliding) = &status.sliding_window else {
         return Vec::new();
     };
+    let held = (u64::from(sliding.held_tokens) + prompt_step as u64)
+        .saturating_sub(PROMPT_STEP as u64)
+        .max(1);
     let mut caps = vec![None; layers];
     for &l in &sliding.layers {
         if let Some(cap) = caps.get_mut(l as usize) {
-            *cap = Some(u64::from(sliding.held_tokens));
+            *cap = Some(held);
         }
     }
     caps
+}
+
+/// The most prompt tokens a step takes on the nodes `pool` selects, as
+/// their agents report it (the default for one that does not): what a
+/// sliding layer placed there may hold beyond its window.
+pub fn pool_prompt_step(pool: &NodePool, nodes: &[Arc<InferenceNode>]) -> usize {
+    nodes
+        .iter()
+        .filter(|n| selects(pool, n))
+        .map(|n| {
+            n.status
+                .as_ref()
+                .and_then(|s| s.prompt_step_tokens)
+                .map_or(PROMPT_STEP, |s| s as usize)
+        })
+        .max()
+        .unwrap_or(PROMPT_STEP)
 }
 
 /// The planner's view of a strategy.
@@ -99,7 +123,7 @@ fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Arc<Model>>) -
     let fp = models
         .get(&(ns, shard.spec.model.clone()))
         .and_then(|m| m.status.as_ref())
-        .and_then(footprint);
+        .and_then(|s| footprint(s, PROMPT_STEP));
     let Some(fp) = fp else {
         return DEFAULT_STAGE_OVERHEAD;
     };
@@ -264,13 +288,27 @@ mod tests {
             }),
             ..Default::default()
         };
-        let f = footprint(&status).unwrap();
+        let f = footprint(&status, PROMPT_STEP).unwrap();
         assert_eq!(f.kv_bytes_per_token_per_layer, 100);
         assert_eq!(f.kv_token_caps, [Some(1152), None, Some(1152), None]);
-        let without = footprint(&ModelStatus {
-            sliding_window: None,
-            ..status
-        })
+        // Nodes whose steps take 2048 prompt tokens hold 1536 rows more
+        // (as `sliding_rows_held` counts them), 256 fewer with 256.
+        let f = footprint(&status, 2048).unwrap();
+        assert_eq!(f.kv_token_caps, [Some(2688), None, Some(2688), None]);
+        use shardplane_formats::config::sliding_rows_held;
+        assert_eq!(
+            sliding_rows_held(128, 2048) - sliding_rows_held(128, PROMPT_STEP),
+            1536
+        );
+        let f = footprint(&status, 256).unwrap();
+        assert_eq!(f.kv_token_caps[0], Some(896));
+        let without = footprint(
+            &ModelStatus {
+                sliding_window: None,
+                ..status
+            },
+            PROMPT_STEP,
+        )
         .unwrap();
         assert!(without.kv_token_caps.is_empty());
     }
@@ -336,5 +374,31 @@ mod tests {
         assert_eq!(current[0].pipeline().len(), 2);
         // A rank missing: no instance (it is placed again).
         assert!(current_instances(&[&a, &c, &d]).is_empty());
+    }
+
+    #[test]
+    fn the_pool_prompt_step_is_the_largest_its_nodes_report() {
+        let pool = shardplane_testkit::fixtures::node_pool("p", Tier::Reasoning);
+        let node = |name: &str, pool: &str, step: Option<u32>| {
+            let mut n = InferenceNode::new(name, InferenceNodeSpec::default());
+            n.metadata.labels = Some([("pool".to_string(), pool.to_string())].into());
+            n.status = Some(InferenceNodeStatus {
+                prompt_step_tokens: step,
+                ..Default::default()
+            });
+            Arc::new(n)
+        };
+        assert_eq!(pool_prompt_step(&pool, &[]), PROMPT_STEP);
+        assert_eq!(pool_prompt_step(&pool, &[node("a", "p", Some(256))]), 256);
+        // A node that reports none counts as the default.
+        let nodes = [node("a", "p", None), node("b", "p", Some(256))];
+        assert_eq!(pool_prompt_step(&pool, &nodes), PROMPT_STEP);
+        // Only the pool's nodes.
+        let nodes = [
+            node("a", "p", Some(256)),
+            node("b", "other", Some(4096)),
+            node("c", "p", Some(1024)),
+        ];
+        assert_eq!(pool_prompt_step(&pool, &nodes), 1024);
     }
 }

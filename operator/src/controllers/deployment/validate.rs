@@ -6,7 +6,7 @@ use shardplane_crds::validation::Validate;
 use shardplane_crds::*;
 use shardplane_placement as placement;
 
-use super::cluster_view::footprint;
+use super::cluster_view::{footprint, pool_prompt_step};
 use super::observe::Observed;
 
 /// Why a deployment cannot be planned: a reason and what to change.
@@ -67,10 +67,11 @@ pub fn validate<'a>(d: &ModelDeployment, o: &'a Observed) -> Result<Valid<'a>, B
         reason: "StrategyDoesNotFitTier",
         message: e.to_string(),
     })?;
+    let step = pool_prompt_step(pool, &o.nodes);
     let footprint = model
         .status
         .as_ref()
-        .and_then(footprint)
+        .and_then(|s| footprint(s, step))
         .ok_or_else(|| Blocked {
             reason: "ModelNotResolved",
             message: format!(
