@@ -62,6 +62,8 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 const KEEPALIVE_PROBES: u32 = 3;
 /// The collective number that marks a message.
 const MESSAGE: u64 = u64::MAX;
+/// Handshakes of accepted connections that run at once while a rank joins.
+const MAX_HANDSHAKES: usize = 16;
 
 /// What can go wrong in a collective.
 #[derive(Debug, thiserror::Error)]
@@ -162,36 +164,52 @@ impl Mesh {
         listener
             .set_nonblocking(true)
             .map_err(|source| CollectiveError::Io { peer: me, source })?;
+        // Each accepted connection proves itself on a thread of its own, so
+        // a stranger that connects and says nothing holds up no real peer
+        // (it is dropped when its handshake times out). At most
+        // `MAX_HANDSHAKES` run at once; more connections are dropped.
+        let config = std::sync::Arc::new(config.clone());
+        let (proven, arrivals) = std::sync::mpsc::channel::<(usize, TcpStream)>();
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         while peers.iter().skip(me + 1).any(Option::is_none) {
+            while let Ok((peer, stream)) = arrivals.try_recv() {
+                // Two proven connections for one rank: the first stays.
+                peers[peer].get_or_insert(stream);
+            }
+            if peers.iter().skip(me + 1).all(Option::is_some) {
+                break;
+            }
+            if Instant::now() > deadline {
+                let missing: Vec<usize> = (me + 1..ranks).filter(|&p| peers[p].is_none()).collect();
+                return Err(CollectiveError::Join(format!(
+                    "ranks {missing:?} did not join rank {me} within {:?}",
+                    config.timeout
+                )));
+            }
             match listener.accept() {
                 Ok((stream, _)) => {
-                    // A connection that cannot be set up (reset already) is
-                    // dropped like a stranger.
-                    if stream.set_nonblocking(false).is_err()
-                        || prepare(&stream, config.timeout, me).is_err()
-                    {
+                    use std::sync::atomic::Ordering;
+                    if running.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                        running.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
-                    // A stranger, a rank out of turn or one that fails its
-                    // proof is dropped: the real peer may still come (and
-                    // one that never does is named when the join times out).
-                    if let Ok((peer, theirs)) = read_hello(&stream, config, None)
-                        && peer > me
-                        && peers[peer].is_none()
-                        && prove_accepting(&stream, config, peer, &theirs).is_ok()
+                    let (theirs, proven, done) = (config.clone(), proven.clone(), running.clone());
+                    let handshake = move || {
+                        if let Some(peer) = accept_peer(&stream, &theirs, deadline) {
+                            let _ = proven.send((peer, stream));
+                        }
+                        done.fetch_sub(1, Ordering::AcqRel);
+                    };
+                    if std::thread::Builder::new()
+                        .name("tensor-join".into())
+                        .spawn(handshake)
+                        .is_err()
                     {
-                        peers[peer] = Some(stream);
+                        // No thread: the connection was dropped with the closure.
+                        running.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        let missing: Vec<usize> =
-                            (me + 1..ranks).filter(|&p| peers[p].is_none()).collect();
-                        return Err(CollectiveError::Join(format!(
-                            "ranks {missing:?} did not join rank {me} within {:?}",
-                            config.timeout
-                        )));
-                    }
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(source) => return Err(CollectiveError::Io { peer: me, source }),
@@ -498,6 +516,31 @@ fn connect(
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
+}
+
+/// Sets up an accepted connection and has it prove it is a higher rank of
+/// the group, within `deadline` (the join's); its rank, or `None` for a
+/// stranger, a rank out of turn, one that fails its proof or a connection
+/// that cannot be set up (reset already), which are dropped: the real peer
+/// may still come, and one that never does is named when the join times out.
+fn accept_peer(stream: &TcpStream, config: &MeshConfig, deadline: Instant) -> Option<usize> {
+    let me = config.rank;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_nonblocking(false).ok()?;
+    prepare(stream, config.timeout, me).ok()?;
+    // The handshake itself may take no longer than the join has left.
+    stream.set_read_timeout(Some(left)).ok()?;
+    stream.set_write_timeout(Some(left)).ok()?;
+    let (peer, theirs) = read_hello(stream, config, None).ok()?;
+    if peer <= me {
+        return None;
+    }
+    prove_accepting(stream, config, peer, &theirs).ok()?;
+    stream.set_read_timeout(Some(config.timeout)).ok()?;
+    stream.set_write_timeout(Some(config.timeout)).ok()?;
+    Some(peer)
 }
 
 fn prepare(stream: &TcpStream, timeout: Duration, peer: usize) -> Result<(), CollectiveError> {

@@ -104,6 +104,37 @@ fn a_peer_without_the_token_or_of_another_group_is_refused() {
 }
 
 #[test]
+fn strangers_that_connect_and_say_nothing_hold_up_no_real_peer() {
+    let (listeners, addresses) = listeners(3);
+    let t = "a-data-plane-token-of-32-characters";
+    // Connected before any rank: rank 0 accepts them first. Each would have
+    // held rank 0's join for its whole 2 s had it proven them one by one.
+    let strangers: Vec<_> = (0..3)
+        .map(|_| std::net::TcpStream::connect(addresses[0]).unwrap())
+        .collect();
+    let results = std::thread::scope(|s| {
+        let joins: Vec<_> = (0..3)
+            .map(|rank| {
+                let (listeners, addresses) = (&listeners, &addresses);
+                s.spawn(move || Mesh::join(&listeners[rank], &config("g", rank, addresses, t)))
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let meshes: Vec<Mesh> = results.into_iter().map(|r| r.unwrap()).collect();
+    let sums = on_every_rank(meshes, |m| {
+        let mut values = vec![m.rank() as f32 + 1.0; 3];
+        m.all_reduce(&mut values).unwrap();
+        values
+    });
+    assert!(sums.iter().all(|v| v == &vec![6.0; 3]), "{sums:?}");
+    drop(strangers);
+}
+
+#[test]
 fn ranks_out_of_step_are_named_not_summed() {
     let meshes = Mesh::loopback(2, &Token::random().unwrap(), Duration::from_secs(5)).unwrap();
     let results = on_every_rank(meshes, |m| {
