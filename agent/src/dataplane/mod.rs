@@ -10,10 +10,13 @@
 //!
 //! With TLS on, every caller has a certificate of the cluster CA (the
 //! handshake refuses one without), and the calls only agents make need a
-//! node's: `ReadBlob` from any node, `Forward` from the node of the Shard's
-//! previous stage (refused, as unavailable, while the watch store does not
-//! know that Shard). `Generate`, from the gateway (whose certificate names
-//! no node), needs no more than that and the token.
+//! node's: `Ping` and `ReadBlob` from any node, `Forward` from the node of
+//! the Shard's previous stage (refused, as unavailable, while the watch
+//! store does not know that Shard). `Generate` takes a client's
+//! certificate (the gateway's, naming no node) or this node's own (a tool
+//! on its machine with the agent's directory), never another node's: a
+//! node drives other stages only by `Forward`, into its own next stage.
+//! `Status` takes any.
 //!
 //! A sequence lives as long as its streams: when the client of `Generate`
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
@@ -141,6 +144,22 @@ impl Service {
         }
     }
 
+    /// With TLS on, refuses a `Generate` from another node's certificate:
+    /// prompts come from clients (a certificate naming no node) or from a
+    /// tool on this node's machine (its own certificate).
+    fn check_client(&self, caller: Option<&dp::tls::PeerInfo>) -> Result<(), Status> {
+        match caller.and_then(|p| p.node.as_deref()) {
+            Some(node) if self.peers.tls().is_some() && node != self.node => {
+                Err(Status::permission_denied(format!(
+                    "node {node} may not call Generate on node {}: prompts come with a client's \
+                     certificate (the gateway's, naming no node) or this node's own",
+                    self.node
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// With TLS on (a `caller` node), refuses a `Forward` into `stage` from
     /// any node but its previous stage's. It fails closed: a stage without
     /// a previous one takes no `Forward`, and while the watch store does not
@@ -194,6 +213,7 @@ impl DataPlane for Service {
         &self,
         request: Request<dp::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        self.check_client(request.extensions().get())?;
         self.generate_on_head(request).await
     }
 
@@ -236,6 +256,7 @@ impl DataPlane for Service {
         &self,
         request: Request<dp::PingRequest>,
     ) -> Result<Response<dp::PingResponse>, Status> {
+        self.calling_node(request.extensions().get(), "Ping")?;
         let n = request.into_inner().reply_bytes;
         if n > MAX_PING_BYTES {
             return Err(Status::invalid_argument(format!(

@@ -94,21 +94,58 @@ async fn calls_between_agents_need_the_right_node_certificate() {
     };
     // Anyone with a certificate from the CA reaches the service; a caller
     // with the token but no certificate does not.
-    let ping = |tls: Arc<Tls>| {
+    let status = |tls: Arc<Tls>| {
         let mut c = dp::client(
             dp::channel(&endpoint, Some((&tls, "node-1"))).unwrap(),
             token(),
         );
-        async move { c.ping(dp::PingRequest::default()).await.map(|_| ()) }
+        async move { c.status(dp::StatusRequest {}).await.map(|_| ()) }
     };
-    ping(ca.tls(None)).await.expect("the gateway's certificate");
-    ping(ca.tls(Some("node-2")))
+    status(ca.tls(None))
+        .await
+        .expect("the gateway's certificate");
+    status(ca.tls(Some("node-2")))
         .await
         .expect("a node's certificate");
-    let refused = ping(ca.anonymous()).await.unwrap_err();
+    let refused = status(ca.anonymous()).await.unwrap_err();
     assert!(
         refused.to_string().contains("CertificateRequired"),
         "{refused}"
+    );
+    // Links are measured between agents: Ping needs a node's certificate.
+    let ping = |caller: Option<&str>| {
+        let mut c = client(caller);
+        async move {
+            c.ping(dp::PingRequest::default())
+                .await
+                .err()
+                .map(|e| e.code())
+        }
+    };
+    assert_eq!(ping(Some("node-2")).await, None);
+    assert_eq!(ping(None).await, Some(Code::PermissionDenied));
+    // Prompts come from clients (naming no node) or this node's own tools,
+    // not from another node (the stage is no head: past the check, the
+    // call fails as a precondition).
+    let generate = |caller: Option<&str>| {
+        let mut c = client(caller);
+        async move {
+            let request = dp::GenerateRequest {
+                shard: Some(dp::ShardRef {
+                    namespace: super::tests::NS.into(),
+                    name: "d-0-1".into(),
+                }),
+                input: Some(dp::generate_request::Input::Prompt("hi".into())),
+                ..Default::default()
+            };
+            c.generate(request).await.err().map(|e| e.code())
+        }
+    };
+    assert_eq!(generate(Some("node-2")).await, Some(Code::PermissionDenied));
+    assert_eq!(generate(None).await, Some(Code::FailedPrecondition));
+    assert_eq!(
+        generate(Some("node-1")).await,
+        Some(Code::FailedPrecondition)
     );
     // The gateway (naming no node) and another node may not drive the stage.
     assert_eq!(forward(None).await, Code::PermissionDenied);

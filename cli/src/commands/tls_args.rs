@@ -109,9 +109,10 @@ pub type NodeTls = (std::sync::Arc<shardplane_dataplane::tls::Tls>, String);
 pub struct RemoteTls {
     /// A directory holding the data plane's CA (`ca.crt`) and a certificate
     /// it signed with its key (`tls.crt`, `tls.key`), for agents serving
-    /// TLS: they require a certificate of every caller. An agent's own
-    /// directory (`<cache-dir>-tls` on its machine) does, as does a
-    /// cert-manager Secret from the same CA.
+    /// TLS: they require a certificate of every caller. The gateway's
+    /// (`--tls-dir`) does for any agent; an agent's own (`<cache-dir>-tls`
+    /// on its machine) for that agent (`Generate` refuses other nodes'
+    /// certificates), and for any agent's `ReadBlob` (`bench --copy-from`).
     #[arg(long, requires = "node")]
     pub data_plane_tls_dir: Option<PathBuf>,
     /// The node whose data plane the endpoint is (its certificate must name it).
