@@ -194,6 +194,15 @@ impl KvLedger {
             .find(|f| f.budget > 0 && f.units > f.budget)
     }
 
+    /// Each later stage's account: its Shard, what the shares hold there
+    /// and its budget (in its units).
+    pub fn later_usage(&self) -> Vec<(String, u64, u64)> {
+        self.accounts(0)
+            .into_iter()
+            .filter_map(|f| Some((f.later?, f.reserved, f.budget)))
+            .collect()
+    }
+
     /// Every account, the stage's own first, for a sequence of `tokens`.
     fn accounts(&self, tokens: u64) -> Vec<Full> {
         let shares = self.shares();

@@ -352,6 +352,8 @@ fn heartbeat(
                 _ = cache.changed() => true,
             };
             metrics.cache_bytes.set(cache.total_bytes() as i64);
+            // Later stages come and go with placements: set afresh.
+            metrics.kv_later_tokens.reset();
             for stage in shard_set.all_served() {
                 let stats = &stage.worker.stats;
                 metrics
@@ -366,6 +368,14 @@ fn heartbeat(
                     .kv_tokens
                     .with_label_values(&[&stage.name, "reserved"])
                     .set(stats.kv.reserved_tokens.load(Ordering::Relaxed) as i64);
+                for (later, reserved, budget) in stats.kv.later_usage() {
+                    for (kind, value) in [("reserved", reserved), ("budget", budget)] {
+                        metrics
+                            .kv_later_tokens
+                            .with_label_values(&[&stage.name, &later, kind])
+                            .set(value as i64);
+                    }
+                }
             }
             match reg.renew(&client).await {
                 Ok(()) => metrics.lease_renewals.inc(),

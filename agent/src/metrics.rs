@@ -64,6 +64,8 @@ pub struct Metrics {
     pub queue_wait_seconds: HistogramVec,
     /// KV tokens reserved by admitted generations, and the budget.
     pub kv_tokens: IntGaugeVec,
+    /// A pipeline head's accounts of its later stages' KV.
+    pub kv_later_tokens: IntGaugeVec,
     /// Bytes the prefix cache holds.
     pub prefix_bytes: IntGaugeVec,
     /// Bytes the prefix cache may hold.
@@ -247,6 +249,16 @@ impl Metrics {
             &["shard", "kind"],
         )
         .expect("valid metric");
+        let kv_later_tokens = IntGaugeVec::new(
+            Opts::new(
+                "shardplane_agent_kv_later_stage_tokens",
+                "A pipeline head's account of a later stage's KV, in that stage's units: what \
+                 the generations the head admitted hold there (kind=reserved) and the budget that \
+                 stage reports (kind=budget), by the head's shard and the later stage's.",
+            ),
+            &["shard", "stage", "kind"],
+        )
+        .expect("valid metric");
         let prefix_bytes = gauge(
             "shardplane_agent_prefix_cache_bytes",
             "Bytes of prompts' KV the prefix cache holds, by shard.",
@@ -299,6 +311,7 @@ impl Metrics {
                 Box::new(waiting_prompts.clone()),
                 Box::new(queue_wait_seconds.clone()),
                 Box::new(kv_tokens.clone()),
+                Box::new(kv_later_tokens.clone()),
                 Box::new(prefix_bytes.clone()),
                 Box::new(prefix_budget_bytes.clone()),
                 Box::new(link_latency_seconds.clone()),
@@ -340,6 +353,7 @@ impl Metrics {
             waiting_prompts,
             queue_wait_seconds,
             kv_tokens,
+            kv_later_tokens,
             prefix_bytes,
             prefix_budget_bytes,
             link_latency_seconds,

@@ -57,6 +57,8 @@ fn metric_names_follow_prometheus_conventions() {
         "phase",
         "kind",
         "shard",
+        // Another Shard's name (a pipeline's later stage): as bounded as `shard`.
+        "stage",
         "controller",
         "outcome",
         "source",

@@ -287,6 +287,13 @@ async fn a_head_admits_within_the_kv_its_later_stages_hold() {
         .unwrap_err();
     assert_eq!(busy.code(), tonic::Code::ResourceExhausted);
     assert!(busy.message().contains("of the 40"), "{}", busy.message());
+    // The head's account of the later stage (as its metrics show it).
+    let usage = worker.stats.kv.later_usage();
+    assert_eq!(
+        (usage.len(), usage[0].0.as_str(), usage[0].2),
+        (1, "d-0-1", 40)
+    );
+    assert!(usage[0].1 > 0, "{usage:?}");
     while first.message().await.unwrap().is_some() {}
     reserved_becomes(&worker, 0).await;
     let (_, tokens, _) = collect(&mut client.clone(), request(prompts[1].clone(), 24))
