@@ -345,6 +345,8 @@ fn heartbeat(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut last_report = tokio::time::Instant::now();
+        // The (head, later stage) pairs of the last beat's KV series.
+        let mut later_series = std::collections::BTreeSet::new();
         loop {
             // A new model in the cache is reported at once; otherwise on the timer.
             let cache_changed = tokio::select! {
@@ -352,8 +354,7 @@ fn heartbeat(
                 _ = cache.changed() => true,
             };
             metrics.cache_bytes.set(cache.total_bytes() as i64);
-            // Later stages come and go with placements: set afresh.
-            metrics.kv_later_tokens.reset();
+            let mut later_now = std::collections::BTreeSet::new();
             for stage in shard_set.all_served() {
                 let stats = &stage.worker.stats;
                 metrics
@@ -375,8 +376,19 @@ fn heartbeat(
                             .with_label_values(&[&stage.name, &later, kind])
                             .set(value as i64);
                     }
+                    later_now.insert((stage.name.clone(), later));
                 }
             }
+            // Later stages come and go with placements, heads with their
+            // Shards: the series of those gone go too.
+            for (shard, later) in later_series.difference(&later_now) {
+                for kind in ["reserved", "budget"] {
+                    let _ = metrics
+                        .kv_later_tokens
+                        .remove_label_values(&[shard, later, kind]);
+                }
+            }
+            later_series = later_now;
             match reg.renew(&client).await {
                 Ok(()) => metrics.lease_renewals.inc(),
                 Err(e) => {

@@ -254,9 +254,10 @@ impl Metrics {
                 "shardplane_agent_kv_later_stage_tokens",
                 "A pipeline head's account of a later stage's KV, in that stage's units: what \
                  the generations the head admitted hold there (kind=reserved) and the budget that \
-                 stage reports (kind=budget), by the head's shard and the later stage's.",
+                 stage reported at the head's last admission or growth (kind=budget), by the \
+                 head's shard and the later stage's (later_shard).",
             ),
-            &["shard", "stage", "kind"],
+            &["shard", "later_shard", "kind"],
         )
         .expect("valid metric");
         let prefix_bytes = gauge(

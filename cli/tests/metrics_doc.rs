@@ -58,7 +58,7 @@ fn metric_names_follow_prometheus_conventions() {
         "kind",
         "shard",
         // Another Shard's name (a pipeline's later stage): as bounded as `shard`.
-        "stage",
+        "later_shard",
         "controller",
         "outcome",
         "source",

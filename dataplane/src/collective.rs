@@ -64,6 +64,9 @@ const KEEPALIVE_PROBES: u32 = 3;
 const MESSAGE: u64 = u64::MAX;
 /// Handshakes of accepted connections that run at once while a rank joins.
 const MAX_HANDSHAKES: usize = 16;
+/// The longest an accepted connection may take to send its hello (each
+/// read of it).
+const HELLO_WITHIN: Duration = Duration::from_secs(3);
 
 /// What can go wrong in a collective.
 #[derive(Debug, thiserror::Error)]
@@ -165,50 +168,47 @@ impl Mesh {
             .set_nonblocking(true)
             .map_err(|source| CollectiveError::Io { peer: me, source })?;
         // Each accepted connection proves itself on a thread of its own, so
-        // a stranger that connects and says nothing holds up no real peer
-        // (it is dropped when its handshake times out). At most
-        // `MAX_HANDSHAKES` run at once; more connections are dropped.
-        let config = std::sync::Arc::new(config.clone());
-        let (proven, arrivals) = std::sync::mpsc::channel::<(usize, TcpStream)>();
-        let running = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        while peers.iter().skip(me + 1).any(Option::is_none) {
-            while let Ok((peer, stream)) = arrivals.try_recv() {
-                // Two proven connections for one rank: the first stays.
-                peers[peer].get_or_insert(stream);
+        // a stranger that connects and says nothing holds up no real peer:
+        // it is dropped when its hello does not come within `HELLO_WITHIN`.
+        // While `MAX_HANDSHAKES` run, further connections wait in the
+        // listener's backlog.
+        let mut handshakes = Handshakes::new(config, deadline);
+        let missing = |peers: &[Option<TcpStream>]| -> Vec<usize> {
+            (me + 1..ranks).filter(|&p| peers[p].is_none()).collect()
+        };
+        loop {
+            for (peer, stream) in handshakes.proven(Duration::ZERO) {
+                // A rank that connects again gave up on its earlier
+                // connection: the newest stays.
+                peers[peer] = Some(stream);
             }
-            if peers.iter().skip(me + 1).all(Option::is_some) {
+            if missing(&peers).is_empty() {
                 break;
             }
             if Instant::now() > deadline {
-                let missing: Vec<usize> = (me + 1..ranks).filter(|&p| peers[p].is_none()).collect();
+                // Handshakes under way end by the deadline: a peer proven
+                // just in time still counts.
+                let grace = Instant::now() + Duration::from_millis(500);
+                while handshakes.running() > 0 && Instant::now() < grace {
+                    for (peer, stream) in handshakes.proven(Duration::from_millis(50)) {
+                        peers[peer] = Some(stream);
+                    }
+                }
+                let missing = missing(&peers);
+                if missing.is_empty() {
+                    break;
+                }
                 return Err(CollectiveError::Join(format!(
                     "ranks {missing:?} did not join rank {me} within {:?}",
                     config.timeout
                 )));
             }
+            if handshakes.running() >= MAX_HANDSHAKES {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
             match listener.accept() {
-                Ok((stream, _)) => {
-                    use std::sync::atomic::Ordering;
-                    if running.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-                        running.fetch_sub(1, Ordering::AcqRel);
-                        continue;
-                    }
-                    let (theirs, proven, done) = (config.clone(), proven.clone(), running.clone());
-                    let handshake = move || {
-                        if let Some(peer) = accept_peer(&stream, &theirs, deadline) {
-                            let _ = proven.send((peer, stream));
-                        }
-                        done.fetch_sub(1, Ordering::AcqRel);
-                    };
-                    if std::thread::Builder::new()
-                        .name("tensor-join".into())
-                        .spawn(handshake)
-                        .is_err()
-                    {
-                        // No thread: the connection was dropped with the closure.
-                        running.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
+                Ok((stream, _)) => handshakes.start(stream),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
@@ -518,6 +518,93 @@ fn connect(
     }
 }
 
+/// What a handshake thread reports: its number, and the rank it proved
+/// with its connection (none: dropped).
+type Handshake = (u64, Option<(usize, TcpStream)>);
+
+/// The handshakes of the connections a joining rank accepted, each on a
+/// thread of its own. Those still running when the join ends (a stranger
+/// that sends a byte now and then) are cut then: their connections are
+/// shut, which ends their threads' reads.
+struct Handshakes {
+    config: std::sync::Arc<MeshConfig>,
+    deadline: Instant,
+    report: std::sync::mpsc::Sender<Handshake>,
+    reports: std::sync::mpsc::Receiver<Handshake>,
+    /// The running ones' connections (clones), by number.
+    running: std::collections::BTreeMap<u64, TcpStream>,
+    next: u64,
+}
+
+impl Handshakes {
+    fn new(config: &MeshConfig, deadline: Instant) -> Self {
+        let (report, reports) = std::sync::mpsc::channel();
+        Handshakes {
+            config: std::sync::Arc::new(config.clone()),
+            deadline,
+            report,
+            reports,
+            running: Default::default(),
+            next: 0,
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Proves `stream` on a thread of its own (dropped when it cannot be
+    /// cloned or no thread starts).
+    fn start(&mut self, stream: TcpStream) {
+        let Ok(clone) = stream.try_clone() else {
+            return;
+        };
+        let (n, config, report, deadline) = (
+            self.next,
+            self.config.clone(),
+            self.report.clone(),
+            self.deadline,
+        );
+        self.next += 1;
+        let handshake = move || {
+            let proven = accept_peer(&stream, &config, deadline).map(|peer| (peer, stream));
+            let _ = report.send((n, proven));
+        };
+        if std::thread::Builder::new()
+            .name("tensor-join".into())
+            .spawn(handshake)
+            .is_ok()
+        {
+            self.running.insert(n, clone);
+        }
+    }
+
+    /// The peers proven since last asked, waiting up to `wait` for a first
+    /// report.
+    fn proven(&mut self, wait: Duration) -> Vec<(usize, TcpStream)> {
+        let first = match wait {
+            Duration::ZERO => self.reports.try_recv().ok(),
+            _ => self.reports.recv_timeout(wait).ok(),
+        };
+        let mut proven = Vec::new();
+        let mut next = first;
+        while let Some((n, outcome)) = next {
+            self.running.remove(&n);
+            proven.extend(outcome);
+            next = self.reports.try_recv().ok();
+        }
+        proven
+    }
+}
+
+impl Drop for Handshakes {
+    fn drop(&mut self) {
+        for stream in self.running.values() {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
 /// Sets up an accepted connection and has it prove it is a higher rank of
 /// the group, within `deadline` (the join's); its rank, or `None` for a
 /// stranger, a rank out of turn, one that fails its proof or a connection
@@ -530,13 +617,16 @@ fn accept_peer(stream: &TcpStream, config: &MeshConfig, deadline: Instant) -> Op
         .max(Duration::from_millis(1));
     stream.set_nonblocking(false).ok()?;
     prepare(stream, config.timeout, me).ok()?;
-    // The handshake itself may take no longer than the join has left.
-    stream.set_read_timeout(Some(left)).ok()?;
+    // A real peer sends its hello as it connects: a connection that says
+    // nothing for a while is dropped, its place taken by the next.
+    stream.set_read_timeout(Some(left.min(HELLO_WITHIN))).ok()?;
     stream.set_write_timeout(Some(left)).ok()?;
     let (peer, theirs) = read_hello(stream, config, None).ok()?;
     if peer <= me {
         return None;
     }
+    // The rest may take no longer than the join has left.
+    stream.set_read_timeout(Some(left)).ok()?;
     prove_accepting(stream, config, peer, &theirs).ok()?;
     stream.set_read_timeout(Some(config.timeout)).ok()?;
     stream.set_write_timeout(Some(config.timeout)).ok()?;

@@ -107,16 +107,22 @@ fn a_peer_without_the_token_or_of_another_group_is_refused() {
 fn strangers_that_connect_and_say_nothing_hold_up_no_real_peer() {
     let (listeners, addresses) = listeners(3);
     let t = "a-data-plane-token-of-32-characters";
-    // Connected before any rank: rank 0 accepts them first. Each would have
-    // held rank 0's join for its whole 2 s had it proven them one by one.
-    let strangers: Vec<_> = (0..3)
+    // Connected before any rank, more than the 16 handshakes a rank runs at
+    // once: rank 0 accepts them first. Proven one by one, each would have
+    // held rank 0's join for its whole 8 s; they are dropped after 3 s
+    // without a hello, and the real ranks wait in the backlog meanwhile.
+    let strangers: Vec<_> = (0..20)
         .map(|_| std::net::TcpStream::connect(addresses[0]).unwrap())
         .collect();
+    let config = |rank| MeshConfig {
+        timeout: Duration::from_secs(8),
+        ..config("g", rank, &addresses, t)
+    };
     let results = std::thread::scope(|s| {
         let joins: Vec<_> = (0..3)
             .map(|rank| {
-                let (listeners, addresses) = (&listeners, &addresses);
-                s.spawn(move || Mesh::join(&listeners[rank], &config("g", rank, addresses, t)))
+                let (listeners, config) = (&listeners, &config);
+                s.spawn(move || Mesh::join(&listeners[rank], &config(rank)))
             })
             .collect();
         joins

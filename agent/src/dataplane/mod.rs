@@ -148,14 +148,20 @@ impl Service {
     /// prompts come from clients (a certificate naming no node) or from a
     /// tool on this node's machine (its own certificate).
     fn check_client(&self, caller: Option<&dp::tls::PeerInfo>) -> Result<(), Status> {
-        match caller.and_then(|p| p.node.as_deref()) {
-            Some(node) if self.peers.tls().is_some() && node != self.node => {
-                Err(Status::permission_denied(format!(
-                    "node {node} may not call Generate on node {}: prompts come with a client's \
-                     certificate (the gateway's, naming no node) or this node's own",
-                    self.node
-                )))
-            }
+        if self.peers.tls().is_none() {
+            return Ok(());
+        }
+        let Some(caller) = caller else {
+            return Err(Status::permission_denied(
+                "Generate: the caller's connection is not known",
+            ));
+        };
+        match caller.node.as_deref() {
+            Some(node) if node != self.node => Err(Status::permission_denied(format!(
+                "node {node} may not call Generate on node {}: prompts come with a client's \
+                 certificate (the gateway's, naming no node) or this node's own",
+                self.node
+            ))),
             _ => Ok(()),
         }
     }

@@ -110,7 +110,7 @@ pub struct RemoteTls {
     /// A directory holding the data plane's CA (`ca.crt`) and a certificate
     /// it signed with its key (`tls.crt`, `tls.key`), for agents serving
     /// TLS: they require a certificate of every caller. The gateway's
-    /// (`--tls-dir`) does for any agent; an agent's own (`<cache-dir>-tls`
+    /// (kept on disk with its `--tls-dir`) does for any agent; an agent's own (`<cache-dir>-tls`
     /// on its machine) for that agent (`Generate` refuses other nodes'
     /// certificates), and for any agent's `ReadBlob` (`bench --copy-from`).
     #[arg(long, requires = "node")]
