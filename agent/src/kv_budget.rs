@@ -80,11 +80,11 @@ pub struct Later {
     pub budget: u64,
 }
 
-/// Where a sequence's tokens do not fit: the head's own budget, or a later
-/// stage's. Figures are in that budget's units.
+/// One budget as a sequence of some tokens meets it: the head's own or a
+/// later stage's, in its units. A refusal names the one that is short.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Full {
-    /// The later stage whose budget is short (`None`: the head's own).
+pub struct Account {
+    /// The later stage whose budget it is (`None`: the head's own).
     pub later: Option<String>,
     /// What the sequence's tokens cost there.
     pub units: u64,
@@ -188,7 +188,7 @@ impl KvLedger {
 
     /// The first budget, the stage's own or a later stage's, that a
     /// sequence of `tokens` would overflow even alone.
-    pub fn beyond(&self, tokens: u64) -> Option<Full> {
+    pub fn beyond(&self, tokens: u64) -> Option<Account> {
         self.accounts(tokens)
             .into_iter()
             .find(|f| f.budget > 0 && f.units > f.budget)
@@ -204,15 +204,15 @@ impl KvLedger {
     }
 
     /// Every account, the stage's own first, for a sequence of `tokens`.
-    fn accounts(&self, tokens: u64) -> Vec<Full> {
+    fn accounts(&self, tokens: u64) -> Vec<Account> {
         let shares = self.shares();
-        let later = shares.later.iter().map(|l| Full {
+        let later = shares.later.iter().map(|l| Account {
             later: Some(l.shard.clone()),
             units: l.cost.units(tokens),
             reserved: shares.reserved(&l.cost),
             budget: l.budget,
         });
-        std::iter::once(self.own_full(tokens))
+        std::iter::once(self.own_account(tokens))
             .chain(later)
             .collect()
     }
@@ -231,20 +231,20 @@ impl KvLedger {
     /// The account with a budget (the stage's own or a later stage's) that
     /// a sequence of `tokens` would fill most, for a refusal while others
     /// wait for room; the stage's own when none has a budget.
-    fn tightest(&self, tokens: u64) -> Full {
-        let fill = |f: &Full| {
+    fn tightest(&self, tokens: u64) -> Account {
+        let fill = |f: &Account| {
             (u128::from(f.reserved) + u128::from(f.units)) * 1_000_000 / u128::from(f.budget)
         };
         self.accounts(tokens)
             .into_iter()
             .filter(|f| f.budget > 0)
             .max_by_key(fill)
-            .unwrap_or_else(|| self.own_full(tokens))
+            .unwrap_or_else(|| self.own_account(tokens))
     }
 
     /// The stage's own account, for a sequence of `tokens`.
-    fn own_full(&self, tokens: u64) -> Full {
-        Full {
+    fn own_account(&self, tokens: u64) -> Account {
+        Account {
             later: None,
             units: self.units(tokens),
             reserved: self.reserved_tokens.load(Ordering::Relaxed),
@@ -319,7 +319,7 @@ impl KvReservation {
     /// stages' ([`KvLedger::units`]) as a share that grows and may be asked
     /// to yield, or says where it does not fit (the stage's own budget, to a
     /// new generation while others wait for room: they go first).
-    pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, Full> {
+    pub fn take(ledger: &Arc<KvLedger>, tokens: u64) -> Result<Self, Account> {
         let mut r = KvReservation {
             ledger: ledger.clone(),
             tokens: 0,
@@ -342,7 +342,7 @@ impl KvReservation {
     /// Grows the share to cover `tokens` of its sequence (never shrinks
     /// it) in every account, or says where it does not fit. A share given
     /// back holds again, not asked to yield.
-    pub fn grow(&mut self, tokens: u64) -> Result<(), Full> {
+    pub fn grow(&mut self, tokens: u64) -> Result<(), Account> {
         if tokens <= self.tokens {
             return Ok(());
         }
@@ -352,7 +352,7 @@ impl KvReservation {
         // layers' part, and growth that costs nothing more always fits.
         let units = ledger.units(tokens);
         let more = units.saturating_sub(self.units);
-        let own = ledger.own_full(tokens);
+        let own = ledger.own_account(tokens);
         if more > 0 && own.budget > 0 && own.reserved.saturating_add(more) > own.budget {
             return Err(own);
         }
@@ -360,7 +360,7 @@ impl KvReservation {
             let (now, then) = (later.cost.units(self.tokens), later.cost.units(tokens));
             let reserved = shares.reserved(&later.cost);
             if then > now && reserved.saturating_add(then - now) > later.budget {
-                return Err(Full {
+                return Err(Account {
                     later: Some(later.shard.clone()),
                     units: then,
                     reserved,
@@ -558,7 +558,7 @@ mod tests {
         let full = KvReservation::take(&ledger, 1).unwrap_err();
         assert_eq!(
             full,
-            Full {
+            Account {
                 later: Some("d-0-1".into()),
                 units: 1,
                 reserved: 3 * 3840,

@@ -26,7 +26,7 @@ use super::next_stage::{Downstream, later_stages};
 use super::relay::Sequence;
 use super::wire::{self, engine_status, event};
 use super::{EventStream, Service};
-use crate::kv_budget::{Full, KvReservation};
+use crate::kv_budget::{Account, KvReservation};
 use crate::metrics::Metrics;
 use crate::shards::ServedStage;
 
@@ -561,7 +561,7 @@ impl Generation {
 
 /// How `tokens` of a sequence count in the budget that is `full`, when
 /// that is not their number (sliding-window layers), for a refusal.
-fn counted(full: &Full, tokens: u64) -> String {
+fn counted(full: &Account, tokens: u64) -> String {
     match full.units {
         units if units == tokens => String::new(),
         units => format!(
@@ -573,7 +573,7 @@ fn counted(full: &Full, tokens: u64) -> String {
 impl Service {
     /// Who holds the budget that is `full`, for a refusal: a later stage's
     /// machine, or the head's shard.
-    fn holder(&self, stage: &ServedStage, full: &Full) -> String {
+    fn holder(&self, stage: &ServedStage, full: &Account) -> String {
         match &full.later {
             Some(shard) => format!("stage {shard}'s machine"),
             None => format!(
