@@ -25,6 +25,8 @@ pub mod retry;
 pub mod scheduler;
 pub mod shards;
 pub mod stage;
+pub mod step_cost;
+pub mod step_gather;
 pub mod tensor;
 #[cfg(test)]
 mod test_stage;

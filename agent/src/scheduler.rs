@@ -20,6 +20,8 @@ use shardplane_engine::{Activations, SequenceId, Stage, StageInput, StageOutput}
 use tokio::sync::oneshot;
 
 use crate::stage::{Pass, PassObserver, StageStats};
+use crate::step_cost::PassCost;
+use crate::step_gather::Gather;
 
 /// What a forward job gives back.
 #[derive(Debug)]
@@ -43,6 +45,8 @@ pub enum Job {
         input: StageInput,
         /// Where the output goes.
         reply: Reply,
+        /// When it was sent.
+        sent: Instant,
     },
     /// Free `seq`'s KV cache.
     Release {
@@ -77,13 +81,13 @@ pub const MIN_SLICE: usize = 8;
 
 impl Budget {
     /// Prompt tokens the next step may take beside `decodes` decode steps,
-    /// when a row of a pass recently cost `nanos_per_token` (0: not known).
-    pub fn prefill_room(&self, decodes: usize, nanos_per_token: u64) -> usize {
+    /// when a pass costs `cost` (`None`: not known yet).
+    pub fn prefill_room(&self, decodes: usize, cost: Option<PassCost>) -> usize {
         let most = self.prefill_tokens.max(1);
-        if decodes == 0 || nanos_per_token == 0 {
+        let Some(cost) = cost.filter(|_| decodes > 0) else {
             return most;
-        }
-        let rows = (self.decode_step.as_nanos() / u128::from(nanos_per_token)) as usize;
+        };
+        let rows = cost.rows_within(self.decode_step.as_secs_f64());
         rows.saturating_sub(decodes)
             .clamp(MIN_SLICE.min(most), most)
     }
@@ -104,7 +108,7 @@ struct Prefill {
 
 /// One sequence's part in a step.
 enum Part {
-    Decode(Reply),
+    Decode(SequenceId, Reply),
     Slice { prefill: usize, last: bool },
 }
 
@@ -119,8 +123,14 @@ pub fn run(
     let mut decodes: Vec<(SequenceId, StageInput, Reply)> = Vec::new();
     let mut prefills: VecDeque<Prefill> = VecDeque::new();
     let mut releases: Vec<SequenceId> = Vec::new();
+    let mut gather = Gather::default();
+    stats
+        .prompt_step
+        .store(budget.prefill_tokens, Ordering::Relaxed);
     loop {
-        // Idle, the stage waits for a job; then it takes whatever is queued.
+        // Idle, the stage waits for a job; then it takes whatever is queued,
+        // and waits a moment for the sequences the last step answered when
+        // they come back quickly (see `step_gather`).
         let first = if decodes.is_empty() && prefills.is_empty() {
             match queue.recv() {
                 Ok(job) => Some(job),
@@ -130,7 +140,11 @@ pub fn run(
             None
         };
         let queued = std::iter::from_fn(|| queue.try_recv().ok());
-        for job in first.into_iter().chain(queued) {
+        let mut file = |job: Job, gather: &mut Gather| {
+            match &job {
+                Job::Forward { seq, sent, .. } => gather.arrived(*seq, *sent),
+                Job::Release { seq } => gather.gone(*seq),
+            }
             take(
                 job,
                 &mut *shard,
@@ -139,12 +153,25 @@ pub fn run(
                 &mut releases,
                 &stats,
             );
+        };
+        for job in first.into_iter().chain(queued) {
+            file(job, &mut gather);
+        }
+        while let Some(left) = gather.wait_left(Instant::now()) {
+            match queue.recv_timeout(left) {
+                Ok(job) => file(job, &mut gather),
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => gather.closed(),
+            }
         }
         for seq in releases.drain(..) {
             shard.release(seq);
         }
         drop_abandoned(&mut decodes, &mut prefills, &stats);
         let ran = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
+        if ran.rows > 0 {
+            gather.answered(ran.answered.iter().copied(), ran.seconds);
+        }
         stats
             .sequences
             .store(shard.sequences() as u64, Ordering::Relaxed);
@@ -184,6 +211,7 @@ fn take(
             seq,
             mut input,
             reply,
+            sent: _,
         } => {
             let busy =
                 decodes.iter().any(|(s, _, _)| *s == seq) || prefills.iter().any(|p| p.seq == seq);
@@ -279,6 +307,8 @@ struct Ran {
     sequences: usize,
     /// Seconds each prompt whose first slice ran had waited for it.
     queue_waits: Vec<f64>,
+    /// Sequences the step answered with a row.
+    answered: Vec<SequenceId>,
 }
 
 /// One step: every decode, then prompt slices up to the budget.
@@ -293,10 +323,10 @@ fn step(
     let mut parts: Vec<Part> = Vec::new();
     for (seq, input, reply) in decodes.drain(..) {
         batch.push((seq, input));
-        parts.push(Part::Decode(reply));
+        parts.push(Part::Decode(seq, reply));
     }
     let mut queue_waits = Vec::new();
-    let mut room = budget.prefill_room(batch.len(), stats.nanos_per_token.load(Ordering::Relaxed));
+    let mut room = budget.prefill_room(batch.len(), stats.pass_cost());
     for (i, p) in prefills.iter_mut().enumerate() {
         if room == 0 {
             break;
@@ -325,11 +355,14 @@ fn step(
     let mut finished: Vec<usize> = Vec::new();
     // Prompts that ran to their end: kept for the sequences that share them.
     let mut ran: Vec<SequenceId> = Vec::new();
+    // Sequences answered with a row: their next one is on its way.
+    let mut answered: Vec<SequenceId> = Vec::new();
     match result {
         Ok(outputs) => {
             for (part, out) in parts.into_iter().zip(outputs) {
                 match part {
-                    Part::Decode(reply) => {
+                    Part::Decode(seq, reply) => {
+                        answered.push(seq);
                         let _ = reply.send(Ok(Forwarded {
                             output: out,
                             cached: 0,
@@ -353,6 +386,7 @@ fn step(
                                 };
                                 finished.push(prefill);
                                 ran.push(p.seq);
+                                answered.push(p.seq);
                                 let cached = p.cached;
                                 let (_, reply) = take_reply(p);
                                 let _ = reply.send(out.map(|output| Forwarded { output, cached }));
@@ -373,7 +407,7 @@ fn step(
             };
             for part in parts {
                 match part {
-                    Part::Decode(reply) => {
+                    Part::Decode(_, reply) => {
                         let _ = reply.send(Err(fail()));
                     }
                     Part::Slice { prefill, .. } => {
@@ -399,6 +433,7 @@ fn step(
         seconds,
         sequences,
         queue_waits,
+        answered,
     }
 }
 
@@ -434,7 +469,15 @@ mod tests {
 
     fn forward(seq: SequenceId, input: StageInput) -> (Job, Answer) {
         let (reply, answer) = oneshot::channel();
-        (Job::Forward { seq, input, reply }, Answer(answer))
+        (
+            Job::Forward {
+                seq,
+                input,
+                reply,
+                sent: Instant::now(),
+            },
+            Answer(answer),
+        )
     }
 
     fn tokens(n: usize) -> StageInput {
@@ -583,27 +626,90 @@ mod tests {
     }
 
     #[test]
+    fn a_step_waits_for_the_decoding_sequences_its_head_sends_back_quickly() {
+        // Three sequences decode on a stage whose passes take 40 ms; their
+        // head sends each one's next token 0, 0.5 and 1 ms after its answer.
+        // Starting a step on the first one back would split them for good
+        // (1 alone, then 2 and 3 together, and so on).
+        let (mut shard, steps) = Echo::new(true);
+        shard.pass = Duration::from_millis(40);
+        let (send, queue) = mpsc::channel();
+        let stats = Arc::new(StageStats::default());
+        let stage = {
+            let stats = stats.clone();
+            std::thread::spawn(move || {
+                run(
+                    Box::new(shard),
+                    queue,
+                    stats,
+                    Arc::new(|_| {}),
+                    Budget::default(),
+                )
+            })
+        };
+        let heads: Vec<_> = (0..3u64)
+            .map(|seq| {
+                let send = send.clone();
+                std::thread::spawn(move || {
+                    for token in 0..25 {
+                        let input = if token == 0 { tokens(4) } else { tokens(1) };
+                        let (job, answer) = forward(seq, input);
+                        send.send(job).unwrap();
+                        answer.blocking_recv().unwrap().unwrap();
+                        std::thread::sleep(Duration::from_micros(500 * seq));
+                    }
+                    send.send(Job::Release { seq }).unwrap();
+                })
+            })
+            .collect();
+        drop(send);
+        for head in heads {
+            head.join().unwrap();
+        }
+        stage.join().unwrap();
+        let steps = steps.lock().unwrap();
+        // Once the stage has seen a few rounds, its steps carry all three.
+        let later = &steps[8..];
+        let full = later.iter().filter(|s| s.len() == 3).count();
+        assert!(
+            full * 2 >= later.len(),
+            "{full} of {} steps carried all three: {later:?}",
+            later.len()
+        );
+    }
+
+    #[test]
     fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
         let budget = Budget {
             prefill_tokens: 512,
             decode_step: Duration::from_millis(200),
         };
-        // Nothing decodes, or the pace is not known yet: the whole budget.
-        assert_eq!(budget.prefill_room(0, 36_000_000), 512);
-        assert_eq!(budget.prefill_room(3, 0), 512);
+        let cost = |fixed_ms: f64, row_ms: f64| {
+            Some(PassCost {
+                fixed: fixed_ms / 1e3,
+                per_row: row_ms / 1e3,
+            })
+        };
+        // Nothing decodes, or the cost is not known yet: the whole budget.
+        assert_eq!(budget.prefill_room(0, cost(0.0, 36.0)), 512);
+        assert_eq!(budget.prefill_room(3, None), 512);
         // 1 ms a row: 200 rows a step, 3 of them decode steps.
-        assert_eq!(budget.prefill_room(3, 1_000_000), 197);
+        assert_eq!(budget.prefill_room(3, cost(0.0, 1.0)), 197);
+        // A pass's fixed 20 ms leave 180 rows.
+        assert_eq!(budget.prefill_room(3, cost(20.0, 1.0)), 177);
         // Fast: capped by the budget.
-        assert_eq!(budget.prefill_room(3, 10_000), 512);
+        assert_eq!(budget.prefill_room(3, cost(0.0, 0.01)), 512);
         // 36 ms a row: 5 rows fit; prompts still move by MIN_SLICE.
-        assert_eq!(budget.prefill_room(3, 36_000_000), MIN_SLICE);
-        assert_eq!(budget.prefill_room(50, 1_000_000), 150);
-        assert_eq!(budget.prefill_room(250, 1_000_000), MIN_SLICE);
+        assert_eq!(budget.prefill_room(3, cost(0.0, 36.0)), MIN_SLICE);
+        assert_eq!(budget.prefill_room(50, cost(0.0, 1.0)), 150);
+        assert_eq!(budget.prefill_room(250, cost(0.0, 1.0)), MIN_SLICE);
+        // A pass slower than a step on its own: still MIN_SLICE.
+        assert_eq!(budget.prefill_room(3, cost(300.0, 1.0)), MIN_SLICE);
         // A budget below MIN_SLICE is kept.
         let tiny = Budget {
             prefill_tokens: 2,
             ..budget
         };
-        assert_eq!(tiny.prefill_room(3, 36_000_000), 2);
+        assert_eq!(tiny.prefill_room(3, cost(0.0, 36.0)), 2);
     }
 }

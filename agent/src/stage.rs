@@ -14,14 +14,15 @@
 //! gateway then tries another instance), and `on_crash` tells the Shard's
 //! owner, which marks it Failed and loads it again later.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, mpsc};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
 use shardplane_engine::{SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
 
 use crate::kv_budget::KvLedger;
 use crate::scheduler::{self, Budget, Job};
+use crate::step_cost::{CostFit, PassCost};
 
 /// Counters the stage thread keeps up to date.
 #[derive(Debug, Default)]
@@ -32,22 +33,38 @@ pub struct StageStats {
     pub kv_cache_bytes: AtomicU64,
     /// Tokens of the forward jobs waiting in the queue or running.
     pub queued_tokens: AtomicU64,
-    /// Recent nanoseconds per token of a pass (a moving average; 0 before
-    /// the first pass).
-    pub nanos_per_token: AtomicU64,
+    /// What a pass costs, fitted from the recent passes.
+    pub cost: Mutex<CostFit>,
+    /// Prompt tokens a step takes at most (0: the default).
+    pub prompt_step: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
-    pub prefix: std::sync::Mutex<shardplane_engine::prefix::PrefixCacheStats>,
+    pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
     /// The head's KV budget and the generations' shares of it.
     pub kv: Arc<KvLedger>,
 }
 
 impl StageStats {
     /// How long work queued now waits before it starts, as the recent
-    /// passes suggest.
+    /// passes suggest: its rows, and the fixed part of the passes it takes
+    /// in slices of a step's prompt tokens (zero before the first pass).
     pub fn estimated_wait(&self) -> std::time::Duration {
         let tokens = self.queued_tokens.load(Ordering::Relaxed);
-        let per_token = self.nanos_per_token.load(Ordering::Relaxed);
-        std::time::Duration::from_nanos(tokens.saturating_mul(per_token))
+        let Some(cost) = self.pass_cost().filter(|_| tokens > 0) else {
+            return std::time::Duration::ZERO;
+        };
+        let step = match self.prompt_step.load(Ordering::Relaxed) {
+            0 => shardplane_engine::config::PROMPT_STEP,
+            step => step,
+        };
+        let passes = tokens.div_ceil(step as u64);
+        let seconds = passes as f64 * cost.fixed + tokens as f64 * cost.per_row;
+        std::time::Duration::try_from_secs_f64(seconds).unwrap_or(std::time::Duration::MAX)
+    }
+
+    /// What a pass costs, as the recent passes suggest (`None` before the
+    /// first).
+    pub fn pass_cost(&self) -> Option<PassCost> {
+        self.cost.lock().unwrap_or_else(|p| p.into_inner()).cost()
     }
 
     /// Counts `tokens` as queued.
@@ -68,13 +85,10 @@ impl StageStats {
 
     /// Records a pass of `rows` tokens that took `seconds`.
     pub(crate) fn record_pass(&self, rows: usize, seconds: f64) {
-        if rows == 0 {
-            return;
-        }
-        let now = (seconds * 1e9 / rows as f64) as u64;
-        let old = self.nanos_per_token.load(Ordering::Relaxed);
-        let new = if old == 0 { now } else { (old * 4 + now) / 5 };
-        self.nanos_per_token.store(new, Ordering::Relaxed);
+        self.cost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(rows, seconds);
     }
 }
 
@@ -200,7 +214,13 @@ impl StageWorker {
         };
         let tokens = input.len();
         self.stats.queue_tokens(tokens);
-        if self.jobs.send(Job::Forward { seq, input, reply }).is_err() {
+        let job = Job::Forward {
+            seq,
+            input,
+            reply,
+            sent: std::time::Instant::now(),
+        };
+        if self.jobs.send(job).is_err() {
             self.stats.unqueue_tokens(tokens);
             return Err(gone());
         }

@@ -37,6 +37,8 @@ pub(crate) struct Echo {
     pub(crate) cached: usize,
     /// Sequences whose tokens were offered to the prefix cache, in order.
     pub(crate) retained: Arc<Mutex<Vec<SequenceId>>>,
+    /// How long every pass takes.
+    pub(crate) pass: std::time::Duration,
 }
 
 impl Echo {
@@ -80,6 +82,7 @@ impl Echo {
                 panics: false,
                 cached: 0,
                 retained: Arc::default(),
+                pass: std::time::Duration::ZERO,
             },
             steps,
         )
@@ -111,6 +114,7 @@ impl Stage for Echo {
         batch: Vec<(SequenceId, StageInput)>,
     ) -> shardplane_engine::Result<Vec<StageOutput>> {
         assert!(!self.panics, "the test stage broke");
+        std::thread::sleep(self.pass);
         self.steps
             .lock()
             .unwrap()

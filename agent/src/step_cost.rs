@@ -1,0 +1,206 @@
+//! What a stage's forward pass costs, fitted from the passes it ran: a part
+//! paid once per pass (the weights read once however many rows ride along,
+//! the pass's bookkeeping) and a part per row. The step loop sizes prompt
+//! slices with it; a head estimates how long queued work waits with it.
+//!
+//! ```text
+//!  seconds ▲                      ·
+//!          │              ·  ·        fitted: fixed + per_row × rows
+//!          │       ·  ·
+//!  fixed ──┼·· ·
+//!          └──────────────────────► rows in the pass
+//! ```
+//!
+//! A per-row average alone charges the fixed part to every row: after a few
+//! decode-only passes of one or two rows a row looks many times dearer than
+//! it is, and prompts that arrive while sequences decode run in slices of a
+//! few tokens, one slow step each.
+//!
+//! The fit is a least-squares line over the recent passes, each weighted less
+//! the older it is. While the recent passes all had about the same size the
+//! line is not determined; the cost is then counted per row alone (the old,
+//! cautious estimate).
+
+/// How much of its weight a pass keeps at each later pass: the fit follows
+/// the last few dozen passes (a weight halves in about 14).
+const KEEP: f64 = 0.95;
+
+/// The spread of pass sizes (in rows, as a standard deviation) below which a
+/// line is not fitted.
+const MIN_SPREAD_ROWS: f64 = 1.0;
+
+/// What a pass costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PassCost {
+    /// Seconds every pass costs, whatever its size.
+    pub fixed: f64,
+    /// Seconds each row adds.
+    pub per_row: f64,
+}
+
+impl PassCost {
+    /// Seconds a pass of `rows` rows takes.
+    pub fn seconds(&self, rows: usize) -> f64 {
+        self.fixed + self.per_row * rows as f64
+    }
+
+    /// The most rows a pass of at most `seconds` holds (0 when even an empty
+    /// pass takes longer).
+    pub fn rows_within(&self, seconds: f64) -> usize {
+        let spare = seconds - self.fixed;
+        if spare.is_nan() || spare <= 0.0 {
+            return 0;
+        }
+        if self.per_row.is_nan() || self.per_row <= 0.0 {
+            return usize::MAX;
+        }
+        // `as` saturates: a huge quotient is usize::MAX.
+        (spare / self.per_row) as usize
+    }
+}
+
+/// The running fit: exponentially weighted sums over the passes.
+#[derive(Debug, Clone, Default)]
+pub struct CostFit {
+    weight: f64,
+    rows: f64,
+    seconds: f64,
+    rows_rows: f64,
+    rows_seconds: f64,
+}
+
+impl CostFit {
+    /// Adds a pass of `rows` rows that took `seconds`; passes of no rows,
+    /// and times that are not times, are ignored.
+    pub fn add(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let x = rows as f64;
+        for sum in [
+            &mut self.weight,
+            &mut self.rows,
+            &mut self.seconds,
+            &mut self.rows_rows,
+            &mut self.rows_seconds,
+        ] {
+            *sum *= KEEP;
+        }
+        self.weight += 1.0;
+        self.rows += x;
+        self.seconds += seconds;
+        self.rows_rows += x * x;
+        self.rows_seconds += x * seconds;
+    }
+
+    /// The cost the passes so far suggest (`None` before the first).
+    pub fn cost(&self) -> Option<PassCost> {
+        if self.weight <= 0.0 {
+            return None;
+        }
+        let mean_rows = self.rows / self.weight;
+        let mean_seconds = self.seconds / self.weight;
+        let variance = self.rows_rows / self.weight - mean_rows * mean_rows;
+        if variance >= MIN_SPREAD_ROWS * MIN_SPREAD_ROWS {
+            let covariance = self.rows_seconds / self.weight - mean_rows * mean_seconds;
+            let per_row = covariance / variance;
+            let fixed = mean_seconds - per_row * mean_rows;
+            // A line that falls with size, or passes dearer than linear in
+            // their rows (a negative fixed part), is noise or the wrong
+            // model: fall back to the cautious estimate.
+            if per_row > 0.0 && fixed >= 0.0 {
+                return Some(PassCost { fixed, per_row });
+            }
+        }
+        Some(PassCost {
+            fixed: 0.0,
+            per_row: mean_seconds / mean_rows,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 + 1e-6 * b.abs()
+    }
+
+    #[test]
+    fn passes_of_mixed_sizes_give_the_fixed_and_the_per_row_cost() {
+        // 20 ms a pass and 1 ms a row: decode-only passes of 1–3 rows and a
+        // prompt slice now and then.
+        let mut fit = CostFit::default();
+        for i in 0..200 {
+            let rows = if i % 10 == 0 { 256 } else { 1 + i % 3 };
+            fit.add(rows, 0.020 + 0.001 * rows as f64);
+        }
+        let cost = fit.cost().unwrap();
+        assert!(close(cost.fixed, 0.020), "{cost:?}");
+        assert!(close(cost.per_row, 0.001), "{cost:?}");
+        assert_eq!(cost.rows_within(0.200), 180);
+        assert!(close(cost.seconds(100), 0.120));
+    }
+
+    #[test]
+    fn a_per_row_average_would_charge_the_fixed_part_to_every_row() {
+        // The same stage after a long run of 2-row decode passes: the line
+        // still stands on the older, larger passes.
+        let mut fit = CostFit::default();
+        fit.add(256, 0.276);
+        for _ in 0..60 {
+            fit.add(2, 0.022);
+        }
+        let cost = fit.cost().unwrap();
+        assert!(close(cost.fixed, 0.020), "{cost:?}");
+        assert!(close(cost.per_row, 0.001), "{cost:?}");
+    }
+
+    #[test]
+    fn passes_of_one_size_count_all_of_their_cost_per_row() {
+        let mut fit = CostFit::default();
+        assert_eq!(fit.cost(), None);
+        for _ in 0..5 {
+            fit.add(4, 0.040);
+        }
+        let cost = fit.cost().unwrap();
+        assert_eq!(cost.fixed, 0.0);
+        assert!(close(cost.per_row, 0.010), "{cost:?}");
+        // Empty passes and non-times change nothing.
+        fit.add(0, 1.0);
+        fit.add(3, f64::NAN);
+        fit.add(3, -1.0);
+        assert!(close(fit.cost().unwrap().per_row, 0.010));
+    }
+
+    #[test]
+    fn a_fit_that_makes_no_sense_falls_back_to_the_per_row_average() {
+        // Larger passes faster than smaller ones (noise): no negative costs.
+        let mut fit = CostFit::default();
+        fit.add(10, 0.100);
+        fit.add(100, 0.050);
+        let cost = fit.cost().unwrap();
+        assert_eq!(cost.fixed, 0.0);
+        assert!(cost.per_row > 0.0);
+        // Dearer than linear (a negative fixed part): the average as well.
+        let mut fit = CostFit::default();
+        fit.add(10, 0.001);
+        fit.add(100, 0.100);
+        assert_eq!(fit.cost().unwrap().fixed, 0.0);
+    }
+
+    #[test]
+    fn rows_within_a_time_no_pass_fits_in_are_none() {
+        let cost = PassCost {
+            fixed: 0.3,
+            per_row: 0.001,
+        };
+        assert_eq!(cost.rows_within(0.2), 0);
+        let free = PassCost {
+            fixed: 0.0,
+            per_row: 0.0,
+        };
+        assert_eq!(free.rows_within(0.2), usize::MAX);
+    }
+}
