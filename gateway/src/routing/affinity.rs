@@ -5,10 +5,13 @@
 //! ```text
 //!  prompt ─► key: hash of what starts it (system messages and the first one
 //!            after them, tools, template settings; or the first KiB of text)
-//!  instances ─► within the load bound? ── yes ─► by rendezvous score of (key, instance)
+//!  instances ─► within the load bound? ── yes ─► holders of the key first, least
+//!                                      │         loaded first; then by rendezvous
+//!                                      │         score of (key, instance)
 //!                                      └─ no ──► after them, least loaded first
 //!  bound: an instance takes a request while its outstanding requests are
 //!         under ⌈1.25 × (all outstanding + 1) / instances⌉
+//!  holders: the instances that started an answer for the key in the last 10 min
 //! ```
 //!
 //! The key is the same for every turn of one conversation (its first
@@ -16,8 +19,18 @@
 //! finds its history cached there; conversations spread over the instances
 //! by the rendezvous score, and one hot prefix cannot pile onto one instance
 //! past the bound (Mirrokni et al.'s consistent hashing with bounded loads).
+//!
+//! A hot prefix that overflowed onto a second instance is cached there too.
+//! From then on both hold it, and the less loaded of them takes the next
+//! request: by score alone, the first would take requests up to the bound
+//! while the second idled (a burst of 8 like requests split 5 : 3 on two
+//! instances, never 4 : 4). A conversation whose turn once overflowed may
+//! then move between its holders, and recompute what only the other holds
+//! of its history.
 
+use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::{Duration, Instant};
 
 use crate::protocol::{Input, Prompt};
 
@@ -26,6 +39,55 @@ const SLACK: f64 = 1.25;
 
 /// Bytes of raw text the key covers.
 const TEXT_BYTES: usize = 1024;
+
+/// How long an instance counts as holding a key's prefix after it last
+/// started an answer for it (an agent's prefix cache evicts by use).
+const HELD_FOR: Duration = Duration::from_secs(600);
+
+/// Keys whose holders are remembered; past this, the least recently served
+/// quarter is forgotten.
+const KEYS: usize = 4096;
+
+/// The instances that lately started an answer for each key.
+#[derive(Debug, Default)]
+pub(crate) struct Holders {
+    by_key: HashMap<u64, Vec<(String, Instant)>>,
+}
+
+impl Holders {
+    /// `instance` started an answer for `key`.
+    pub(crate) fn served(&mut self, key: u64, instance: &str) {
+        let now = Instant::now();
+        let held = self.by_key.entry(key).or_default();
+        held.retain(|(name, at)| name != instance && now.duration_since(*at) < HELD_FOR);
+        held.push((instance.to_string(), now));
+        if self.by_key.len() > KEYS {
+            let mut last: Vec<(Instant, u64)> = self
+                .by_key
+                .iter()
+                .map(|(k, held)| (held.last().map_or(now, |(_, at)| *at), *k))
+                .collect();
+            last.sort_unstable();
+            for (_, k) in last.into_iter().take(KEYS / 4) {
+                self.by_key.remove(&k);
+            }
+        }
+    }
+
+    /// The instances holding `key`, the most recent first.
+    pub(crate) fn of(&self, key: u64) -> Vec<String> {
+        let now = Instant::now();
+        // Each list is kept in the order served.
+        self.by_key
+            .get(&key)
+            .into_iter()
+            .flatten()
+            .rev()
+            .filter(|(_, at)| now.duration_since(*at) < HELD_FOR)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+}
 
 /// The messages every later turn of a conversation repeats: the leading
 /// system (or developer) messages and the first message after them.
@@ -78,19 +140,30 @@ fn score(key: u64, instance: &str) -> u64 {
     h.finish()
 }
 
-/// Orders `(load, instance key, item)`: those under the load bound by their
-/// score for `key`, then the rest, least loaded first.
-pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, String, T)>) -> Vec<T> {
+/// Orders `(load, instance key, item)`: those under the load bound first —
+/// the `holders` of `key` (most recent first) least loaded first, then the
+/// others by their score for `key` — then the rest, least loaded first.
+pub(crate) fn order<T>(
+    key: u64,
+    candidates: Vec<(usize, String, T)>,
+    holders: &[String],
+) -> Vec<T> {
     let n = candidates.len().max(1);
     let total: usize = candidates.iter().map(|(load, _, _)| load).sum();
     let bound = ((total + 1) as f64 * SLACK / n as f64).ceil() as usize;
-    let mut ranked: Vec<(bool, usize, std::cmp::Reverse<u64>, T)> = candidates
+    let mut ranked: Vec<_> = candidates
         .into_iter()
         .map(|(load, name, item)| {
             let over = load >= bound.max(1);
-            // Under the bound, the score alone orders; over it, the load.
-            let load_rank = if over { load } else { 0 };
-            (over, load_rank, std::cmp::Reverse(score(key, &name)), item)
+            let held = holders.iter().position(|h| *h == name);
+            // Under the bound: holders by load (then recency), then the score
+            // alone; over it, the load.
+            let rank = match (over, held) {
+                (true, _) => (load, 0, usize::MAX),
+                (false, Some(recency)) => (0, load, recency),
+                (false, None) => (1, 0, usize::MAX),
+            };
+            (over, rank, std::cmp::Reverse(score(key, &name)), item)
         })
         .collect();
     ranked.sort_by_key(|a| (a.0, a.1, a.2));
@@ -127,7 +200,7 @@ mod tests {
             .enumerate()
             .map(|(i, &load)| (load, format!("ns/d-{i}-0"), i))
             .collect();
-        order(key, candidates)[0]
+        order(key, candidates, &[])[0]
     }
 
     #[test]
@@ -187,6 +260,7 @@ mod tests {
                 let two = order(
                     k,
                     vec![(0, "ns/d-0-0".into(), 0), (0, "ns/d-1-0".into(), 1)],
+                    &[],
                 );
                 assert_eq!(two[0], f);
             }
@@ -206,6 +280,7 @@ mod tests {
                 (1, "ns/d-1-0".into(), 1),
                 (0, "ns/d-2-0".into(), 2),
             ],
+            &[],
         );
         assert_eq!(order_over[2], 0, "the overloaded one last");
         assert!(order_over[..2].contains(&1) && order_over[..2].contains(&2));
@@ -216,5 +291,66 @@ mod tests {
             loads[first(k, &loads)] += 1;
         }
         assert!((50..=63).contains(&loads[0]), "{loads:?}");
+    }
+
+    #[test]
+    fn a_hot_key_held_by_two_instances_goes_to_the_less_loaded() {
+        let k = (0..).find(|&k| first(k, &[0, 0]) == 0).unwrap();
+        let names = ["ns/d-0-0", "ns/d-1-0"];
+        let pick = |loads: &[usize; 2], holders: &Holders| {
+            let candidates = (0..2)
+                .map(|i| (loads[i], names[i].to_string(), i))
+                .collect();
+            order(k, candidates, &holders.of(k))[0]
+        };
+        // A burst of 8 like requests that stay outstanding: while only the
+        // preferred instance holds the key, 5 : 3 (the bound lets it run
+        // ahead); once both hold it, 4 : 4.
+        let mut holders = Holders::default();
+        let mut loads = [0usize; 2];
+        for _ in 0..8 {
+            let i = pick(&loads, &Holders::default());
+            loads[i] += 1;
+            holders.served(k, names[i]);
+        }
+        assert_eq!(loads, [5, 3]);
+        // The last of the burst went to the second.
+        assert_eq!(
+            holders.of(k),
+            vec![names[1].to_string(), names[0].to_string()]
+        );
+        let mut loads = [0usize; 2];
+        for _ in 0..8 {
+            let i = pick(&loads, &holders);
+            loads[i] += 1;
+            holders.served(k, names[i]);
+        }
+        assert_eq!(loads, [4, 4]);
+        // A key only the less preferred instance holds (a conversation that
+        // once overflowed there) stays with it while it is within the bound.
+        let mut one = Holders::default();
+        one.served(k, names[1]);
+        assert_eq!(pick(&[0, 1], &one), 1);
+        // Over the bound, a holder is passed over like any instance.
+        assert_eq!(pick(&[0, 3], &one), 0);
+    }
+
+    #[test]
+    fn holders_are_bounded_and_forget_the_least_recently_served_keys() {
+        let mut holders = Holders::default();
+        for k in 0..=KEYS as u64 {
+            holders.served(k, "ns/d-0-0");
+        }
+        assert_eq!(holders.by_key.len(), KEYS + 1 - KEYS / 4);
+        assert!(holders.of(0).is_empty(), "the oldest went first");
+        assert_eq!(holders.of(KEYS as u64), vec!["ns/d-0-0".to_string()]);
+        // An instance serving a key again is listed once, most recent first.
+        holders.served(7, "ns/d-1-0");
+        holders.served(KEYS as u64, "ns/d-1-0");
+        holders.served(KEYS as u64, "ns/d-0-0");
+        assert_eq!(
+            holders.of(KEYS as u64),
+            vec!["ns/d-0-0".to_string(), "ns/d-1-0".to_string()]
+        );
     }
 }

@@ -184,6 +184,8 @@ pub struct Router {
     deadlines: Deadlines,
     outliers: outliers::Outliers,
     external: Arc<crate::external::Allowlist>,
+    /// Which instances lately started answers for each affinity key.
+    holders: Arc<Mutex<affinity::Holders>>,
 }
 
 /// How long an instance has to start an answer, and to give its first token.
@@ -268,6 +270,7 @@ impl Router {
             deadlines: Deadlines::default(),
             outliers: outliers::Outliers::default(),
             external: Arc::default(),
+            holders: Arc::default(),
         }
     }
 
@@ -425,7 +428,8 @@ impl Router {
                 .into_iter()
                 .map(|(load, _, i)| (load, i.key.clone(), i))
                 .collect();
-            affinity::order(key, candidates)
+            let holders = self.holders.lock().expect("holders lock").of(key);
+            affinity::order(key, candidates, &holders)
         } else {
             ready.sort_by_key(|(load, tie, _)| (*load, *tie));
             ready.into_iter().map(|(_, _, i)| i).collect()
@@ -495,6 +499,7 @@ impl Router {
                         match self.try_instance(name, &dep_name, &inst, prompt).await {
                             Ok(answer) => {
                                 self.outliers.succeeded(&inst.key);
+                                (self.holders.lock().expect("holders lock")).served(key, &inst.key);
                                 return Ok(answer);
                             }
                             Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
