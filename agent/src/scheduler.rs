@@ -169,8 +169,13 @@ pub fn run(
         }
         drop_abandoned(&mut decodes, &mut prefills, &stats);
         let ran = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
-        if ran.rows > 0 {
-            gather.answered(ran.answered.iter().copied(), ran.seconds);
+        if let Some(at) = ran.finished {
+            // Whether waiting pays is judged against a pass of the answered
+            // sequences alone (not a long prompt slice's pass).
+            let pass = stats
+                .pass_cost()
+                .map_or(ran.seconds, |c| c.seconds(ran.answered.len()));
+            gather.answered(ran.answered.iter().copied(), at, pass);
         }
         stats
             .sequences
@@ -307,8 +312,10 @@ struct Ran {
     sequences: usize,
     /// Seconds each prompt whose first slice ran had waited for it.
     queue_waits: Vec<f64>,
-    /// Sequences the step answered with a row.
+    /// Sequences the step answered with a row (their callers still there).
     answered: Vec<SequenceId>,
+    /// When its pass ended (`None`: no pass).
+    finished: Option<Instant>,
 }
 
 /// One step: every decode, then prompt slices up to the budget.
@@ -349,10 +356,11 @@ fn step(
     // Fault injection for tests of a crashing stage (`FAILPOINTS=stage-pass=…`).
     fail::fail_point!("stage-pass");
     let result = shard.forward_batch(batch);
-    let seconds = started.elapsed().as_secs_f64();
+    let finished = Instant::now();
+    let seconds = finished.duration_since(started).as_secs_f64();
     stats.record_pass(rows, seconds);
     stats.unqueue_tokens(rows);
-    let mut finished: Vec<usize> = Vec::new();
+    let mut done: Vec<usize> = Vec::new();
     // Prompts that ran to their end: kept for the sequences that share them.
     let mut ran: Vec<SequenceId> = Vec::new();
     // Sequences answered with a row: their next one is on its way.
@@ -362,11 +370,13 @@ fn step(
             for (part, out) in parts.into_iter().zip(outputs) {
                 match part {
                     Part::Decode(seq, reply) => {
-                        answered.push(seq);
-                        let _ = reply.send(Ok(Forwarded {
+                        let sent = reply.send(Ok(Forwarded {
                             output: out,
                             cached: 0,
                         }));
+                        if sent.is_ok() {
+                            answered.push(seq);
+                        }
                     }
                     Part::Slice { prefill, last } => {
                         let p = &mut prefills[prefill];
@@ -384,12 +394,16 @@ fn step(
                                     }
                                     out => Ok(out),
                                 };
-                                finished.push(prefill);
+                                done.push(prefill);
                                 ran.push(p.seq);
-                                answered.push(p.seq);
                                 let cached = p.cached;
-                                let (_, reply) = take_reply(p);
-                                let _ = reply.send(out.map(|output| Forwarded { output, cached }));
+                                let (seq, reply) = take_reply(p);
+                                let ok = out.is_ok();
+                                let sent =
+                                    reply.send(out.map(|output| Forwarded { output, cached }));
+                                if ok && sent.is_ok() {
+                                    answered.push(seq);
+                                }
                             }
                         }
                     }
@@ -413,7 +427,7 @@ fn step(
                     Part::Slice { prefill, .. } => {
                         let p = &mut prefills[prefill];
                         stats.unqueue_tokens(p.rest.len());
-                        finished.push(prefill);
+                        done.push(prefill);
                         let (_, reply) = take_reply(p);
                         let _ = reply.send(Err(fail()));
                     }
@@ -421,8 +435,8 @@ fn step(
             }
         }
     }
-    finished.sort_unstable();
-    for i in finished.into_iter().rev() {
+    done.sort_unstable();
+    for i in done.into_iter().rev() {
         prefills.remove(i);
     }
     for seq in ran {
@@ -434,6 +448,7 @@ fn step(
         sequences,
         queue_waits,
         answered,
+        finished: Some(finished),
     }
 }
 
@@ -627,12 +642,12 @@ mod tests {
 
     #[test]
     fn a_step_waits_for_the_decoding_sequences_its_head_sends_back_quickly() {
-        // Three sequences decode on a stage whose passes take 40 ms; their
-        // head sends each one's next token 0, 0.5 and 1 ms after its answer.
+        // Three sequences decode on a stage whose passes take 100 ms; their
+        // head sends each one's next token 0, 1 and 2 ms after its answer.
         // Starting a step on the first one back would split them for good
         // (1 alone, then 2 and 3 together, and so on).
         let (mut shard, steps) = Echo::new(true);
-        shard.pass = Duration::from_millis(40);
+        shard.pass = Duration::from_millis(100);
         let (send, queue) = mpsc::channel();
         let stats = Arc::new(StageStats::default());
         let stage = {
@@ -651,12 +666,12 @@ mod tests {
             .map(|seq| {
                 let send = send.clone();
                 std::thread::spawn(move || {
-                    for token in 0..25 {
+                    for token in 0..20 {
                         let input = if token == 0 { tokens(4) } else { tokens(1) };
                         let (job, answer) = forward(seq, input);
                         send.send(job).unwrap();
                         answer.blocking_recv().unwrap().unwrap();
-                        std::thread::sleep(Duration::from_micros(500 * seq));
+                        std::thread::sleep(Duration::from_millis(seq));
                     }
                     send.send(Job::Release { seq }).unwrap();
                 })

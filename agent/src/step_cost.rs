@@ -17,17 +17,22 @@
 //! few tokens, one slow step each.
 //!
 //! The fit is a least-squares line over the recent passes, each weighted less
-//! the older it is. While the recent passes all had about the same size the
-//! line is not determined; the cost is then counted per row alone (the old,
-//! cautious estimate).
+//! the older it is. While the recent passes all had about the same size (a
+//! long stretch of decode-only passes) the line is not determined: the slope
+//! of the last line that was stands, and the fixed part follows the recent
+//! passes. Before any line, the cost counts per row alone (the cautious
+//! estimate).
 
 /// How much of its weight a pass keeps at each later pass: the fit follows
 /// the last few dozen passes (a weight halves in about 14).
 const KEEP: f64 = 0.95;
 
-/// The spread of pass sizes (in rows, as a standard deviation) below which a
-/// line is not fitted.
+/// The spread of pass sizes (a standard deviation, in rows) below which a
+/// line is not fitted: at least a row, and the mean size (passes of one to
+/// eight decoding sequences differ too little for their timing noise; prompt
+/// slices among them make the spread).
 const MIN_SPREAD_ROWS: f64 = 1.0;
+const MIN_SPREAD_OF_MEAN: f64 = 1.0;
 
 /// What a pass costs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,6 +72,8 @@ pub struct CostFit {
     seconds: f64,
     rows_rows: f64,
     rows_seconds: f64,
+    /// The per-row cost of the last line fitted.
+    slope: Option<f64>,
 }
 
 impl CostFit {
@@ -91,6 +98,35 @@ impl CostFit {
         self.seconds += seconds;
         self.rows_rows += x * x;
         self.rows_seconds += x * seconds;
+        if let Some(line) = self.line() {
+            self.slope = Some(line.per_row);
+        }
+    }
+
+    /// The means of rows and seconds, and the variance of rows.
+    fn moments(&self) -> (f64, f64, f64) {
+        let mean_rows = self.rows / self.weight;
+        let mean_seconds = self.seconds / self.weight;
+        let variance = self.rows_rows / self.weight - mean_rows * mean_rows;
+        (mean_rows, mean_seconds, variance)
+    }
+
+    /// The least-squares line, when the passes determine one that makes
+    /// sense. A line that falls with size, or passes dearer than linear in
+    /// their rows (a negative fixed part), is noise or the wrong model.
+    fn line(&self) -> Option<PassCost> {
+        if self.weight <= 0.0 {
+            return None;
+        }
+        let (mean_rows, mean_seconds, variance) = self.moments();
+        let spread = MIN_SPREAD_ROWS.max(MIN_SPREAD_OF_MEAN * mean_rows);
+        if variance < spread * spread {
+            return None;
+        }
+        let covariance = self.rows_seconds / self.weight - mean_rows * mean_seconds;
+        let per_row = covariance / variance;
+        let fixed = mean_seconds - per_row * mean_rows;
+        (per_row > 0.0 && fixed >= 0.0).then_some(PassCost { fixed, per_row })
     }
 
     /// The cost the passes so far suggest (`None` before the first).
@@ -98,17 +134,14 @@ impl CostFit {
         if self.weight <= 0.0 {
             return None;
         }
-        let mean_rows = self.rows / self.weight;
-        let mean_seconds = self.seconds / self.weight;
-        let variance = self.rows_rows / self.weight - mean_rows * mean_rows;
-        if variance >= MIN_SPREAD_ROWS * MIN_SPREAD_ROWS {
-            let covariance = self.rows_seconds / self.weight - mean_rows * mean_seconds;
-            let per_row = covariance / variance;
+        if let Some(line) = self.line() {
+            return Some(line);
+        }
+        let (mean_rows, mean_seconds, _) = self.moments();
+        // The last line's slope through the recent passes.
+        if let Some(per_row) = self.slope {
             let fixed = mean_seconds - per_row * mean_rows;
-            // A line that falls with size, or passes dearer than linear in
-            // their rows (a negative fixed part), is noise or the wrong
-            // model: fall back to the cautious estimate.
-            if per_row > 0.0 && fixed >= 0.0 {
+            if fixed >= 0.0 {
                 return Some(PassCost { fixed, per_row });
             }
         }
@@ -155,6 +188,28 @@ mod tests {
         let cost = fit.cost().unwrap();
         assert!(close(cost.fixed, 0.020), "{cost:?}");
         assert!(close(cost.per_row, 0.001), "{cost:?}");
+        // Long after the line's larger passes have faded, its slope stands
+        // and the fixed part follows the recent passes (slower now).
+        for _ in 0..1000 {
+            fit.add(2, 0.032);
+        }
+        assert_eq!(fit.line(), None);
+        let cost = fit.cost().unwrap();
+        // (The line moved a little while the slower passes came in.)
+        assert!((cost.fixed - 0.030).abs() < 2e-4, "{cost:?}");
+        assert!((cost.per_row - 0.001).abs() < 5e-5, "{cost:?}");
+    }
+
+    #[test]
+    fn passes_of_a_few_rows_each_do_not_make_a_line() {
+        // One to four rows: the timing noise would make the slope.
+        let mut fit = CostFit::default();
+        for i in 0..100 {
+            let rows = 1 + i % 4;
+            fit.add(rows, if i % 2 == 0 { 0.020 } else { 0.021 });
+        }
+        assert_eq!(fit.line(), None);
+        assert_eq!(fit.cost().unwrap().fixed, 0.0);
     }
 
     #[test]

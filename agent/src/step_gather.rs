@@ -9,13 +9,11 @@
 //!
 //! A stage that starts its next step as soon as one answered sequence is
 //! back splits the decoding sequences into smaller batches: the rest arrive
-//! while that step runs and wait for the one after. Every pass reads all of
-//! the stage's weights, so two half batches cost nearly twice one full one.
-//! The stage learns how long its answered sequences take to come back, and
-//! waits for them only where that is a small part of a pass: a whole model's
-//! or a last stage's head samples within a millisecond or two; the sequences
-//! of a pipeline's first or middle stage come back only after the whole ring
-//! and are not waited for.
+//! while that step runs and wait for the one after. The stage learns how long
+//! its answered sequences take to come back, and waits for them only where
+//! that is a small part of a decode pass: a whole model's head samples within
+//! a millisecond or two; the sequences of any stage of a pipeline come back
+//! only after the other stages' passes and are not waited for.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -30,7 +28,7 @@ const WORTH: f64 = 0.25;
 const RISE: f64 = 0.5;
 
 /// How much of the way to a quicker return the estimate moves.
-const FALL: f64 = 0.05;
+const FALL: f64 = 0.1;
 
 /// How much longer than the estimate a step waits.
 const SLACK: f64 = 1.5;
@@ -41,23 +39,35 @@ const FORGET: Duration = Duration::from_secs(60);
 /// The sequences the stage answered, and how quickly they return.
 #[derive(Debug)]
 pub struct Gather {
-    /// Answered sequences not back yet, and when they were answered.
-    out: HashMap<SequenceId, Instant>,
+    /// Answered sequences not back yet: the step that answered them, when,
+    /// and what a decode pass then cost.
+    out: HashMap<SequenceId, Answered>,
+    /// Steps that answered so far (the last one's number).
+    step: u64,
     /// How many of `out` the last step answered.
     waiting: usize,
     /// When the last step answered.
     answered_at: Instant,
-    /// Seconds the last pass took.
+    /// Seconds a pass of the last step's answered sequences costs.
     pass: f64,
     /// Seconds an answered sequence takes to send its next row, weighted
     /// towards the slower returns (`None` before the first return).
     back: Option<f64>,
 }
 
+/// When a sequence was answered.
+#[derive(Debug, Clone, Copy)]
+struct Answered {
+    step: u64,
+    at: Instant,
+    pass: f64,
+}
+
 impl Default for Gather {
     fn default() -> Self {
         Gather {
             out: HashMap::new(),
+            step: 0,
             waiting: 0,
             answered_at: Instant::now(),
             pass: 0.0,
@@ -67,28 +77,40 @@ impl Default for Gather {
 }
 
 impl Gather {
-    /// A step that took `pass` seconds answered `seqs` just now.
-    pub fn answered(&mut self, seqs: impl IntoIterator<Item = SequenceId>, pass: f64) {
-        let now = Instant::now();
+    /// A step answered `seqs` at `at`; a pass of them alone costs `pass`
+    /// seconds.
+    pub fn answered(&mut self, seqs: impl IntoIterator<Item = SequenceId>, at: Instant, pass: f64) {
         // Sequences of earlier steps still count when they come back (their
         // return time is theirs), unless they never do.
         self.out
-            .retain(|_, at| now.saturating_duration_since(*at) < FORGET);
+            .retain(|_, a| at.saturating_duration_since(a.at) < FORGET);
+        self.step += 1;
         self.waiting = 0;
+        let answered = Answered {
+            step: self.step,
+            at,
+            pass,
+        };
         for seq in seqs {
-            self.out.insert(seq, now);
-            self.waiting += 1;
+            self.out.insert(seq, answered);
         }
-        self.answered_at = now;
+        self.waiting = self.out.values().filter(|a| a.step == self.step).count();
+        self.answered_at = at;
         self.pass = pass;
     }
 
     /// `seq`'s next row arrived; it was sent at `sent`.
     pub fn arrived(&mut self, seq: SequenceId, sent: Instant) {
-        let Some(at) = self.forget(seq) else {
+        let Some(a) = self.forget(seq) else {
             return;
         };
-        let took = sent.saturating_duration_since(at).as_secs_f64();
+        // A return slower than a pass (a stall, a client that stopped
+        // reading) counts as one pass: enough to stop waiting for it, not
+        // enough to keep the stage from waiting long after.
+        let took = sent
+            .saturating_duration_since(a.at)
+            .as_secs_f64()
+            .min(a.pass.max(f64::MIN_POSITIVE));
         self.back = Some(match self.back {
             Some(back) if took > back => back + RISE * (took - back),
             Some(back) => back + FALL * (took - back),
@@ -96,18 +118,18 @@ impl Gather {
         });
     }
 
-    /// `seq` will not come back (released, or its caller left).
+    /// `seq` will not come back (released).
     pub fn gone(&mut self, seq: SequenceId) {
         self.forget(seq);
     }
 
     /// Takes `seq` out, telling when it was answered.
-    fn forget(&mut self, seq: SequenceId) -> Option<Instant> {
-        let at = self.out.remove(&seq)?;
-        if at == self.answered_at {
+    fn forget(&mut self, seq: SequenceId) -> Option<Answered> {
+        let a = self.out.remove(&seq)?;
+        if a.step == self.step {
             self.waiting = self.waiting.saturating_sub(1);
         }
-        Some(at)
+        Some(a)
     }
 
     /// Nothing more will arrive.
@@ -143,67 +165,95 @@ mod tests {
 
     #[test]
     fn sequences_that_come_back_quickly_are_waited_for_until_all_are_back() {
+        let t = Instant::now();
         let mut g = Gather::default();
-        g.answered([1, 2, 3], 0.040);
+        g.answered([1, 2, 3], t, 0.040);
         // Nothing learnt yet: no wait.
-        assert_eq!(g.wait_left(g.answered_at), None);
-        g.arrived(1, g.answered_at + ms(2));
+        assert_eq!(g.wait_left(t), None);
+        g.arrived(1, t + ms(2));
         assert_eq!(g.back, Some(0.002));
         // 1.5 times that from the answer, while 2 and 3 are out.
-        assert_eq!(g.wait_left(g.answered_at), Some(ms(3)));
-        assert_eq!(g.wait_left(g.answered_at + ms(1)), Some(ms(2)));
-        assert_eq!(g.wait_left(g.answered_at + ms(3)), None);
-        // A slower return moves the estimate half way; a quicker one little.
-        g.arrived(2, g.answered_at + ms(4));
+        assert_eq!(g.wait_left(t), Some(ms(3)));
+        assert_eq!(g.wait_left(t + ms(1)), Some(ms(2)));
+        assert_eq!(g.wait_left(t + ms(3)), None);
+        // A slower return moves the estimate half way; a quicker one a tenth.
+        g.arrived(2, t + ms(4));
         assert!((g.back.unwrap() - 0.003).abs() < 1e-9, "{:?}", g.back);
-        assert!(g.wait_left(g.answered_at).is_some());
+        assert!(g.wait_left(t).is_some());
         g.gone(3);
-        assert_eq!(g.wait_left(g.answered_at), None, "all back or gone");
-        g.answered([1], 0.040);
-        g.arrived(1, g.answered_at + ms(1));
-        assert!((g.back.unwrap() - 0.0029).abs() < 1e-9, "{:?}", g.back);
+        assert_eq!(g.wait_left(t), None, "all back or gone");
+        g.answered([1], t + ms(10), 0.040);
+        g.arrived(1, t + ms(11));
+        assert!((g.back.unwrap() - 0.0028).abs() < 1e-9, "{:?}", g.back);
     }
 
     #[test]
     fn a_sequence_back_after_the_next_step_began_counts_from_its_own_answer() {
+        let t = Instant::now();
         let mut g = Gather {
             back: Some(0.001),
             ..Gather::default()
         };
-        g.answered([1, 2], 0.040);
-        let first = g.answered_at;
+        g.answered([1, 2], t, 0.040);
         // The next step ran with 1 alone; 2 comes back 5 ms after its answer.
-        g.arrived(1, first);
-        std::thread::sleep(ms(2));
-        g.answered([1], 0.040);
+        g.arrived(1, t);
+        g.answered([1], t + ms(2), 0.040);
         assert_eq!(g.waiting, 1, "2 is not the last step's");
-        g.arrived(2, first + ms(5));
+        g.arrived(2, t + ms(5));
         assert_eq!(g.waiting, 1);
-        assert!((g.back.unwrap() - 0.002975).abs() < 1e-9, "{:?}", g.back);
-        assert!(g.wait_left(g.answered_at).is_some(), "1 is still out");
+        assert!((g.back.unwrap() - 0.00295).abs() < 1e-9, "{:?}", g.back);
+        assert!(g.wait_left(t + ms(2)).is_some(), "1 is still out");
+    }
+
+    #[test]
+    fn one_stalled_return_counts_as_a_pass_and_is_soon_forgotten() {
+        let t = Instant::now();
+        let mut g = Gather {
+            back: Some(0.001),
+            ..Gather::default()
+        };
+        g.answered([1, 2], t, 0.040);
+        // 2 s (a client that stopped reading): counted as the 40 ms pass.
+        g.arrived(1, t + ms(2_000));
+        assert!((g.back.unwrap() - 0.0205).abs() < 1e-9, "{:?}", g.back);
+        assert_eq!(g.wait_left(t), None);
+        // Quick returns bring the wait back within a few steps.
+        let mut steps = 0;
+        while g.wait_left(g.answered_at).is_none() {
+            steps += 1;
+            let at = t + ms(100 * steps);
+            g.answered([1, 2, 3, 4], at, 0.040);
+            for seq in 1..=4 {
+                g.arrived(seq, at + ms(1));
+            }
+            g.answered([1, 2], at + ms(50), 0.040);
+        }
+        assert!(steps <= 3, "{steps} steps");
     }
 
     #[test]
     fn sequences_that_come_back_after_a_ring_are_not_waited_for() {
+        let t = Instant::now();
         let mut g = Gather::default();
-        g.answered([1, 2], 0.040);
-        // A middle stage: the next row comes after the other stages' passes.
-        g.arrived(1, g.answered_at + ms(30));
-        assert_eq!(g.wait_left(g.answered_at), None);
+        g.answered([1, 2], t, 0.040);
+        // A pipeline's stage: the next row comes after the other stages' passes.
+        g.arrived(1, t + ms(30));
+        assert_eq!(g.wait_left(t), None);
         // Rows that were not answered teach nothing.
-        g.arrived(9, g.answered_at + ms(1));
+        g.arrived(9, t + ms(1));
         assert_eq!(g.back, Some(0.030));
     }
 
     #[test]
     fn a_closed_queue_ends_the_wait() {
+        let t = Instant::now();
         let mut g = Gather {
             back: Some(0.001),
             ..Gather::default()
         };
-        g.answered([1, 2], 0.040);
-        assert!(g.wait_left(g.answered_at).is_some());
+        g.answered([1, 2], t, 0.040);
+        assert!(g.wait_left(t).is_some());
         g.closed();
-        assert_eq!(g.wait_left(g.answered_at), None);
+        assert_eq!(g.wait_left(t), None);
     }
 }
