@@ -38,6 +38,10 @@ pub struct BenchConfig {
     /// `gen_tokens`, ending where the grammar completes) and report its
     /// decode rate and compile time beside the unconstrained ones.
     pub grammar: Option<Grammar>,
+    /// Sampling temperature of every run (0: greedy).
+    pub temperature: f32,
+    /// Nucleus sampling's probability mass (with a temperature above 0).
+    pub top_p: Option<f32>,
 }
 
 /// Minimum, median and maximum of one figure over the runs.
@@ -233,6 +237,8 @@ pub fn run(
     let params = SamplingParams {
         max_tokens: config.gen_tokens,
         ignore_eos: true,
+        temperature: config.temperature,
+        top_p: config.top_p,
         ..Default::default()
     };
     let mut prefill = Vec::new();
@@ -314,6 +320,8 @@ fn concurrent_decode(
         for &seq in &seqs {
             let params = SamplingParams {
                 ignore_eos: true,
+                temperature: config.temperature,
+                top_p: config.top_p,
                 ..Default::default()
             };
             let mut sampler = Sampler::new(params, prompt)?;

@@ -280,7 +280,6 @@ impl Sampler {
         // One draw per choice, whatever the logits: see `Sampler::resumed`.
         let draw: f32 = self.rng.random();
         let p = &self.params;
-        // Candidates, most likely first.
         let mut candidates: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
@@ -298,9 +297,11 @@ impl Sampler {
             }
             _ => {}
         }
-        candidates.sort_unstable_by(by_logit);
-        // Softmax over what is left.
-        let max = candidates[0].1;
+        // Softmax over what is left (no order needed for it).
+        let max = candidates
+            .iter()
+            .map(|c| c.1)
+            .fold(f32::NEG_INFINITY, f32::max);
         let mut total = 0.0f64;
         for c in candidates.iter_mut() {
             c.1 = (c.1 - max).exp();
@@ -310,26 +311,16 @@ impl Sampler {
             c.1 = (c.1 as f64 / total) as f32;
         }
         if let Some(min_p) = p.min_p {
-            let floor = candidates[0].1 * min_p;
-            let keep = candidates
-                .iter()
-                .take_while(|c| c.1 >= floor)
-                .count()
-                .max(1);
-            candidates.truncate(keep);
+            // The most likely token's probability is 1 / total.
+            let floor = (1.0 / total) as f32 * min_p;
+            candidates.retain(|c| c.1 >= floor);
         }
-        if let Some(top_p) = p.top_p {
-            let mut cumulative = 0.0;
-            let mut keep = candidates.len();
-            for (i, c) in candidates.iter().enumerate() {
-                cumulative += c.1;
-                if cumulative >= top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            candidates.truncate(keep);
+        // top_p 1 (what many clients send) keeps every token.
+        if let Some(top_p) = p.top_p.filter(|&t| t < 1.0) {
+            keep_top_p(&mut candidates, top_p, by_logit);
         }
+        // Without top_p the order does not matter: any order of the same
+        // probabilities draws from the same distribution.
         let total: f32 = candidates.iter().map(|c| c.1).sum();
         let mut r = draw * total;
         for &(token, prob) in &candidates {
@@ -339,6 +330,36 @@ impl Sampler {
             r -= prob;
         }
         candidates.last().expect("at least one candidate").0
+    }
+}
+
+/// Keeps the smallest set of the most likely `candidates` whose
+/// probabilities reach `top_p`, most likely first. Sorts only as many as it
+/// needs: the most likely 64, then four times as many, and so on (a whole
+/// vocabulary's sort took milliseconds a token).
+fn keep_top_p(
+    candidates: &mut Vec<(u32, f32)>,
+    top_p: f32,
+    by_logit: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
+) {
+    let mut n = candidates.len().min(64);
+    loop {
+        if n < candidates.len() {
+            candidates.select_nth_unstable_by(n - 1, by_logit);
+        }
+        candidates[..n].sort_unstable_by(by_logit);
+        let mut cumulative = 0.0;
+        for (i, c) in candidates[..n].iter().enumerate() {
+            cumulative += c.1;
+            if cumulative >= top_p {
+                candidates.truncate(i + 1);
+                return;
+            }
+        }
+        if n == candidates.len() {
+            return;
+        }
+        n = (n * 4).min(candidates.len());
     }
 }
 
@@ -370,6 +391,93 @@ mod tests {
     fn draw(p: SamplingParams, logits: &[f32], n: usize) -> Vec<u32> {
         let mut s = Sampler::new(p, &[]).unwrap();
         (0..n).map(|_| s.sample(&mut logits.to_vec())).collect()
+    }
+
+    /// The whole vocabulary sorted, then top_p: what the sampler must
+    /// agree with, given the same draw.
+    fn top_p_by_full_sort(logits: &[f32], p: &SamplingParams, draw: f32) -> u32 {
+        let mut c: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .collect();
+        c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = c[0].1;
+        let total: f64 = c.iter().map(|x| (x.1 - max).exp() as f64).sum();
+        let probs: Vec<(u32, f32)> = c
+            .iter()
+            .map(|x| (x.0, ((x.1 - max).exp() as f64 / total) as f32))
+            .collect();
+        let (mut cumulative, mut keep) = (0.0, probs.len());
+        for (i, x) in probs.iter().enumerate() {
+            cumulative += x.1;
+            if cumulative >= p.top_p.unwrap() {
+                keep = i + 1;
+                break;
+            }
+        }
+        let kept = &probs[..keep];
+        let mut r = draw * kept.iter().map(|x| x.1).sum::<f32>();
+        for &(t, prob) in kept {
+            if r < prob {
+                return t;
+            }
+            r -= prob;
+        }
+        kept.last().unwrap().0
+    }
+
+    /// Logits of a vocabulary of `n` from a fixed generator, peaked like a
+    /// model's (a few likely tokens, a long tail).
+    fn vocabulary(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| {
+                let u: f32 = rng.random();
+                if u < 0.002 {
+                    8.0 + 4.0 * u / 0.002
+                } else {
+                    6.0 * u
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn top_p_sorting_only_the_likely_tokens_picks_what_a_full_sort_picks() {
+        for case in 0..120u64 {
+            let logits = vocabulary(49_152, case);
+            let p = params(|p| {
+                p.seed = Some(case);
+                p.temperature = [0.6, 1.0, 1.6][case as usize % 3];
+                p.top_p = Some([0.5, 0.9, 0.95, 0.99, 0.999][case as usize % 5]);
+            });
+            let mut s = Sampler::new(p.clone(), &[]).unwrap();
+            let draw: f32 = s.rng.clone().random();
+            let picked = s.sample(&mut logits.clone());
+            assert_eq!(picked, top_p_by_full_sort(&logits, &p, draw), "case {case}");
+        }
+    }
+
+    #[test]
+    fn without_top_p_tokens_are_drawn_by_their_probabilities() {
+        let logits = [2.0f32, 1.0, 0.5, 0.0, -1.0];
+        let exp: Vec<f64> = logits.iter().map(|&l| (l as f64).exp()).collect();
+        let total: f64 = exp.iter().sum();
+        let n = 40_000;
+        let picks = draw(params(|_| {}), &logits, n);
+        for (t, e) in exp.iter().enumerate() {
+            let seen = picks.iter().filter(|&&x| x == t as u32).count() as f64 / n as f64;
+            assert!(
+                (seen - e / total).abs() < 0.01,
+                "token {t}: {seen} vs {}",
+                e / total
+            );
+        }
+        // min_p keeps the tokens at least 0.3 times as likely as the first.
+        let picks = draw(params(|p| p.min_p = Some(0.3)), &logits, 2_000);
+        assert!(picks.iter().all(|&t| t <= 1), "only 0 and 1 are within 0.3");
+        assert!(picks.contains(&1));
     }
 
     #[test]

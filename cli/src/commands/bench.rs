@@ -29,6 +29,13 @@ pub struct BenchArgs {
     /// report its rate and compile time beside the unconstrained ones.
     #[arg(long, conflicts_with_all = ["endpoint", "copy_from", "gateway"])]
     json_schema: Option<std::path::PathBuf>,
+    /// Sample at this temperature instead of greedily (in one process; the
+    /// cost of sampling a whole vocabulary shows in the decode rates).
+    #[arg(long, default_value_t = 0.0, conflicts_with_all = ["endpoint", "copy_from", "gateway"])]
+    temperature: f32,
+    /// Nucleus sampling's probability mass (with `--temperature`).
+    #[arg(long, requires = "temperature")]
+    top_p: Option<f32>,
     /// Compute threads (sets RAYON_NUM_THREADS for the measurement; with
     /// `--tensor-processes`, shared out among the rank processes).
     #[arg(long)]
@@ -134,6 +141,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
             None => None,
         },
+        temperature: args.temperature,
+        top_p: args.top_p,
     };
     let gateway = args
         .gateway
