@@ -4,14 +4,17 @@
 //! instance 2 s to start an answer (`--start-timeout-seconds 2`). One agent
 //! is stopped (SIGSTOP): its connections stay open and answer nothing.
 //!
-//! Every request is answered, by the other replica; only the first few pay
-//! the 2 s deadline, until the hung instance has failed three times in a
-//! row and is tried last (outlier ejection, counted in
-//! `shardplane_gateway_ejections_total`). Prints a `REPORT` line.
+//! Every request is answered, by the other replica. The same prompt again
+//! and again pays the 2 s deadline once: the other replica then holds its
+//! beginning and is preferred for it. Fresh prompts that prefer the hung
+//! instance pay it until that instance has failed three times in a row and
+//! is tried last (outlier ejection, counted in
+//! `shardplane_gateway_ejections_total`); then none does. Prints `REPORT`
+//! lines.
 
 use std::time::{Duration, Instant};
 
-use e2e::{WAIT, chat, create_model, start_with};
+use e2e::{WAIT, chat, chat_saying, create_model, start_with};
 use shardplane_testkit::{control_plane, eventually, metrics, unique_name};
 
 mod e2e;
@@ -75,6 +78,16 @@ async fn a_hung_instance_is_passed_over_after_its_start_deadline_and_then_tried_
         "the agent's own process is stopped"
     );
     agent.signal("-STOP");
+    let gateway_counts = || async {
+        let scraped = metrics::scrape(&cluster.gateway_admin).await;
+        (
+            metrics::sum(
+                &scraped,
+                "shardplane_gateway_upstream_errors_total{kind=\"instance\"",
+            ),
+            metrics::sum(&scraped, "shardplane_gateway_ejections_total"),
+        )
+    };
     let mut times = Vec::new();
     let mut failed = Vec::new();
     for _ in 0..REQUESTS {
@@ -84,24 +97,58 @@ async fn a_hung_instance_is_passed_over_after_its_start_deadline_and_then_tried_
         }
         times.push(t.elapsed().as_secs_f64());
     }
-    agent.signal("-CONT");
     let slow = times.iter().filter(|t| **t >= 1.9).count();
-    let scraped = metrics::scrape(&cluster.gateway_admin).await;
-    let ejections = metrics::sum(&scraped, "shardplane_gateway_ejections_total");
-    let instance_failures = metrics::sum(
-        &scraped,
-        "shardplane_gateway_upstream_errors_total{kind=\"instance\"",
-    );
+    let (instance_failures, ejections) = gateway_counts().await;
     println!(
-        "REPORT one of two replicas hung (SIGSTOP): {} of {REQUESTS} requests failed; seconds each {times:.2?}; {slow} took 1.9 s or more; {instance_failures} attempts on the hung instance; {ejections} ejections",
+        "REPORT one of two replicas hung (SIGSTOP), one prompt: {} of {REQUESTS} requests failed; seconds each {times:.2?}; {slow} took 1.9 s or more; {instance_failures} attempts on the hung instance; {ejections} ejections",
         failed.len()
     );
     assert!(failed.is_empty(), "requests failed: {failed:?}");
-    // The prompt's preferred instance is tried first until it has failed
-    // three times in a row; then it is tried last, so no request meets it.
+    assert_eq!(
+        (instance_failures, ejections),
+        (1.0, 0.0),
+        "one attempt met the hung instance; then the replica that answered held the prompt"
+    );
+
+    // Fresh prompts: about half prefer the hung instance, until it has
+    // failed three times in a row (the one above included).
+    let mut fresh = 0;
+    let mut times = Vec::new();
+    while gateway_counts().await.1 < 1.0 {
+        assert!(fresh < 40, "no ejection after {fresh} fresh prompts");
+        fresh += 1;
+        let t = Instant::now();
+        chat_saying(
+            &http,
+            &gateway,
+            &served,
+            &format!("Say hi to {fresh}."),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    // Ejected: tried last, so no request meets it.
+    for n in 0..REQUESTS {
+        chat_saying(
+            &http,
+            &gateway,
+            &served,
+            &format!("Say hello to {n}."),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    }
+    agent.signal("-CONT");
+    let (instance_failures, ejections) = gateway_counts().await;
+    println!(
+        "REPORT fresh prompts: ejected after {fresh} (seconds each {times:.2?}); {instance_failures} attempts on the hung instance in all; {ejections} ejections"
+    );
     assert_eq!(
         (instance_failures, ejections),
         (3.0, 1.0),
-        "three attempts met the hung instance, then it was ejected"
+        "three attempts in a row met the hung instance, then it was ejected and met no more"
     );
 }

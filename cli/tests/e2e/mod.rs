@@ -224,9 +224,20 @@ pub async fn chat(
     model: &str,
     timeout: Duration,
 ) -> Result<(), String> {
+    chat_saying(http, gateway, model, "Say hi.", timeout).await
+}
+
+/// [`chat`] with `content` as the user's message.
+pub async fn chat_saying(
+    http: &reqwest::Client,
+    gateway: &str,
+    model: &str,
+    content: &str,
+    timeout: Duration,
+) -> Result<(), String> {
     let body = serde_json::json!({
         "model": model,
-        "messages": [{"role": "user", "content": "Say hi."}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": 4,
     });
     let r = chat_request(http, gateway, &body)
