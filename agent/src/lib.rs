@@ -24,6 +24,7 @@ pub mod repository;
 pub mod retry;
 pub mod scheduler;
 pub mod shards;
+pub mod shared_prompt;
 pub mod stage;
 pub mod step_cost;
 pub mod step_gather;

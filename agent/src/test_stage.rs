@@ -39,6 +39,12 @@ pub(crate) struct Echo {
     pub(crate) retained: Arc<Mutex<Vec<SequenceId>>>,
     /// How long every pass takes.
     pub(crate) pass: std::time::Duration,
+    /// Keep the prompts offered to the prefix cache and find new prompts'
+    /// longest common beginning with them (instead of `cached`).
+    pub(crate) remember: bool,
+    /// The tokens each sequence was given, and the prompts kept.
+    tokens: HashMap<SequenceId, Vec<u32>>,
+    kept: Vec<Vec<u32>>,
 }
 
 impl Echo {
@@ -83,6 +89,9 @@ impl Echo {
                 cached: 0,
                 retained: Arc::default(),
                 pass: std::time::Duration::ZERO,
+                remember: false,
+                tokens: HashMap::new(),
+                kept: Vec::new(),
             },
             steps,
         )
@@ -122,6 +131,9 @@ impl Stage for Echo {
         Ok(batch
             .into_iter()
             .map(|(seq, input)| {
+                if let StageInput::Tokens(ids) = &input {
+                    self.tokens.entry(seq).or_default().extend(ids);
+                }
                 let start = *self.held.get(&seq).unwrap_or(&0);
                 let n = input.len();
                 self.held.insert(seq, start + n);
@@ -135,17 +147,39 @@ impl Stage for Echo {
             .collect())
     }
     fn release(&mut self, seq: SequenceId) -> bool {
+        self.tokens.remove(&seq);
         self.held.remove(&seq).is_some()
     }
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
-        let n = self.cached.min(tokens.len().saturating_sub(1));
+        let found = match self.remember {
+            true => self
+                .kept
+                .iter()
+                .map(|k| k.iter().zip(tokens).take_while(|(a, b)| a == b).count())
+                .max()
+                .unwrap_or(0),
+            false => self.cached,
+        };
+        let n = found.min(tokens.len().saturating_sub(1));
         if n > 0 {
             self.held.insert(seq, n);
+            self.tokens.insert(seq, tokens[..n].to_vec());
         }
         n
     }
     fn retain_prefix(&mut self, seq: SequenceId) {
         self.retained.lock().unwrap().push(seq);
+        if self.remember
+            && let Some(t) = self.tokens.get(&seq)
+        {
+            self.kept.push(t.clone());
+        }
+    }
+    fn prefix_cache(&self) -> shardplane_engine::prefix::PrefixCacheStats {
+        shardplane_engine::prefix::PrefixCacheStats {
+            budget_bytes: u64::from(self.remember),
+            ..Default::default()
+        }
     }
     fn sequence_len(&self, seq: SequenceId) -> usize {
         *self.held.get(&seq).unwrap_or(&0)

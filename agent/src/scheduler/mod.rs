@@ -13,12 +13,13 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use shardplane_engine::{Activations, SequenceId, Stage, StageInput, StageOutput};
 use tokio::sync::oneshot;
 
+use crate::shared_prompt;
 use crate::stage::{Pass, PassObserver, StageStats};
 use crate::step_cost::PassCost;
 use crate::step_gather::Gather;
@@ -104,6 +105,28 @@ struct Prefill {
     queued: Option<Instant>,
     /// Its tokens that came from the prefix cache.
     cached: usize,
+    /// The whole prompt, on a stage with a prefix cache (prompts that begin
+    /// alike wait for it: see `shared_prompt`).
+    prompt: Option<Arc<[u32]>>,
+}
+
+/// A new prompt waiting for a running one it begins like, to take the
+/// shared part from the prefix cache once that one has run.
+struct Parked {
+    leader: SequenceId,
+    seq: SequenceId,
+    input: StageInput,
+    reply: Reply,
+    sent: Instant,
+}
+
+/// What the stage holds between steps.
+#[derive(Default)]
+struct Work {
+    decodes: Vec<(SequenceId, StageInput, Reply)>,
+    prefills: VecDeque<Prefill>,
+    parked: Vec<Parked>,
+    releases: Vec<SequenceId>,
 }
 
 /// One sequence's part in a step.
@@ -116,13 +139,12 @@ enum Part {
 pub fn run(
     mut shard: Box<dyn Stage>,
     queue: mpsc::Receiver<Job>,
-    stats: std::sync::Arc<StageStats>,
+    stats: Arc<StageStats>,
     observe: PassObserver,
     budget: Budget,
 ) {
-    let mut decodes: Vec<(SequenceId, StageInput, Reply)> = Vec::new();
-    let mut prefills: VecDeque<Prefill> = VecDeque::new();
-    let mut releases: Vec<SequenceId> = Vec::new();
+    let mut work = Work::default();
+    let caching = shard.prefix_cache().budget_bytes > 0;
     let mut gather = Gather::default();
     stats
         .prompt_step
@@ -131,7 +153,7 @@ pub fn run(
         // Idle, the stage waits for a job; then it takes whatever is queued,
         // and waits a moment for the sequences the last step answered when
         // they come back quickly (see `step_gather`).
-        let first = if decodes.is_empty() && prefills.is_empty() {
+        let first = if work.decodes.is_empty() && work.prefills.is_empty() {
             match queue.recv() {
                 Ok(job) => Some(job),
                 Err(_) => return,
@@ -145,14 +167,7 @@ pub fn run(
                 Job::Forward { seq, sent, .. } => gather.arrived(*seq, *sent),
                 Job::Release { seq } => gather.gone(*seq),
             }
-            take(
-                job,
-                &mut *shard,
-                &mut decodes,
-                &mut prefills,
-                &mut releases,
-                &stats,
-            );
+            take(job, &mut *shard, &mut work, caching, &stats);
         };
         for job in first.into_iter().chain(queued) {
             file(job, &mut gather);
@@ -164,11 +179,19 @@ pub fn run(
                 Err(mpsc::RecvTimeoutError::Disconnected) => gather.closed(),
             }
         }
-        for seq in releases.drain(..) {
+        for seq in std::mem::take(&mut work.releases) {
             shard.release(seq);
         }
-        drop_abandoned(&mut decodes, &mut prefills, &stats);
-        let ran = step(&mut *shard, &mut decodes, &mut prefills, budget, &stats);
+        drop_abandoned(&mut work, &stats);
+        unpark(&mut *shard, &mut work, caching, &stats);
+        let ran = step(
+            &mut *shard,
+            &mut work.decodes,
+            &mut work.prefills,
+            budget,
+            &stats,
+        );
+        unpark(&mut *shard, &mut work, caching, &stats);
         if let Some(at) = ran.finished {
             // Whether waiting pays is judged against a pass of the answered
             // sequences alone (not a long prompt slice's pass).
@@ -189,7 +212,7 @@ pub fn run(
             rows: ran.rows,
             seconds: ran.seconds,
             sequences: ran.sequences,
-            waiting: prefills.len(),
+            waiting: work.prefills.len() + work.parked.len(),
             queue_waits: ran.queue_waits,
             kv_tokens: (
                 stats.kv.reserved_tokens.load(Ordering::Relaxed),
@@ -202,87 +225,130 @@ pub fn run(
 
 /// Files a job: a single token for a sequence the stage holds is a decode
 /// step; anything else is a prefill, run in slices. A new sequence's prompt
-/// first takes what the prefix cache holds of it.
-fn take(
-    job: Job,
-    shard: &mut dyn Stage,
-    decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
-    prefills: &mut VecDeque<Prefill>,
-    releases: &mut Vec<SequenceId>,
-    stats: &StageStats,
-) {
+/// first takes what the prefix cache holds of it, or waits for a running
+/// prompt it begins like (`shared_prompt`).
+fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: &StageStats) {
     match job {
         Job::Forward {
             seq,
             mut input,
             reply,
-            sent: _,
+            sent,
         } => {
-            let busy =
-                decodes.iter().any(|(s, _, _)| *s == seq) || prefills.iter().any(|p| p.seq == seq);
-            let (mut new_prompt, mut cached) = (false, 0);
+            let busy = work.decodes.iter().any(|(s, _, _)| *s == seq)
+                || work.prefills.iter().any(|p| p.seq == seq);
+            let (mut new_prompt, mut cached, mut prompt) = (false, 0, None);
             if let StageInput::Tokens(ids) = &input
                 && !busy
                 && shard.sequence_len(seq) == 0
             {
                 new_prompt = true;
                 cached = shard.reuse_prefix(seq, ids);
+                if caching {
+                    let running = work
+                        .prefills
+                        .iter()
+                        .filter_map(|p| Some((p.seq, p.prompt.as_deref()?, p.rest.len())));
+                    if let Some(leader) = shared_prompt::leader(ids, cached, running) {
+                        if cached > 0 {
+                            // Taken again, whole, once the leader has run.
+                            shard.release(seq);
+                        }
+                        work.parked.push(Parked {
+                            leader,
+                            seq,
+                            input,
+                            reply,
+                            sent,
+                        });
+                        return;
+                    }
+                    prompt = Some(Arc::from(ids.as_slice()));
+                }
                 if cached > 0 {
                     split_front(&mut input, cached);
                     stats.unqueue_tokens(cached);
                 }
             }
             if input.len() == 1 && shard.sequence_len(seq) > 0 && !busy && !new_prompt {
-                decodes.push((seq, input, reply));
+                work.decodes.push((seq, input, reply));
             } else {
-                prefills.push_back(Prefill {
+                work.prefills.push_back(Prefill {
                     seq,
                     rest: input,
                     rows: Vec::new(),
                     reply,
-                    queued: Some(Instant::now()),
+                    queued: Some(sent),
                     cached,
+                    prompt,
                 });
             }
         }
         Job::Release { seq } => {
             // Its caller is gone: so is what it still waited for.
-            decodes.retain(|(s, _, _)| {
+            work.decodes.retain(|(s, _, _)| {
                 let keep = *s != seq;
                 if !keep {
                     stats.unqueue_tokens(1);
                 }
                 keep
             });
-            prefills.retain(|p| {
+            work.prefills.retain(|p| {
                 let keep = p.seq != seq;
                 if !keep {
                     stats.unqueue_tokens(p.rest.len());
                 }
                 keep
             });
-            releases.push(seq);
+            work.parked.retain(|p| {
+                let keep = p.seq != seq;
+                if !keep {
+                    stats.unqueue_tokens(p.input.len());
+                }
+                keep
+            });
+            work.releases.push(seq);
         }
     }
 }
 
+/// Files again the parked prompts whose leader has run (or left).
+fn unpark(shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: &StageStats) {
+    let (ready, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut work.parked)
+        .into_iter()
+        .partition(|p| !work.prefills.iter().any(|f| f.seq == p.leader));
+    work.parked = waiting;
+    for p in ready {
+        let job = Job::Forward {
+            seq: p.seq,
+            input: p.input,
+            reply: p.reply,
+            sent: p.sent,
+        };
+        take(job, shard, work, caching, stats);
+    }
+}
+
 /// Drops work whose caller went away (the client or the previous stage).
-fn drop_abandoned(
-    decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
-    prefills: &mut VecDeque<Prefill>,
-    stats: &StageStats,
-) {
-    decodes.retain(|(_, input, reply)| {
+fn drop_abandoned(work: &mut Work, stats: &StageStats) {
+    work.decodes.retain(|(_, input, reply)| {
         let keep = !reply.is_closed();
         if !keep {
             stats.unqueue_tokens(input.len());
         }
         keep
     });
-    prefills.retain(|p| {
+    work.prefills.retain(|p| {
         let keep = !p.reply.is_closed();
         if !keep {
             stats.unqueue_tokens(p.rest.len());
+        }
+        keep
+    });
+    work.parked.retain(|p| {
+        let keep = !p.reply.is_closed();
+        if !keep {
+            stats.unqueue_tokens(p.input.len());
         }
         keep
     });
@@ -459,272 +525,4 @@ fn take_reply(p: &mut Prefill) -> (SequenceId, Reply) {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use super::*;
-    use crate::test_stage::Echo;
-
-    /// Where a job's answer arrives.
-    struct Answer(oneshot::Receiver<shardplane_engine::Result<Forwarded>>);
-
-    impl Answer {
-        /// The output alone.
-        fn blocking_recv(
-            self,
-        ) -> Result<shardplane_engine::Result<StageOutput>, oneshot::error::RecvError> {
-            Ok(self.0.blocking_recv()?.map(|f| f.output))
-        }
-
-        /// The output and its cached tokens.
-        fn counted(self) -> Forwarded {
-            self.0.blocking_recv().unwrap().unwrap()
-        }
-    }
-
-    fn forward(seq: SequenceId, input: StageInput) -> (Job, Answer) {
-        let (reply, answer) = oneshot::channel();
-        (
-            Job::Forward {
-                seq,
-                input,
-                reply,
-                sent: Instant::now(),
-            },
-            Answer(answer),
-        )
-    }
-
-    fn tokens(n: usize) -> StageInput {
-        StageInput::Tokens((0..n as u32).collect())
-    }
-
-    /// Runs `jobs` through a scheduler over `shard` (all queued before it
-    /// starts, as a burst arrives) and returns the answers.
-    fn run_jobs(shard: Echo, jobs: Vec<Job>, budget: usize) -> Arc<StageStats> {
-        run_jobs_observed(shard, jobs, budget, Arc::new(|_| {}))
-    }
-
-    /// [`run_jobs`], telling `observe` of every turn.
-    fn run_jobs_observed(
-        shard: Echo,
-        jobs: Vec<Job>,
-        budget: usize,
-        observe: PassObserver,
-    ) -> Arc<StageStats> {
-        let (send, queue) = mpsc::channel();
-        let stats = Arc::new(StageStats::default());
-        for job in jobs {
-            if let Job::Forward { input, .. } = &job {
-                stats
-                    .queued_tokens
-                    .fetch_add(input.len() as u64, Ordering::Relaxed);
-            }
-            send.send(job).unwrap();
-        }
-        drop(send);
-        run(
-            Box::new(shard),
-            queue,
-            stats.clone(),
-            observe,
-            Budget {
-                prefill_tokens: budget,
-                ..Budget::default()
-            },
-        );
-        stats
-    }
-
-    #[test]
-    fn a_long_prompt_runs_in_slices_beside_the_decoding_sequences() {
-        let (mut shard, steps) = Echo::new(false);
-        // Sequence 1 is decoding already.
-        shard.forward(1, tokens(3)).unwrap();
-        steps.lock().unwrap().clear();
-        let (prompt, prompt_answer) = forward(2, tokens(10));
-        let (decode, decode_answer) = forward(1, tokens(1));
-        let passes = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let seen = passes.clone();
-        let stats = run_jobs_observed(
-            shard,
-            vec![prompt, decode],
-            4,
-            Arc::new(move |p: &Pass| seen.lock().unwrap().push(p.clone())),
-        );
-        // The decode step went in the first step, beside the first slice.
-        assert_eq!(
-            *steps.lock().unwrap(),
-            vec![vec![(1, 1), (2, 4)], vec![(2, 4)], vec![(2, 2)]]
-        );
-        let Ok(Ok(StageOutput::Hidden(a))) = prompt_answer.blocking_recv() else {
-            panic!("the prompt's hidden rows");
-        };
-        assert_eq!(a.data, (0..10).map(|p| p as f32).collect::<Vec<_>>());
-        let Ok(Ok(StageOutput::Hidden(d))) = decode_answer.blocking_recv() else {
-            panic!("the decode step's row");
-        };
-        assert_eq!(d.data, vec![3.0]);
-        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
-        assert!(stats.estimated_wait().is_zero());
-        // What the metrics hear: 2, 1 and 1 sequences in the passes; the
-        // prompt waited once (before its first slice), then no prompt waits.
-        let passes = passes.lock().unwrap();
-        let ran: Vec<_> = passes.iter().filter(|p| p.rows > 0).collect();
-        assert_eq!(
-            ran.iter()
-                .map(|p| (p.rows, p.sequences))
-                .collect::<Vec<_>>(),
-            vec![(5, 2), (4, 1), (2, 1)]
-        );
-        assert_eq!(ran.iter().map(|p| p.queue_waits.len()).sum::<usize>(), 1);
-        assert_eq!(
-            ran.iter().map(|p| p.waiting).collect::<Vec<_>>(),
-            vec![1, 1, 0]
-        );
-    }
-
-    #[test]
-    fn a_last_stage_answers_a_sliced_prompt_with_its_last_logits() {
-        let (shard, steps) = Echo::new(true);
-        let (prompt, answer) = forward(
-            7,
-            StageInput::Hidden(Activations::new(5, 1, vec![0.0; 5]).unwrap()),
-        );
-        run_jobs(shard, vec![prompt], 2);
-        assert_eq!(steps.lock().unwrap().len(), 3);
-        let Ok(Ok(StageOutput::Logits(l))) = answer.blocking_recv() else {
-            panic!("logits");
-        };
-        assert_eq!(l, vec![4.0], "the logits at the prompt's last token");
-    }
-
-    #[test]
-    fn work_whose_caller_left_and_released_prompts_never_run() {
-        let (shard, steps) = Echo::new(false);
-        let (gone, answer) = forward(1, tokens(8));
-        drop(answer);
-        let (released, _answer) = forward(2, tokens(8));
-        let (kept, kept_answer) = forward(3, tokens(2));
-        let stats = run_jobs(
-            shard,
-            vec![gone, released, Job::Release { seq: 2 }, kept],
-            64,
-        );
-        assert_eq!(*steps.lock().unwrap(), vec![vec![(3, 2)]]);
-        assert!(matches!(kept_answer.blocking_recv(), Ok(Ok(_))));
-        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
-    }
-
-    #[test]
-    fn a_prompt_runs_only_what_the_prefix_cache_lacks_and_is_kept_when_it_has_run() {
-        let (mut shard, steps) = Echo::new(true);
-        shard.cached = 8;
-        let retained = shard.retained.clone();
-        // A new prompt of 10 tokens: 8 cached, 2 to run, in slices of 4.
-        let (prompt, answer) = forward(1, tokens(10));
-        // A prompt of 3 tokens: 2 cached, its last token runs.
-        let (short, short_answer) = forward(2, tokens(3));
-        let stats = run_jobs(shard, vec![prompt, short], 4);
-        assert_eq!(*steps.lock().unwrap(), vec![vec![(1, 2), (2, 1)]]);
-        let Forwarded {
-            output: StageOutput::Logits(l),
-            cached: 8,
-        } = answer.counted()
-        else {
-            panic!("logits, 8 tokens cached");
-        };
-        assert_eq!(l, vec![9.0], "the logits at the prompt's last position");
-        assert_eq!(short_answer.counted().cached, 2);
-        assert_eq!(*retained.lock().unwrap(), vec![1, 2]);
-        assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
-    }
-
-    #[test]
-    fn a_step_waits_for_the_decoding_sequences_its_head_sends_back_quickly() {
-        // Three sequences decode on a stage whose passes take 100 ms; their
-        // head sends each one's next token 0, 1 and 2 ms after its answer.
-        // Starting a step on the first one back would split them for good
-        // (1 alone, then 2 and 3 together, and so on).
-        let (mut shard, steps) = Echo::new(true);
-        shard.pass = Duration::from_millis(100);
-        let (send, queue) = mpsc::channel();
-        let stats = Arc::new(StageStats::default());
-        let stage = {
-            let stats = stats.clone();
-            std::thread::spawn(move || {
-                run(
-                    Box::new(shard),
-                    queue,
-                    stats,
-                    Arc::new(|_| {}),
-                    Budget::default(),
-                )
-            })
-        };
-        let heads: Vec<_> = (0..3u64)
-            .map(|seq| {
-                let send = send.clone();
-                std::thread::spawn(move || {
-                    for token in 0..20 {
-                        let input = if token == 0 { tokens(4) } else { tokens(1) };
-                        let (job, answer) = forward(seq, input);
-                        send.send(job).unwrap();
-                        answer.blocking_recv().unwrap().unwrap();
-                        std::thread::sleep(Duration::from_millis(seq));
-                    }
-                    send.send(Job::Release { seq }).unwrap();
-                })
-            })
-            .collect();
-        drop(send);
-        for head in heads {
-            head.join().unwrap();
-        }
-        stage.join().unwrap();
-        let steps = steps.lock().unwrap();
-        // Once the stage has seen a few rounds, its steps carry all three.
-        let later = &steps[8..];
-        let full = later.iter().filter(|s| s.len() == 3).count();
-        assert!(
-            full * 2 >= later.len(),
-            "{full} of {} steps carried all three: {later:?}",
-            later.len()
-        );
-    }
-
-    #[test]
-    fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
-        let budget = Budget {
-            prefill_tokens: 512,
-            decode_step: Duration::from_millis(200),
-        };
-        let cost = |fixed_ms: f64, row_ms: f64| {
-            Some(PassCost {
-                fixed: fixed_ms / 1e3,
-                per_row: row_ms / 1e3,
-            })
-        };
-        // Nothing decodes, or the cost is not known yet: the whole budget.
-        assert_eq!(budget.prefill_room(0, cost(0.0, 36.0)), 512);
-        assert_eq!(budget.prefill_room(3, None), 512);
-        // 1 ms a row: 200 rows a step, 3 of them decode steps.
-        assert_eq!(budget.prefill_room(3, cost(0.0, 1.0)), 197);
-        // A pass's fixed 20 ms leave 180 rows.
-        assert_eq!(budget.prefill_room(3, cost(20.0, 1.0)), 177);
-        // Fast: capped by the budget.
-        assert_eq!(budget.prefill_room(3, cost(0.0, 0.01)), 512);
-        // 36 ms a row: 5 rows fit; prompts still move by MIN_SLICE.
-        assert_eq!(budget.prefill_room(3, cost(0.0, 36.0)), MIN_SLICE);
-        assert_eq!(budget.prefill_room(50, cost(0.0, 1.0)), 150);
-        assert_eq!(budget.prefill_room(250, cost(0.0, 1.0)), MIN_SLICE);
-        // A pass slower than a step on its own: still MIN_SLICE.
-        assert_eq!(budget.prefill_room(3, cost(300.0, 1.0)), MIN_SLICE);
-        // A budget below MIN_SLICE is kept.
-        let tiny = Budget {
-            prefill_tokens: 2,
-            ..budget
-        };
-        assert_eq!(tiny.prefill_room(3, cost(0.0, 36.0)), 2);
-    }
-}
+mod tests;
