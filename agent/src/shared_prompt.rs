@@ -11,8 +11,11 @@
 //! ```
 //!
 //! A prompt waits only when the wait pays: it shares at least a cache block
-//! more with the running prompt than the cache gives it now, and what the
-//! running prompt still has to run is at most four times that gain.
+//! with the running prompt beyond what the cache gave that one (and so is
+//! likely to give this one: what is cached already needs no wait), and what
+//! the running prompt still has to run is at most four times that gain. The
+//! choice is made before the prompt looks in the cache, so a prompt that
+//! waits is looked up (and counted) once, when it goes on.
 
 use shardplane_engine::SequenceId;
 use shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS;
@@ -23,19 +26,18 @@ pub const MIN_GAIN: usize = DEFAULT_BLOCK_TOKENS;
 /// How many times the tokens it saves the leader may still have to run.
 pub const MOST_WORK_PER_GAIN: usize = 4;
 
-/// The running prompt `prompt` (whose cache hit is `cached` tokens now)
-/// should wait for, among `running`: `(sequence, its whole prompt, tokens it
-/// has still to run)`. The one that saves the most wins.
+/// The running prompt `prompt` should wait for, among `running`:
+/// `(sequence, its whole prompt, tokens of it the cache gave, tokens it has
+/// still to run)`. The one that saves the most wins.
 pub fn leader<'a>(
     prompt: &[u32],
-    cached: usize,
-    running: impl IntoIterator<Item = (SequenceId, &'a [u32], usize)>,
+    running: impl IntoIterator<Item = (SequenceId, &'a [u32], usize, usize)>,
 ) -> Option<SequenceId> {
     // The cache always leaves the last token to run.
     let reusable = prompt.len().saturating_sub(1);
     running
         .into_iter()
-        .filter_map(|(seq, theirs, left)| {
+        .filter_map(|(seq, theirs, cached, left)| {
             let common = prompt
                 .iter()
                 .zip(theirs)
@@ -65,14 +67,14 @@ mod tests {
         let b = prompt(2_000, 2, 2_100);
         let c = prompt(500, 3, 600);
         // A has 1 500 tokens left to run: B saves 2 000 by waiting for it.
-        assert_eq!(leader(&b, 0, [(1, &a[..], 1_500)]), Some(1));
+        assert_eq!(leader(&b, [(1, &a[..], 0, 1_500)]), Some(1));
         // Of two running prompts, the one B shares more with.
         assert_eq!(
-            leader(&b, 0, [(3, &c[..], 100), (1, &a[..], 1_500)]),
+            leader(&b, [(3, &c[..], 0, 100), (1, &a[..], 0, 1_500)]),
             Some(1)
         );
-        // Already cached: nothing to gain.
-        assert_eq!(leader(&b, 2_000, [(1, &a[..], 1_500)]), None);
+        // A found the shared part in the cache: so will B, without waiting.
+        assert_eq!(leader(&b, [(1, &a[..], 2_000, 100)]), None);
     }
 
     #[test]
@@ -80,16 +82,16 @@ mod tests {
         let a = prompt(20, 1, 3_000);
         let b = prompt(20, 2, 100);
         // 20 tokens in common: less than a block.
-        assert_eq!(leader(&b, 0, [(1, &a[..], 3_000)]), None);
+        assert_eq!(leader(&b, [(1, &a[..], 0, 3_000)]), None);
         // 100 in common, but A has 3 000 tokens of its own still to run.
         let a = prompt(100, 1, 3_000);
         let b = prompt(100, 2, 200);
-        assert_eq!(leader(&b, 0, [(1, &a[..], 2_950)]), None);
+        assert_eq!(leader(&b, [(1, &a[..], 0, 2_950)]), None);
         // The same prompt twice: all but its last token can come from A.
         let same = prompt(64, 0, 64);
-        assert_eq!(leader(&same, 0, [(1, &same[..], 64)]), Some(1));
-        assert_eq!(leader(&same, 16, [(1, &same[..], 64)]), Some(1));
-        assert_eq!(leader(&same[..33], 0, [(1, &same[..], 64)]), Some(1));
-        assert_eq!(leader(&same[..32], 0, [(1, &same[..], 64)]), None);
+        assert_eq!(leader(&same, [(1, &same[..], 0, 64)]), Some(1));
+        assert_eq!(leader(&same, [(1, &same[..], 16, 48)]), Some(1));
+        assert_eq!(leader(&same[..33], [(1, &same[..], 0, 64)]), Some(1));
+        assert_eq!(leader(&same[..32], [(1, &same[..], 0, 64)]), None);
     }
 }

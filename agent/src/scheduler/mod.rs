@@ -243,17 +243,12 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                 && shard.sequence_len(seq) == 0
             {
                 new_prompt = true;
-                cached = shard.reuse_prefix(seq, ids);
                 if caching {
-                    let running = work
-                        .prefills
-                        .iter()
-                        .filter_map(|p| Some((p.seq, p.prompt.as_deref()?, p.rest.len())));
-                    if let Some(leader) = shared_prompt::leader(ids, cached, running) {
-                        if cached > 0 {
-                            // Taken again, whole, once the leader has run.
-                            shard.release(seq);
-                        }
+                    let running = work.prefills.iter().filter_map(|p| {
+                        Some((p.seq, p.prompt.as_deref()?, p.cached, p.rest.len()))
+                    });
+                    if let Some(leader) = shared_prompt::leader(ids, running) {
+                        // Taken again, whole, once the leader has run.
                         work.parked.push(Parked {
                             leader,
                             seq,
@@ -265,6 +260,7 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                     }
                     prompt = Some(Arc::from(ids.as_slice()));
                 }
+                cached = shard.reuse_prefix(seq, ids);
                 if cached > 0 {
                     split_front(&mut input, cached);
                     stats.unqueue_tokens(cached);
