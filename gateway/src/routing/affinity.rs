@@ -3,30 +3,38 @@
 //! its share of the load.
 //!
 //! ```text
-//!  prompt ─► key: hash of what starts it (system messages and the first one
-//!            after them, tools, template settings; or the first KiB of text)
-//!  instances ─► within the load bound? ── yes ─► holders of the key first, least
-//!                                      │         loaded first; then by rendezvous
-//!                                      │         score of (key, instance)
+//!  prompt ─► keys: its opening (system messages and the first one after
+//!            them, tools, template settings; or the first KiB of text) and,
+//!            for a chat, the conversation before each assistant message
+//!  instances ─► within the load bound? ── yes ─► the one that answered the
+//!                                      │         conversation's last turn;
+//!                                      │         holders of the opening,
+//!                                      │         least loaded first; then by
+//!                                      │         rendezvous score (key, instance)
 //!                                      └─ no ──► after them, least loaded first
 //!  bound: an instance takes a request while its outstanding requests are
 //!         under ⌈1.25 × (all outstanding + 1) / instances⌉
-//!  holders: the instances that started an answer for the key in the last 10 min
+//!  holders: the incarnations that started an answer for a key in the last
+//!           10 min (one re-placed or restarted holds nothing)
 //! ```
 //!
-//! The key is the same for every turn of one conversation (its first
-//! messages do not change), so a conversation keeps to one instance and
-//! finds its history cached there; conversations spread over the instances
-//! by the rendezvous score, and one hot prefix cannot pile onto one instance
-//! past the bound (Mirrokni et al.'s consistent hashing with bounded loads).
+//! The opening is the same for every turn of one conversation, so a
+//! conversation keeps to one instance and finds its history cached there;
+//! conversations spread over the instances by the rendezvous score, and one
+//! hot prefix cannot pile onto one instance past the bound (Mirrokni et
+//! al.'s consistent hashing with bounded loads).
 //!
 //! A hot prefix that overflowed onto a second instance is cached there too.
 //! From then on both hold it, and the less loaded of them takes the next
 //! request: by score alone, the first would take requests up to the bound
 //! while the second idled (a burst of 8 like requests split 5 : 3 on two
-//! instances, never 4 : 4). A conversation whose turn once overflowed may
-//! then move between its holders, and recompute what only the other holds
-//! of its history.
+//! instances, never 4 : 4). A conversation's next turn, though, goes back to
+//! the instance that answered its last one while that is within the bound:
+//! only that one holds the history beyond the opening. Each answer records
+//! the key of the whole conversation it answered; the next turn, which
+//! repeats that conversation and adds the answer and a new message, looks
+//! up the keys of its conversation before each assistant message, the
+//! longest first.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -44,23 +52,60 @@ const TEXT_BYTES: usize = 1024;
 /// started an answer for it (an agent's prefix cache evicts by use).
 const HELD_FOR: Duration = Duration::from_secs(600);
 
-/// Keys whose holders are remembered; past this, the least recently served
-/// quarter is forgotten.
-const KEYS: usize = 4096;
+/// Keys whose holders are remembered (each answer records two: about 100
+/// bytes each); past this, the least recently served quarter is forgotten.
+const KEYS: usize = 65_536;
+
+/// An instance as it holds prefixes: its key (`namespace/head shard`) and
+/// its incarnation, which changes when it is re-placed or restarted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub name: String,
+    pub incarnation: u64,
+}
+
+/// What a prompt's prefix is known by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Keys {
+    /// Its opening, the same for every turn of a conversation.
+    pub opening: u64,
+    /// A chat's conversation before each of its assistant messages, the
+    /// latest last: the prompts its earlier turns were answered from.
+    earlier: Vec<u64>,
+    /// A chat's whole conversation (what the next turn's `earlier` ends with).
+    whole: Option<u64>,
+}
+
+/// Where a prompt's prefix is likely cached.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Held {
+    /// The instance that answered the conversation's latest earlier turn.
+    pub follows: Option<Holder>,
+    /// The instances that lately answered a prompt of the same opening, the
+    /// most recent first.
+    pub opening: Vec<Holder>,
+}
 
 /// The instances that lately started an answer for each key.
 #[derive(Debug, Default)]
 pub(crate) struct Holders {
-    by_key: HashMap<u64, Vec<(String, Instant)>>,
+    by_key: HashMap<u64, Vec<(Holder, Instant)>>,
 }
 
 impl Holders {
-    /// `instance` started an answer for `key`.
-    pub(crate) fn served(&mut self, key: u64, instance: &str) {
+    /// `holder` started an answer for a prompt of `keys`.
+    pub(crate) fn served(&mut self, keys: &Keys, holder: &Holder) {
+        self.record(keys.opening, holder);
+        if let Some(whole) = keys.whole {
+            self.record(whole, holder);
+        }
+    }
+
+    fn record(&mut self, key: u64, holder: &Holder) {
         let now = Instant::now();
         let held = self.by_key.entry(key).or_default();
-        held.retain(|(name, at)| name != instance && now.duration_since(*at) < HELD_FOR);
-        held.push((instance.to_string(), now));
+        held.retain(|(h, at)| h.name != holder.name && now.duration_since(*at) < HELD_FOR);
+        held.push((holder.clone(), now));
         if self.by_key.len() > KEYS {
             let mut last: Vec<(Instant, u64)> = self
                 .by_key
@@ -74,8 +119,16 @@ impl Holders {
         }
     }
 
+    /// `holder` failed: it is no longer counted on to hold anything.
+    pub(crate) fn forget(&mut self, holder: &Holder) {
+        self.by_key.retain(|_, held| {
+            held.retain(|(h, _)| h != holder);
+            !held.is_empty()
+        });
+    }
+
     /// The instances holding `key`, the most recent first.
-    pub(crate) fn of(&self, key: u64) -> Vec<String> {
+    fn of(&self, key: u64) -> Vec<Holder> {
         let now = Instant::now();
         // Each list is kept in the order served.
         self.by_key
@@ -84,52 +137,102 @@ impl Holders {
             .flatten()
             .rev()
             .filter(|(_, at)| now.duration_since(*at) < HELD_FOR)
-            .map(|(name, _)| name.clone())
+            .map(|(h, _)| h.clone())
             .collect()
+    }
+
+    /// Where a prompt of `keys` is likely cached.
+    pub(crate) fn held(&self, keys: &Keys) -> Held {
+        Held {
+            follows: keys
+                .earlier
+                .iter()
+                .rev()
+                .find_map(|k| self.of(*k).into_iter().next()),
+            opening: self.of(keys.opening),
+        }
     }
 }
 
 /// The messages every later turn of a conversation repeats: the leading
 /// system (or developer) messages and the first message after them.
-fn opening(messages: &[shardplane_dataplane::ChatMessage]) -> &[shardplane_dataplane::ChatMessage] {
+fn opening(messages: &[shardplane_dataplane::ChatMessage]) -> usize {
     let leading = messages
         .iter()
         .take_while(|m| m.role == "system" || m.role == "developer")
         .count();
-    &messages[..(leading + 1).min(messages.len())]
+    (leading + 1).min(messages.len())
 }
 
-/// The key of what starts `prompt`.
-pub(crate) fn key(prompt: &Prompt) -> u64 {
-    let mut h = DefaultHasher::new();
-    match &prompt.input {
-        Input::Chat(c) => {
-            0u8.hash(&mut h);
-            for m in opening(&c.messages) {
-                m.role.hash(&mut h);
-                m.content.hash(&mut h);
+fn hash_message(m: &shardplane_dataplane::ChatMessage, h: &mut DefaultHasher) {
+    m.role.hash(h);
+    m.content.hash(h);
+    m.tool_call_id.hash(h);
+    for c in &m.tool_calls {
+        c.id.hash(h);
+        c.name.hash(h);
+        c.arguments.hash(h);
+    }
+}
+
+/// The key of a conversation hashed into `h` so far: apart from its opening's
+/// key when that is all it has.
+fn conversation(h: &DefaultHasher) -> u64 {
+    let mut h = h.clone();
+    u8::MAX.hash(&mut h);
+    h.finish()
+}
+
+impl Keys {
+    /// The keys of `prompt`.
+    pub(crate) fn of(prompt: &Prompt) -> Keys {
+        let mut h = DefaultHasher::new();
+        match &prompt.input {
+            Input::Chat(c) => {
+                0u8.hash(&mut h);
+                // Templates put tools and their settings near the start.
+                c.template_vars.hash(&mut h);
+                c.thinking.hash(&mut h);
+                if let Some(tools) = &prompt.tools {
+                    for t in &tools.tools {
+                        t.name.hash(&mut h);
+                        t.description.hash(&mut h);
+                        t.parameters.hash(&mut h);
+                    }
+                }
+                let first = opening(&c.messages);
+                for m in &c.messages[..first] {
+                    hash_message(m, &mut h);
+                }
+                let opening = h.finish();
+                let mut earlier = Vec::new();
+                for m in &c.messages[first..] {
+                    if m.role == "assistant" {
+                        earlier.push(conversation(&h));
+                    }
+                    hash_message(m, &mut h);
+                }
+                Keys {
+                    opening,
+                    earlier,
+                    whole: Some(conversation(&h)),
+                }
             }
-            // Templates put tools and their settings near the start.
-            c.template_vars.hash(&mut h);
-            c.thinking.hash(&mut h);
-            if let Some(tools) = &prompt.tools {
-                for t in &tools.tools {
-                    t.name.hash(&mut h);
-                    t.description.hash(&mut h);
-                    t.parameters.hash(&mut h);
+            Input::Text(t) => {
+                1u8.hash(&mut h);
+                let mut end = t.len().min(TEXT_BYTES);
+                while !t.is_char_boundary(end) {
+                    end -= 1;
+                }
+                t[..end].hash(&mut h);
+                Keys {
+                    opening: h.finish(),
+                    earlier: Vec::new(),
+                    whole: None,
                 }
             }
         }
-        Input::Text(t) => {
-            1u8.hash(&mut h);
-            let mut end = t.len().min(TEXT_BYTES);
-            while !t.is_char_boundary(end) {
-                end -= 1;
-            }
-            t[..end].hash(&mut h);
-        }
     }
-    h.finish()
 }
 
 /// How much `instance` suits `key`: the highest score is preferred.
@@ -140,30 +243,29 @@ fn score(key: u64, instance: &str) -> u64 {
     h.finish()
 }
 
-/// Orders `(load, instance key, item)`: those under the load bound first —
-/// the `holders` of `key` (most recent first) least loaded first, then the
+/// Orders `(load, instance, item)`: those under the load bound first — the
+/// one `held` says answered the conversation's last turn, then the holders
+/// of the opening `key` (most recent first) least loaded first, then the
 /// others by their score for `key` — then the rest, least loaded first.
-pub(crate) fn order<T>(
-    key: u64,
-    candidates: Vec<(usize, String, T)>,
-    holders: &[String],
-) -> Vec<T> {
+pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, Holder, T)>, held: &Held) -> Vec<T> {
     let n = candidates.len().max(1);
     let total: usize = candidates.iter().map(|(load, _, _)| load).sum();
     let bound = ((total + 1) as f64 * SLACK / n as f64).ceil() as usize;
     let mut ranked: Vec<_> = candidates
         .into_iter()
-        .map(|(load, name, item)| {
+        .map(|(load, inst, item)| {
             let over = load >= bound.max(1);
-            let held = holders.iter().position(|h| *h == name);
-            // Under the bound: holders by load (then recency), then the score
-            // alone; over it, the load.
-            let rank = match (over, held) {
-                (true, _) => (load, 0, usize::MAX),
-                (false, Some(recency)) => (0, load, recency),
-                (false, None) => (1, 0, usize::MAX),
+            let follows = held.follows.as_ref() == Some(&inst);
+            let opening = held.opening.iter().position(|h| *h == inst);
+            // Under the bound: the conversation's instance, holders by load
+            // (then recency), then the score alone; over it, the load.
+            let rank = match (over, follows, opening) {
+                (true, _, _) => (load, 0, 0),
+                (false, true, _) => (0, 0, 0),
+                (false, false, Some(recency)) => (1, load, recency),
+                (false, false, None) => (2, 0, 0),
             };
-            (over, rank, std::cmp::Reverse(score(key, &name)), item)
+            (over, rank, std::cmp::Reverse(score(key, &inst.name)), item)
         })
         .collect();
     ranked.sort_by_key(|a| (a.0, a.1, a.2));
@@ -194,13 +296,29 @@ mod tests {
         }
     }
 
-    fn first(key: u64, loads: &[usize]) -> usize {
+    fn key(prompt: &Prompt) -> u64 {
+        Keys::of(prompt).opening
+    }
+
+    fn inst(i: usize) -> Holder {
+        Holder {
+            name: format!("ns/d-{i}-0"),
+            incarnation: 7,
+        }
+    }
+
+    /// The first choice among instances with `loads`, knowing `held`.
+    fn pick(key: u64, loads: &[usize], held: &Held) -> usize {
         let candidates = loads
             .iter()
             .enumerate()
-            .map(|(i, &load)| (load, format!("ns/d-{i}-0"), i))
+            .map(|(i, &load)| (load, inst(i), i))
             .collect();
-        order(key, candidates, &[])[0]
+        order(key, candidates, held)[0]
+    }
+
+    fn first(key: u64, loads: &[usize]) -> usize {
+        pick(key, loads, &Held::default())
     }
 
     #[test]
@@ -240,6 +358,14 @@ mod tests {
         let long = "é".repeat(600);
         assert_eq!(key(&text(&long)), key(&text(&(long.clone() + "more"))));
         assert_ne!(key(&text("a")), key(&text("b")));
+        // A turn's conversation before each assistant message is what an
+        // earlier turn was answered from.
+        let (k1, k2) = (Keys::of(&turn1), Keys::of(&turn2));
+        assert!(k1.earlier.is_empty());
+        assert_eq!(k2.earlier, vec![k1.whole.unwrap()]);
+        assert_ne!(k2.whole, k1.whole);
+        assert_ne!(k1.whole, Some(k1.opening), "a first turn's own key");
+        assert_eq!(Keys::of(&text("a")).whole, None);
     }
 
     #[test]
@@ -257,12 +383,7 @@ mod tests {
         for k in 0..300u64 {
             let f = first(k, &[0, 0, 0]);
             if f != 2 {
-                let two = order(
-                    k,
-                    vec![(0, "ns/d-0-0".into(), 0), (0, "ns/d-1-0".into(), 1)],
-                    &[],
-                );
-                assert_eq!(two[0], f);
+                assert_eq!(first(k, &[0, 0]), f);
             }
         }
     }
@@ -273,17 +394,13 @@ mod tests {
         // Within the bound: ⌈1.25 × 3 / 3⌉ = 2, so a load of 1 stays preferred.
         assert_eq!(first(k, &[1, 0, 1]), 0);
         // ⌈1.25 × 5 / 3⌉ = 3: a load of 3 is over it; the least loaded goes first.
-        let order_over = order(
-            k,
-            vec![
-                (3, "ns/d-0-0".into(), 0),
-                (1, "ns/d-1-0".into(), 1),
-                (0, "ns/d-2-0".into(), 2),
-            ],
-            &[],
-        );
-        assert_eq!(order_over[2], 0, "the overloaded one last");
-        assert!(order_over[..2].contains(&1) && order_over[..2].contains(&2));
+        let candidates = [3, 1, 0]
+            .iter()
+            .enumerate()
+            .map(|(i, &load)| (load, inst(i), i))
+            .collect();
+        let order_over = order(k, candidates, &Held::default());
+        assert_eq!(order_over, vec![2, 1, 0], "the overloaded one last");
         // A hot key: 100 requests that stay outstanding, on 2 instances: the
         // preferred one takes at most 1.25 times its share.
         let mut loads = [0usize; 2];
@@ -295,62 +412,128 @@ mod tests {
 
     #[test]
     fn a_hot_key_held_by_two_instances_goes_to_the_less_loaded() {
-        let k = (0..).find(|&k| first(k, &[0, 0]) == 0).unwrap();
-        let names = ["ns/d-0-0", "ns/d-1-0"];
-        let pick = |loads: &[usize; 2], holders: &Holders| {
-            let candidates = (0..2)
-                .map(|i| (loads[i], names[i].to_string(), i))
-                .collect();
-            order(k, candidates, &holders.of(k))[0]
-        };
+        let keys = Keys::of(&chat(&[("user", "Summarise this.")]));
+        let k = keys.opening;
+        // p is the instance the score prefers, q the other.
+        let p = first(k, &[0, 0]);
+        let q = 1 - p;
+        let pick2 = |loads: &[usize; 2], holders: &Holders| pick(k, loads, &holders.held(&keys));
         // A burst of 8 like requests that stay outstanding: while only the
         // preferred instance holds the key, 5 : 3 (the bound lets it run
         // ahead); once both hold it, 4 : 4.
         let mut holders = Holders::default();
         let mut loads = [0usize; 2];
         for _ in 0..8 {
-            let i = pick(&loads, &Holders::default());
+            let i = pick2(&loads, &Holders::default());
             loads[i] += 1;
-            holders.served(k, names[i]);
+            holders.served(&keys, &inst(i));
         }
-        assert_eq!(loads, [5, 3]);
+        assert_eq!((loads[p], loads[q]), (5, 3));
         // The last of the burst went to the second.
-        assert_eq!(
-            holders.of(k),
-            vec![names[1].to_string(), names[0].to_string()]
-        );
+        assert_eq!(holders.of(k), vec![inst(q), inst(p)]);
         let mut loads = [0usize; 2];
         for _ in 0..8 {
-            let i = pick(&loads, &holders);
+            let i = pick2(&loads, &holders);
             loads[i] += 1;
-            holders.served(k, names[i]);
+            holders.served(&keys, &inst(i));
         }
         assert_eq!(loads, [4, 4]);
         // A key only the less preferred instance holds (a conversation that
         // once overflowed there) stays with it while it is within the bound.
         let mut one = Holders::default();
-        one.served(k, names[1]);
-        assert_eq!(pick(&[0, 1], &one), 1);
+        one.served(&keys, &inst(q));
+        let mut loads = [0; 2];
+        loads[q] = 1;
+        assert_eq!(pick2(&loads, &one), q);
         // Over the bound, a holder is passed over like any instance.
-        assert_eq!(pick(&[0, 3], &one), 0);
+        loads[q] = 3;
+        assert_eq!(pick2(&loads, &one), p);
+    }
+
+    #[test]
+    fn a_conversations_next_turn_goes_where_its_last_turn_was_answered() {
+        let turn1 = chat(&[("system", "You code."), ("user", "Fix the bug.")]);
+        let turn2 = chat(&[
+            ("system", "You code."),
+            ("user", "Fix the bug."),
+            ("assistant", "Done."),
+            ("user", "Now add a test."),
+        ]);
+        let turn3 = chat(&[
+            ("system", "You code."),
+            ("user", "Fix the bug."),
+            ("assistant", "Done."),
+            ("user", "Now add a test."),
+            ("assistant", "Added."),
+            ("user", "Run it."),
+        ]);
+        let mut holders = Holders::default();
+        // Both instances hold the opening: turn 1 was answered on 1, and
+        // later another conversation that began like it on 0.
+        holders.served(&Keys::of(&turn1), &inst(1));
+        let other = chat(&[
+            ("system", "You code."),
+            ("user", "Fix the bug."),
+            ("assistant", "Which bug?"),
+            ("user", "The crash."),
+        ]);
+        holders.served(&Keys::of(&other), &inst(0));
+        assert_eq!(
+            holders.held(&Keys::of(&turn2)).opening,
+            vec![inst(0), inst(1)]
+        );
+        let k = key(&turn2);
+        let held = holders.held(&Keys::of(&turn2));
+        assert_eq!(held.follows, Some(inst(1)));
+        // Turn 2 goes to 1 although 0 is less loaded and the opening's most
+        // recent holder — while 1 is within the bound.
+        assert_eq!(pick(k, &[0, 1], &held), 1);
+        assert_eq!(pick(k, &[0, 4], &held), 0, "over the bound");
+        // Turn 2 answered on 1: turn 3 follows it there; had turn 2 gone to
+        // 0, turn 3 would follow it to 0.
+        let mut moved = Holders::default();
+        moved.served(&Keys::of(&turn1), &inst(1));
+        moved.served(&Keys::of(&turn2), &inst(0));
+        assert_eq!(moved.held(&Keys::of(&turn3)).follows, Some(inst(0)));
+        // A conversation no instance answered before has none to follow.
+        assert_eq!(moved.held(&Keys::of(&turn1)).follows, None);
+    }
+
+    #[test]
+    fn a_re_placed_or_failed_instance_holds_nothing() {
+        let keys = Keys::of(&chat(&[("user", "Hi.")]));
+        let mut holders = Holders::default();
+        holders.served(&keys, &inst(0));
+        holders.served(&keys, &inst(1));
+        // Instance 0, re-placed, is another incarnation: not a holder.
+        let replaced = Holder {
+            incarnation: 8,
+            ..inst(0)
+        };
+        let held = holders.held(&keys);
+        assert!(!held.opening.contains(&replaced));
+        let candidates = vec![(0, replaced.clone(), 0), (0, inst(1), 1)];
+        assert_eq!(order(keys.opening, candidates, &held)[0], 1);
+        // A holder that failed is forgotten everywhere.
+        holders.forget(&inst(1));
+        assert_eq!(holders.held(&keys).opening, vec![inst(0)]);
+        holders.forget(&inst(0));
+        assert!(holders.by_key.is_empty());
     }
 
     #[test]
     fn holders_are_bounded_and_forget_the_least_recently_served_keys() {
         let mut holders = Holders::default();
         for k in 0..=KEYS as u64 {
-            holders.served(k, "ns/d-0-0");
+            holders.record(k, &inst(0));
         }
         assert_eq!(holders.by_key.len(), KEYS + 1 - KEYS / 4);
         assert!(holders.of(0).is_empty(), "the oldest went first");
-        assert_eq!(holders.of(KEYS as u64), vec!["ns/d-0-0".to_string()]);
+        assert_eq!(holders.of(KEYS as u64), vec![inst(0)]);
         // An instance serving a key again is listed once, most recent first.
-        holders.served(7, "ns/d-1-0");
-        holders.served(KEYS as u64, "ns/d-1-0");
-        holders.served(KEYS as u64, "ns/d-0-0");
-        assert_eq!(
-            holders.of(KEYS as u64),
-            vec!["ns/d-0-0".to_string(), "ns/d-1-0".to_string()]
-        );
+        holders.record(7, &inst(1));
+        holders.record(KEYS as u64, &inst(1));
+        holders.record(KEYS as u64, &inst(0));
+        assert_eq!(holders.of(KEYS as u64), vec![inst(0), inst(1)]);
     }
 }

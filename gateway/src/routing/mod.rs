@@ -65,6 +65,16 @@ pub struct Instance {
     pub incarnation: u64,
 }
 
+impl Instance {
+    /// The instance as it holds prefixes (see [`affinity`]).
+    fn holder(&self) -> affinity::Holder {
+        affinity::Holder {
+            name: self.key.clone(),
+            incarnation: self.incarnation,
+        }
+    }
+}
+
 /// `events`, and an [`Event::Waiting`] whenever they gave none for
 /// `keepalive`: while an answer waits for an instance to heal, while
 /// another instance runs its prompt and tokens again to take it over (up to
@@ -382,9 +392,9 @@ impl Router {
     }
 
     /// The ready instances of `d` in the order a prompt with the affinity
-    /// `key` tries them (see [`affinity`]); without a key, least outstanding
+    /// `keys` tries them (see [`affinity`]); without keys, least outstanding
     /// requests first.
-    fn instances_for(&self, d: &ModelDeployment, key: Option<u64>) -> Vec<Instance> {
+    fn instances_for(&self, d: &ModelDeployment, keys: Option<&affinity::Keys>) -> Vec<Instance> {
         let ns = d.metadata.namespace.clone().unwrap_or_default();
         let name = d.metadata.name.clone().unwrap_or_default();
         let mine: Vec<Arc<Shard>> = self
@@ -423,13 +433,13 @@ impl Router {
                 ))
             })
             .collect();
-        let ordered = if let Some(key) = key {
+        let ordered = if let Some(keys) = keys {
             let candidates = ready
                 .into_iter()
-                .map(|(load, _, i)| (load, i.key.clone(), i))
+                .map(|(load, _, i)| (load, i.holder(), i))
                 .collect();
-            let holders = self.holders.lock().expect("holders lock").of(key);
-            affinity::order(key, candidates, &holders)
+            let held = self.holders.lock().expect("holders lock").held(keys);
+            affinity::order(keys.opening, candidates, &held)
         } else {
             ready.sort_by_key(|(load, tie, _)| (*load, *tie));
             ready.into_iter().map(|(_, _, i)| i).collect()
@@ -470,7 +480,7 @@ impl Router {
                 busy: false,
             });
         };
-        let key = affinity::key(prompt);
+        let keys = affinity::Keys::of(prompt);
         let mut tried = Vec::new();
         let (mut busy, mut failed) = (0, 0);
         let mut seen = HashSet::new();
@@ -490,7 +500,7 @@ impl Router {
                         tried.push(format!("deployment {dep_name} does not exist"));
                         continue;
                     };
-                    let instances = self.instances_for(&d, Some(key));
+                    let instances = self.instances_for(&d, Some(&keys));
                     if instances.is_empty() {
                         tried.push(format!("deployment {dep_name} has no ready instance"));
                     }
@@ -499,7 +509,7 @@ impl Router {
                         match self.try_instance(name, &dep_name, &inst, prompt).await {
                             Ok(answer) => {
                                 self.outliers.succeeded(&inst.key);
-                                (self.holders.lock().expect("holders lock")).served(key, &inst.key);
+                                self.holders_lock().served(&keys, &inst.holder());
                                 return Ok(answer);
                             }
                             Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
@@ -516,6 +526,7 @@ impl Router {
                                     .inc();
                                 tracing::warn!(model = name, instance = %inst.key, %why, "instance failed before its first token; trying the next");
                                 self.eject_if_failing(name, &inst.key);
+                                self.holders_lock().forget(&inst.holder());
                                 tried.push(format!("{}: {why}", inst.key));
                             }
                         }
@@ -554,6 +565,10 @@ impl Router {
             error,
             busy: busy > 0,
         })
+    }
+
+    fn holders_lock(&self) -> std::sync::MutexGuard<'_, affinity::Holders> {
+        self.holders.lock().expect("holders lock")
     }
 
     /// Notes a failure of instance `key` (serving `name`); one failure too

@@ -175,6 +175,10 @@ impl Answering {
         let from = match self.running.take() {
             Some(broken) => {
                 let key = broken.0.clone();
+                router.holders_lock().forget(&super::affinity::Holder {
+                    name: key.clone(),
+                    incarnation: broken.1,
+                });
                 self.tried.push(broken);
                 key
             }
@@ -278,6 +282,8 @@ impl Answering {
                 Ok(opened) => {
                     self.ran.push(inst.index);
                     self.running = Some((inst.key.clone(), inst.incarnation));
+                    let keys = super::affinity::Keys::of(&self.prompt);
+                    router.holders_lock().served(&keys, &inst.holder());
                     if inst.key == from {
                         tracing::warn!(model = %self.model, instance = %from, tokens = self.tokens.len(), %why, "an answer broke off; resumed on its instance, re-placed");
                     } else {
@@ -309,6 +315,7 @@ impl Answering {
                         self.ran.push(inst.index);
                     }
                     self.tried.push((inst.key.clone(), inst.incarnation));
+                    router.holders_lock().forget(&inst.holder());
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
                 }
