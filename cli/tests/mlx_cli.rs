@@ -107,10 +107,16 @@ fn bench_takes_the_mlx_engine() {
         "4",
         "--runs",
         "1",
+        "--temperature",
+        "0.75",
+        "--top-p",
+        "0.5",
         "--json",
     ]));
     let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report");
     assert_eq!(report["engine"], "mlx");
+    assert_eq!(report["temperature"], 0.75, "the sampling is recorded");
+    assert_eq!(report["top_p"], 0.5, "{report}");
     assert_eq!(
         report["stages"].as_array().map(Vec::len),
         Some(2),
@@ -120,4 +126,39 @@ fn bench_takes_the_mlx_engine() {
         .as_f64()
         .unwrap();
     assert!(decode > 0.0, "{report}");
+}
+
+#[test]
+fn bench_refuses_a_top_p_it_would_not_use_before_loading_anything() {
+    let missing = "/nonexistent/model.gguf";
+    let greedy = shardplane(&["bench", "--model", missing, "--top-p", "0.9"]);
+    assert!(!greedy.status.success());
+    let e = String::from_utf8_lossy(&greedy.stderr);
+    assert!(e.contains("--top-p acts only when sampling"), "{e}");
+    let out_of_range = shardplane(&[
+        "bench",
+        "--model",
+        missing,
+        "--temperature",
+        "1",
+        "--top-p",
+        "1.5",
+    ]);
+    let e = String::from_utf8_lossy(&out_of_range.stderr);
+    assert!(e.contains("top_p 1.5 must be above 0 and at most 1"), "{e}");
+    // Through a gateway the requests are greedy: a top_p is refused.
+    let gateway = shardplane(&[
+        "bench",
+        "--model",
+        missing,
+        "--gateway",
+        "http://127.0.0.1:9",
+        "--gateway-model",
+        "m",
+        "--top-p",
+        "0.9",
+    ]);
+    assert!(!gateway.status.success());
+    let e = String::from_utf8_lossy(&gateway.stderr);
+    assert!(e.contains("cannot be used with"), "{e}");
 }

@@ -335,22 +335,27 @@ impl Sampler {
 
 /// Keeps the smallest set of the most likely `candidates` whose
 /// probabilities reach `top_p`, most likely first. Sorts only as many as it
-/// needs: the most likely 64, then four times as many, and so on (a whole
-/// vocabulary's sort took milliseconds a token).
+/// needs: the most likely 64, then the next most likely up to four times as
+/// many, and so on, each round choosing among the tokens the rounds before
+/// left (a whole vocabulary's sort took milliseconds a token).
 fn keep_top_p(
     candidates: &mut Vec<(u32, f32)>,
     top_p: f32,
     by_logit: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering + Copy,
 ) {
+    // `candidates[..sorted]` are the most likely, in order, and sum to
+    // `cumulative`, below `top_p`.
+    let (mut sorted, mut cumulative) = (0, 0.0);
     let mut n = candidates.len().min(64);
     loop {
-        if n < candidates.len() {
-            candidates.select_nth_unstable_by(n - 1, by_logit);
+        let rest = &mut candidates[sorted..];
+        let take = n - sorted;
+        if take < rest.len() {
+            rest.select_nth_unstable_by(take - 1, by_logit);
         }
-        candidates[..n].sort_unstable_by(by_logit);
-        let mut cumulative = 0.0;
-        for (i, c) in candidates[..n].iter().enumerate() {
-            cumulative += c.1;
+        rest[..take].sort_unstable_by(by_logit);
+        for i in sorted..n {
+            cumulative += candidates[i].1;
             if cumulative >= top_p {
                 candidates.truncate(i + 1);
                 return;
@@ -359,6 +364,7 @@ fn keep_top_p(
         if n == candidates.len() {
             return;
         }
+        sorted = n;
         n = (n * 4).min(candidates.len());
     }
 }

@@ -33,8 +33,8 @@ pub struct BenchArgs {
     /// cost of sampling a whole vocabulary shows in the decode rates).
     #[arg(long, default_value_t = 0.0, conflicts_with_all = ["endpoint", "copy_from", "gateway"])]
     temperature: f32,
-    /// Nucleus sampling's probability mass (with `--temperature`).
-    #[arg(long, requires = "temperature")]
+    /// Nucleus sampling's probability mass (with `--temperature` above 0).
+    #[arg(long, conflicts_with_all = ["endpoint", "copy_from", "gateway"])]
     top_p: Option<f32>,
     /// Compute threads (sets RAYON_NUM_THREADS for the measurement; with
     /// `--tensor-processes`, shared out among the rank processes).
@@ -97,6 +97,9 @@ struct Report<'a> {
     generated_tokens: usize,
     runs: usize,
     concurrency: Vec<usize>,
+    /// The sampling every run used (0: greedy).
+    temperature: f32,
+    top_p: Option<f32>,
     #[serde(flatten)]
     figures: BenchReport,
     peak_rss_bytes: Option<u64>,
@@ -104,11 +107,29 @@ struct Report<'a> {
     load_average_after: Option<f64>,
 }
 
+/// Checks the sampling options before anything is loaded: a top_p needs a
+/// temperature to act on.
+fn sampling(args: &BenchArgs) -> anyhow::Result<()> {
+    let params = shardplane_engine::sampler::SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        ..Default::default()
+    };
+    params.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    if args.top_p.is_some() && args.temperature == 0.0 {
+        anyhow::bail!(
+            "--top-p acts only when sampling: give --temperature above 0 (at 0 every run is greedy)"
+        );
+    }
+    Ok(())
+}
+
 /// Runs the benchmark and prints the report.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(endpoint) = &args.copy_from {
         return copy(&args, endpoint);
     }
+    sampling(&args)?;
     args.model.use_threads(args.threads)?;
     if let Some(values) = args.all_reduce_values {
         let ranks = args.model.tensor_ranks()?;
@@ -199,6 +220,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         generated_tokens: args.gen_tokens,
         runs: args.runs,
         concurrency,
+        temperature: args.temperature,
+        top_p: args.top_p,
         figures,
         peak_rss_bytes: peak_rss_bytes(),
         load_average_before: load_before,
@@ -218,6 +241,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             report.generated_tokens,
             report.runs
         );
+        if report.temperature > 0.0 {
+            println!(
+                "sampling at temperature {}, top_p {}",
+                report.temperature,
+                report.top_p.map_or("none".to_string(), |p| p.to_string())
+            );
+        }
         println!(
             "prefill tok/s median {:.1} (min {:.1} max {:.1})",
             f.prefill_tokens_per_second.median,
