@@ -17,8 +17,12 @@
 //! few tokens, one slow step each.
 //!
 //! The fit is a least-squares line over the recent passes, each weighted less
-//! the older it is. While the recent passes all had about the same size (a
-//! long stretch of decode-only passes) the line is not determined: the slope
+//! the older it is. It counts once its slope is known to a quarter of itself
+//! (the slope's standard error, from the scatter about the line, the spread
+//! of the sizes and how many passes the weights amount to): passes of one to
+//! eight decoding sequences make a line when their times follow their sizes
+//! more than their noise. While the recent passes do not determine one (all
+//! about the same size, or the noise as large as the differences) the slope
 //! of the last line that was stands, and the fixed part follows the recent
 //! passes. Before any line, the cost counts per row alone (the cautious
 //! estimate).
@@ -27,12 +31,16 @@
 /// the last few dozen passes (a weight halves in about 14).
 const KEEP: f64 = 0.95;
 
-/// The spread of pass sizes (a standard deviation, in rows) below which a
-/// line is not fitted: at least a row, and the mean size (passes of one to
-/// eight decoding sequences differ too little for their timing noise; prompt
-/// slices among them make the spread).
-const MIN_SPREAD_ROWS: f64 = 1.0;
-const MIN_SPREAD_OF_MEAN: f64 = 1.0;
+/// The spread of pass sizes (a standard deviation, in rows) below which no
+/// line is fitted: passes of one size determine no slope.
+const MIN_SPREAD_ROWS: f64 = 0.5;
+
+/// The largest standard error of a line's slope, relative to the slope, at
+/// which the line counts.
+const MAX_SLOPE_ERROR: f64 = 0.25;
+
+/// The fewest passes (the weights' effective number) a line is fitted to.
+const MIN_PASSES: f64 = 4.0;
 
 /// What a pass costs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,10 +76,13 @@ impl PassCost {
 #[derive(Debug, Clone, Default)]
 pub struct CostFit {
     weight: f64,
+    /// The sum of the squared weights (for their effective number).
+    weight_weight: f64,
     rows: f64,
     seconds: f64,
     rows_rows: f64,
     rows_seconds: f64,
+    seconds_seconds: f64,
     /// The per-row cost of the last line fitted.
     slope: Option<f64>,
 }
@@ -90,14 +101,17 @@ impl CostFit {
             &mut self.seconds,
             &mut self.rows_rows,
             &mut self.rows_seconds,
+            &mut self.seconds_seconds,
         ] {
             *sum *= KEEP;
         }
+        self.weight_weight = self.weight_weight * KEEP * KEEP + 1.0;
         self.weight += 1.0;
         self.rows += x;
         self.seconds += seconds;
         self.rows_rows += x * x;
         self.rows_seconds += x * seconds;
+        self.seconds_seconds += seconds * seconds;
         if let Some(line) = self.line() {
             self.slope = Some(line.per_row);
         }
@@ -118,15 +132,20 @@ impl CostFit {
         if self.weight <= 0.0 {
             return None;
         }
+        let passes = self.weight * self.weight / self.weight_weight;
         let (mean_rows, mean_seconds, variance) = self.moments();
-        let spread = MIN_SPREAD_ROWS.max(MIN_SPREAD_OF_MEAN * mean_rows);
-        if variance < spread * spread {
+        if passes < MIN_PASSES || variance < MIN_SPREAD_ROWS * MIN_SPREAD_ROWS {
             return None;
         }
         let covariance = self.rows_seconds / self.weight - mean_rows * mean_seconds;
         let per_row = covariance / variance;
         let fixed = mean_seconds - per_row * mean_rows;
-        (per_row > 0.0 && fixed >= 0.0).then_some(PassCost { fixed, per_row })
+        // The scatter of the times about the line, and so the slope's error.
+        let seconds_variance = self.seconds_seconds / self.weight - mean_seconds * mean_seconds;
+        let scatter = (seconds_variance - per_row * covariance).max(0.0);
+        let slope_error = (scatter / (variance * (passes - 2.0))).sqrt();
+        (per_row > 0.0 && fixed >= 0.0 && slope_error <= MAX_SLOPE_ERROR * per_row)
+            .then_some(PassCost { fixed, per_row })
     }
 
     /// The cost the passes so far suggest (`None` before the first).
@@ -200,16 +219,43 @@ mod tests {
         assert!((cost.per_row - 0.001).abs() < 5e-5, "{cost:?}");
     }
 
+    /// Numbers in [0, 1) from a fixed sequence.
+    fn noise(n: usize) -> Vec<f64> {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f64 / (1u64 << 53) as f64
+            })
+            .collect()
+    }
+
     #[test]
-    fn passes_of_a_few_rows_each_do_not_make_a_line() {
-        // One to four rows: the timing noise would make the slope.
+    fn passes_whose_times_are_mostly_noise_do_not_make_a_line() {
+        // One to four rows, each 20 ms give or take 1 ms: the noise would
+        // make the slope.
         let mut fit = CostFit::default();
-        for i in 0..100 {
-            let rows = 1 + i % 4;
-            fit.add(rows, if i % 2 == 0 { 0.020 } else { 0.021 });
+        for (i, u) in noise(100).into_iter().enumerate() {
+            fit.add(1 + i % 4, 0.019 + 0.002 * u);
         }
         assert_eq!(fit.line(), None);
         assert_eq!(fit.cost().unwrap().fixed, 0.0);
+    }
+
+    #[test]
+    fn decode_passes_of_one_to_eight_rows_make_a_line_through_their_noise() {
+        // 20 ms a pass and 2 ms a row, give or take 0.5 ms: decode-only
+        // passes alone determine the line.
+        let mut fit = CostFit::default();
+        for (i, u) in noise(200).into_iter().enumerate() {
+            let rows = 1 + (i * 5) % 8;
+            fit.add(rows, 0.020 + 0.002 * rows as f64 + 0.001 * (u - 0.5));
+        }
+        let cost = fit.line().expect("a line");
+        assert!((cost.per_row - 0.002).abs() < 3e-4, "{cost:?}");
+        assert!((cost.fixed - 0.020).abs() < 2e-3, "{cost:?}");
     }
 
     #[test]
