@@ -35,8 +35,10 @@ pub struct StageStats {
     pub queued_tokens: AtomicU64,
     /// What a pass costs, fitted from the recent passes.
     pub cost: Mutex<CostFit>,
-    /// Prompt tokens a step takes at most (0: the default).
-    pub prompt_step: AtomicUsize,
+    /// How the stage's steps are made up (set when its thread starts).
+    pub budget: OnceLock<Budget>,
+    /// Sequences the last step decoded (0 while the stage is idle).
+    pub decoding: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
     /// The head's KV budget and the generations' shares of it.
@@ -45,19 +47,20 @@ pub struct StageStats {
 
 impl StageStats {
     /// How long work queued now waits before it starts, as the recent
-    /// passes suggest: its rows, and the fixed part of the passes it takes
-    /// in slices of a step's prompt tokens (zero before the first pass).
+    /// passes suggest: its rows, and the passes it takes in prompt slices —
+    /// each with its fixed part and, while sequences decode, their rows, and
+    /// with the smaller slices the step loop then takes (zero before the
+    /// first pass).
     pub fn estimated_wait(&self) -> std::time::Duration {
         let tokens = self.queued_tokens.load(Ordering::Relaxed);
         let Some(cost) = self.pass_cost().filter(|_| tokens > 0) else {
             return std::time::Duration::ZERO;
         };
-        let step = match self.prompt_step.load(Ordering::Relaxed) {
-            0 => shardplane_engine::config::PROMPT_STEP,
-            step => step,
-        };
-        let passes = tokens.div_ceil(step as u64);
-        let seconds = passes as f64 * cost.fixed + tokens as f64 * cost.per_row;
+        let budget = self.budget.get().copied().unwrap_or_default();
+        let decoding = self.decoding.load(Ordering::Relaxed);
+        let slice = budget.prefill_room(decoding, Some(cost)).max(1);
+        let passes = tokens.div_ceil(slice as u64);
+        let seconds = passes as f64 * cost.seconds(decoding) + tokens as f64 * cost.per_row;
         std::time::Duration::try_from_secs_f64(seconds).unwrap_or(std::time::Duration::MAX)
     }
 
@@ -277,5 +280,30 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(heard.try_recv().is_err(), "told once");
+    }
+
+    #[test]
+    fn queued_prompts_wait_longer_while_sequences_decode() {
+        let stats = StageStats::default();
+        assert!(stats.estimated_wait().is_zero(), "no pass yet");
+        // 20 ms a pass and 1 ms a row.
+        for i in 0..50 {
+            let rows = [1, 64, 512][i % 3];
+            stats.record_pass(rows, 0.020 + 0.001 * rows as f64);
+        }
+        let budget = Budget {
+            prefill_tokens: 512,
+            decode_step: Duration::from_millis(200),
+        };
+        stats.budget.set(budget).unwrap();
+        stats.queue_tokens(1024);
+        // Idle: two slices of 512, 2 × 20 ms + 1024 × 1 ms.
+        let idle = stats.estimated_wait().as_secs_f64();
+        assert!((idle - 1.064).abs() < 1e-6, "{idle}");
+        // 8 sequences decoding: slices of 200 − 20 − 8 = 172 rows, so 6
+        // passes, each with the fixed part and the 8 decode rows.
+        stats.decoding.store(8, Ordering::Relaxed);
+        let busy = stats.estimated_wait().as_secs_f64();
+        assert!((busy - (6.0 * 0.028 + 1.024)).abs() < 1e-6, "{busy}");
     }
 }

@@ -42,14 +42,10 @@ pub struct Gather {
     /// Answered sequences not back yet: the step that answered them, when,
     /// and what a decode pass then cost.
     out: HashMap<SequenceId, Answered>,
-    /// Steps that answered so far (the last one's number).
-    step: u64,
+    /// The last step that answered (its number counts the steps so far).
+    last: Answered,
     /// How many of `out` the last step answered.
     waiting: usize,
-    /// When the last step answered.
-    answered_at: Instant,
-    /// Seconds a pass of the last step's answered sequences costs.
-    pass: f64,
     /// Seconds an answered sequence takes to send its next row, weighted
     /// towards the slower returns (`None` before the first return).
     back: Option<f64>,
@@ -60,6 +56,7 @@ pub struct Gather {
 struct Answered {
     step: u64,
     at: Instant,
+    /// Seconds a pass of the step's answered sequences costs.
     pass: f64,
 }
 
@@ -67,10 +64,12 @@ impl Default for Gather {
     fn default() -> Self {
         Gather {
             out: HashMap::new(),
-            step: 0,
+            last: Answered {
+                step: 0,
+                at: Instant::now(),
+                pass: 0.0,
+            },
             waiting: 0,
-            answered_at: Instant::now(),
-            pass: 0.0,
             back: None,
         }
     }
@@ -84,19 +83,19 @@ impl Gather {
         // return time is theirs), unless they never do.
         self.out
             .retain(|_, a| at.saturating_duration_since(a.at) < FORGET);
-        self.step += 1;
-        self.waiting = 0;
-        let answered = Answered {
-            step: self.step,
+        self.last = Answered {
+            step: self.last.step + 1,
             at,
             pass,
         };
         for seq in seqs {
-            self.out.insert(seq, answered);
+            self.out.insert(seq, self.last);
         }
-        self.waiting = self.out.values().filter(|a| a.step == self.step).count();
-        self.answered_at = at;
-        self.pass = pass;
+        self.waiting = self
+            .out
+            .values()
+            .filter(|a| a.step == self.last.step)
+            .count();
     }
 
     /// `seq`'s next row arrived; it was sent at `sent`.
@@ -126,7 +125,7 @@ impl Gather {
     /// Takes `seq` out, telling when it was answered.
     fn forget(&mut self, seq: SequenceId) -> Option<Answered> {
         let a = self.out.remove(&seq)?;
-        if a.step == self.step {
+        if a.step == self.last.step {
             self.waiting = self.waiting.saturating_sub(1);
         }
         Some(a)
@@ -145,10 +144,10 @@ impl Gather {
             return None;
         }
         let wait = SLACK * self.back?;
-        if wait > WORTH * self.pass {
+        if wait > WORTH * self.last.pass {
             return None;
         }
-        let deadline = self.answered_at + Duration::try_from_secs_f64(wait).ok()?;
+        let deadline = self.last.at + Duration::try_from_secs_f64(wait).ok()?;
         deadline
             .checked_duration_since(now)
             .filter(|left| !left.is_zero())
@@ -219,7 +218,7 @@ mod tests {
         assert_eq!(g.wait_left(t), None);
         // Quick returns bring the wait back within a few steps.
         let mut steps = 0;
-        while g.wait_left(g.answered_at).is_none() {
+        while g.wait_left(g.last.at).is_none() {
             steps += 1;
             let at = t + ms(100 * steps);
             g.answered([1, 2, 3, 4], at, 0.040);

@@ -146,14 +146,13 @@ pub fn run(
     let mut work = Work::default();
     let caching = shard.prefix_cache().budget_bytes > 0;
     let mut gather = Gather::default();
-    stats
-        .prompt_step
-        .store(budget.prefill_tokens, Ordering::Relaxed);
+    let _ = stats.budget.set(budget);
     loop {
         // Idle, the stage waits for a job; then it takes whatever is queued,
         // and waits a moment for the sequences the last step answered when
         // they come back quickly (see `step_gather`).
         let first = if work.decodes.is_empty() && work.prefills.is_empty() {
+            stats.decoding.store(0, Ordering::Relaxed);
             match queue.recv() {
                 Ok(job) => Some(job),
                 Err(_) => return,
@@ -395,6 +394,7 @@ fn step(
         parts.push(Part::Decode(seq, reply));
     }
     let mut queue_waits = Vec::new();
+    stats.decoding.store(batch.len(), Ordering::Relaxed);
     let mut room = budget.prefill_room(batch.len(), stats.pass_cost());
     for (i, p) in prefills.iter_mut().enumerate() {
         if room == 0 {
