@@ -37,7 +37,8 @@ pub struct StageStats {
     pub cost: Mutex<CostFit>,
     /// How the stage's steps are made up (set when its thread starts).
     pub budget: OnceLock<Budget>,
-    /// Sequences the last step decoded (0 while the stage is idle).
+    /// Sequences decoding: those of the step about to run, and those
+    /// answered and not back yet.
     pub decoding: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,

@@ -39,8 +39,9 @@ const MIN_SPREAD_ROWS: f64 = 0.5;
 /// which the line counts.
 const MAX_SLOPE_ERROR: f64 = 0.25;
 
-/// The fewest passes (the weights' effective number) a line is fitted to.
-const MIN_PASSES: f64 = 4.0;
+/// The fewest passes (the weights' effective number) a line is fitted to:
+/// with fewer, noise alone passes the slope's test too often.
+const MIN_PASSES: f64 = 8.0;
 
 /// What a pass costs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,8 +77,11 @@ impl PassCost {
 #[derive(Debug, Clone, Default)]
 pub struct CostFit {
     weight: f64,
-    /// The sum of the squared weights (for their effective number).
+    /// Sums with the squared weights (for their effective number and the
+    /// slope's error).
     weight_weight: f64,
+    weight_weight_rows: f64,
+    weight_weight_rows_rows: f64,
     rows: f64,
     seconds: f64,
     rows_rows: f64,
@@ -106,6 +110,8 @@ impl CostFit {
             *sum *= KEEP;
         }
         self.weight_weight = self.weight_weight * KEEP * KEEP + 1.0;
+        self.weight_weight_rows = self.weight_weight_rows * KEEP * KEEP + x;
+        self.weight_weight_rows_rows = self.weight_weight_rows_rows * KEEP * KEEP + x * x;
         self.weight += 1.0;
         self.rows += x;
         self.seconds += seconds;
@@ -140,10 +146,16 @@ impl CostFit {
         let covariance = self.rows_seconds / self.weight - mean_rows * mean_seconds;
         let per_row = covariance / variance;
         let fixed = mean_seconds - per_row * mean_rows;
-        // The scatter of the times about the line, and so the slope's error.
+        // The scatter of the times about the line, and so the slope's error:
+        // for weights w, var(slope) = σ² Σw²(x − x̄)² / (Σw(x − x̄)²)².
         let seconds_variance = self.seconds_seconds / self.weight - mean_seconds * mean_seconds;
-        let scatter = (seconds_variance - per_row * covariance).max(0.0);
-        let slope_error = (scatter / (variance * (passes - 2.0))).sqrt();
+        let scatter = (seconds_variance - per_row * covariance).max(0.0) * passes / (passes - 2.0);
+        let spread_weight = self.weight * variance;
+        let spread_weight_weight = (self.weight_weight_rows_rows
+            - 2.0 * mean_rows * self.weight_weight_rows
+            + mean_rows * mean_rows * self.weight_weight)
+            .max(0.0);
+        let slope_error = (scatter * spread_weight_weight).sqrt() / spread_weight;
         (per_row > 0.0 && fixed >= 0.0 && slope_error <= MAX_SLOPE_ERROR * per_row)
             .then_some(PassCost { fixed, per_row })
     }
@@ -279,16 +291,28 @@ mod tests {
     fn a_fit_that_makes_no_sense_falls_back_to_the_per_row_average() {
         // Larger passes faster than smaller ones (noise): no negative costs.
         let mut fit = CostFit::default();
-        fit.add(10, 0.100);
-        fit.add(100, 0.050);
+        for _ in 0..10 {
+            fit.add(10, 0.100);
+            fit.add(100, 0.050);
+        }
+        assert_eq!(fit.line(), None);
         let cost = fit.cost().unwrap();
         assert_eq!(cost.fixed, 0.0);
         assert!(cost.per_row > 0.0);
         // Dearer than linear (a negative fixed part): the average as well.
         let mut fit = CostFit::default();
-        fit.add(10, 0.001);
-        fit.add(100, 0.100);
+        for _ in 0..10 {
+            fit.add(10, 0.001);
+            fit.add(100, 0.100);
+        }
+        assert_eq!(fit.line(), None);
         assert_eq!(fit.cost().unwrap().fixed, 0.0);
+        // Few passes make no line, however well they line up.
+        let mut fit = CostFit::default();
+        for rows in [1, 50, 100, 150] {
+            fit.add(rows, 0.020 + 0.001 * rows as f64);
+        }
+        assert_eq!(fit.line(), None);
     }
 
     #[test]

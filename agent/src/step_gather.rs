@@ -117,6 +117,12 @@ impl Gather {
         });
     }
 
+    /// Answered sequences not back yet (decoding, between this stage's
+    /// passes).
+    pub fn out(&self) -> usize {
+        self.out.len()
+    }
+
     /// `seq` will not come back (released).
     pub fn gone(&mut self, seq: SequenceId) {
         self.forget(seq);

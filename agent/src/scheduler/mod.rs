@@ -152,7 +152,8 @@ pub fn run(
         // and waits a moment for the sequences the last step answered when
         // they come back quickly (see `step_gather`).
         let first = if work.decodes.is_empty() && work.prefills.is_empty() {
-            stats.decoding.store(0, Ordering::Relaxed);
+            // Sequences whose next rows are still to come decode here again.
+            stats.decoding.store(gather.out(), Ordering::Relaxed);
             match queue.recv() {
                 Ok(job) => Some(job),
                 Err(_) => return,
@@ -183,6 +184,9 @@ pub fn run(
         }
         drop_abandoned(&mut work, &stats);
         unpark(&mut *shard, &mut work, caching, &stats);
+        stats
+            .decoding
+            .store(work.decodes.len() + gather.out(), Ordering::Relaxed);
         let ran = step(
             &mut *shard,
             &mut work.decodes,
@@ -394,7 +398,6 @@ fn step(
         parts.push(Part::Decode(seq, reply));
     }
     let mut queue_waits = Vec::new();
-    stats.decoding.store(batch.len(), Ordering::Relaxed);
     let mut room = budget.prefill_room(batch.len(), stats.pass_cost());
     for (i, p) in prefills.iter_mut().enumerate() {
         if room == 0 {

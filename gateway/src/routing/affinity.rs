@@ -15,7 +15,8 @@
 //!  bound: an instance takes a request while its outstanding requests are
 //!         under ⌈1.25 × (all outstanding + 1) / instances⌉
 //!  holders: the incarnations that started an answer for a key in the last
-//!           10 min (one re-placed or restarted holds nothing)
+//!           10 min (one re-placed or restarted holds nothing; one ejected
+//!           for failing, nothing it served before)
 //! ```
 //!
 //! The opening is the same for every turn of one conversation, so a
@@ -28,13 +29,15 @@
 //! From then on both hold it, and the less loaded of them takes the next
 //! request: by score alone, the first would take requests up to the bound
 //! while the second idled (a burst of 8 like requests split 5 : 3 on two
-//! instances, never 4 : 4). A conversation's next turn, though, goes back to
-//! the instance that answered its last one while that is within the bound:
-//! only that one holds the history beyond the opening. Each answer records
-//! the key of the whole conversation it answered; the next turn, which
-//! repeats that conversation and adds the answer and a new message, looks
-//! up the keys of its conversation before each assistant message, the
-//! longest first.
+//! instances, never 4 : 4). A conversation's later turn, though, goes back
+//! to the instance that answered its last one while that is within the
+//! bound: only that one holds the history beyond the opening. Each answer
+//! from a second turn on records the key of the whole conversation it
+//! answered; a later turn, which repeats that conversation and adds the
+//! answer and a new message, looks up the keys of its conversation before
+//! each assistant message, the longest first. (A first turn is its opening
+//! and nothing else: conversations that began alike share it, so a second
+//! turn goes to the opening's holders.)
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -58,7 +61,7 @@ const KEYS: usize = 65_536;
 
 /// An instance as it holds prefixes: its key (`namespace/head shard`) and
 /// its incarnation, which changes when it is re-placed or restarted.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Holder {
     pub name: String,
     pub incarnation: u64,
@@ -69,18 +72,21 @@ pub(crate) struct Holder {
 pub(crate) struct Keys {
     /// Its opening, the same for every turn of a conversation.
     pub opening: u64,
-    /// A chat's conversation before each of its assistant messages, the
-    /// latest last: the prompts its earlier turns were answered from.
+    /// A chat's conversation before each of its assistant messages but the
+    /// first, the latest last: the prompts its earlier turns (from the
+    /// second) were answered from.
     earlier: Vec<u64>,
-    /// A chat's whole conversation (what the next turn's `earlier` ends with).
+    /// A chat's whole conversation, from its second turn on (what the next
+    /// turn's `earlier` ends with).
     whole: Option<u64>,
 }
 
 /// Where a prompt's prefix is likely cached.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Held {
-    /// The instance that answered the conversation's latest earlier turn.
-    pub follows: Option<Holder>,
+    /// The instances that answered the conversation's earlier turns, the
+    /// latest turn first (each turn's most recent first).
+    pub follows: Vec<Holder>,
     /// The instances that lately answered a prompt of the same opening, the
     /// most recent first.
     pub opening: Vec<Holder>,
@@ -90,6 +96,9 @@ pub(crate) struct Held {
 #[derive(Debug, Default)]
 pub(crate) struct Holders {
     by_key: HashMap<u64, Vec<(Holder, Instant)>>,
+    /// Holders forgotten (ejected), and when: what they served before
+    /// does not count.
+    forgotten: HashMap<Holder, Instant>,
 }
 
 impl Holders {
@@ -112,19 +121,20 @@ impl Holders {
                 .iter()
                 .map(|(k, held)| (held.last().map_or(now, |(_, at)| *at), *k))
                 .collect();
-            last.sort_unstable();
-            for (_, k) in last.into_iter().take(KEYS / 4) {
-                self.by_key.remove(&k);
+            last.select_nth_unstable(KEYS / 4 - 1);
+            for (_, k) in &last[..KEYS / 4] {
+                self.by_key.remove(k);
             }
         }
     }
 
-    /// `holder` failed: it is no longer counted on to hold anything.
+    /// `holder` keeps failing (it was ejected): what it served so far is no
+    /// longer counted on.
     pub(crate) fn forget(&mut self, holder: &Holder) {
-        self.by_key.retain(|_, held| {
-            held.retain(|(h, _)| h != holder);
-            !held.is_empty()
-        });
+        let now = Instant::now();
+        self.forgotten
+            .retain(|_, at| now.duration_since(*at) < HELD_FOR);
+        self.forgotten.insert(holder.clone(), now);
     }
 
     /// The instances holding `key`, the most recent first.
@@ -136,19 +146,26 @@ impl Holders {
             .into_iter()
             .flatten()
             .rev()
-            .filter(|(_, at)| now.duration_since(*at) < HELD_FOR)
+            .filter(|(h, at)| {
+                now.duration_since(*at) < HELD_FOR
+                    && self.forgotten.get(h).is_none_or(|gone| at > gone)
+            })
             .map(|(h, _)| h.clone())
             .collect()
     }
 
     /// Where a prompt of `keys` is likely cached.
     pub(crate) fn held(&self, keys: &Keys) -> Held {
+        let mut follows: Vec<Holder> = Vec::new();
+        for key in keys.earlier.iter().rev() {
+            for h in self.of(*key) {
+                if !follows.contains(&h) {
+                    follows.push(h);
+                }
+            }
+        }
         Held {
-            follows: keys
-                .earlier
-                .iter()
-                .rev()
-                .find_map(|k| self.of(*k).into_iter().next()),
+            follows,
             opening: self.of(keys.opening),
         }
     }
@@ -168,6 +185,7 @@ fn hash_message(m: &shardplane_dataplane::ChatMessage, h: &mut DefaultHasher) {
     m.role.hash(h);
     m.content.hash(h);
     m.tool_call_id.hash(h);
+    m.tool_calls.len().hash(h);
     for c in &m.tool_calls {
         c.id.hash(h);
         c.name.hash(h);
@@ -175,11 +193,11 @@ fn hash_message(m: &shardplane_dataplane::ChatMessage, h: &mut DefaultHasher) {
     }
 }
 
-/// The key of a conversation hashed into `h` so far: apart from its opening's
-/// key when that is all it has.
+/// The key of a conversation hashed into `h` so far (longer than its
+/// opening: a first turn is known by its opening alone).
 fn conversation(h: &DefaultHasher) -> u64 {
     let mut h = h.clone();
-    u8::MAX.hash(&mut h);
+    h.write_u64(u64::MAX);
     h.finish()
 }
 
@@ -194,6 +212,7 @@ impl Keys {
                 c.template_vars.hash(&mut h);
                 c.thinking.hash(&mut h);
                 if let Some(tools) = &prompt.tools {
+                    tools.tools.len().hash(&mut h);
                     for t in &tools.tools {
                         t.name.hash(&mut h);
                         t.description.hash(&mut h);
@@ -205,9 +224,12 @@ impl Keys {
                     hash_message(m, &mut h);
                 }
                 let opening = h.finish();
+                // A second turn's earlier turn is a first turn, known by
+                // its opening alone: every conversation that began alike
+                // has that, so it names no conversation's instance.
                 let mut earlier = Vec::new();
-                for m in &c.messages[first..] {
-                    if m.role == "assistant" {
+                for (i, m) in c.messages.iter().enumerate().skip(first) {
+                    if m.role == "assistant" && i > first {
                         earlier.push(conversation(&h));
                     }
                     hash_message(m, &mut h);
@@ -215,7 +237,7 @@ impl Keys {
                 Keys {
                     opening,
                     earlier,
-                    whole: Some(conversation(&h)),
+                    whole: (c.messages.len() > first).then(|| conversation(&h)),
                 }
             }
             Input::Text(t) => {
@@ -255,15 +277,15 @@ pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, Holder, T)>, held: &Hel
         .into_iter()
         .map(|(load, inst, item)| {
             let over = load >= bound.max(1);
-            let follows = held.follows.as_ref() == Some(&inst);
+            let follows = held.follows.iter().position(|h| *h == inst);
             let opening = held.opening.iter().position(|h| *h == inst);
             // Under the bound: the conversation's instance, holders by load
             // (then recency), then the score alone; over it, the load.
             let rank = match (over, follows, opening) {
                 (true, _, _) => (load, 0, 0),
-                (false, true, _) => (0, 0, 0),
-                (false, false, Some(recency)) => (1, load, recency),
-                (false, false, None) => (2, 0, 0),
+                (false, Some(latest), _) => (0, latest, 0),
+                (false, None, Some(recency)) => (1, load, recency),
+                (false, None, None) => (2, 0, 0),
             };
             (over, rank, std::cmp::Reverse(score(key, &inst.name)), item)
         })
@@ -358,13 +380,21 @@ mod tests {
         let long = "é".repeat(600);
         assert_eq!(key(&text(&long)), key(&text(&(long.clone() + "more"))));
         assert_ne!(key(&text("a")), key(&text("b")));
-        // A turn's conversation before each assistant message is what an
-        // earlier turn was answered from.
-        let (k1, k2) = (Keys::of(&turn1), Keys::of(&turn2));
-        assert!(k1.earlier.is_empty());
-        assert_eq!(k2.earlier, vec![k1.whole.unwrap()]);
-        assert_ne!(k2.whole, k1.whole);
-        assert_ne!(k1.whole, Some(k1.opening), "a first turn's own key");
+        // A turn's conversation before each assistant message after the
+        // first is what an earlier turn was answered from; a first turn is
+        // known by its opening alone.
+        let turn3 = chat(&[
+            ("system", "You code."),
+            ("user", "Fix the bug."),
+            ("assistant", "Done."),
+            ("user", "Now add a test."),
+            ("assistant", "Added."),
+            ("user", "Run it."),
+        ]);
+        let (k1, k2, k3) = (Keys::of(&turn1), Keys::of(&turn2), Keys::of(&turn3));
+        assert_eq!((k1.whole, k1.earlier.len(), k2.earlier.len()), (None, 0, 0));
+        assert_eq!(k3.earlier, vec![k2.whole.unwrap()]);
+        assert_ne!(k2.whole, Some(k2.opening));
         assert_eq!(Keys::of(&text("a")).whole, None);
     }
 
@@ -452,60 +482,64 @@ mod tests {
 
     #[test]
     fn a_conversations_next_turn_goes_where_its_last_turn_was_answered() {
-        let turn1 = chat(&[("system", "You code."), ("user", "Fix the bug.")]);
-        let turn2 = chat(&[
-            ("system", "You code."),
-            ("user", "Fix the bug."),
-            ("assistant", "Done."),
-            ("user", "Now add a test."),
-        ]);
-        let turn3 = chat(&[
-            ("system", "You code."),
-            ("user", "Fix the bug."),
-            ("assistant", "Done."),
-            ("user", "Now add a test."),
-            ("assistant", "Added."),
-            ("user", "Run it."),
-        ]);
-        let mut holders = Holders::default();
-        // Both instances hold the opening: turn 1 was answered on 1, and
-        // later another conversation that began like it on 0.
-        holders.served(&Keys::of(&turn1), &inst(1));
-        let other = chat(&[
-            ("system", "You code."),
-            ("user", "Fix the bug."),
-            ("assistant", "Which bug?"),
-            ("user", "The crash."),
-        ]);
-        holders.served(&Keys::of(&other), &inst(0));
-        assert_eq!(
-            holders.held(&Keys::of(&turn2)).opening,
-            vec![inst(0), inst(1)]
+        let turns = |replies: &[&str]| {
+            let mut m = vec![("system", "You code."), ("user", "Fix the bug.")];
+            for (i, r) in replies.iter().enumerate() {
+                m.push(("assistant", r));
+                m.push(("user", ["Now add a test.", "Run it.", "Ship it."][i]));
+            }
+            chat(&m)
+        };
+        // Conversations a and b began alike (a coding agent's burst): their
+        // first turns are one prompt, on instances 1 and 0.
+        let a1 = turns(&[]);
+        let (a2, a3, a4) = (
+            turns(&["Done."]),
+            turns(&["Done.", "Added."]),
+            turns(&["Done.", "Added.", "Passes."]),
         );
-        let k = key(&turn2);
-        let held = holders.held(&Keys::of(&turn2));
-        assert_eq!(held.follows, Some(inst(1)));
-        // Turn 2 goes to 1 although 0 is less loaded and the opening's most
-        // recent holder — while 1 is within the bound.
-        assert_eq!(pick(k, &[0, 1], &held), 1);
-        assert_eq!(pick(k, &[0, 4], &held), 0, "over the bound");
-        // Turn 2 answered on 1: turn 3 follows it there; had turn 2 gone to
-        // 0, turn 3 would follow it to 0.
-        let mut moved = Holders::default();
-        moved.served(&Keys::of(&turn1), &inst(1));
-        moved.served(&Keys::of(&turn2), &inst(0));
-        assert_eq!(moved.held(&Keys::of(&turn3)).follows, Some(inst(0)));
-        // A conversation no instance answered before has none to follow.
-        assert_eq!(moved.held(&Keys::of(&turn1)).follows, None);
+        let b2 = turns(&["Which bug?"]);
+        let mut holders = Holders::default();
+        holders.served(&Keys::of(&a1), &inst(1));
+        holders.served(&Keys::of(&a1), &inst(0));
+        // A second turn names no conversation's instance: the opening's
+        // holders share it, the less loaded first.
+        let held = holders.held(&Keys::of(&a2));
+        assert!(held.follows.is_empty(), "{held:?}");
+        assert_eq!(held.opening, vec![inst(0), inst(1)]);
+        assert_eq!(pick(key(&a2), &[1, 0], &held), 1);
+        // a's second turn on 1, then b's on 0: a's third turn goes back to
+        // 1 although 0 is less loaded and the opening's latest holder —
+        // while 1 is within the bound.
+        holders.served(&Keys::of(&a2), &inst(1));
+        holders.served(&Keys::of(&b2), &inst(0));
+        let held = holders.held(&Keys::of(&a3));
+        assert_eq!(held.follows, vec![inst(1)]);
+        assert_eq!(held.opening[0], inst(0));
+        assert_eq!(pick(key(&a3), &[0, 1], &held), 1);
+        assert_eq!(pick(key(&a3), &[0, 4], &held), 0, "over the bound");
+        // a's third turn on 0: the fourth follows it there, and falls back
+        // to 1 (its second turn's) when 0 is no longer that instance.
+        holders.served(&Keys::of(&a3), &inst(0));
+        let held = holders.held(&Keys::of(&a4));
+        assert_eq!(held.follows, vec![inst(0), inst(1)]);
+        assert_eq!(pick(key(&a4), &[1, 0], &held), 0);
+        let replaced = Holder {
+            incarnation: 8,
+            ..inst(0)
+        };
+        let candidates = vec![(0, replaced, 0), (1, inst(1), 1)];
+        assert_eq!(order(key(&a4), candidates, &held)[0], 1);
     }
 
     #[test]
-    fn a_re_placed_or_failed_instance_holds_nothing() {
+    fn a_re_placed_or_ejected_instance_holds_nothing() {
         let keys = Keys::of(&chat(&[("user", "Hi.")]));
         let mut holders = Holders::default();
-        holders.served(&keys, &inst(0));
         holders.served(&keys, &inst(1));
-        // Instance 0, re-placed, is another incarnation: not a holder.
+        holders.served(&keys, &inst(0));
+        // Instance 0, the latest holder, re-placed: another incarnation,
+        // and no holder.
         let replaced = Holder {
             incarnation: 8,
             ..inst(0)
@@ -514,11 +548,13 @@ mod tests {
         assert!(!held.opening.contains(&replaced));
         let candidates = vec![(0, replaced.clone(), 0), (0, inst(1), 1)];
         assert_eq!(order(keys.opening, candidates, &held)[0], 1);
-        // A holder that failed is forgotten everywhere.
-        holders.forget(&inst(1));
-        assert_eq!(holders.held(&keys).opening, vec![inst(0)]);
+        // An ejected holder is forgotten for what it served so far; what it
+        // serves later counts again.
         holders.forget(&inst(0));
-        assert!(holders.by_key.is_empty());
+        assert_eq!(holders.held(&keys).opening, vec![inst(1)]);
+        std::thread::sleep(Duration::from_millis(2));
+        holders.served(&keys, &inst(0));
+        assert_eq!(holders.held(&keys).opening, vec![inst(0), inst(1)]);
     }
 
     #[test]

@@ -525,8 +525,7 @@ impl Router {
                                     .with_label_values(&[name, "instance"])
                                     .inc();
                                 tracing::warn!(model = name, instance = %inst.key, %why, "instance failed before its first token; trying the next");
-                                self.eject_if_failing(name, &inst.key);
-                                self.holders_lock().forget(&inst.holder());
+                                self.eject_if_failing(name, &inst);
                                 tried.push(format!("{}: {why}", inst.key));
                             }
                         }
@@ -571,11 +570,14 @@ impl Router {
         self.holders.lock().expect("holders lock")
     }
 
-    /// Notes a failure of instance `key` (serving `name`); one failure too
+    /// Notes a failure of instance `inst` (serving `name`); one failure too
     /// many ejects it for a while.
-    fn eject_if_failing(&self, name: &str, key: &str) {
+    fn eject_if_failing(&self, name: &str, inst: &Instance) {
+        let key = inst.key.as_str();
         if let Some(ejected) = self.outliers.failed(key) {
             self.metrics.ejections.with_label_values(&[name]).inc();
+            // Its prefix cache is not counted on while it keeps failing.
+            self.holders_lock().forget(&inst.holder());
             tracing::warn!(model = name, instance = %key, seconds = ejected.as_secs(), "instance failed {} times in a row; tried last for a while", outliers::EJECT_AFTER);
             let shards = self.shards.state();
             self.outliers.retain(|k| {

@@ -175,10 +175,6 @@ impl Answering {
         let from = match self.running.take() {
             Some(broken) => {
                 let key = broken.0.clone();
-                router.holders_lock().forget(&super::affinity::Holder {
-                    name: key.clone(),
-                    incarnation: broken.1,
-                });
                 self.tried.push(broken);
                 key
             }
@@ -315,7 +311,6 @@ impl Answering {
                         self.ran.push(inst.index);
                     }
                     self.tried.push((inst.key.clone(), inst.incarnation));
-                    router.holders_lock().forget(&inst.holder());
                     errors.inc();
                     failures.push(format!("{}: {failure}", inst.key));
                 }
