@@ -53,12 +53,17 @@ impl StageStats {
     /// with the smaller slices the step loop then takes (zero before the
     /// first pass).
     pub fn estimated_wait(&self) -> std::time::Duration {
-        let tokens = self.queued_tokens.load(Ordering::Relaxed);
+        // The decoding sequences' own rows are charged per pass below, not
+        // as queued tokens.
+        let decoding = self.decoding.load(Ordering::Relaxed);
+        let tokens = self
+            .queued_tokens
+            .load(Ordering::Relaxed)
+            .saturating_sub(decoding as u64);
         let Some(cost) = self.pass_cost().filter(|_| tokens > 0) else {
             return std::time::Duration::ZERO;
         };
         let budget = self.budget.get().copied().unwrap_or_default();
-        let decoding = self.decoding.load(Ordering::Relaxed);
         let slice = budget.prefill_room(decoding, Some(cost)).max(1);
         let passes = tokens.div_ceil(slice as u64);
         let seconds = passes as f64 * cost.seconds(decoding) + tokens as f64 * cost.per_row;
@@ -301,9 +306,11 @@ mod tests {
         // Idle: two slices of 512, 2 × 20 ms + 1024 × 1 ms.
         let idle = stats.estimated_wait().as_secs_f64();
         assert!((idle - 1.064).abs() < 1e-6, "{idle}");
-        // 8 sequences decoding: slices of 200 − 20 − 8 = 172 rows, so 6
-        // passes, each with the fixed part and the 8 decode rows.
+        // 8 sequences decoding (their 8 tokens queued too): slices of
+        // 200 − 20 − 8 = 172 rows, so 6 passes, each with the fixed part and
+        // the 8 decode rows.
         stats.decoding.store(8, Ordering::Relaxed);
+        stats.queue_tokens(8);
         let busy = stats.estimated_wait().as_secs_f64();
         assert!((busy - (6.0 * 0.028 + 1.024)).abs() < 1e-6, "{busy}");
     }

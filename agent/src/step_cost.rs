@@ -149,12 +149,18 @@ impl CostFit {
         // The scatter of the times about the line, and so the slope's error:
         // for weights w, var(slope) = σ² Σw²(x − x̄)² / (Σw(x − x̄)²)².
         let seconds_variance = self.seconds_seconds / self.weight - mean_seconds * mean_seconds;
-        let scatter = (seconds_variance - per_row * covariance).max(0.0) * passes / (passes - 2.0);
         let spread_weight = self.weight * variance;
         let spread_weight_weight = (self.weight_weight_rows_rows
             - 2.0 * mean_rows * self.weight_weight_rows
             + mean_rows * mean_rows * self.weight_weight)
             .max(0.0);
+        // σ² unbiased for weights: the residuals' weighted mean square over
+        // 1 − Σw²/(Σw)² − Σw²(x − x̄)² / (Σw · Σw(x − x̄)²).
+        let freedom = 1.0 - 1.0 / passes - spread_weight_weight / (self.weight * spread_weight);
+        if freedom <= 0.0 {
+            return None;
+        }
+        let scatter = (seconds_variance - per_row * covariance).max(0.0) / freedom;
         let slope_error = (scatter * spread_weight_weight).sqrt() / spread_weight;
         (per_row > 0.0 && fixed >= 0.0 && slope_error <= MAX_SLOPE_ERROR * per_row)
             .then_some(PassCost { fixed, per_row })
@@ -307,9 +313,10 @@ mod tests {
         }
         assert_eq!(fit.line(), None);
         assert_eq!(fit.cost().unwrap().fixed, 0.0);
-        // Few passes make no line, however well they line up.
+        // Fewer than 8 passes (by the weights) make no line, however well
+        // they line up.
         let mut fit = CostFit::default();
-        for rows in [1, 50, 100, 150] {
+        for rows in [1, 20, 40, 60, 80, 100, 120, 150] {
             fit.add(rows, 0.020 + 0.001 * rows as f64);
         }
         assert_eq!(fit.line(), None);

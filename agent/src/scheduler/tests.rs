@@ -249,23 +249,37 @@ fn a_step_waits_for_the_decoding_sequences_its_head_sends_back_quickly() {
     let heads: Vec<_> = (0..3u64)
         .map(|seq| {
             let send = send.clone();
+            let stats = stats.clone();
             std::thread::spawn(move || {
+                // What the stage counts as decoding while this one is out.
+                let mut seen = Vec::new();
                 for token in 0..20 {
                     let input = if token == 0 { tokens(4) } else { tokens(1) };
                     let (job, answer) = forward(seq, input);
                     send.send(job).unwrap();
                     answer.blocking_recv().unwrap().unwrap();
+                    if token > 0 {
+                        seen.push(stats.decoding.load(Ordering::Relaxed));
+                    }
                     std::thread::sleep(Duration::from_millis(seq));
                 }
                 send.send(Job::Release { seq }).unwrap();
+                seen
             })
         })
         .collect();
     drop(send);
+    let mut seen = Vec::new();
     for head in heads {
-        head.join().unwrap();
+        seen.extend(head.join().unwrap());
     }
     stage.join().unwrap();
+    // The decoding sequences count whether back or out, never twice; none
+    // once all are released.
+    assert!(seen.iter().all(|&n| n <= 3), "{seen:?}");
+    let three = seen.iter().filter(|&&n| n == 3).count();
+    assert!(three * 2 >= seen.len(), "{seen:?}");
+    assert_eq!(stats.decoding.load(Ordering::Relaxed), 0);
     let steps = steps.lock().unwrap();
     // Once the stage has seen a few rounds, its steps carry all three.
     let later = &steps[8..];

@@ -6,9 +6,10 @@
 //!  prompt ─► keys: its opening (system messages and the first one after
 //!            them, tools, template settings; or the first KiB of text) and,
 //!            for a chat, the conversation before each assistant message
-//!  instances ─► within the load bound? ── yes ─► the one that answered the
-//!                                      │         conversation's last turn;
-//!                                      │         holders of the opening,
+//!  instances ─► within the load bound? ── yes ─► those that answered the
+//!                                      │         conversation's earlier turns,
+//!                                      │         latest turn first, least
+//!                                      │         loaded first; holders of the opening,
 //!                                      │         least loaded first; then by
 //!                                      │         rendezvous score (key, instance)
 //!                                      └─ no ──► after them, least loaded first
@@ -55,8 +56,9 @@ const TEXT_BYTES: usize = 1024;
 /// started an answer for it (an agent's prefix cache evicts by use).
 const HELD_FOR: Duration = Duration::from_secs(600);
 
-/// Keys whose holders are remembered (each answer records two: about 100
-/// bytes each); past this, the least recently served quarter is forgotten.
+/// Keys whose holders are remembered (each answer records one or two: about
+/// 100 bytes each); past this, the least recently served quarter is
+/// forgotten.
 const KEYS: usize = 65_536;
 
 /// An instance as it holds prefixes: its key (`namespace/head shard`) and
@@ -84,9 +86,10 @@ pub(crate) struct Keys {
 /// Where a prompt's prefix is likely cached.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Held {
-    /// The instances that answered the conversation's earlier turns, the
-    /// latest turn first (each turn's most recent first).
-    pub follows: Vec<Holder>,
+    /// The instances that answered the conversation's earlier turns, with
+    /// the turn's rank (0: the latest), the latest turn first (each turn's
+    /// most recent first); an instance once, at its latest turn.
+    pub follows: Vec<(usize, Holder)>,
     /// The instances that lately answered a prompt of the same opening, the
     /// most recent first.
     pub opening: Vec<Holder>,
@@ -156,11 +159,11 @@ impl Holders {
 
     /// Where a prompt of `keys` is likely cached.
     pub(crate) fn held(&self, keys: &Keys) -> Held {
-        let mut follows: Vec<Holder> = Vec::new();
-        for key in keys.earlier.iter().rev() {
+        let mut follows: Vec<(usize, Holder)> = Vec::new();
+        for (turn, key) in keys.earlier.iter().rev().enumerate() {
             for h in self.of(*key) {
-                if !follows.contains(&h) {
-                    follows.push(h);
+                if !follows.iter().any(|(_, f)| *f == h) {
+                    follows.push((turn, h));
                 }
             }
         }
@@ -234,10 +237,19 @@ impl Keys {
                     }
                     hash_message(m, &mut h);
                 }
+                // A turn that ends in the start of the answer (an assistant
+                // prefill) is answered from the conversation before it: the
+                // next turn looks that up.
+                let whole = match c.messages.last() {
+                    Some(m) if m.role == "assistant" => {
+                        (c.messages.len() - 1 > first).then(|| *earlier.last().expect("pushed"))
+                    }
+                    _ => (c.messages.len() > first).then(|| conversation(&h)),
+                };
                 Keys {
                     opening,
                     earlier,
-                    whole: (c.messages.len() > first).then(|| conversation(&h)),
+                    whole,
                 }
             }
             Input::Text(t) => {
@@ -265,9 +277,10 @@ fn score(key: u64, instance: &str) -> u64 {
     h.finish()
 }
 
-/// Orders `(load, instance, item)`: those under the load bound first — the
-/// one `held` says answered the conversation's last turn, then the holders
-/// of the opening `key` (most recent first) least loaded first, then the
+/// Orders `(load, instance, item)`: those under the load bound first — those
+/// `held` says answered the conversation's earlier turns (the latest turn
+/// first, then the least loaded, then the most recent), then the holders of
+/// the opening `key` least loaded first (then the most recent), then the
 /// others by their score for `key` — then the rest, least loaded first.
 pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, Holder, T)>, held: &Held) -> Vec<T> {
     let n = candidates.len().max(1);
@@ -277,15 +290,16 @@ pub(crate) fn order<T>(key: u64, candidates: Vec<(usize, Holder, T)>, held: &Hel
         .into_iter()
         .map(|(load, inst, item)| {
             let over = load >= bound.max(1);
-            let follows = held.follows.iter().position(|h| *h == inst);
+            let follows = held.follows.iter().position(|(_, h)| *h == inst);
             let opening = held.opening.iter().position(|h| *h == inst);
-            // Under the bound: the conversation's instance, holders by load
-            // (then recency), then the score alone; over it, the load.
+            // Under the bound: the conversation's instances by turn, then
+            // load, then recency; the opening's holders by load (then
+            // recency); then the score alone. Over it, the load.
             let rank = match (over, follows, opening) {
-                (true, _, _) => (load, 0, 0),
-                (false, Some(latest), _) => (0, latest, 0),
-                (false, None, Some(recency)) => (1, load, recency),
-                (false, None, None) => (2, 0, 0),
+                (true, _, _) => (load, 0, 0, 0),
+                (false, Some(at), _) => (0, held.follows[at].0, load, at),
+                (false, None, Some(recency)) => (1, load, recency, 0),
+                (false, None, None) => (2, 0, 0, 0),
             };
             (over, rank, std::cmp::Reverse(score(key, &inst.name)), item)
         })
@@ -514,22 +528,70 @@ mod tests {
         holders.served(&Keys::of(&a2), &inst(1));
         holders.served(&Keys::of(&b2), &inst(0));
         let held = holders.held(&Keys::of(&a3));
-        assert_eq!(held.follows, vec![inst(1)]);
+        assert_eq!(held.follows, vec![(0, inst(1))]);
         assert_eq!(held.opening[0], inst(0));
         assert_eq!(pick(key(&a3), &[0, 1], &held), 1);
         assert_eq!(pick(key(&a3), &[0, 4], &held), 0, "over the bound");
         // a's third turn on 0: the fourth follows it there, and falls back
-        // to 1 (its second turn's) when 0 is no longer that instance.
+        // to 1 (its second turn's) when 0 is no longer that instance —
+        // ahead of 2, which lately answered a first turn like a's.
         holders.served(&Keys::of(&a3), &inst(0));
+        holders.served(&Keys::of(&a1), &inst(2));
         let held = holders.held(&Keys::of(&a4));
-        assert_eq!(held.follows, vec![inst(0), inst(1)]);
-        assert_eq!(pick(key(&a4), &[1, 0], &held), 0);
+        assert_eq!(held.follows, vec![(0, inst(0)), (1, inst(1))]);
+        assert_eq!(held.opening[0], inst(2));
+        assert_eq!(pick(key(&a4), &[1, 1, 0], &held), 0);
         let replaced = Holder {
             incarnation: 8,
             ..inst(0)
         };
-        let candidates = vec![(0, replaced, 0), (1, inst(1), 1)];
+        let candidates = vec![(0, replaced, 0), (0, inst(1), 1), (0, inst(2), 2)];
         assert_eq!(order(key(&a4), candidates, &held)[0], 1);
+        // A turn that ends in the start of its answer (an assistant
+        // prefill) is answered from the conversation before it: the turn
+        // after it follows its instance.
+        let mut prefilled = turns(&["Done."]);
+        let Input::Chat(c) = &mut prefilled.input else {
+            unreachable!()
+        };
+        c.messages.push(dp::ChatMessage {
+            role: "assistant".into(),
+            content: "{".into(),
+            ..Default::default()
+        });
+        assert_eq!(Keys::of(&prefilled).whole, Keys::of(&a2).whole);
+        let mut after = Holders::default();
+        after.served(&Keys::of(&prefilled), &inst(2));
+        assert_eq!(after.held(&Keys::of(&a3)).follows, vec![(0, inst(2))]);
+    }
+
+    #[test]
+    fn holders_of_one_earlier_turn_share_its_next_turns_by_load() {
+        // A burst of identical first turns longer than the opening (a
+        // context message, then the question): each next turn follows the
+        // instances that answered it, the least loaded first, not the
+        // latest.
+        let first = chat(&[
+            ("system", "You code."),
+            ("user", "Context."),
+            ("user", "Fix it."),
+        ]);
+        let next = |reply: &str| {
+            chat(&[
+                ("system", "You code."),
+                ("user", "Context."),
+                ("user", "Fix it."),
+                ("assistant", reply),
+                ("user", "Go on."),
+            ])
+        };
+        let mut holders = Holders::default();
+        holders.served(&Keys::of(&first), &inst(0));
+        holders.served(&Keys::of(&first), &inst(1));
+        let held = holders.held(&Keys::of(&next("Done.")));
+        assert_eq!(held.follows, vec![(0, inst(1)), (0, inst(0))]);
+        assert_eq!(pick(key(&first), &[0, 1], &held), 0);
+        assert_eq!(pick(key(&first), &[1, 0], &held), 1);
     }
 
     #[test]
