@@ -40,6 +40,9 @@ pub struct StageStats {
     /// Sequences decoding: those of the step about to run, and those
     /// answered and not back yet.
     pub decoding: AtomicUsize,
+    /// Of those, the ones back with their next token (counted in
+    /// `queued_tokens`).
+    pub decodes_back: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
     /// The head's KV budget and the generations' shares of it.
@@ -54,12 +57,12 @@ impl StageStats {
     /// first pass).
     pub fn estimated_wait(&self) -> std::time::Duration {
         // The decoding sequences' own rows are charged per pass below, not
-        // as queued tokens.
+        // as queued tokens (those out have none queued).
         let decoding = self.decoding.load(Ordering::Relaxed);
         let tokens = self
             .queued_tokens
             .load(Ordering::Relaxed)
-            .saturating_sub(decoding as u64);
+            .saturating_sub(self.decodes_back.load(Ordering::Relaxed) as u64);
         let Some(cost) = self.pass_cost().filter(|_| tokens > 0) else {
             return std::time::Duration::ZERO;
         };
@@ -306,11 +309,12 @@ mod tests {
         // Idle: two slices of 512, 2 × 20 ms + 1024 × 1 ms.
         let idle = stats.estimated_wait().as_secs_f64();
         assert!((idle - 1.064).abs() < 1e-6, "{idle}");
-        // 8 sequences decoding (their 8 tokens queued too): slices of
-        // 200 − 20 − 8 = 172 rows, so 6 passes, each with the fixed part and
-        // the 8 decode rows.
+        // 8 sequences decoding, 5 of them back (their tokens queued too):
+        // slices of 200 − 20 − 8 = 172 rows, so 6 passes, each with the
+        // fixed part and the 8 decode rows.
         stats.decoding.store(8, Ordering::Relaxed);
-        stats.queue_tokens(8);
+        stats.decodes_back.store(5, Ordering::Relaxed);
+        stats.queue_tokens(5);
         let busy = stats.estimated_wait().as_secs_f64();
         assert!((busy - (6.0 * 0.028 + 1.024)).abs() < 1e-6, "{busy}");
     }

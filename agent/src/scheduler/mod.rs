@@ -154,6 +154,7 @@ pub fn run(
         let first = if work.decodes.is_empty() && work.prefills.is_empty() {
             // Sequences whose next rows are still to come decode here again.
             stats.decoding.store(gather.out(), Ordering::Relaxed);
+            stats.decodes_back.store(0, Ordering::Relaxed);
             match queue.recv() {
                 Ok(job) => Some(job),
                 Err(_) => return,
@@ -187,6 +188,9 @@ pub fn run(
         stats
             .decoding
             .store(work.decodes.len() + gather.out(), Ordering::Relaxed);
+        stats
+            .decodes_back
+            .store(work.decodes.len(), Ordering::Relaxed);
         let ran = step(
             &mut *shard,
             &mut work.decodes,
