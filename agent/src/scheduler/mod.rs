@@ -152,9 +152,7 @@ pub fn run(
         // and waits a moment for the sequences the last step answered when
         // they come back quickly (see `step_gather`).
         let first = if work.decodes.is_empty() && work.prefills.is_empty() {
-            // Sequences whose next rows are still to come decode here again.
-            stats.decoding.store(gather.out(), Ordering::Relaxed);
-            stats.decodes_back.store(0, Ordering::Relaxed);
+            count_decoding(&stats, &work, &gather);
             match queue.recv() {
                 Ok(job) => Some(job),
                 Err(_) => return,
@@ -185,12 +183,7 @@ pub fn run(
         }
         drop_abandoned(&mut work, &stats);
         unpark(&mut *shard, &mut work, caching, &stats);
-        stats
-            .decoding
-            .store(work.decodes.len() + gather.out(), Ordering::Relaxed);
-        stats
-            .decodes_back
-            .store(work.decodes.len(), Ordering::Relaxed);
+        count_decoding(&stats, &work, &gather);
         let ran = step(
             &mut *shard,
             &mut work.decodes,
@@ -228,6 +221,15 @@ pub fn run(
             prefix,
         });
     }
+}
+
+/// Tells the stage's queue-wait estimate which sequences decode: those back
+/// for the next step and those answered and still to come back (they decode
+/// here again).
+fn count_decoding(stats: &StageStats, work: &Work, gather: &Gather) {
+    let back = work.decodes.len();
+    stats.decoding.store(back + gather.out(), Ordering::Relaxed);
+    stats.decodes_back.store(back, Ordering::Relaxed);
 }
 
 /// Files a job: a single token for a sequence the stage holds is a decode

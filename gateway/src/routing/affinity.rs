@@ -174,9 +174,9 @@ impl Holders {
     }
 }
 
-/// The messages every later turn of a conversation repeats: the leading
-/// system (or developer) messages and the first message after them.
-fn opening(messages: &[shardplane_dataplane::ChatMessage]) -> usize {
+/// How many messages every later turn of a conversation repeats: the
+/// leading system (or developer) messages and the first message after them.
+fn opening_len(messages: &[shardplane_dataplane::ChatMessage]) -> usize {
     let leading = messages
         .iter()
         .take_while(|m| m.role == "system" || m.role == "developer")
@@ -222,7 +222,7 @@ impl Keys {
                         t.parameters.hash(&mut h);
                     }
                 }
-                let first = opening(&c.messages);
+                let first = opening_len(&c.messages);
                 for m in &c.messages[..first] {
                     hash_message(m, &mut h);
                 }

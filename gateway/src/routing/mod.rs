@@ -438,7 +438,7 @@ impl Router {
                 .into_iter()
                 .map(|(load, _, i)| (load, i.holder(), i))
                 .collect();
-            let held = self.holders.lock().expect("holders lock").held(keys);
+            let held = self.holders_lock().held(keys);
             affinity::order(keys.opening, candidates, &held)
         } else {
             ready.sort_by_key(|(load, tie, _)| (*load, *tie));
