@@ -67,9 +67,11 @@ impl StageStats {
             return std::time::Duration::ZERO;
         };
         let budget = self.budget.get().copied().unwrap_or_default();
-        let slice = budget.prefill_room(decoding, Some(cost)).max(1);
+        // Each step takes one group's share of the decoding sequences.
+        let decodes = budget.decode_rows(decoding).min(decoding);
+        let slice = budget.prefill_room(decodes, Some(cost)).max(1);
         let passes = tokens.div_ceil(slice as u64);
-        let seconds = passes as f64 * cost.seconds(decoding) + tokens as f64 * cost.per_row;
+        let seconds = passes as f64 * cost.seconds(decodes) + tokens as f64 * cost.per_row;
         std::time::Duration::try_from_secs_f64(seconds).unwrap_or(std::time::Duration::MAX)
     }
 
@@ -303,6 +305,7 @@ mod tests {
         let budget = Budget {
             prefill_tokens: 512,
             decode_step: Duration::from_millis(200),
+            decode_groups: 1,
         };
         stats.budget.set(budget).unwrap();
         stats.queue_tokens(1024);

@@ -9,6 +9,16 @@
 //!  a middle stage; the last slice's logits for a last stage)
 //! ```
 //!
+//! A pipeline's head splits its decoding sequences into one group per stage
+//! (micro-batches), so that while a later stage runs one group the earlier
+//! ones run the others, instead of each stage idling until the whole batch
+//! comes round again:
+//!
+//! ```text
+//!  one batch:  stage 0 ▇▇▇▇······▇▇▇▇······      two groups:  stage 0 ▇▇▇▇▇▇▇▇▇▇
+//!              stage 1 ····▇▇▇▇······▇▇▇▇                    stage 1 ··▇▇▇▇▇▇▇▇▇▇
+//! ```
+//!
 //! Work nobody waits for (its caller went away) is dropped before it runs.
 
 use std::collections::VecDeque;
@@ -65,6 +75,10 @@ pub struct Budget {
     /// prompt slice shrinks (to [`MIN_SLICE`] at least) so that the decode
     /// steps, which wait for the whole step, keep this pace.
     pub decode_step: Duration,
+    /// Groups the decoding sequences go round in: a pipeline's head keeps
+    /// one per stage, each step taking one group's share of them, so that
+    /// every stage has a group to work on; 1 everywhere else.
+    pub decode_groups: usize,
 }
 
 impl Default for Budget {
@@ -72,6 +86,7 @@ impl Default for Budget {
         Budget {
             prefill_tokens: shardplane_engine::config::PROMPT_STEP,
             decode_step: Duration::from_millis(200),
+            decode_groups: 1,
         }
     }
 }
@@ -81,6 +96,17 @@ impl Default for Budget {
 pub const MIN_SLICE: usize = 8;
 
 impl Budget {
+    /// The decode steps one step takes at most while `decoding` sequences
+    /// decode (those back and those still going round): one group's share.
+    /// With stages of like cost (a fixed part and a part per row), the split
+    /// never lengthens the time between tokens: each stage runs `groups`
+    /// passes of `decoding / groups` rows while the others run the other
+    /// groups, where one batch would leave each stage idle for the others'
+    /// passes.
+    pub fn decode_rows(&self, decoding: usize) -> usize {
+        decoding.div_ceil(self.decode_groups.max(1)).max(1)
+    }
+
     /// Prompt tokens the next step may take beside `decodes` decode steps,
     /// when a pass costs `cost` (`None`: not known yet).
     pub fn prefill_room(&self, decodes: usize, cost: Option<PassCost>) -> usize {
@@ -183,12 +209,13 @@ pub fn run(
         }
         drop_abandoned(&mut work, &stats);
         unpark(&mut *shard, &mut work, caching, &stats);
-        count_decoding(&stats, &work, &gather);
+        let decoding = count_decoding(&stats, &work, &gather);
         let ran = step(
             &mut *shard,
             &mut work.decodes,
             &mut work.prefills,
             budget,
+            budget.decode_rows(decoding),
             &stats,
         );
         unpark(&mut *shard, &mut work, caching, &stats);
@@ -225,11 +252,13 @@ pub fn run(
 
 /// Tells the stage's queue-wait estimate which sequences decode: those back
 /// for the next step and those answered and still to come back (they decode
-/// here again).
-fn count_decoding(stats: &StageStats, work: &Work, gather: &Gather) {
+/// here again). Returns their number.
+fn count_decoding(stats: &StageStats, work: &Work, gather: &Gather) -> usize {
     let back = work.decodes.len();
-    stats.decoding.store(back + gather.out(), Ordering::Relaxed);
+    let decoding = back + gather.out();
+    stats.decoding.store(decoding, Ordering::Relaxed);
     stats.decodes_back.store(back, Ordering::Relaxed);
+    decoding
 }
 
 /// Files a job: a single token for a sequence the stage holds is a decode
@@ -389,17 +418,19 @@ struct Ran {
     finished: Option<Instant>,
 }
 
-/// One step: every decode, then prompt slices up to the budget.
+/// One step: the decodes (the first `most` back; the rest wait for the next
+/// step), then prompt slices up to the budget.
 fn step(
     shard: &mut dyn Stage,
     decodes: &mut Vec<(SequenceId, StageInput, Reply)>,
     prefills: &mut VecDeque<Prefill>,
     budget: Budget,
+    most: usize,
     stats: &StageStats,
 ) -> Ran {
     let mut batch: Vec<(SequenceId, StageInput)> = Vec::new();
     let mut parts: Vec<Part> = Vec::new();
-    for (seq, input, reply) in decodes.drain(..) {
+    for (seq, input, reply) in decodes.drain(..most.min(decodes.len())) {
         batch.push((seq, input));
         parts.push(Part::Decode(seq, reply));
     }

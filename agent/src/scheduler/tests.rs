@@ -40,6 +40,10 @@ fn tokens(n: usize) -> StageInput {
 /// Runs `jobs` through a scheduler over `shard` (all queued before it
 /// starts, as a burst arrives) and returns the answers.
 fn run_jobs(shard: Echo, jobs: Vec<Job>, budget: usize) -> Arc<StageStats> {
+    let budget = Budget {
+        prefill_tokens: budget,
+        ..Budget::default()
+    };
     run_jobs_observed(shard, jobs, budget, Arc::new(|_| {}))
 }
 
@@ -47,7 +51,7 @@ fn run_jobs(shard: Echo, jobs: Vec<Job>, budget: usize) -> Arc<StageStats> {
 fn run_jobs_observed(
     shard: Echo,
     jobs: Vec<Job>,
-    budget: usize,
+    budget: Budget,
     observe: PassObserver,
 ) -> Arc<StageStats> {
     let (send, queue) = mpsc::channel();
@@ -61,16 +65,7 @@ fn run_jobs_observed(
         send.send(job).unwrap();
     }
     drop(send);
-    run(
-        Box::new(shard),
-        queue,
-        stats.clone(),
-        observe,
-        Budget {
-            prefill_tokens: budget,
-            ..Budget::default()
-        },
-    );
+    run(Box::new(shard), queue, stats.clone(), observe, budget);
     stats
 }
 
@@ -84,10 +79,14 @@ fn a_long_prompt_runs_in_slices_beside_the_decoding_sequences() {
     let (decode, decode_answer) = forward(1, tokens(1));
     let passes = Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = passes.clone();
+    let budget = Budget {
+        prefill_tokens: 4,
+        ..Budget::default()
+    };
     let stats = run_jobs_observed(
         shard,
         vec![prompt, decode],
-        4,
+        budget,
         Arc::new(move |p: &Pass| seen.lock().unwrap().push(p.clone())),
     );
     // The decode step went in the first step, beside the first slice.
@@ -120,6 +119,59 @@ fn a_long_prompt_runs_in_slices_beside_the_decoding_sequences() {
         ran.iter().map(|p| p.waiting).collect::<Vec<_>>(),
         vec![1, 1, 0]
     );
+}
+
+#[test]
+fn a_pipelines_head_runs_its_decoding_sequences_in_one_group_per_stage() {
+    let (mut shard, steps) = Echo::new(false);
+    // Five sequences decode; a prompt arrives with their next tokens.
+    for seq in 1..=5 {
+        shard.forward(seq, tokens(3)).unwrap();
+    }
+    steps.lock().unwrap().clear();
+    let mut jobs = Vec::new();
+    let mut answers = Vec::new();
+    for seq in 1..=5 {
+        let (job, answer) = forward(seq, tokens(1));
+        jobs.push(job);
+        answers.push(answer);
+    }
+    let (prompt, prompt_answer) = forward(9, tokens(4));
+    jobs.push(prompt);
+    // The head of a 2-stage pipeline: groups of ⌈5 / 2⌉ = 3, oldest first;
+    // the prompt rides with the first step.
+    let budget = Budget {
+        decode_groups: 2,
+        ..Budget::default()
+    };
+    run_jobs_observed(shard, jobs, budget, Arc::new(|_| {}));
+    assert_eq!(
+        *steps.lock().unwrap(),
+        vec![
+            vec![(1, 1), (2, 1), (3, 1), (9, 4)],
+            // Four are out by now (three decodes and the prompt): ⌈(2 back
+            // + 4 out) / 2⌉ = 3 may go.
+            vec![(4, 1), (5, 1)],
+        ]
+    );
+    for answer in answers {
+        let Ok(Ok(StageOutput::Hidden(d))) = answer.blocking_recv() else {
+            panic!("a decode step's row");
+        };
+        assert_eq!(d.data, vec![3.0]);
+    }
+    assert!(matches!(prompt_answer.blocking_recv(), Ok(Ok(_))));
+    // Groups of whole sequences, never none: a lone sequence still runs,
+    // and one group (not a pipeline's head) takes every decode.
+    assert_eq!(budget.decode_rows(1), 1);
+    assert_eq!(budget.decode_rows(0), 1);
+    assert_eq!(budget.decode_rows(6), 3);
+    assert_eq!(Budget::default().decode_rows(6), 6);
+    let three = Budget {
+        decode_groups: 3,
+        ..budget
+    };
+    assert_eq!(three.decode_rows(8), 3);
 }
 
 #[test]
@@ -296,6 +348,7 @@ fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
     let budget = Budget {
         prefill_tokens: 512,
         decode_step: Duration::from_millis(200),
+        decode_groups: 1,
     };
     let cost = |fixed_ms: f64, row_ms: f64| {
         Some(PassCost {

@@ -24,6 +24,7 @@ use super::{
 use crate::cache::Failure;
 use crate::kv_budget::KvCost;
 use crate::metrics::Metrics;
+use crate::scheduler::Budget;
 use crate::stage::{OnCrash, StageWorker};
 
 /// Fetches and loads a shard; returns what it holds.
@@ -153,13 +154,16 @@ pub(super) async fn bring_up(
             stage_crashed(&client, k, generation, message, &shards, &metrics, &sources);
         })
     };
-    let worker = StageWorker::start(
-        &k.1,
-        engine,
-        metrics.pass_observer(&k.1),
-        sources.budget,
-        on_crash,
-    );
+    // A pipeline's head keeps one group of decoding sequences per stage
+    // going round, so that the stages work at once (see `scheduler`).
+    let budget = Budget {
+        decode_groups: match shard.spec.stage {
+            0 => shard.spec.stage_count.max(1) as usize,
+            _ => 1,
+        },
+        ..sources.budget
+    };
+    let worker = StageWorker::start(&k.1, engine, metrics.pass_observer(&k.1), budget, on_crash);
     // What this machine holds of the Shard's KV. Heads admit generations
     // within their own and each later stage's (see `dataplane::head`);
     // every stage reports its own in its status, measured again while it runs.

@@ -310,6 +310,8 @@ fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         budget: shardplane_agent::scheduler::Budget {
             prefill_tokens: args.prefill_tokens_per_step as usize,
             decode_step: Duration::from_millis(args.decode_step_millis),
+            // Set per Shard: a pipeline's head splits its decoding sequences.
+            decode_groups: 1,
         },
         prefix_cache_bytes: usize::try_from(
             parse_bytes_str(&args.prefix_cache).context("--prefix-cache")?,
