@@ -11,7 +11,7 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::*;
 use shardplane_testkit::{
-    ChildGuard as Process, control_plane, fixtures, free_address, unique_name,
+    ChildGuard as Process, agent_calls, control_plane, fixtures, free_address, unique_name,
 };
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -655,6 +655,37 @@ async fn with_the_operator_deployments_become_ready_on_real_agents() {
         (&stages[0].node, &stages[2].node),
         "the other stages stay"
     );
+    // Their Shards kept their names (same node, same layers) and changed in
+    // place to name the new middle stage: the healed pipeline answers, and
+    // each says it has seen its new spec.
+    assert_eq!(
+        (&healed[0].shard, &healed[2].shard),
+        (&stages[0].shard, &stages[2].shard)
+    );
+    let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
+    let head = shards.get(&healed[0].shard).await.unwrap();
+    let endpoint = head.status.and_then(|s| s.endpoint).unwrap();
+    eventually("the healed pipeline answers", || async {
+        let prompt = "The capital of France is";
+        match agent_calls::generate_text(&endpoint, &ns, &healed[0].shard, prompt, 4).await {
+            Ok(text) if !text.is_empty() => Some(()),
+            answer => {
+                eprintln!("the healed pipeline does not answer yet: {answer:?}");
+                None
+            }
+        }
+    })
+    .await;
+    eventually("the kept stages report their new specs seen", || async {
+        let mut current = true;
+        for stage in [&healed[0], &healed[2]] {
+            let s = shards.get(&stage.shard).await.ok()?;
+            let seen = s.status.as_ref().and_then(|st| st.observed_generation);
+            current &= seen.is_some() && seen == s.metadata.generation;
+        }
+        current.then_some(())
+    })
+    .await;
 
     // Cordon a node in use: its stage leaves it; two nodes are left, so two stages.
     let cordoned = healed[0].node.clone();

@@ -54,10 +54,7 @@ fn agent_with(node: &str, admin: &str, extra: &[&str]) -> Process {
 }
 
 fn client(endpoint: &str) -> dp::Client {
-    dp::client(
-        dp::channel(endpoint, None).unwrap(),
-        dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
-    )
+    shardplane_testkit::agent_calls::client(endpoint)
 }
 
 fn shard_ref(ns: &str, name: &str) -> Option<dp::ShardRef> {

@@ -17,32 +17,14 @@ const WAIT: Duration = Duration::from_secs(90);
 
 /// Runs a Generate on the agent at `endpoint` to its end; the text.
 async fn generate(endpoint: &str, ns: &str, shard: &str) -> Result<String, dp::tonic::Status> {
-    let mut client = dp::client(
-        dp::channel(endpoint, None).unwrap(),
-        dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
-    );
-    let request = dp::GenerateRequest {
-        shard: Some(dp::ShardRef {
-            namespace: ns.into(),
-            name: shard.into(),
-        }),
-        input: Some(dp::generate_request::Input::Prompt(
-            "The capital of France is".into(),
-        )),
-        sampling: Some(dp::Sampling {
-            max_tokens: 4,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let mut stream = client.generate(request).await?.into_inner();
-    let mut text = String::new();
-    while let Some(event) = stream.message().await? {
-        if let Some(dp::generate_response::Event::Delta(d)) = event.event {
-            text.push_str(&d.text);
-        }
-    }
-    Ok(text)
+    shardplane_testkit::agent_calls::generate_text(
+        endpoint,
+        ns,
+        shard,
+        "The capital of France is",
+        4,
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,22 +75,8 @@ fn local_tokens(prompt: &str, extra: &[&str]) -> String {
 /// The greedy tokens the instance led by Shard `ns/shard` at `endpoint`
 /// gives for `prompt`, in the same form.
 async fn group_tokens(endpoint: &str, ns: &str, shard: &str, prompt: &str) -> String {
-    let mut client = dp::client(
-        dp::channel(endpoint, None).unwrap(),
-        dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
-    );
-    let request = dp::GenerateRequest {
-        shard: Some(dp::ShardRef {
-            namespace: ns.into(),
-            name: shard.into(),
-        }),
-        input: Some(dp::generate_request::Input::Prompt(prompt.into())),
-        sampling: Some(dp::Sampling {
-            max_tokens: 24,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
+    let mut client = shardplane_testkit::agent_calls::client(endpoint);
+    let request = shardplane_testkit::agent_calls::prompt(ns, shard, prompt, 24);
     let mut stream = client.generate(request).await.unwrap().into_inner();
     let mut tokens = Vec::new();
     while let Some(event) = stream.message().await.unwrap() {

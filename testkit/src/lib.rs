@@ -31,6 +31,7 @@ use kube::api::{ObjectMeta, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 
+pub mod agent_calls;
 pub mod as_agent;
 pub mod data_plane;
 pub mod fixtures;

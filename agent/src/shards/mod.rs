@@ -416,13 +416,17 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
-    // source in place), layers and template.
+    // source in place), layers, template, engine and KV cache (the engine's
+    // context and the stage's budget are sized from it). Other changes
+    // (the stages around it) are taken in place (`rewire`).
     let same = |loaded: &ShardSpec| {
         (loaded.layers.start, loaded.layers.end) == layers
             && loaded.chat_template == shard.spec.chat_template
             && loaded.source == shard.spec.source
             && loaded.format == shard.spec.format
             && loaded.tensor == shard.spec.tensor
+            && loaded.engine == shard.spec.engine
+            && loaded.kv_cache == shard.spec.kv_cache
     };
     let following = shards
         .ranks
@@ -430,14 +434,20 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         .expect("rank lock")
         .get(&k)
         .is_some_and(|r| r.follower_bytes.is_some() && r.mesh.broken().is_none() && same(&r.spec));
-    if following
-        || shards
-            .loaded
-            .lock()
-            .expect("shard set lock")
-            .get(&k)
-            .is_some_and(|l| same(&l.spec))
-    {
+    let kept = shards
+        .loaded
+        .lock()
+        .expect("shard set lock")
+        .get(&k)
+        .filter(|l| same(&l.spec))
+        .cloned();
+    if let Some(loaded) = kept {
+        if loaded.spec != shard.spec {
+            rewire(client, shards, &k, &loaded, &shard);
+        }
+        return;
+    }
+    if following {
         return;
     }
     let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
@@ -530,6 +540,44 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             }
         }
     });
+}
+
+/// Serves on a loaded stage whose Shard changed around what it loaded: the
+/// stage after or before it was re-placed (a new Shard, so `next` or
+/// `previous` names another), or the counts of its instance changed. The
+/// stage runs on, with the new spec for the calls that start from now on
+/// (sequences under way keep the streams they opened), and its status says
+/// it has seen the new generation.
+fn rewire(client: &Client, shards: &ShardSet, k: &Key, loaded: &ServedStage, shard: &Shard) {
+    let served = ServedStage {
+        namespace: loaded.namespace.clone(),
+        name: loaded.name.clone(),
+        spec: shard.spec.clone(),
+        worker: loaded.worker.clone(),
+        text: loaded.text.clone(),
+    };
+    shards
+        .loaded
+        .lock()
+        .expect("shard set lock")
+        .insert(k.clone(), Arc::new(served));
+    tracing::info!(
+        shard = %k.1,
+        namespace = %k.0,
+        next = ?shard.spec.next,
+        previous = ?shard.spec.previous,
+        "the shard changed around its loaded stage; serving on with the new spec"
+    );
+    let shown = shards
+        .statuses
+        .lock()
+        .expect("status lock")
+        .get(k)
+        .map(|tx| tx.borrow().clone());
+    if let Some(mut status) = shown {
+        status.observed_generation = shard.metadata.generation;
+        report(client, shards, k, status);
+    }
 }
 
 /// Owned handles for a spawned task.
