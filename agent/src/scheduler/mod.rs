@@ -1,12 +1,14 @@
-//! A stage's step loop: every step advances all decoding sequences together
-//! and takes a bounded slice of waiting prompts (chunked prefill), so a long
-//! prompt never stalls the sequences that are decoding.
+//! A stage's step loop: every step advances the decoding sequences together
+//! (all of them, or one group at a pipeline's head) and takes a bounded slice
+//! of waiting prompts (chunked prefill), so a long prompt never stalls the
+//! sequences that are decoding.
 //!
 //! ```text
-//!  jobs ──► [decode steps: one token per held sequence] ─┐
+//!  jobs ──► [decode steps: one token per held sequence¹] ┐
 //!       └─► [prefills, oldest first] ── slice ≤ budget ──┴─► one forward_batch ─► replies
 //!  a prefill is answered when its last slice has run (hidden rows gathered for
 //!  a middle stage; the last slice's logits for a last stage)
+//!  ¹ of one group, at a pipeline's head
 //! ```
 //!
 //! A pipeline's head splits its decoding sequences into one group per stage
@@ -98,23 +100,26 @@ pub const MIN_SLICE: usize = 8;
 impl Budget {
     /// The decode steps one step takes at most while `decoding` sequences
     /// decode (those back and those still going round): one group's share.
-    /// With stages of like cost (a fixed part and a part per row), the split
-    /// never lengthens the time between tokens: each stage runs `groups`
-    /// passes of `decoding / groups` rows while the others run the other
-    /// groups, where one batch would leave each stage idle for the others'
-    /// passes.
+    /// With stages of like cost (a fixed part and a part per row) and no
+    /// prompts waiting, the split never lengthens the time between tokens:
+    /// each stage runs `groups` passes of `decoding / groups` rows while the
+    /// others run the other groups, where one batch would leave each stage
+    /// idle for the others' passes.
     pub fn decode_rows(&self, decoding: usize) -> usize {
         decoding.div_ceil(self.decode_groups.max(1)).max(1)
     }
 
     /// Prompt tokens the next step may take beside `decodes` decode steps,
-    /// when a pass costs `cost` (`None`: not known yet).
+    /// when a pass costs `cost` (`None`: not known yet). A sequence's token
+    /// takes one step per group, so a step is paced to `decode_step` ÷
+    /// groups.
     pub fn prefill_room(&self, decodes: usize, cost: Option<PassCost>) -> usize {
         let most = self.prefill_tokens.max(1);
         let Some(cost) = cost.filter(|_| decodes > 0) else {
             return most;
         };
-        let rows = cost.rows_within(self.decode_step.as_secs_f64());
+        let step = self.decode_step.as_secs_f64() / self.decode_groups.max(1) as f64;
+        let rows = cost.rows_within(step);
         rows.saturating_sub(decodes)
             .clamp(MIN_SLICE.min(most), most)
     }
@@ -197,7 +202,11 @@ pub fn run(
         for job in first.into_iter().chain(queued) {
             file(job, &mut gather);
         }
-        while let Some(left) = gather.wait_left(Instant::now()) {
+        // A pipeline's head takes its groups as they come round: waiting
+        // for the rest of the ring never pays.
+        while budget.decode_groups <= 1
+            && let Some(left) = gather.wait_left(Instant::now())
+        {
             match queue.recv_timeout(left) {
                 Ok(job) => file(job, &mut gather),
                 Err(mpsc::RecvTimeoutError::Timeout) => break,

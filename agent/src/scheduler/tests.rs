@@ -371,6 +371,13 @@ fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
     assert_eq!(budget.prefill_room(250, cost(0.0, 1.0)), MIN_SLICE);
     // A pass slower than a step on its own: still MIN_SLICE.
     assert_eq!(budget.prefill_room(3, cost(300.0, 1.0)), MIN_SLICE);
+    // A 2-stage pipeline's head runs two steps per token: 100 ms each.
+    let head = Budget {
+        decode_groups: 2,
+        ..budget
+    };
+    assert_eq!(head.prefill_room(3, cost(0.0, 1.0)), 97);
+    assert_eq!(head.prefill_room(0, cost(0.0, 1.0)), 512, "nothing decodes");
     // A budget below MIN_SLICE is kept.
     let tiny = Budget {
         prefill_tokens: 2,

@@ -416,9 +416,10 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
-    // source in place), layers, template, engine and KV cache (the engine's
-    // context and the stage's budget are sized from it). Other changes
-    // (the stages around it) are taken in place (`rewire`).
+    // source in place), layers, template, engine, KV cache (the engine's
+    // context and the stage's budget are sized from it) and stage count (a
+    // pipeline's head splits its sequences by it). Other changes (the stages
+    // around it) are taken in place (`rewired`).
     let same = |loaded: &ShardSpec| {
         (loaded.layers.start, loaded.layers.end) == layers
             && loaded.chat_template == shard.spec.chat_template
@@ -427,6 +428,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             && loaded.tensor == shard.spec.tensor
             && loaded.engine == shard.spec.engine
             && loaded.kv_cache == shard.spec.kv_cache
+            && loaded.stage_count == shard.spec.stage_count
     };
     let following = shards
         .ranks
@@ -434,16 +436,24 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         .expect("rank lock")
         .get(&k)
         .is_some_and(|r| r.follower_bytes.is_some() && r.mesh.broken().is_none() && same(&r.spec));
-    let kept = shards
-        .loaded
-        .lock()
-        .expect("shard set lock")
-        .get(&k)
-        .filter(|l| same(&l.spec))
-        .cloned();
-    if let Some(loaded) = kept {
-        if loaded.spec != shard.spec {
-            rewire(client, shards, &k, &loaded, &shard);
+    // Checked and swapped under one lock: a stage unloaded meanwhile (its
+    // thread crashed, the Shard deleted) is not put back.
+    let kept = {
+        let mut loaded = shards.loaded.lock().expect("shard set lock");
+        match loaded.get_mut(&k) {
+            Some(l) if same(&l.spec) => {
+                let changed = l.spec != shard.spec;
+                if changed {
+                    *l = Arc::new(rewired(l, &shard.spec));
+                }
+                Some(changed)
+            }
+            _ => None,
+        }
+    };
+    if let Some(changed) = kept {
+        if changed {
+            report_rewired(client, shards, &k, &shard);
         }
         return;
     }
@@ -542,25 +552,23 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     });
 }
 
-/// Serves on a loaded stage whose Shard changed around what it loaded: the
-/// stage after or before it was re-placed (a new Shard, so `next` or
-/// `previous` names another), or the counts of its instance changed. The
-/// stage runs on, with the new spec for the calls that start from now on
-/// (sequences under way keep the streams they opened), and its status says
-/// it has seen the new generation.
-fn rewire(client: &Client, shards: &ShardSet, k: &Key, loaded: &ServedStage, shard: &Shard) {
-    let served = ServedStage {
+/// A loaded stage whose Shard changed around what it loaded — the stage
+/// after or before it was re-placed (a new Shard, so `next` or `previous`
+/// names another) — served on with the new `spec`, for the calls that start
+/// from now on (sequences under way keep the streams they opened).
+fn rewired(loaded: &ServedStage, spec: &ShardSpec) -> ServedStage {
+    ServedStage {
         namespace: loaded.namespace.clone(),
         name: loaded.name.clone(),
-        spec: shard.spec.clone(),
+        spec: spec.clone(),
         worker: loaded.worker.clone(),
         text: loaded.text.clone(),
-    };
-    shards
-        .loaded
-        .lock()
-        .expect("shard set lock")
-        .insert(k.clone(), Arc::new(served));
+    }
+}
+
+/// Logs a [`rewired`] stage and reports its last status again, saying it has
+/// seen the Shard's new generation.
+fn report_rewired(client: &Client, shards: &ShardSet, k: &Key, shard: &Shard) {
     tracing::info!(
         shard = %k.1,
         namespace = %k.0,

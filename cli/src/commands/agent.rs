@@ -132,7 +132,9 @@ pub struct RunArgs {
     prefill_tokens_per_step: u32,
     /// Milliseconds a step should take while sequences decode: prompt
     /// slices shrink (to 8 tokens at least) on a slow stage so that every
-    /// decoding sequence still gets a token about this often.
+    /// decoding sequence still gets a token about this often (a pipeline's
+    /// head, which runs one step per group of its decoding sequences, paces
+    /// each step to this ÷ its stages).
     #[arg(long, env = "SHARDPLANE_DECODE_STEP_MILLIS", default_value_t = 200,
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     decode_step_millis: u64,
