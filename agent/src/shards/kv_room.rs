@@ -27,7 +27,7 @@ use std::time::Duration;
 use shardplane_crds::ShardPhase;
 use shardplane_engine::pipeline::EngineKind;
 
-use super::{Key, ServedStage, ShardSet};
+use super::{Key, ShardSet};
 use crate::kv_budget::KvCost;
 use crate::stage::StageStats;
 
@@ -96,25 +96,27 @@ fn moved(reported: u64, now: u64) -> bool {
     reported.abs_diff(now).saturating_mul(16) >= reported.max(1)
 }
 
-/// Measures `stage` every `every` ([`INTERVAL`]) until it is unloaded or
-/// replaced, and puts a figure that moved into its Shard's Ready status.
+/// Measures the stage whose counters are `stats` every `every`
+/// ([`INTERVAL`]) until it is unloaded or replaced by another load (a stage
+/// served on with a new spec, `rewired`, is the same stage), and puts a
+/// figure that moved into its Shard's Ready status.
 pub(super) async fn remeasure(
     shards: ShardSet,
     k: Key,
-    stage: Weak<ServedStage>,
+    stats: Weak<StageStats>,
     room: KvRoom,
     every: Duration,
 ) {
-    let Some(mut reported) = stage
+    let Some(mut reported) = stats
         .upgrade()
-        .map(|s| s.worker.stats.kv.budget_tokens.load(Ordering::Relaxed))
+        .map(|s| s.kv.budget_tokens.load(Ordering::Relaxed))
     else {
         return;
     };
     loop {
         tokio::time::sleep(every).await;
         // Held only while measuring: an unloaded stage goes at once.
-        let Some(stage) = stage.upgrade() else {
+        let Some(stats) = stats.upgrade() else {
             return;
         };
         let current = shards
@@ -122,7 +124,7 @@ pub(super) async fn remeasure(
             .lock()
             .expect("shard set lock")
             .get(&k)
-            .is_some_and(|s| Arc::ptr_eq(s, &stage));
+            .is_some_and(|s| Arc::ptr_eq(&s.worker.stats, &stats));
         if !current {
             return;
         }
@@ -134,7 +136,7 @@ pub(super) async fn remeasure(
         if available == 0 {
             continue;
         }
-        let budget = room.measure(&stage.worker.stats, available);
+        let budget = room.measure(&stats, available);
         if !moved(reported, budget) {
             continue;
         }
@@ -156,6 +158,7 @@ pub(super) async fn remeasure(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shards::ServedStage;
     use crate::test_stage::Echo;
     use shardplane_crds::ShardStatus;
     use tokio::sync::watch;
@@ -298,7 +301,7 @@ mod tests {
         let task = tokio::spawn(remeasure(
             shards.clone(),
             k.clone(),
-            Arc::downgrade(&stage),
+            Arc::downgrade(&stage.worker.stats),
             room(1 << 40, 0, 0),
             EVERY,
         ));
@@ -311,13 +314,19 @@ mod tests {
             stage.worker.stats.kv.budget_tokens.load(Ordering::Relaxed),
             1024
         );
-        // Replaced by another stage: the measuring ends, and does not keep
+        // Served on with a new spec (the same worker): still measured.
+        let rewired = Arc::new(super::super::rewired(&stage, &stage.spec));
+        shards.loaded.lock().unwrap().insert(k.clone(), rewired);
+        tokio::time::sleep(EVERY * 5).await;
+        assert!(!task.is_finished(), "a rewired stage is no longer measured");
+        // Replaced by another load: the measuring ends, and does not keep
         // the old stage alive.
+        let (echo, _) = Echo::new(true);
         let other = Arc::new(ServedStage {
             namespace: k.0.clone(),
             name: k.1.clone(),
             spec: stage.spec.clone(),
-            worker: stage.worker.clone(),
+            worker: crate::test_stage::quiet_worker("s", Box::new(echo)),
             text: None,
         });
         shards.loaded.lock().unwrap().insert(k.clone(), other);

@@ -230,7 +230,7 @@ pub(super) async fn bring_up(
     tokio::spawn(kv_room::remeasure(
         shards.clone(),
         k,
-        Arc::downgrade(&served),
+        Arc::downgrade(&served.worker.stats),
         room,
         kv_room::INTERVAL,
     ));

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::{
@@ -226,7 +227,6 @@ impl PeerSources {
     /// The peers whose caches hold `key`, best first: the fastest kind of
     /// link, then the lowest measured latency.
     fn holders(&self, key: &str) -> Vec<Holder> {
-        use kube::runtime::reflector::ObjectRef;
         let my_links = self
             .nodes
             .get(&ObjectRef::new(&self.node))
@@ -416,7 +416,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
-    // source in place), layers, template, engine, KV cache (the engine's
+    // source in place), layers, template, KV cache (the engine's
     // context and the stage's budget are sized from it) and stage count (a
     // pipeline's head splits its sequences by it). Other changes (the stages
     // around it) are taken in place (`rewired`).
@@ -426,7 +426,6 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             && loaded.source == shard.spec.source
             && loaded.format == shard.spec.format
             && loaded.tensor == shard.spec.tensor
-            && loaded.engine == shard.spec.engine
             && loaded.kv_cache == shard.spec.kv_cache
             && loaded.stage_count == shard.spec.stage_count
     };
@@ -453,11 +452,19 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     };
     if let Some(changed) = kept {
         if changed {
-            report_rewired(client, shards, &k, &shard);
+            tracing::info!(
+                shard = %k.1,
+                namespace = %k.0,
+                next = ?shard.spec.next,
+                previous = ?shard.spec.previous,
+                "the shard changed around its loaded stage; serving on with the new spec"
+            );
         }
+        report_seen(shards, &k, shard.metadata.generation);
         return;
     }
     if following {
+        report_seen(shards, &k, shard.metadata.generation);
         return;
     }
     let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
@@ -511,6 +518,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 // already) and the Shard fails, to be tried again. The lock
                 // is held throughout, so a break after the check is handled
                 // (and reported) after Ready.
+                let now = ObjectRef::new(&k.1).within(&k.0);
                 let mut ranks = shards.ranks.lock().expect("rank lock");
                 let broken = shard.spec.tensor.is_some()
                     && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
@@ -542,6 +550,15 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                     report(&client, &shards, &k, status);
                 }
                 drop(ranks);
+                // The Shard changed while it loaded (its `ensure` returned
+                // on Downloading or Loading): served on with the new spec, or
+                // loaded again.
+                if let Some(current) = sources.directory.get(&now)
+                    && current.metadata.generation != loaded.generation
+                    && !broken
+                {
+                    ensure(&client, (*current).clone(), &shards, &metrics, &sources);
+                }
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);
@@ -566,25 +583,18 @@ fn rewired(loaded: &ServedStage, spec: &ShardSpec) -> ServedStage {
     }
 }
 
-/// Logs a [`rewired`] stage and reports its last status again, saying it has
-/// seen the Shard's new generation.
-fn report_rewired(client: &Client, shards: &ShardSet, k: &Key, shard: &Shard) {
-    tracing::info!(
-        shard = %k.1,
-        namespace = %k.0,
-        next = ?shard.spec.next,
-        previous = ?shard.spec.previous,
-        "the shard changed around its loaded stage; serving on with the new spec"
-    );
-    let shown = shards
-        .statuses
-        .lock()
-        .expect("status lock")
-        .get(k)
-        .map(|tx| tx.borrow().clone());
-    if let Some(mut status) = shown {
-        status.observed_generation = shard.metadata.generation;
-        report(client, shards, k, status);
+/// A kept stage serves Shard `k`'s spec of `generation`: its Ready status
+/// says so (in place, so a status set meanwhile — a crash's Failed — is
+/// neither overwritten nor given this generation).
+fn report_seen(shards: &ShardSet, k: &Key, generation: Option<i64>) {
+    if let Some(status) = shards.statuses.lock().expect("status lock").get(k) {
+        status.send_if_modified(|s| {
+            let behind = s.phase == Some(ShardPhase::Ready) && s.observed_generation < generation;
+            if behind {
+                s.observed_generation = generation;
+            }
+            behind
+        });
     }
 }
 
@@ -677,4 +687,37 @@ async fn write_status(
         status.last_failure.clone_from(&r.last_failure);
     }
     shardplane_cluster::apply_status(&api, &k.1, AGENT_MANAGER, &status).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kept_stage_reports_a_newer_generation_only_on_its_ready_status() {
+        let shards = ShardSet::new("127.0.0.1:1");
+        let k: Key = ("ns".into(), "s".into());
+        let (tx, rx) = watch::channel(ShardStatus {
+            phase: Some(ShardPhase::Ready),
+            observed_generation: Some(1),
+            ..Default::default()
+        });
+        shards.statuses.lock().unwrap().insert(k.clone(), tx);
+        report_seen(&shards, &k, Some(2));
+        assert_eq!(rx.borrow().observed_generation, Some(2));
+        // Never backwards.
+        report_seen(&shards, &k, Some(1));
+        assert_eq!(rx.borrow().observed_generation, Some(2));
+        // A status set meanwhile (the stage crashed) is left as it is.
+        shards.statuses.lock().unwrap()[&k].send_modify(|s| {
+            s.phase = Some(ShardPhase::Failed);
+            s.reason = Some("StageCrashed".into());
+        });
+        report_seen(&shards, &k, Some(3));
+        let shown = rx.borrow();
+        assert_eq!(
+            (shown.phase, shown.observed_generation),
+            (Some(ShardPhase::Failed), Some(2))
+        );
+    }
 }
