@@ -362,7 +362,21 @@ fn key(s: &Shard) -> Key {
 }
 
 fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
-    let mut phases = shards.phases.lock().expect("phase lock");
+    put_phase(
+        &mut shards.phases.lock().expect("phase lock"),
+        metrics,
+        key,
+        phase,
+    );
+}
+
+/// [`set_phase`] on the phases already locked.
+fn put_phase(
+    phases: &mut BTreeMap<Key, ShardPhase>,
+    metrics: &Metrics,
+    key: &Key,
+    phase: Option<ShardPhase>,
+) {
     match phase {
         Some(p) => {
             phases.insert(key.clone(), p);
@@ -417,8 +431,8 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
     // source in place), layers, template, KV cache (the engine's
-    // context and the stage's budget are sized from it) and stage count (a
-    // pipeline's head splits its sequences by it). Other changes (the stages
+    // context and the stage's budget are sized from it) and, on a head, the
+    // stage count (it splits its sequences by it). Other changes (the stages
     // around it) are taken in place (`rewired`).
     let same = |loaded: &ShardSpec| {
         (loaded.layers.start, loaded.layers.end) == layers
@@ -427,7 +441,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             && loaded.format == shard.spec.format
             && loaded.tensor == shard.spec.tensor
             && loaded.kv_cache == shard.spec.kv_cache
-            && loaded.stage_count == shard.spec.stage_count
+            && (shard.spec.stage != 0 || loaded.stage_count == shard.spec.stage_count)
     };
     let following = shards
         .ranks
@@ -467,23 +481,24 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         report_seen(shards, &k, shard.metadata.generation);
         return;
     }
-    let phase = shards.phases.lock().expect("phase lock").get(&k).copied();
-    match phase {
-        Some(ShardPhase::Downloading | ShardPhase::Loading) => return,
-        // A retry is pending, or the spec failed for good: a new spec is tried.
-        Some(ShardPhase::Failed)
-            if !shards
-                .failures
-                .lock()
-                .expect("failure lock")
-                .get(&k)
-                .is_some_and(|r| r.may_try(shard.metadata.generation)) =>
-        {
-            return;
+    let may_retry = shards
+        .failures
+        .lock()
+        .expect("failure lock")
+        .get(&k)
+        .is_some_and(|r| r.may_try(shard.metadata.generation));
+    {
+        // Checked and claimed under one lock: of two `ensure`s at once (the
+        // watch and a load that just finished), one loads.
+        let mut phases = shards.phases.lock().expect("phase lock");
+        match phases.get(&k) {
+            Some(ShardPhase::Downloading | ShardPhase::Loading) => return,
+            // A retry is pending, or the spec failed for good: a new spec is tried.
+            Some(ShardPhase::Failed) if !may_retry => return,
+            _ => {}
         }
-        _ => {}
+        put_phase(&mut phases, metrics, &k, Some(ShardPhase::Downloading));
     }
-    set_phase(shards, metrics, &k, Some(ShardPhase::Downloading));
     // The weights stay in the cache while the shard runs.
     let cache_key = shard.spec.source.cache_key();
     sources.cache.pin(&cache_key);
@@ -552,9 +567,10 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 drop(ranks);
                 // The Shard changed while it loaded (its `ensure` returned
                 // on Downloading or Loading): served on with the new spec, or
-                // loaded again.
+                // loaded again. Only a newer one: the store may lag behind
+                // what the load ran as.
                 if let Some(current) = sources.directory.get(&now)
-                    && current.metadata.generation != loaded.generation
+                    && current.metadata.generation > loaded.generation
                     && !broken
                 {
                     ensure(&client, (*current).clone(), &shards, &metrics, &sources);
