@@ -2,12 +2,8 @@
 # the CRDs and makes a data-plane token; everything started is stopped on exit.
 # Sets: CARGO_TARGET_DIR, STATE, bin, MODEL, KUBECONFIG, TOKEN_FILE, pids
 # (append the PIDs of what you start).
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
+source scripts/bench-build.sh
 STATE=$(mktemp -d /tmp/shardplane-bench.XXXXXX)
-bash scripts/setup.sh >/dev/null
-cargo build --release --locked --workspace --features shardplane/mlx 2>&1 | tail -1
-bin="$CARGO_TARGET_DIR/release/shardplane"
-MODEL=$(bash scripts/model.sh)
 
 pids=()
 cleanup() {

@@ -25,10 +25,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--rounds N] [--conversations N] [--turns N] [--shared]" >&2; exit 2 ;;
   esac
 done
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
-bash scripts/setup.sh >/dev/null
-cargo build --release --locked --workspace --features shardplane/mlx 2>&1 | tail -1 >&2
-bin="$CARGO_TARGET_DIR/release/shardplane"
+source scripts/bench-build.sh
 PYTHON="$HOME/.cache/shardplane/venv/bin/python"
 STATE=$(mktemp -d /tmp/shardplane-bench-conversations.XXXXXX)
 up_pid=''
@@ -83,11 +80,6 @@ async def main():
 
 asyncio.run(main())
 PY
-# wait_for FILE TEXT SECONDS
-wait_for() {
-  for _ in $(seq "$3"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 1; done
-  echo "no '$2' in $1 after $3 s:" >&2; tail -20 "$1" >&2; exit 1
-}
 for round in $(seq "$ROUNDS"); do
   echo "== round $round: shardplane up, load $(cut -d' ' -f1 /proc/loadavg)" >&2
   "$bin" up --no-setup --state "$STATE/up" >"$STATE/up.log" 2>&1 &

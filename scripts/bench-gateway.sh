@@ -22,11 +22,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--rounds N] [--concurrency 1,8,32] [--runs N]" >&2; exit 2 ;;
   esac
 done
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/shardplane/target}"
-bash scripts/setup.sh >/dev/null
-cargo build --release --locked --workspace --features shardplane/mlx 2>&1 | tail -1 >&2
-bin="$CARGO_TARGET_DIR/release/shardplane"
-MODEL=$(bash scripts/model.sh)
+source scripts/bench-build.sh
 CORES=$(nproc)
 SLOTS=$(tr ',' '\n' <<<"$CONCURRENCY" | sort -n | tail -1)
 STATE=$(mktemp -d /tmp/shardplane-bench-gateway.XXXXXX)
@@ -37,11 +33,6 @@ stop() {
   up_pid='' server_pid=''
 }
 trap 'stop; rm -rf "$STATE"' EXIT
-# wait_for FILE TEXT SECONDS
-wait_for() {
-  for _ in $(seq "$3"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 1; done
-  echo "no '$2' in $1 after $3 s:" >&2; tail -20 "$1" >&2; exit 1
-}
 bench() {
   "$bin" bench --json --model "$MODEL" --runs "$RUNS" --concurrency "$CONCURRENCY" "$@"
 }
