@@ -16,7 +16,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use shardplane_crds::{
-    AGENT_MANAGER, Engine, NODE_LABEL, Shard, ShardPhase, ShardSpec, ShardStatus, node_label_value,
+    Engine, NODE_LABEL, Shard, ShardPhase, ShardSpec, ShardStatus, node_label_value,
 };
 use shardplane_engine::pipeline::{EngineKind, TextModel};
 use tokio::sync::watch;
@@ -30,9 +30,11 @@ mod fetch;
 mod healing;
 mod kv_room;
 mod load;
+mod status;
 mod tensor;
 use healing::fail_shard;
 use load::{bring_up, layout_and_options, load_failure, with_template};
+use status::{reassert, report, report_seen};
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
@@ -74,6 +76,9 @@ pub struct ShardSet {
     /// Where each tensor rank's group reaches it, kept while its Shard
     /// runs here so that its address stays what it reported.
     listeners: Arc<Mutex<BTreeMap<Key, MeshListener>>>,
+    /// The newest Shard an `ensure` passed over because a load of it was
+    /// under way; the load takes it up when it ends.
+    skipped: Arc<Mutex<BTreeMap<Key, Shard>>>,
     endpoint: Arc<str>,
 }
 
@@ -87,6 +92,7 @@ impl ShardSet {
             statuses: Arc::default(),
             ranks: Arc::default(),
             listeners: Arc::default(),
+            skipped: Arc::default(),
             endpoint: endpoint.into(),
         }
     }
@@ -113,6 +119,27 @@ impl ShardSet {
         let entry = (Arc::new(listener), endpoint);
         listeners.insert(k.clone(), entry.clone());
         Ok(entry)
+    }
+
+    /// Remembers `shard`, passed over while a load of it runs (the caller
+    /// holds the phase lock, so the load's end, which changes the phase
+    /// first, finds it). An older generation never replaces a newer one.
+    fn skip(&self, shard: Shard) {
+        let mut skipped = self.skipped.lock().expect("skipped lock");
+        let k = key(&shard);
+        if skipped
+            .get(&k)
+            .is_none_or(|s| s.metadata.generation <= shard.metadata.generation)
+        {
+            skipped.insert(k, shard);
+        }
+    }
+
+    /// The Shard passed over while the load of its spec at `generation`
+    /// ran, when it is newer; forgotten either way.
+    fn take_skipped(&self, k: &Key, generation: Option<i64>) -> Option<Shard> {
+        let shard = self.skipped.lock().expect("skipped lock").remove(k)?;
+        (shard.metadata.generation > generation).then_some(shard)
     }
 
     /// Number of loaded shards.
@@ -344,19 +371,6 @@ pub async fn run(
     }
 }
 
-/// Writes the status last given for `k` again when the Shard shows
-/// `Unknown`: the operator marked it so while this node was cut off.
-fn reassert(shards: &ShardSet, k: &Key, shown: Option<ShardPhase>) {
-    let local = shards.phases.lock().expect("phase lock").get(k).copied();
-    if shown == Some(ShardPhase::Unknown)
-        && local.is_some()
-        && let Some(tx) = shards.statuses.lock().expect("status lock").get(k)
-    {
-        tracing::info!(shard = %k.1, ?local, "reporting the shard's status again");
-        tx.send_modify(|_| ());
-    }
-}
-
 fn key(s: &Shard) -> Key {
     (s.namespace().unwrap_or_default(), s.name_any())
 }
@@ -405,6 +419,7 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
     // Its writer writes what it was last given, then ends.
     shards.statuses.lock().expect("status lock").remove(key);
     shards.listeners.lock().expect("listener lock").remove(key);
+    shards.skipped.lock().expect("skipped lock").remove(key);
     if let Some(rank) = shards.ranks.lock().expect("rank lock").remove(key) {
         // A follower's thread ends; a leader's group ends with its stage.
         rank.mesh.close();
@@ -474,6 +489,17 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 "the shard changed around its loaded stage; serving on with the new spec"
             );
         }
+        // A stage whose load is still ending reports Ready with the
+        // generation it loaded; the load's end takes this one up.
+        {
+            let phases = shards.phases.lock().expect("phase lock");
+            if matches!(
+                phases.get(&k),
+                Some(ShardPhase::Downloading | ShardPhase::Loading)
+            ) {
+                shards.skip(shard.clone());
+            }
+        }
         report_seen(shards, &k, shard.metadata.generation);
         return;
     }
@@ -492,7 +518,10 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         // watch and a load that just finished), one loads.
         let mut phases = shards.phases.lock().expect("phase lock");
         match phases.get(&k) {
-            Some(ShardPhase::Downloading | ShardPhase::Loading) => return,
+            Some(ShardPhase::Downloading | ShardPhase::Loading) => {
+                shards.skip(shard);
+                return;
+            }
             // A retry is pending, or the spec failed for good: a new spec is tried.
             Some(ShardPhase::Failed) if !may_retry => return,
             _ => {}
@@ -533,7 +562,6 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 // already) and the Shard fails, to be tried again. The lock
                 // is held throughout, so a break after the check is handled
                 // (and reported) after Ready.
-                let now = ObjectRef::new(&k.1).within(&k.0);
                 let mut ranks = shards.ranks.lock().expect("rank lock");
                 let broken = shard.spec.tensor.is_some()
                     && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
@@ -553,7 +581,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                     };
                     fail_shard(
                         &client,
-                        k,
+                        k.clone(),
                         loaded.generation,
                         f,
                         &shards,
@@ -561,25 +589,39 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                         &sources,
                     );
                 } else {
-                    set_phase(&shards, &metrics, &k, status.phase);
+                    // Reported before the phase changes: an `ensure` that
+                    // sees Ready finds the Ready status to update.
+                    let phase = status.phase;
                     report(&client, &shards, &k, status);
+                    set_phase(&shards, &metrics, &k, phase);
                 }
                 drop(ranks);
-                // The Shard changed while it loaded (its `ensure` returned
-                // on Downloading or Loading): served on with the new spec, or
-                // loaded again. Only a newer one: the store may lag behind
-                // what the load ran as.
-                if let Some(current) = sources.directory.get(&now)
-                    && current.metadata.generation > loaded.generation
+                // The Shard changed while it loaded (its `ensure` passed
+                // over the change): served on with the new spec, or loaded
+                // again. A broken group is tried again as the Shard then is.
+                if let Some(newer) = shards.take_skipped(&k, loaded.generation)
                     && !broken
                 {
-                    ensure(&client, (*current).clone(), &shards, &metrics, &sources);
+                    ensure(&client, newer, &shards, &metrics, &sources);
                 }
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);
                 let generation = shard.metadata.generation;
-                fail_shard(&client, k, generation, f, &shards, &metrics, &sources);
+                fail_shard(
+                    &client,
+                    k.clone(),
+                    generation,
+                    f,
+                    &shards,
+                    &metrics,
+                    &sources,
+                );
+                // A spec that changed while this one failed is tried (a
+                // retry already pending reads the Shard as it then is).
+                if let Some(newer) = shards.take_skipped(&k, generation) {
+                    ensure(&client, newer, &shards, &metrics, &sources);
+                }
             }
         }
     });
@@ -599,21 +641,6 @@ fn rewired(loaded: &ServedStage, spec: &ShardSpec) -> ServedStage {
     }
 }
 
-/// A kept stage serves Shard `k`'s spec of `generation`: its Ready status
-/// says so (in place, so a status set meanwhile — a crash's Failed — is
-/// neither overwritten nor given this generation).
-fn report_seen(shards: &ShardSet, k: &Key, generation: Option<i64>) {
-    if let Some(status) = shards.statuses.lock().expect("status lock").get(k) {
-        status.send_if_modified(|s| {
-            let behind = s.phase == Some(ShardPhase::Ready) && s.observed_generation < generation;
-            if behind {
-                s.observed_generation = generation;
-            }
-            behind
-        });
-    }
-}
-
 /// Owned handles for a spawned task.
 fn owned(
     client: &Client,
@@ -629,111 +656,50 @@ fn owned(
     )
 }
 
-/// Sets the status Shard `k` should show. Its one writer applies the latest
-/// status in order; one superseded before it could be written is skipped.
-fn report(client: &Client, shards: &ShardSet, k: &Key, status: ShardStatus) {
-    let mut statuses = shards.statuses.lock().expect("status lock");
-    match statuses.get(k) {
-        Some(tx) => {
-            tx.send_replace(status);
-        }
-        None => {
-            let (tx, rx) = watch::channel(status);
-            statuses.insert(k.clone(), tx);
-            tokio::spawn(status_writer(client.clone(), shards.clone(), k.clone(), rx));
-        }
-    }
-}
-
-/// The one writer of Shard `k`'s status: writes each status it is given
-/// (the latest when several came meanwhile), until the Shard is unloaded.
-/// A write that fails (the API server or the admission webhook away) is
-/// retried with backoff until it lands or a newer status replaces it; a
-/// Shard that is gone is not written.
-async fn status_writer(
-    client: Client,
-    shards: ShardSet,
-    k: Key,
-    mut statuses: watch::Receiver<ShardStatus>,
-) {
-    'statuses: loop {
-        let status = statuses.borrow_and_update().clone();
-        let mut wait = STATUS_RETRY_FIRST;
-        loop {
-            match write_status(&client, &shards, &k, &status).await {
-                Ok(()) => break,
-                Err(kube::Error::Api(e)) if e.code == 404 => break,
-                Err(e) => {
-                    tracing::warn!(shard = %k.1, error = %e, retry_in = ?wait, "cannot report shard status");
-                    tokio::select! {
-                        changed = statuses.changed() => match changed {
-                            Ok(()) => continue 'statuses,
-                            Err(_) => return,
-                        },
-                        () = tokio::time::sleep(wait) => {}
-                    }
-                    wait = (wait * 2).min(STATUS_RETRY_MAX);
-                }
-            }
-        }
-        if statuses.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
-/// The first wait before a failed status write is retried; it doubles up to
-/// [`STATUS_RETRY_MAX`].
-const STATUS_RETRY_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
-/// The longest wait between retries of a status write.
-const STATUS_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Writes the Shard's status, with its failure record (every write carries
-/// it: fields the agent leaves out of an apply are removed).
-async fn write_status(
-    client: &Client,
-    shards: &ShardSet,
-    k: &Key,
-    status: &ShardStatus,
-) -> kube::Result<()> {
-    let api: Api<Shard> = Api::namespaced(client.clone(), &k.0);
-    let mut status = status.clone();
-    if let Some(r) = shards.failures.lock().expect("failure lock").get(k) {
-        status.restarts = (r.restarts > 0).then_some(r.restarts);
-        status.last_failure.clone_from(&r.last_failure);
-    }
-    shardplane_cluster::apply_status(&api, &k.1, AGENT_MANAGER, &status).await
-}
-
 #[cfg(test)]
 mod tests {
+    use shardplane_crds::LayerRange;
+
     use super::*;
 
-    #[test]
-    fn a_kept_stage_reports_a_newer_generation_only_on_its_ready_status() {
-        let shards = ShardSet::new("127.0.0.1:1");
-        let k: Key = ("ns".into(), "s".into());
-        let (tx, rx) = watch::channel(ShardStatus {
-            phase: Some(ShardPhase::Ready),
-            observed_generation: Some(1),
-            ..Default::default()
-        });
-        shards.statuses.lock().unwrap().insert(k.clone(), tx);
-        report_seen(&shards, &k, Some(2));
-        assert_eq!(rx.borrow().observed_generation, Some(2));
-        // Never backwards.
-        report_seen(&shards, &k, Some(1));
-        assert_eq!(rx.borrow().observed_generation, Some(2));
-        // A status set meanwhile (the stage crashed) is left as it is.
-        shards.statuses.lock().unwrap()[&k].send_modify(|s| {
-            s.phase = Some(ShardPhase::Failed);
-            s.reason = Some("StageCrashed".into());
-        });
-        report_seen(&shards, &k, Some(3));
-        let shown = rx.borrow();
-        assert_eq!(
-            (shown.phase, shown.observed_generation),
-            (Some(ShardPhase::Failed), Some(2))
+    fn at(generation: i64) -> Shard {
+        let mut s = shardplane_testkit::fixtures::shard(
+            "d",
+            "node-0",
+            0,
+            2,
+            LayerRange { start: 0, end: 8 },
         );
+        s.metadata.namespace = Some("ns".into());
+        s.metadata.generation = Some(generation);
+        s
+    }
+
+    #[test]
+    fn a_change_passed_over_during_a_load_is_taken_up_once_when_newer() {
+        let shards = ShardSet::new("127.0.0.1:1");
+        let k = key(&at(1));
+        // Nothing passed over: the load ends with nothing to take up.
+        assert!(shards.take_skipped(&k, Some(1)).is_none());
+        shards.skip(at(3));
+        // An older generation arriving late does not replace the newest.
+        shards.skip(at(2));
+        let newer = shards.take_skipped(&k, Some(1)).expect("the newest spec");
+        assert_eq!(newer.metadata.generation, Some(3));
+        // Taken once.
+        assert!(shards.take_skipped(&k, Some(1)).is_none());
+        // What the load itself ran as (the watch and the load saw the same
+        // spec) is not loaded again, and is forgotten.
+        shards.skip(at(4));
+        assert!(shards.take_skipped(&k, Some(4)).is_none());
+        assert!(shards.skipped.lock().unwrap().is_empty());
+        // An unloaded Shard forgets what was passed over.
+        shards.skip(at(5));
+        let metrics = Metrics::new();
+        let dir = tempfile::tempdir().unwrap();
+        let http = shardplane_models::http_client().unwrap();
+        let cache = Cache::new(dir.path().into(), http).unwrap();
+        unload(&k, &shards, &metrics, &cache);
+        assert!(shards.take_skipped(&k, Some(1)).is_none());
     }
 }
