@@ -4,7 +4,9 @@
 //! in one process (`generate --tensor 2`), which are the whole model's on
 //! prompts without near-ties; when a rank's agent is killed mid-answer only
 //! that rank moves, the group forms again, and the gateway goes on with the
-//! answer there: the client gets exactly the uninterrupted answer.
+//! answer there: the client gets exactly the uninterrupted answer. A
+//! pipeline of two tensor groups answers as one process does, and heals a
+//! rank of its second group the same way.
 //!
 //! The split of a quantized model rounds differently from the whole model
 //! (its partial sums are added in another order), so on a near-tie the
@@ -386,11 +388,12 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
+async fn a_pipeline_of_two_tensor_groups_answers_as_one_process_and_heals_a_lost_rank() {
     let _serial = SERIAL.lock().await;
     let client = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client, "tpp").await.unwrap();
-    let c = cluster(4);
+    // Four nodes placed, one spare.
+    let c = cluster(5);
     let deployments = deploy(&client, &ns, &c, "tpp", 4, Some(2)).await;
     let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
     let ranks = ready_ranks(&deployments, &shards, "tpp", 4, None).await;
@@ -423,10 +426,13 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
         ranks.iter().map(|s| s.spec.node.as_str()).collect();
     assert_eq!(nodes.len(), 4);
     let endpoint = ranks[0].status.as_ref().unwrap().endpoint.clone().unwrap();
-    for prompt in PROMPTS {
-        let want = local_tokens(prompt, &["--tensor", "2", "--stages", "0-14,15-29"]);
+    let expected: Vec<String> = PROMPTS
+        .iter()
+        .map(|p| local_tokens(p, &["--tensor", "2", "--stages", "0-14,15-29"]))
+        .collect();
+    for (prompt, want) in PROMPTS.iter().zip(&expected) {
         let got = group_tokens(&endpoint, &ns, &ranks[0].name_any(), prompt).await;
-        assert_eq!(got, want, "{prompt:?}");
+        assert_eq!(&got, want, "{prompt:?}");
     }
 
     // The second group's follower dies while nothing is asked: its leader
@@ -450,4 +456,34 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process() {
     })
     .await;
     assert!(failure.contains("rank 1"), "{failure}");
+
+    // The lost rank moves to the spare node; the second group forms again
+    // there and the pipeline answers through it as before, from the same
+    // head (the first group did not move).
+    let healed = ready_ranks(&deployments, &shards, "tpp", 4, Some(&victim)).await;
+    assert_eq!(healed[0].name_any(), ranks[0].name_any(), "the head stays");
+    assert_eq!(
+        healed[2].name_any(),
+        leader,
+        "the second group's leader stays"
+    );
+    assert_ne!(healed[3].spec.node, victim);
+    assert_eq!(
+        healed[0].spec.next.as_deref(),
+        Some(leader.as_str()),
+        "the head still calls the second group's leader"
+    );
+    for s in &healed {
+        assert_eq!(
+            s.status.as_ref().unwrap().observed_generation,
+            s.metadata.generation,
+            "{} reports the spec it serves",
+            s.name_any()
+        );
+    }
+    let endpoint = healed[0].status.as_ref().unwrap().endpoint.clone().unwrap();
+    for (prompt, want) in PROMPTS.iter().zip(&expected) {
+        let got = group_tokens(&endpoint, &ns, &healed[0].name_any(), prompt).await;
+        assert_eq!(&got, want, "{prompt:?} after healing");
+    }
 }
