@@ -117,7 +117,7 @@ fn retry_later(
                     }
                     tracing::info!(shard = %k.1, "trying the failed shard again");
                     set_phase(&shards, &metrics, &k, None);
-                    ensure(&client, shard, &shards, &metrics, &sources);
+                    ensure(&client, shard, &shards, &metrics, &sources, false);
                     return;
                 }
                 Ok(None) => return,

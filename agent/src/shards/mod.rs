@@ -320,7 +320,7 @@ pub async fn run(
                 seen_during_init.insert(key(&s));
                 wanted.insert(key(&s), s.spec.source.cache_key());
                 reassert(&shards, &key(&s), s.status.as_ref().and_then(|st| st.phase));
-                ensure(&client, s, &shards, &metrics, &sources);
+                ensure(&client, s, &shards, &metrics, &sources, false);
             }
             Ok(watcher::Event::Delete(s)) => {
                 unload(&key(&s), &shards, &metrics, &sources.cache);
@@ -439,9 +439,28 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
     set_phase(shards, metrics, key, None);
 }
 
-/// Starts bringing `shard` to Ready unless it is already loaded or on its way.
-fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, sources: &Sources) {
-    let k = key(&shard);
+/// What [`ensure`] does with a Shard ([`decide`]).
+#[derive(Debug, PartialEq)]
+enum Decision {
+    /// Its loaded stage (or tensor rank) serves it; `changed`: the stage
+    /// took the new spec in place.
+    Kept { changed: bool },
+    /// A load of it is under way; the load's end takes this one up.
+    PassedOver,
+    /// Nothing to do: a retry is pending, the spec failed for good, or
+    /// (after a load) the Shard was unloaded meanwhile.
+    Left,
+    /// Claimed (Downloading): to be loaded.
+    Load,
+}
+
+/// Decides what to do with `shard`. The phase lock is held throughout, so
+/// a load's end (which changes the phase, then takes up what was passed
+/// over) sees what this passes over, and of two decisions at once (the
+/// watch and a load that just ended) one claims the load. `after_load`: a
+/// load's end asks; a Shard unloaded meanwhile is left alone.
+fn decide(shards: &ShardSet, metrics: &Metrics, shard: &Shard, after_load: bool) -> Decision {
+    let k = key(shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
     // A loaded stage is kept while what it loaded is what the spec names:
     // the same weights (a deployment moved to another Model changes the
@@ -458,14 +477,24 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
             && loaded.kv_cache == shard.spec.kv_cache
             && (shard.spec.stage != 0 || loaded.stage_count == shard.spec.stage_count)
     };
+    // Read before the phase lock: the rank lock is taken before it elsewhere.
     let following = shards
         .ranks
         .lock()
         .expect("rank lock")
         .get(&k)
         .is_some_and(|r| r.follower_bytes.is_some() && r.mesh.broken().is_none() && same(&r.spec));
-    // Checked and swapped under one lock: a stage unloaded meanwhile (its
-    // thread crashed, the Shard deleted) is not put back.
+    let mut phases = shards.phases.lock().expect("phase lock");
+    let phase = phases.get(&k).copied();
+    if after_load && phase.is_none() {
+        return Decision::Left;
+    }
+    // A load of the Shard is under way: this stage's own, still ending, or
+    // one of another spec that will replace it. Its end takes this one up
+    // (a stage still ending reports the generation it loaded).
+    let loading = matches!(phase, Some(ShardPhase::Downloading | ShardPhase::Loading));
+    // Checked and swapped under the lock of the loaded stages: a stage
+    // unloaded meanwhile (its thread crashed) is not put back.
     let kept = {
         let mut loaded = shards.loaded.lock().expect("shard set lock");
         match loaded.get_mut(&k) {
@@ -476,36 +505,17 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 }
                 Some(changed)
             }
-            _ => None,
+            _ => following.then_some(false),
         }
     };
-    if let Some(changed) = kept {
-        if changed {
-            tracing::info!(
-                shard = %k.1,
-                namespace = %k.0,
-                next = ?shard.spec.next,
-                previous = ?shard.spec.previous,
-                "the shard changed around its loaded stage; serving on with the new spec"
-            );
-        }
-        // A stage whose load is still ending reports Ready with the
-        // generation it loaded; the load's end takes this one up.
-        {
-            let phases = shards.phases.lock().expect("phase lock");
-            if matches!(
-                phases.get(&k),
-                Some(ShardPhase::Downloading | ShardPhase::Loading)
-            ) {
-                shards.skip(shard.clone());
-            }
-        }
-        report_seen(shards, &k, shard.metadata.generation);
-        return;
+    if loading {
+        shards.skip(shard.clone());
     }
-    if following {
-        report_seen(shards, &k, shard.metadata.generation);
-        return;
+    if let Some(changed) = kept {
+        return Decision::Kept { changed };
+    }
+    if loading {
+        return Decision::PassedOver;
     }
     let may_retry = shards
         .failures
@@ -513,20 +523,42 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
         .expect("failure lock")
         .get(&k)
         .is_some_and(|r| r.may_try(shard.metadata.generation));
-    {
-        // Checked and claimed under one lock: of two `ensure`s at once (the
-        // watch and a load that just finished), one loads.
-        let mut phases = shards.phases.lock().expect("phase lock");
-        match phases.get(&k) {
-            Some(ShardPhase::Downloading | ShardPhase::Loading) => {
-                shards.skip(shard);
-                return;
+    // A retry is pending, or the spec failed for good: a new spec is tried.
+    if phase == Some(ShardPhase::Failed) && !may_retry {
+        return Decision::Left;
+    }
+    put_phase(&mut phases, metrics, &k, Some(ShardPhase::Downloading));
+    Decision::Load
+}
+
+/// Starts bringing `shard` to Ready unless it is already loaded or on its
+/// way (see [`decide`]; `after_load`: a load's end asks).
+fn ensure(
+    client: &Client,
+    shard: Shard,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    sources: &Sources,
+    after_load: bool,
+) {
+    let k = key(&shard);
+    let layers = (shard.spec.layers.start, shard.spec.layers.end);
+    match decide(shards, metrics, &shard, after_load) {
+        Decision::Kept { changed } => {
+            if changed {
+                tracing::info!(
+                    shard = %k.1,
+                    namespace = %k.0,
+                    next = ?shard.spec.next,
+                    previous = ?shard.spec.previous,
+                    "the shard changed around its loaded stage; serving on with the new spec"
+                );
             }
-            // A retry is pending, or the spec failed for good: a new spec is tried.
-            Some(ShardPhase::Failed) if !may_retry => return,
-            _ => {}
+            report_seen(shards, &k, shard.metadata.generation);
+            return;
         }
-        put_phase(&mut phases, metrics, &k, Some(ShardPhase::Downloading));
+        Decision::PassedOver | Decision::Left => return,
+        Decision::Load => {}
     }
     // The weights stay in the cache while the shard runs.
     let cache_key = shard.spec.source.cache_key();
@@ -602,7 +634,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 if let Some(newer) = shards.take_skipped(&k, loaded.generation)
                     && !broken
                 {
-                    ensure(&client, newer, &shards, &metrics, &sources);
+                    ensure(&client, newer, &shards, &metrics, &sources, true);
                 }
             }
             Err(f) => {
@@ -620,7 +652,7 @@ fn ensure(client: &Client, shard: Shard, shards: &ShardSet, metrics: &Metrics, s
                 // A spec that changed while this one failed is tried (a
                 // retry already pending reads the Shard as it then is).
                 if let Some(newer) = shards.take_skipped(&k, generation) {
-                    ensure(&client, newer, &shards, &metrics, &sources);
+                    ensure(&client, newer, &shards, &metrics, &sources, true);
                 }
             }
         }
@@ -673,6 +705,112 @@ mod tests {
         s.metadata.namespace = Some("ns".into());
         s.metadata.generation = Some(generation);
         s
+    }
+
+    fn phase(shards: &ShardSet, k: &Key) -> Option<ShardPhase> {
+        shards.phases.lock().unwrap().get(k).copied()
+    }
+
+    #[test]
+    fn a_shard_is_claimed_once_and_changes_during_its_load_pass_to_its_end() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let k = key(&at(1));
+        assert_eq!(decide(&shards, &metrics, &at(1), false), Decision::Load);
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
+        // The same spec again (the watch restarted), then changes: passed
+        // over to the running load, the newest remembered.
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), false),
+            Decision::PassedOver
+        );
+        assert_eq!(
+            decide(&shards, &metrics, &at(2), false),
+            Decision::PassedOver
+        );
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        assert_eq!(
+            decide(&shards, &metrics, &at(3), false),
+            Decision::PassedOver
+        );
+        let taken = shards.take_skipped(&k, Some(1)).expect("passed over");
+        assert_eq!(taken.metadata.generation, Some(3));
+        // A load's end asks again for a Shard unloaded meanwhile: left alone.
+        let cache_dir = tempfile::tempdir().unwrap();
+        let http = shardplane_models::http_client().unwrap();
+        let cache = Cache::new(cache_dir.path().into(), http).unwrap();
+        unload(&k, &shards, &metrics, &cache);
+        assert_eq!(decide(&shards, &metrics, &at(3), true), Decision::Left);
+        assert_eq!(phase(&shards, &k), None);
+    }
+
+    #[test]
+    fn a_failed_spec_is_left_until_a_new_one_comes_unless_a_retry_is_pending() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let k = key(&at(1));
+        let fail = |reason: &'static str| {
+            shards
+                .failures
+                .lock()
+                .unwrap()
+                .entry(k.clone())
+                .or_default()
+                .failed(reason, "x", Some(1));
+            set_phase(&shards, &metrics, &k, Some(ShardPhase::Failed));
+        };
+        // For good: that spec is left; a new one is loaded.
+        fail("ArchitectureUnsupported");
+        assert_eq!(decide(&shards, &metrics, &at(1), false), Decision::Left);
+        assert_eq!(decide(&shards, &metrics, &at(2), true), Decision::Load);
+        // A retry pending: it reads the Shard as it then is; nothing now.
+        fail("DownloadFailed");
+        assert_eq!(decide(&shards, &metrics, &at(3), false), Decision::Left);
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Failed));
+    }
+
+    #[test]
+    fn a_loaded_stage_takes_a_change_around_it_in_place() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let loaded = at(1);
+        let k = key(&loaded);
+        shards.insert(ServedStage {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            spec: loaded.spec.clone(),
+            worker: crate::test_stage::quiet_worker(
+                &k.1,
+                Box::new(crate::test_stage::Echo::middle()),
+            ),
+            text: None,
+        });
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Ready));
+        let mut moved = at(2);
+        moved.spec.next = Some("d-0-1-elsewhere".into());
+        assert_eq!(
+            decide(&shards, &metrics, &moved, false),
+            Decision::Kept { changed: true }
+        );
+        let served = shards.served(&k.0, &k.1).unwrap();
+        assert_eq!(served.spec.next.as_deref(), Some("d-0-1-elsewhere"));
+        assert!(
+            shards.take_skipped(&k, Some(1)).is_none(),
+            "nothing to take up"
+        );
+        // Its load still ending: served on, and passed to the load's end
+        // too (its Ready status is still to come).
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        let mut again = at(3);
+        again.spec.next = Some("d-0-1-third".into());
+        assert_eq!(
+            decide(&shards, &metrics, &again, false),
+            Decision::Kept { changed: true }
+        );
+        let taken = shards.take_skipped(&k, Some(1)).expect("passed over");
+        assert_eq!(taken.metadata.generation, Some(3));
+        // Other layers: loaded again.
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Ready));
+        let mut other = at(4);
+        other.spec.layers = LayerRange { start: 0, end: 4 };
+        assert_eq!(decide(&shards, &metrics, &other, false), Decision::Load);
     }
 
     #[test]
