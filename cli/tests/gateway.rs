@@ -550,6 +550,29 @@ async fn official_clients_chat_through_every_api_with_fallbacks_and_failover() {
         )) >= 1.0,
         "answers cut on the killed replica were resumed on the other one"
     );
+    // Answers a fallback gave are counted by the fallback that gave them;
+    // the daily deployment answered for itself.
+    assert!(
+        value(&format!(
+            "shardplane_gateway_fallback_answers_total{{fallback=\"daily\",model=\"{}\"}}",
+            names("empty")
+        )) >= 1.0,
+        "{metrics}"
+    );
+    assert!(
+        value(&format!(
+            "shardplane_gateway_fallback_answers_total{{fallback=\"external\",model=\"{}\"}}",
+            names("burst")
+        )) >= 1.0,
+        "{metrics}"
+    );
+    let own = format!("model=\"{daily}\"");
+    assert!(
+        !metrics.lines().any(
+            |l| l.starts_with("shardplane_gateway_fallback_answers_total") && l.contains(&own)
+        ),
+        "{metrics}"
+    );
     assert_eq!(
         value(&format!(
             "shardplane_gateway_in_flight_requests{{model=\"{daily}\"}}"

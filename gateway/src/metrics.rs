@@ -32,6 +32,9 @@ pub struct Metrics {
     pub resumed_answers: IntCounterVec,
     /// Pauses of requests waiting because every instance was busy.
     pub busy_waits: IntCounterVec,
+    /// Answers a fallback gave (the model's own deployment could not), by
+    /// model and fallback (a deployment's name, or `external`).
+    pub fallback_answers: IntCounterVec,
     /// Instances ejected (tried last for a while) after failing in a row.
     pub ejections: IntCounterVec,
     /// When the data-plane certificate expires (Unix seconds; 0 without TLS).
@@ -104,6 +107,14 @@ impl Metrics {
             &["model"],
         )
         .expect("valid metric");
+        let fallback_answers = IntCounterVec::new(
+            Opts::new(
+                "shardplane_gateway_fallback_answers_total",
+                "Answers a fallback gave because the model's own deployment could not, by model and fallback (a deployment, or external).",
+            ),
+            &["model", "fallback"],
+        )
+        .expect("valid metric");
         let busy_waits = IntCounterVec::new(
             Opts::new(
                 "shardplane_gateway_busy_waits_total",
@@ -136,6 +147,7 @@ impl Metrics {
                 Box::new(upstream_errors.clone()),
                 Box::new(resumed_answers.clone()),
                 Box::new(busy_waits.clone()),
+                Box::new(fallback_answers.clone()),
                 Box::new(ejections.clone()),
                 Box::new(certificate_expiry.clone()),
             ],
@@ -151,6 +163,7 @@ impl Metrics {
             upstream_errors,
             resumed_answers,
             busy_waits,
+            fallback_answers,
             ejections,
             certificate_expiry,
         }

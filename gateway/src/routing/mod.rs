@@ -10,10 +10,13 @@
 //!
 //! An instance that fails after its first token does not cut the answer: it
 //! goes on, after the tokens already given, on another ready instance of the
-//! same deployment (`GenerateRequest.resume`).//!
+//! same deployment (`GenerateRequest.resume`).
+//!
 //! # Layout
-//! - this module: the router, its view of deployments and instances, and the
-//!   walk through instances and fallbacks up to an answer's first token;
+//! - this module: the router, its view of deployments and instances, and
+//!   opening an answer on one instance or external endpoint;
+//! - [`walk`]: the walk through instances and fallbacks up to an answer's
+//!   first token, with its pauses while every instance is busy;
 //! - [`affinity`]: which instance a prompt prefers (the one likely to hold
 //!   its beginning in its prefix cache), within a load bound;
 //! - [`outliers`]: instances that keep failing before their first token are
@@ -24,16 +27,16 @@
 mod affinity;
 mod outliers;
 mod resume;
+mod walk;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kube::Client;
 use kube::runtime::reflector::{ObjectRef, Store};
 use shardplane_crds::{
-    DEPLOYMENT_LABEL, ExternalEndpoint, FallbackTarget, Model, ModelDeployment, Shard, ShardPhase,
-    names,
+    DEPLOYMENT_LABEL, ExternalEndpoint, Model, ModelDeployment, Shard, ShardPhase, names,
 };
 use shardplane_dataplane as dp;
 use shardplane_dataplane::tonic::Code;
@@ -41,6 +44,7 @@ use shardplane_dataplane::tonic::Code;
 use crate::metrics::Metrics;
 use crate::protocol::{Answer, ApiError, Event, Events, Input, Prompt};
 use resume::Answering;
+use walk::BusyWait;
 
 /// A ready instance: its head stage.
 #[derive(Debug, Clone)]
@@ -216,13 +220,6 @@ impl Default for Deadlines {
             first_token: Duration::from_secs(300),
         }
     }
-}
-
-/// What one walk through a deployment's instances and fallbacks ended with.
-struct Walked {
-    error: ApiError,
-    /// Some instance refused only because it was busy.
-    busy: bool,
 }
 
 /// Counts a request against an instance until dropped.
@@ -447,148 +444,8 @@ impl Router {
         self.outliers.ejected_last(ordered, |i| i.key.as_str())
     }
 
-    /// Starts answering `prompt` with the model called `name`: the first ready
-    /// instance that produces a first token, through the fallback chain.
-    /// While an instance is only busy (admission refused it), the walk is
-    /// tried again with a growing pause (0.25 s up to 2 s) for up to the
-    /// router's busy wait; a client that leaves ends the wait.
-    pub async fn complete(&self, name: &str, prompt: &Prompt) -> Result<Answer, ApiError> {
-        let mut wait = BusyWait::new(self.busy_wait);
-        loop {
-            match self.walk(name, prompt).await {
-                Ok(answer) => {
-                    return Ok(Answer {
-                        events: kept_alive(answer.events, self.keepalive),
-                        ..answer
-                    });
-                }
-                Err(Walked { busy: true, error }) => {
-                    if !wait.pause(&self.metrics, name).await {
-                        return Err(error);
-                    }
-                }
-                Err(walked) => return Err(walked.error),
-            }
-        }
-    }
-
-    /// One walk through the deployment's ready instances, then its fallbacks.
-    async fn walk(&self, name: &str, prompt: &Prompt) -> Result<Answer, Walked> {
-        let Some(first) = self.deployment_for(name) else {
-            return Err(Walked {
-                error: ApiError::unknown_model(name),
-                busy: false,
-            });
-        };
-        let keys = affinity::Keys::of(prompt);
-        let mut tried = Vec::new();
-        let (mut busy, mut failed) = (0, 0);
-        let mut seen = HashSet::new();
-        let mut chain = vec![FallbackTarget::Deployment(
-            first.metadata.name.clone().unwrap_or_default(),
-        )];
-        let ns = first.metadata.namespace.clone().unwrap_or_default();
-        while !chain.is_empty() {
-            let target = chain.remove(0);
-            match target {
-                FallbackTarget::Deployment(dep_name) => {
-                    if !seen.insert(dep_name.clone()) {
-                        continue;
-                    }
-                    let Some(d) = self.deployments.get(&ObjectRef::new(&dep_name).within(&ns))
-                    else {
-                        tried.push(format!("deployment {dep_name} does not exist"));
-                        continue;
-                    };
-                    let instances = self.instances_for(&d, Some(&keys));
-                    if instances.is_empty() {
-                        tried.push(format!("deployment {dep_name} has no ready instance"));
-                    }
-                    for inst in instances {
-                        tracing::debug!(model = name, instance = %inst.key, endpoint = %inst.endpoint, "trying an instance");
-                        match self.try_instance(name, &dep_name, &inst, prompt).await {
-                            Ok(answer) => {
-                                self.outliers.succeeded(&inst.key);
-                                self.holders_lock().served(&keys, &inst.holder());
-                                return Ok(answer);
-                            }
-                            Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
-                            Err(Attempt::Busy(why)) => {
-                                busy += 1;
-                                tracing::debug!(model = name, instance = %inst.key, %why, "instance busy; trying the next");
-                                tried.push(format!("{}: {why}", inst.key));
-                            }
-                            Err(Attempt::Next(why) | Attempt::Broke(why)) => {
-                                failed += 1;
-                                self.metrics
-                                    .upstream_errors
-                                    .with_label_values(&[name, "instance"])
-                                    .inc();
-                                tracing::warn!(model = name, instance = %inst.key, %why, "instance failed before its first token; trying the next");
-                                self.eject_if_failing(name, &inst);
-                                tried.push(format!("{}: {why}", inst.key));
-                            }
-                        }
-                    }
-                    // Its own fallbacks come after the ones already queued.
-                    chain.extend(d.spec.fallback.iter().cloned());
-                }
-                FallbackTarget::External(ext) => {
-                    match self.try_external(name, &ns, &ext, prompt).await {
-                        Ok(answer) => return Ok(answer),
-                        Err(Attempt::Fail(error)) => return Err(Walked { error, busy: false }),
-                        Err(Attempt::Next(why) | Attempt::Broke(why) | Attempt::Busy(why)) => {
-                            failed += 1;
-                            self.metrics
-                                .upstream_errors
-                                .with_label_values(&[name, "external"])
-                                .inc();
-                            tried.push(format!("{}: {why}", ext.base_url));
-                        }
-                    }
-                }
-            }
-        }
-        let error = if busy > 0 && failed == 0 {
-            ApiError::overloaded(format!(
-                "every instance of {name:?} is busy; retry shortly ({})",
-                tried.join("; ")
-            ))
-        } else {
-            ApiError::unavailable(format!(
-                "no instance of {name:?} can answer now ({})",
-                tried.join("; ")
-            ))
-        };
-        Err(Walked {
-            error,
-            busy: busy > 0,
-        })
-    }
-
     fn holders_lock(&self) -> std::sync::MutexGuard<'_, affinity::Holders> {
         self.holders.lock().expect("holders lock")
-    }
-
-    /// Notes a failure of instance `inst` (serving `name`); one failure too
-    /// many ejects it for a while.
-    fn eject_if_failing(&self, name: &str, inst: &Instance) {
-        let key = inst.key.as_str();
-        if let Some(ejected) = self.outliers.failed(key) {
-            self.metrics.ejections.with_label_values(&[name]).inc();
-            // Its prefix cache is not counted on while it keeps failing.
-            self.holders_lock().forget(&inst.holder());
-            tracing::warn!(model = name, instance = %key, seconds = ejected.as_secs(), "instance failed {} times in a row; tried last for a while", outliers::EJECT_AFTER);
-            let shards = self.shards.state();
-            self.outliers.retain(|k| {
-                shards.iter().any(|s| {
-                    k.split_once('/').is_some_and(|(ns, name)| {
-                        s.metadata.namespace.as_deref() == Some(ns)
-                            && s.metadata.name.as_deref() == Some(name)
-                    })
-                })
-            });
-        }
     }
 
     /// Answers on `inst`, a ready instance of deployment `deployment`. Once
@@ -762,34 +619,6 @@ struct Opened {
     first: Vec<dp::generate_response::Event>,
     stream: dp::tonic::Streaming<dp::GenerateResponse>,
     guard: Outstanding,
-}
-
-/// The pauses of a request that only busy instances stand in the way of:
-/// 0.25 s growing to 2 s, until the router's busy wait is spent.
-struct BusyWait {
-    deadline: tokio::time::Instant,
-    pause: Duration,
-}
-
-impl BusyWait {
-    fn new(budget: Duration) -> Self {
-        BusyWait {
-            deadline: tokio::time::Instant::now() + budget,
-            pause: Duration::from_millis(250),
-        }
-    }
-
-    /// Sleeps the next pause and says true, or says false when it would
-    /// end past the deadline.
-    async fn pause(&mut self, metrics: &Metrics, model: &str) -> bool {
-        if tokio::time::Instant::now() + self.pause >= self.deadline {
-            return false;
-        }
-        metrics.busy_waits.with_label_values(&[model]).inc();
-        tokio::time::sleep(self.pause).await;
-        self.pause = (self.pause * 2).min(Duration::from_secs(2));
-        true
-    }
 }
 
 #[cfg(test)]
