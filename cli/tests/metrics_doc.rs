@@ -69,6 +69,8 @@ fn metric_names_follow_prometheus_conventions() {
         "result",
         "error",
         "peer",
+        // A deployment's name (one of the model's fallbacks) or `external`.
+        "fallback",
     ];
     for (component, d) in registered() {
         let n = &d.name;
