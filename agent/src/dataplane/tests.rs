@@ -4,7 +4,7 @@
 //! that is not ready or fails is an error the stage before hears. The next
 //! stage is a fake data plane on a loopback port; the middle stage runs the
 //! echoing test stage. Real agents run the same paths in
-//! `cli/tests/data_plane.rs`.
+//! `cli/tests/data_plane/`.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};

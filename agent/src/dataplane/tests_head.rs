@@ -5,7 +5,7 @@
 //! sequence is freed afterwards. The head runs the echoing test stage with
 //! the test model's tokenizer; the next stage is a scripted fake that
 //! answers each sampling step with the next token of its script. Real agents
-//! run the same path in `cli/tests/data_plane.rs`.
+//! run the same path in `cli/tests/data_plane/`.
 
 use std::sync::{Arc, Mutex};
 
