@@ -170,4 +170,3 @@ fn on_its_own_cluster_the_chart_installs_upgrades_and_uninstalls_keeping_crds_an
     );
     assert_eq!(secrets(), first);
 }
-
