@@ -12,7 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Api, Client};
 use shardplane_crds::{Shard, ShardPhase, ShardStatus};
 
-use super::{Key, ShardSet, Sources, ensure, owned, report, set_phase};
+use super::{Key, ShardSet, Sources, ensure, owned, put_phase, report, set_phase};
 use crate::cache::Failure;
 use crate::metrics::Metrics;
 use crate::retry;
@@ -112,11 +112,20 @@ fn retry_later(
             }
             match api.get_opt(&k.1).await {
                 Ok(Some(shard)) => {
+                    {
+                        // Still Failed (checked and cleared under one lock):
+                        // of two retries due at once, one tries; a load
+                        // started meanwhile (a new spec) is left to itself.
+                        let mut phases = shards.phases.lock().expect("phase lock");
+                        if phases.get(&k) != Some(&ShardPhase::Failed) {
+                            return;
+                        }
+                        put_phase(&mut phases, &metrics, &k, None);
+                    }
                     if let Some(r) = shards.failures.lock().expect("failure lock").get_mut(&k) {
                         r.restarts += 1;
                     }
                     tracing::info!(shard = %k.1, "trying the failed shard again");
-                    set_phase(&shards, &metrics, &k, None);
                     ensure(&client, shard, &shards, &metrics, &sources, false);
                     return;
                 }

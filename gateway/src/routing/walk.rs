@@ -153,14 +153,15 @@ impl Router {
     }
 
     /// A fallback (`fallback`: a deployment's name, or `external`) answered
-    /// for `name` after what `tried` says: counted, and said in the log,
+    /// for `name` after what `tried` says: counted, and said in the log (at info),
     /// so that a deployment that cannot serve is not hidden by its fallback.
     fn answered_by_fallback(&self, name: &str, fallback: &str, tried: &[String]) {
         self.metrics
             .fallback_answers
             .with_label_values(&[name, fallback])
             .inc();
-        tracing::warn!(model = name, fallback, tried = %tried.join("; "), "a fallback answered: the model's own deployment could not");
+        // Info, not a warning: a deployment may overflow to a fallback by design.
+        tracing::info!(model = name, fallback, tried = %tried.join("; "), "a fallback answered: the model's own deployment could not");
     }
 
     /// Notes a failure of instance `inst` (serving `name`); one failure too
