@@ -315,7 +315,7 @@ mod tests {
             1024
         );
         // Served on with a new spec (the same worker): still measured.
-        let rewired = Arc::new(super::super::rewired(&stage, &stage.spec));
+        let rewired = Arc::new(super::super::decide::rewired(&stage, &stage.spec));
         shards.loaded.lock().unwrap().insert(k.clone(), rewired);
         tokio::time::sleep(EVERY * 5).await;
         assert!(!task.is_finished(), "a rewired stage is no longer measured");
