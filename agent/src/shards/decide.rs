@@ -1,21 +1,42 @@
-//! What to do with a Shard the watch (or a load's end, or a retry) hands
-//! over: keep its loaded stage (taking a change around it in place), pass it
-//! over to the load under way, leave it, or claim a load — decided under the
-//! phase lock.
+//! What to do with a Shard the watch, a load's end or a retry hands over —
+//! keep its loaded stage (taking a change around it in place), pass it over
+//! to the load under way, leave it, or claim a load — and how a load ends;
+//! both decided under the phase lock.
 //!
 //! ```text
-//!  Shard ─► decide ─┬─ stage loaded, same weights/layers ─► Kept (rewired in place)
+//!  Shard ─► decide ─┬─ Ready or loading, stage loaded, same weights/layers ─► Kept (rewired in place)
 //!                   ├─ Downloading / Loading ─► PassedOver (remembered for the load's end)
 //!                   ├─ Failed, retry pending or given up on this spec ─► Left
+//!                   ├─ a retry, no longer Failed / a load's end, unloaded ─► Left
 //!                   └─ otherwise ─► Load (phase claimed: Downloading)
+//!
+//!  load ok ─► ended ─┬─ still loading, stage (or rank) in place ─► Ready
+//!                    ├─ its tensor group broke as it formed ─► Broken
+//!                    ├─ its stage's thread panicked meanwhile ─► Crashed
+//!                    ├─ the Shard was unloaded meanwhile ─► Unloaded (taken out again)
+//!                    └─ another phase stands ─► Superseded
 //! ```
 
 use std::sync::Arc;
 
 use shardplane_crds::{Shard, ShardPhase, ShardSpec};
 
-use super::{ServedStage, ShardSet, key, put_phase};
+use super::{Key, ServedStage, ShardSet, Taken, key, put_phase, take, tensor};
 use crate::metrics::Metrics;
+
+/// Who asks [`decide`] about a Shard.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Origin {
+    /// The watch: the Shard as the API server has it.
+    Watch,
+    /// A load's end, with a change passed over during the load: left alone
+    /// when the Shard was unloaded meanwhile.
+    LoadEnd,
+    /// A due retry: loads only while the Shard is still Failed (of two
+    /// retries due at once, one loads; a Shard unloaded or loaded otherwise
+    /// meanwhile is left alone).
+    Retry,
+}
 
 /// What [`ensure`] does with a Shard ([`decide`]).
 #[derive(Debug, PartialEq)]
@@ -26,7 +47,7 @@ pub(super) enum Decision {
     /// A load of it is under way; the load's end takes this one up.
     PassedOver,
     /// Nothing to do: a retry is pending, the spec failed for good, or
-    /// (after a load) the Shard was unloaded meanwhile.
+    /// the Shard is no longer what the asker expects (see [`Origin`]).
     Left,
     /// Claimed (Downloading): to be loaded.
     Load,
@@ -35,13 +56,12 @@ pub(super) enum Decision {
 /// Decides what to do with `shard`. The phase lock is held throughout, so
 /// a load's end (which changes the phase, then takes up what was passed
 /// over) sees what this passes over, and of two decisions at once (the
-/// watch and a load that just ended) one claims the load. `after_load`: a
-/// load's end asks; a Shard unloaded meanwhile is left alone.
+/// watch and a load that just ended, or two retries) one claims the load.
 pub(super) fn decide(
     shards: &ShardSet,
     metrics: &Metrics,
     shard: &Shard,
-    after_load: bool,
+    origin: Origin,
 ) -> Decision {
     let k = key(shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
@@ -69,27 +89,34 @@ pub(super) fn decide(
         .is_some_and(|r| r.follower_bytes.is_some() && r.mesh.broken().is_none() && same(&r.spec));
     let mut phases = shards.phases.lock().expect("phase lock");
     let phase = phases.get(&k).copied();
-    if after_load && phase.is_none() {
-        return Decision::Left;
+    match origin {
+        Origin::LoadEnd if phase.is_none() => return Decision::Left,
+        Origin::Retry if phase != Some(ShardPhase::Failed) => return Decision::Left,
+        _ => {}
     }
     // A load of the Shard is under way: this stage's own, still ending, or
     // one of another spec that will replace it. Its end takes this one up
     // (a stage still ending reports the generation it loaded).
     let loading = matches!(phase, Some(ShardPhase::Downloading | ShardPhase::Loading));
-    // Checked and swapped under the lock of the loaded stages: a stage
-    // unloaded meanwhile (its thread crashed) is not put back.
-    let kept = {
-        let mut loaded = shards.loaded.lock().expect("shard set lock");
-        match loaded.get_mut(&k) {
-            Some(l) if same(&l.spec) => {
-                let changed = l.spec != shard.spec;
-                if changed {
-                    *l = Arc::new(rewired(l, &shard.spec));
+    // A stage serves the Shard only while it is Ready or its load ends: a
+    // failed Shard's is loaded again. Checked and swapped under the lock of
+    // the loaded stages: a stage unloaded meanwhile (its thread crashed) is
+    // not put back.
+    let kept = match phase {
+        Some(ShardPhase::Ready) | Some(ShardPhase::Downloading | ShardPhase::Loading) => {
+            let mut loaded = shards.loaded.lock().expect("shard set lock");
+            match loaded.get_mut(&k) {
+                Some(l) if same(&l.spec) => {
+                    let changed = l.spec != shard.spec;
+                    if changed {
+                        *l = Arc::new(rewired(l, &shard.spec));
+                    }
+                    Some(changed)
                 }
-                Some(changed)
+                _ => following.then_some(false),
             }
-            _ => following.then_some(false),
         }
+        _ => None,
     };
     if loading {
         shards.skip(shard.clone());
@@ -100,18 +127,99 @@ pub(super) fn decide(
     if loading {
         return Decision::PassedOver;
     }
-    let may_retry = shards
-        .failures
-        .lock()
-        .expect("failure lock")
-        .get(&k)
-        .is_some_and(|r| r.may_try(shard.metadata.generation));
-    // A retry is pending, or the spec failed for good: a new spec is tried.
-    if phase == Some(ShardPhase::Failed) && !may_retry {
-        return Decision::Left;
+    let mut failures = shards.failures.lock().expect("failure lock");
+    if origin == Origin::Retry {
+        if let Some(r) = failures.get_mut(&k) {
+            r.restarts += 1;
+        }
+    } else {
+        let may_retry = failures
+            .get(&k)
+            .is_some_and(|r| r.may_try(shard.metadata.generation));
+        // A retry is pending, or the spec failed for good: a new spec is tried.
+        if phase == Some(ShardPhase::Failed) && !may_retry {
+            return Decision::Left;
+        }
     }
+    drop(failures);
     put_phase(&mut phases, metrics, &k, Some(ShardPhase::Downloading));
     Decision::Load
+}
+
+/// How a load that succeeded ends ([`ended`]).
+pub(super) enum End {
+    /// Its Ready status was reported and its phase set.
+    Ready,
+    /// Its tensor group broke as it formed: its rank, if still kept, taken
+    /// out to be let go of, and why it broke when known.
+    Broken(Option<tensor::Rank>, Option<String>),
+    /// Its stage's thread panicked before the load ended (the stage was
+    /// let go of then).
+    Crashed,
+    /// The Shard was unloaded (deleted, moved) during the load: what the
+    /// load put in was taken out again, to be let go of.
+    Unloaded(Taken),
+    /// Another phase stands (set by a failure's handler): left as it is.
+    Superseded(ShardPhase),
+}
+
+/// Ends Shard `k`'s load: its status (`ready`, called to report it) and
+/// phase become Ready only while its load still stands — the phase still
+/// one of a load, its stage still loaded (a `tensor` rank: its rank still
+/// kept, its group whole; a `follower` has no stage). Decided under the
+/// rank and phase locks, so that a group's break, a Shard's deletion or a
+/// decision cannot come between the check and the write.
+pub(super) fn ended(
+    shards: &ShardSet,
+    metrics: &Metrics,
+    k: &Key,
+    (tensor, follower): (bool, bool),
+    ready: impl FnOnce(),
+) -> End {
+    let mut ranks = shards.ranks.lock().expect("rank lock");
+    let mut phases = shards.phases.lock().expect("phase lock");
+    match phases.get(k).copied() {
+        None => return End::Unloaded(take(k, shards, metrics, &mut ranks, &mut phases)),
+        Some(ShardPhase::Downloading | ShardPhase::Loading) => {}
+        Some(other) => return End::Superseded(other),
+    }
+    if tensor && ranks.get(k).is_none_or(|r| r.mesh.broken().is_some()) {
+        let why = ranks
+            .get(k)
+            .and_then(|r| r.mesh.broken().map(str::to_string));
+        return End::Broken(ranks.remove(k), why);
+    }
+    if !follower
+        && !shards
+            .loaded
+            .lock()
+            .expect("shard set lock")
+            .contains_key(k)
+    {
+        return End::Crashed;
+    }
+    // Reported before the phase changes: a decision that sees Ready finds
+    // the Ready status to update.
+    ready();
+    put_phase(&mut phases, metrics, k, Some(ShardPhase::Ready));
+    End::Ready
+}
+
+/// A load that failed. A Failed Shard serves nothing, so what serves the
+/// spec it was to replace (a stage, a tensor rank) is taken out, to be let
+/// go of; returns it and whether the Shard is still here to fail — when it
+/// was unloaded during the load, all of it is taken out again instead.
+pub(super) fn load_failed(shards: &ShardSet, metrics: &Metrics, k: &Key) -> (Taken, bool) {
+    let mut ranks = shards.ranks.lock().expect("rank lock");
+    let mut phases = shards.phases.lock().expect("phase lock");
+    if !phases.contains_key(k) {
+        return (take(k, shards, metrics, &mut ranks, &mut phases), false);
+    }
+    let old = Taken {
+        rank: ranks.remove(k),
+        stage: shards.loaded.lock().expect("shard set lock").remove(k),
+    };
+    (old, true)
 }
 
 /// A loaded stage whose Shard changed around what it loaded — the stage
@@ -135,6 +243,7 @@ mod tests {
     use super::super::{Key, set_phase, unload};
     use super::*;
     use crate::cache::Cache;
+    use crate::retry::Record;
 
     fn at(generation: i64) -> Shard {
         let mut s = shardplane_testkit::fixtures::shard(
@@ -157,21 +266,24 @@ mod tests {
     fn a_shard_is_claimed_once_and_changes_during_its_load_pass_to_its_end() {
         let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
         let k = key(&at(1));
-        assert_eq!(decide(&shards, &metrics, &at(1), false), Decision::Load);
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Watch),
+            Decision::Load
+        );
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
         // The same spec again (the watch restarted), then changes: passed
         // over to the running load, the newest remembered.
         assert_eq!(
-            decide(&shards, &metrics, &at(1), false),
+            decide(&shards, &metrics, &at(1), Origin::Watch),
             Decision::PassedOver
         );
         assert_eq!(
-            decide(&shards, &metrics, &at(2), false),
+            decide(&shards, &metrics, &at(2), Origin::Watch),
             Decision::PassedOver
         );
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
         assert_eq!(
-            decide(&shards, &metrics, &at(3), false),
+            decide(&shards, &metrics, &at(3), Origin::Watch),
             Decision::PassedOver
         );
         let taken = shards.take_skipped(&k, Some(1)).expect("passed over");
@@ -181,7 +293,10 @@ mod tests {
         let http = shardplane_models::http_client().unwrap();
         let cache = Cache::new(cache_dir.path().into(), http).unwrap();
         unload(&k, &shards, &metrics, &cache);
-        assert_eq!(decide(&shards, &metrics, &at(3), true), Decision::Left);
+        assert_eq!(
+            decide(&shards, &metrics, &at(3), Origin::LoadEnd),
+            Decision::Left
+        );
         assert_eq!(phase(&shards, &k), None);
     }
 
@@ -201,11 +316,20 @@ mod tests {
         };
         // For good: that spec is left; a new one is loaded.
         fail("ArchitectureUnsupported");
-        assert_eq!(decide(&shards, &metrics, &at(1), false), Decision::Left);
-        assert_eq!(decide(&shards, &metrics, &at(2), true), Decision::Load);
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Watch),
+            Decision::Left
+        );
+        assert_eq!(
+            decide(&shards, &metrics, &at(2), Origin::LoadEnd),
+            Decision::Load
+        );
         // A retry pending: it reads the Shard as it then is; nothing now.
         fail("DownloadFailed");
-        assert_eq!(decide(&shards, &metrics, &at(3), false), Decision::Left);
+        assert_eq!(
+            decide(&shards, &metrics, &at(3), Origin::Watch),
+            Decision::Left
+        );
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Failed));
     }
 
@@ -228,7 +352,7 @@ mod tests {
         let mut moved = at(2);
         moved.spec.next = Some("d-0-1-elsewhere".into());
         assert_eq!(
-            decide(&shards, &metrics, &moved, false),
+            decide(&shards, &metrics, &moved, Origin::Watch),
             Decision::Kept { changed: true }
         );
         let served = shards.served(&k.0, &k.1).unwrap();
@@ -243,7 +367,7 @@ mod tests {
         let mut again = at(3);
         again.spec.next = Some("d-0-1-third".into());
         assert_eq!(
-            decide(&shards, &metrics, &again, false),
+            decide(&shards, &metrics, &again, Origin::Watch),
             Decision::Kept { changed: true }
         );
         let taken = shards.take_skipped(&k, Some(1)).expect("passed over");
@@ -252,7 +376,10 @@ mod tests {
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Ready));
         let mut other = at(4);
         other.spec.layers = LayerRange { start: 0, end: 4 };
-        assert_eq!(decide(&shards, &metrics, &other, false), Decision::Load);
+        assert_eq!(
+            decide(&shards, &metrics, &other, Origin::Watch),
+            Decision::Load
+        );
     }
 
     #[test]
@@ -281,5 +408,153 @@ mod tests {
         let cache = Cache::new(dir.path().into(), http).unwrap();
         unload(&k, &shards, &metrics, &cache);
         assert!(shards.take_skipped(&k, Some(1)).is_none());
+    }
+
+    /// A stage serving Shard `at(1)` (a middle stage; its thread idle).
+    fn serve(shards: &ShardSet) -> Key {
+        let shard = at(1);
+        let k = key(&shard);
+        shards.insert(ServedStage {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            spec: shard.spec.clone(),
+            worker: crate::test_stage::quiet_worker(
+                &k.1,
+                Box::new(crate::test_stage::Echo::middle()),
+            ),
+            text: None,
+        });
+        k
+    }
+
+    fn failed(shards: &ShardSet, metrics: &Metrics, k: &Key, reason: &'static str) {
+        let mut record = Record::default();
+        record.failed(reason, "x", Some(1));
+        shards.failures.lock().unwrap().insert(k.clone(), record);
+        set_phase(shards, metrics, k, Some(ShardPhase::Failed));
+    }
+
+    #[test]
+    fn a_retry_loads_only_a_shard_still_failed_and_once() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let k = key(&at(1));
+        // Unloaded (deleted, moved) before the retry was due: left alone.
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Retry),
+            Decision::Left
+        );
+        assert_eq!(phase(&shards, &k), None);
+        // Still Failed: claimed, the restart counted; a second retry due
+        // at once, or the watch, finds the load under way.
+        failed(&shards, &metrics, &k, "DownloadFailed");
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Retry),
+            Decision::Load
+        );
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
+        assert_eq!(shards.failures.lock().unwrap()[&k].restarts, 1);
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Retry),
+            Decision::Left
+        );
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Watch),
+            Decision::PassedOver
+        );
+        assert_eq!(shards.failures.lock().unwrap()[&k].restarts, 1);
+    }
+
+    #[test]
+    fn a_failed_shards_stage_is_not_kept_serving() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let k = serve(&shards);
+        // A stage of the same spec is loaded, but the Shard failed: the
+        // stage is not taken as serving it (its status says Failed); the
+        // retry loads it again.
+        failed(&shards, &metrics, &k, "DownloadFailed");
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Watch),
+            Decision::Left
+        );
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Retry),
+            Decision::Load
+        );
+    }
+
+    #[test]
+    fn a_load_ends_ready_only_while_it_still_stands() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let reported = std::cell::Cell::new(0);
+        let ready = || reported.set(reported.get() + 1);
+        let k = key(&at(1));
+        // Its stage in place: Ready, reported before the phase changed.
+        assert_eq!(
+            decide(&shards, &metrics, &at(1), Origin::Watch),
+            Decision::Load
+        );
+        serve(&shards);
+        assert!(matches!(
+            ended(&shards, &metrics, &k, (false, false), ready),
+            End::Ready
+        ));
+        assert_eq!(
+            (reported.get(), phase(&shards, &k)),
+            (1, Some(ShardPhase::Ready))
+        );
+        // Its stage's thread panicked before the end (the crash's handler
+        // let go of the stage): not Ready.
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        shards.loaded.lock().unwrap().remove(&k);
+        assert!(matches!(
+            ended(&shards, &metrics, &k, (false, false), ready),
+            End::Crashed
+        ));
+        assert_eq!(
+            (reported.get(), phase(&shards, &k)),
+            (1, Some(ShardPhase::Loading))
+        );
+        // A follower has no stage; its rank gone (its group broke and the
+        // break's handler let go of it): broken.
+        assert!(matches!(
+            ended(&shards, &metrics, &k, (true, true), ready),
+            End::Broken(None, None)
+        ));
+        // Another phase stands: left as it is.
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Failed));
+        assert!(matches!(
+            ended(&shards, &metrics, &k, (false, false), ready),
+            End::Superseded(ShardPhase::Failed)
+        ));
+        // Unloaded during the load (deleted): what the load put in and
+        // reported is taken out again.
+        serve(&shards);
+        let (tx, _rx) = tokio::sync::watch::channel(Default::default());
+        shards.statuses.lock().unwrap().insert(k.clone(), tx);
+        set_phase(&shards, &metrics, &k, None);
+        match ended(&shards, &metrics, &k, (false, false), ready) {
+            End::Unloaded(taken) => assert!(taken.stage.is_some()),
+            _ => panic!("not unloaded"),
+        }
+        assert_eq!(reported.get(), 1);
+        assert!(shards.served(&k.0, &k.1).is_none());
+        assert!(shards.statuses.lock().unwrap().is_empty());
+        assert_eq!(phase(&shards, &k), None);
+    }
+
+    #[test]
+    fn a_failed_load_lets_go_of_the_stage_it_was_to_replace() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let k = serve(&shards);
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        let (old, here) = load_failed(&shards, &metrics, &k);
+        assert!(here && old.stage.is_some());
+        assert!(shards.served(&k.0, &k.1).is_none());
+        // The phase is the failure's to set.
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Loading));
+        // Unloaded during the load: nothing to fail.
+        set_phase(&shards, &metrics, &k, None);
+        let (_, here) = load_failed(&shards, &metrics, &k);
+        assert!(!here);
     }
 }

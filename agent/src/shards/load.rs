@@ -130,6 +130,7 @@ pub(super) async fn bring_up(
                     engine: Engine::Candle,
                     tensor_endpoint: Some(endpoint),
                     generation,
+                    follows: true,
                 });
             }
         },
@@ -201,6 +202,7 @@ pub(super) async fn bring_up(
         engine: engine_name,
         tensor_endpoint: tensor.as_ref().map(|(_, e)| e.clone()),
         generation,
+        follows: false,
     };
     let served = Arc::new(ServedStage {
         namespace: k.0.clone(),
@@ -256,6 +258,8 @@ pub(super) struct Loaded {
     /// The Shard's generation it runs as (a tensor rank's group may have
     /// changed while it joined).
     pub(super) generation: Option<i64>,
+    /// A tensor follower: it serves no stage of its own (its rank is kept).
+    pub(super) follows: bool,
 }
 
 /// Loads a stage that is not split; its tokenizer on a first stage.

@@ -33,8 +33,8 @@ mod kv_room;
 mod load;
 mod status;
 mod tensor;
-use decide::{Decision, decide};
-use healing::fail_shard;
+use decide::{Decision, End, Origin, decide, ended, load_failed};
+use healing::{Over, fail_shard};
 use load::{bring_up, layout_and_options, load_failure, with_template};
 use status::{reassert, report, report_seen};
 
@@ -322,7 +322,7 @@ pub async fn run(
                 seen_during_init.insert(key(&s));
                 wanted.insert(key(&s), s.spec.source.cache_key());
                 reassert(&shards, &key(&s), s.status.as_ref().and_then(|st| st.phase));
-                ensure(&client, s, &shards, &metrics, &sources, false);
+                ensure(&client, s, &shards, &metrics, &sources, Origin::Watch);
             }
             Ok(watcher::Event::Delete(s)) => {
                 unload(&key(&s), &shards, &metrics, &sources.cache);
@@ -356,14 +356,24 @@ pub async fn run(
                     .keys()
                     .cloned()
                     .collect();
-                let mut followers: Vec<Key> = ranks
+                // Loads under way (their stages not yet loaded) and failed
+                // Shards waiting for a retry.
+                let phased: Vec<Key> = shards
+                    .phases
+                    .lock()
+                    .expect("phase lock")
+                    .keys()
+                    .cloned()
+                    .collect();
+                let mut others: Vec<Key> = ranks
                     .into_iter()
                     .chain(listening)
+                    .chain(phased)
                     .filter(|k| !seen_during_init.contains(k) && !gone.contains(k))
                     .collect();
-                followers.sort();
-                followers.dedup();
-                gone.extend(followers);
+                others.sort();
+                others.dedup();
+                gone.extend(others);
                 for k in gone {
                     unload(&k, &shards, &metrics, &sources.cache);
                 }
@@ -417,12 +427,47 @@ fn put_phase(
 }
 
 fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
+    let taken = {
+        let mut ranks = shards.ranks.lock().expect("rank lock");
+        let mut phases = shards.phases.lock().expect("phase lock");
+        take(key, shards, metrics, &mut ranks, &mut phases)
+    };
+    let_go(key, taken, metrics, cache);
+}
+
+/// What [`take`] took out of the set for a Shard, to be let go of.
+pub(super) struct Taken {
+    rank: Option<tensor::Rank>,
+    stage: Option<Arc<ServedStage>>,
+}
+
+/// Takes everything of Shard `key` out of the set, under the rank and
+/// phase locks (so that a Shard of the same name arriving meanwhile keeps
+/// what it claims). Its status writer writes what it was last given, then
+/// ends.
+fn take(
+    key: &Key,
+    shards: &ShardSet,
+    metrics: &Metrics,
+    ranks: &mut BTreeMap<Key, tensor::Rank>,
+    phases: &mut BTreeMap<Key, ShardPhase>,
+) -> Taken {
     shards.failures.lock().expect("failure lock").remove(key);
-    // Its writer writes what it was last given, then ends.
     shards.statuses.lock().expect("status lock").remove(key);
     shards.listeners.lock().expect("listener lock").remove(key);
     shards.skipped.lock().expect("skipped lock").remove(key);
-    if let Some(rank) = shards.ranks.lock().expect("rank lock").remove(key) {
+    let taken = Taken {
+        rank: ranks.remove(key),
+        stage: shards.loaded.lock().expect("shard set lock").remove(key),
+    };
+    put_phase(phases, metrics, key, None);
+    taken
+}
+
+/// Lets go of what [`take`] took: meshes closed, weights and cache pins
+/// released (in-flight sequences hold a stage until their streams end).
+fn let_go(key: &Key, taken: Taken, metrics: &Metrics, cache: &Cache) {
+    if let Some(rank) = taken.rank {
         // A follower's thread ends; a leader's group ends with its stage.
         rank.mesh.close();
         if let Some(bytes) = rank.follower_bytes {
@@ -431,29 +476,27 @@ fn unload(key: &Key, shards: &ShardSet, metrics: &Metrics, cache: &Cache) {
             tracing::info!(shard = %key.1, namespace = %key.0, "unloaded");
         }
     }
-    if let Some(l) = shards.loaded.lock().expect("shard set lock").remove(key) {
+    if let Some(l) = taken.stage {
         cache.unpin(&l.spec.source.cache_key());
-        // In-flight sequences hold the stage until their streams end.
         metrics.weight_bytes.sub(l.worker.weight_bytes as i64);
         metrics.forget_shard(&l.name);
         tracing::info!(shard = %key.1, namespace = %key.0, "unloaded");
     }
-    set_phase(shards, metrics, key, None);
 }
 
 /// Starts bringing `shard` to Ready unless it is already loaded or on its
-/// way (see [`decide`]; `after_load`: a load's end asks).
+/// way (see [`decide`]; `origin`: who asks).
 fn ensure(
     client: &Client,
     shard: Shard,
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
-    after_load: bool,
+    origin: Origin,
 ) {
     let k = key(&shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
-    match decide(shards, metrics, &shard, after_load) {
+    match decide(shards, metrics, &shard, origin) {
         Decision::Kept { changed } => {
             if changed {
                 tracing::info!(
@@ -501,60 +544,81 @@ fn ensure(
                 };
                 // A tensor rank whose group broke as it formed is not Ready:
                 // its rank is let go of (if the break's handler has not
-                // already) and the Shard fails, to be tried again. The lock
-                // is held throughout, so a break after the check is handled
-                // (and reported) after Ready.
-                let mut ranks = shards.ranks.lock().expect("rank lock");
-                let broken = shard.spec.tensor.is_some()
-                    && ranks.get(&k).is_none_or(|r| r.mesh.broken().is_some());
-                if broken {
-                    let why = ranks
-                        .get(&k)
-                        .and_then(|r| r.mesh.broken().map(str::to_string));
-                    if let Some(rank) = ranks.remove(&k) {
-                        tensor::release(&k, rank, &shards, &metrics, &sources);
+                // already) and the Shard fails, to be tried again. So does a
+                // stage whose thread panicked before the load ended. A
+                // Shard unloaded during the load lets go of what it loaded.
+                let end = ended(
+                    &shards,
+                    &metrics,
+                    &k,
+                    (shard.spec.tensor.is_some(), loaded.follows),
+                    || report(&client, &shards, &k, status),
+                );
+                let failure = match end {
+                    End::Ready => None,
+                    End::Broken(rank, why) => {
+                        if let Some(rank) = rank {
+                            tensor::release(&k, rank, &shards, &metrics, &sources);
+                        }
+                        Some(Failure {
+                            reason: "TensorGroupBroken",
+                            message: match why {
+                                Some(why) => {
+                                    format!("the tensor group broke as it formed: {why}")
+                                }
+                                None => "the tensor group broke as it formed".into(),
+                            },
+                        })
                     }
-                    let f = Failure {
-                        reason: "TensorGroupBroken",
-                        message: match why {
-                            Some(why) => format!("the tensor group broke as it formed: {why}"),
-                            None => "the tensor group broke as it formed".into(),
-                        },
-                    };
+                    End::Crashed => Some(Failure {
+                        reason: "StageCrashed",
+                        message: "the stage's thread panicked as its load ended".into(),
+                    }),
+                    End::Unloaded(taken) => {
+                        tracing::info!(shard = %k.1, namespace = %k.0, "the shard went while it loaded");
+                        let_go(&k, taken, &metrics, &sources.cache);
+                        return;
+                    }
+                    End::Superseded(phase) => {
+                        tracing::info!(shard = %k.1, ?phase, "the shard's load ended after it changed phase");
+                        None
+                    }
+                };
+                let failed = failure.is_some();
+                if let Some(f) = failure {
                     fail_shard(
                         &client,
                         k.clone(),
                         loaded.generation,
-                        f,
+                        (f, Over::Load),
                         &shards,
                         &metrics,
                         &sources,
                     );
-                } else {
-                    // Reported before the phase changes: an `ensure` that
-                    // sees Ready finds the Ready status to update.
-                    let phase = status.phase;
-                    report(&client, &shards, &k, status);
-                    set_phase(&shards, &metrics, &k, phase);
                 }
-                drop(ranks);
                 // The Shard changed while it loaded (its `ensure` passed
                 // over the change): served on with the new spec, or loaded
-                // again. A broken group is tried again as the Shard then is.
+                // again. A failed load is tried again as the Shard then is.
                 if let Some(newer) = shards.take_skipped(&k, loaded.generation)
-                    && !broken
+                    && !failed
                 {
-                    ensure(&client, newer, &shards, &metrics, &sources, true);
+                    ensure(&client, newer, &shards, &metrics, &sources, Origin::LoadEnd);
                 }
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);
+                let (old, here) = load_failed(&shards, &metrics, &k);
+                let_go(&k, old, &metrics, &sources.cache);
+                if !here {
+                    tracing::info!(shard = %k.1, namespace = %k.0, "the shard went while it loaded");
+                    return;
+                }
                 let generation = shard.metadata.generation;
                 fail_shard(
                     &client,
                     k.clone(),
                     generation,
-                    f,
+                    (f, Over::Load),
                     &shards,
                     &metrics,
                     &sources,
@@ -562,7 +626,7 @@ fn ensure(
                 // A spec that changed while this one failed is tried (a
                 // retry already pending reads the Shard as it then is).
                 if let Some(newer) = shards.take_skipped(&k, generation) {
-                    ensure(&client, newer, &shards, &metrics, &sources, true);
+                    ensure(&client, newer, &shards, &metrics, &sources, Origin::LoadEnd);
                 }
             }
         }

@@ -29,7 +29,7 @@ use shardplane_engine::Stage;
 use shardplane_engine::pipeline::{TextModel, load_tensor_rank};
 use shardplane_engine::tensor::TensorGroup;
 
-use super::{Key, ShardSet, Sources, key, report, set_phase};
+use super::{Key, ShardSet, Sources, key, report};
 use crate::cache::Failure;
 use crate::metrics::Metrics;
 use crate::tensor::{MeshFollowers, SharedMesh};
@@ -386,11 +386,11 @@ pub(super) fn group_broken(
         tracing::info!(shard = %k.1, why, "the replaced rank's group broke");
         return;
     }
-    set_phase(shards, metrics, &k, Some(ShardPhase::Failed));
     let f = Failure {
         reason: "TensorGroupBroken",
         message: format!("the tensor group broke: {why}"),
     };
+    let f = (f, super::healing::Over::Ready);
     super::healing::fail_shard(client, k, generation, f, shards, metrics, sources);
 }
 
