@@ -4,6 +4,13 @@
 # configuration alike.
 #
 #   scripts/bench-pipeline.sh [--rounds N] [--gen-tokens N] [--prompt-tokens N] [--tls]
+#                             [--split L] [--concurrency N]
+#
+# --split L: the 2-stage pipeline's first stage runs layers 0..L (default 15,
+# half of the 30 by count; the last stage also applies the output head, so a
+# split past the middle balances the two stages' work). --concurrency N: each
+# bench run also decodes N sequences at once, and the summary shows their
+# aggregate decode rate and time to first token beside the single stream's.
 #
 # With --tls the data plane runs TLS as in a cluster (certificates from a CA
 # made here with openssl, one per node naming it; agents read them with
@@ -21,16 +28,24 @@ set -euo pipefail
 # certificate from the operator: plain TCP on loopback unless --tls.
 export SHARDPLANE_DATA_PLANE_TLS=off
 cd "$(dirname "$0")/.."
-ROUNDS=3 GEN=64 PROMPT=41 TLS=0
+ROUNDS=3 GEN=64 PROMPT=41 TLS=0 SPLIT=15 CONCURRENCY=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift 2 ;;
     --gen-tokens) GEN=$2; shift 2 ;;
     --prompt-tokens) PROMPT=$2; shift 2 ;;
     --tls) TLS=1; shift ;;
-    *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N] [--tls]" >&2; exit 2 ;;
+    --split) SPLIT=$2; shift 2 ;;
+    --concurrency) CONCURRENCY=$2; shift 2 ;;
+    *) echo "usage: $0 [--rounds N] [--gen-tokens N] [--prompt-tokens N] [--tls] [--split L] [--concurrency N]" >&2; exit 2 ;;
   esac
 done
+if ! [[ "$SPLIT" =~ ^[0-9]+$ ]] || [ "$SPLIT" -lt 1 ] || [ "$SPLIT" -gt 29 ]; then
+  echo "--split must be a layer between 1 and 29 (the model has 30)" >&2; exit 2
+fi
+if ! [[ "$CONCURRENCY" =~ ^[0-9]+$ ]] || [ "$CONCURRENCY" -lt 1 ]; then
+  echo "--concurrency must be a positive number of sequences" >&2; exit 2
+fi
 source scripts/bench-cluster.sh
 agent_tls=() client_tls=() gateway_tls=()
 if [ "$TLS" = 1 ]; then
@@ -104,8 +119,8 @@ metadata: {name: whole, namespace: default}
 spec: {model: bench, nodePool: none, strategy: none, replicas: 1}
 YAML
   shard whole-0 whole bench-0 0 1 0 30
-  shard p2-0 p2 bench-0 0 2 0 15 p2-1
-  shard p2-1 p2 bench-1 1 2 15 30 "" p2-0
+  shard p2-0 p2 bench-0 0 2 0 "$SPLIT" p2-1
+  shard p2-1 p2 bench-1 1 2 "$SPLIT" 30 "" p2-0
   shard p3-0 p3 bench-0 0 3 0 10 p3-1
   shard p3-1 p3 bench-1 1 3 10 20 p3-2 p3-0
   shard p3-2 p3 bench-2 2 3 20 30 "" p3-1
@@ -113,7 +128,7 @@ YAML
 kubectl wait --for=jsonpath='{.status.phase}'=Ready --timeout=120s shard --all -n default >/dev/null
 endpoint() { kubectl get shard "$1" -n default -o jsonpath='{.status.endpoint}'; }
 
-common=(--model "$MODEL" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --runs 5 --json)
+common=(--model "$MODEL" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --runs 5 --concurrency "$CONCURRENCY" --json)
 results="$STATE/results.jsonl"
 for round in $(seq 1 "$ROUNDS"); do
   for config in local-whole agents-whole agents-2 agents-3 local-3; do
@@ -172,6 +187,17 @@ print(f"{'configuration':<14} {'decode tok/s':>12} {'vs local whole':>15} {'pref
 for cfg in ["local-whole", "local-3", "agents-whole", "agents-2", "agents-3"]:
     d = med(cfg, "decode_tokens_per_second")
     print(f"{cfg:<14} {d:>12.1f} {d / base_decode:>15.3f} {med(cfg, 'prefill_tokens_per_second'):>14.1f} {med(cfg, 'time_to_first_token_ms'):>8.1f}")
+# Sequences decoded at once (--concurrency): aggregate rate and first tokens.
+if any(r.get("concurrent") for r in rows):
+    n = next(c["sequences"] for r in rows for c in r.get("concurrent", []))
+    print()
+    print(f"{n} sequences at once: {'configuration':<14} {'decode tok/s':>12} {'vs local whole':>15} {'ttft ms (median)':>17}")
+    def conc(cfg, key, inner):
+        return statistics.median(c[key][inner] for r in by[cfg] for c in r.get("concurrent", []))
+    base = conc("local-whole", "decode_tokens_per_second", "median")
+    for cfg in ["local-whole", "local-3", "agents-whole", "agents-2", "agents-3"]:
+        d = conc(cfg, "decode_tokens_per_second", "median")
+        print(f"{'':<20} {cfg:<14} {d:>12.1f} {d / base:>15.3f} {conc(cfg, 'time_to_first_token_ms', 'p50'):>17.1f}")
 # Hop cost per token: the extra time per decoded token of an n-stage pipeline
 # over the whole model on one agent, divided by its hops (n - 1).
 w = 1 / med("agents-whole", "decode_tokens_per_second")
