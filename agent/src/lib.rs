@@ -250,7 +250,7 @@ fn serve(
     .map_err(|e| Error::Certificate(e.to_string()))?;
     // The certificate's expiry on /metrics, as renewals (or a reloaded
     // directory) change it.
-    let expiry = tls.map(|tls| {
+    let expiry = tls.clone().map(|tls| {
         let gauge = metrics.certificate_expiry.clone();
         certificate::report_expiry(tls, move |at| gauge.set(at))
     });
@@ -269,6 +269,7 @@ fn serve(
         memory_reserve: config.registration.memory_reserve,
         directory: shard_directory.clone(),
         token: config.token.clone(),
+        tls: tls.clone(),
     };
     let shard_task = tokio::spawn(shards::run(
         client.clone(),

@@ -139,7 +139,7 @@ pub fn facts(cert_pem: &str) -> Result<CertificateFacts, TlsError> {
     facts_der(&der).map_err(bad)
 }
 
-fn facts_der(der: &CertificateDer<'_>) -> Result<CertificateFacts, String> {
+pub(crate) fn facts_der(der: &CertificateDer<'_>) -> Result<CertificateFacts, String> {
     use x509_parser::extensions::GeneralName;
     let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| e.to_string())?;
     let names = match cert.subject_alternative_name() {

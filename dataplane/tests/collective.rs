@@ -74,6 +74,7 @@ fn config(group: &str, rank: usize, addresses: &[std::net::SocketAddr], t: &str)
         addresses: addresses.to_vec(),
         token: token(t),
         timeout: Duration::from_secs(2),
+        tls: None,
     }
 }
 

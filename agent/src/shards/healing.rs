@@ -201,6 +201,7 @@ mod tests {
             memory_reserve: 0,
             directory: kube::runtime::reflector::store::Writer::default().as_reader(),
             token: shardplane_dataplane::Token::random().unwrap(),
+            tls: None,
         }
     }
 

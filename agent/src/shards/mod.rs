@@ -206,6 +206,9 @@ pub struct Sources {
     pub directory: kube::runtime::reflector::Store<Shard>,
     /// The cluster's data-plane token (a tensor group's ranks prove it).
     pub token: shardplane_dataplane::Token,
+    /// The data plane's TLS (a tensor group's mesh runs it too); none:
+    /// plain TCP.
+    pub tls: Option<Arc<shardplane_dataplane::tls::Tls>>,
 }
 
 /// The API's name for an engine.

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use kube::Client;
 use kube::runtime::reflector::ObjectRef;
 use shardplane_crds::{Shard, ShardPhase, ShardSpec, ShardStatus};
-use shardplane_dataplane::collective::{Mesh, MeshConfig};
+use shardplane_dataplane::collective::{Mesh, MeshConfig, MeshTls};
 use shardplane_engine::Stage;
 use shardplane_engine::pipeline::{TextModel, load_tensor_rank};
 use shardplane_engine::tensor::TensorGroup;
@@ -214,18 +214,27 @@ async fn join(
         let Some(t) = spec.tensor.clone() else {
             return Err(incomplete("not a tensor rank".into()));
         };
-        let endpoints: Result<Vec<String>, String> = t
+        let peers: Result<Vec<(String, String)>, String> = t
             .group
             .iter()
             .map(|name| peer_endpoint(sources, &k.0, name, &spec))
             .collect();
-        let endpoints = match endpoints {
-            Ok(e) => e,
+        let (endpoints, nodes): (Vec<String>, Vec<String>) = match peers {
+            Ok(p) => p.into_iter().unzip(),
             Err(why) => {
                 last = why;
                 tokio::time::sleep(Duration::from_millis(250)).await;
                 continue;
             }
+        };
+        // With TLS on the data plane, the mesh runs it too: each rank's
+        // certificate must name the node its Shard is bound to.
+        let tls = match &sources.tls {
+            Some(tls) => Some(MeshTls::new(tls, nodes).map_err(|e| Failure {
+                reason: "CertificateUnusable",
+                message: format!("the tensor group's TLS: {e}"),
+            })?),
+            None => None,
         };
         let config = MeshConfig {
             group: group_id(&k.0, &spec),
@@ -233,6 +242,7 @@ async fn join(
             addresses: Vec::new(),
             token: sources.token.clone(),
             timeout: JOIN_ATTEMPT,
+            tls,
         };
         let listener = listener.clone();
         let attempt = tokio::task::spawn_blocking(move || {
@@ -280,14 +290,14 @@ fn only_group_changed(was: &ShardSpec, now: &ShardSpec) -> bool {
     a.group.len() == b.group.len() && same == *was
 }
 
-/// Where rank Shard `name` of the group `mine` names listens, when it belongs to
-/// the same group and its node is not lost.
+/// Where rank Shard `name` of the group `mine` names listens, and its node,
+/// when it belongs to the same group and its node is not lost.
 fn peer_endpoint(
     sources: &Sources,
     ns: &str,
     name: &str,
     mine: &ShardSpec,
-) -> Result<String, String> {
+) -> Result<(String, String), String> {
     let peer = sources
         .directory
         .get(&ObjectRef::new(name).within(ns))
@@ -308,9 +318,10 @@ fn peer_endpoint(
     if status.and_then(|s| s.phase) == Some(ShardPhase::Unknown) {
         return Err(format!("rank Shard {name}'s node is lost"));
     }
-    status
+    let endpoint = status
         .and_then(|s| s.tensor_endpoint.clone())
-        .ok_or_else(|| format!("rank Shard {name} has not said where it listens"))
+        .ok_or_else(|| format!("rank Shard {name} has not said where it listens"))?;
+    Ok((endpoint, theirs.node.clone()))
 }
 
 /// The group's name on the wire: a digest of what makes it one group (its

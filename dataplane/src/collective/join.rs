@@ -1,0 +1,443 @@
+//! Joining a mesh: every higher rank opens two connections to every lower
+//! one (one lane each way), and on each the two prove they hold the
+//! data-plane token (and, with TLS, a certificate naming their rank's node).
+//!
+//! ```text
+//!  rank j > i:  connect ─► [TLS: rank i's certificate names its node] ─► hello(lane) ─► proofs
+//!  rank i:      accept (a thread per handshake, strangers dropped) ─► [TLS] ─► hello ─►
+//!               [TLS: the certificate names rank j's node] ─► proofs ─► lane kept
+//! ```
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use ring::hmac;
+use ring::rand::{SecureRandom, SystemRandom};
+
+use super::link::Link;
+use super::{
+    CollectiveError, HELLO_WITHIN, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES,
+    MAX_HANDSHAKES, MeshConfig,
+};
+
+const MAGIC: &[u8; 4] = b"SPTP";
+const VERSION: u8 = 2;
+const NONCE: usize = 32;
+
+/// The lane a connection is: written by the rank that connected, or by the
+/// rank that accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// The connector writes, the acceptor reads.
+    ConnectorSends = 0,
+    /// The acceptor writes, the connector reads.
+    AcceptorSends = 1,
+}
+
+/// Every rank's lanes, indexed by rank (`None` at this rank): those this
+/// rank writes and those it reads.
+pub(super) type Lanes = (Vec<Option<Link>>, Vec<Option<Link>>);
+
+/// Joins the group (see [`super::Mesh::join`]).
+pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes, CollectiveError> {
+    let ranks = config.addresses.len();
+    let me = config.rank;
+    if me >= ranks {
+        return Err(CollectiveError::Join(format!(
+            "rank {me} of a group of {ranks}"
+        )));
+    }
+    let deadline = Instant::now() + config.timeout;
+    let mut outs: Vec<Option<Link>> = (0..ranks).map(|_| None).collect();
+    let mut ins: Vec<Option<Link>> = (0..ranks).map(|_| None).collect();
+    for (peer, address) in config.addresses.iter().enumerate().take(me) {
+        for lane in [Lane::ConnectorSends, Lane::AcceptorSends] {
+            let stream = connect(*address, deadline, peer)?;
+            prepare(&stream, config.timeout, peer)?;
+            let mut link = match &config.tls {
+                Some(tls) => tls.connect(stream, peer)?,
+                None => Link::Plain(stream),
+            };
+            prove_connecting(&mut link, config, peer, lane)?;
+            match lane {
+                Lane::ConnectorSends => outs[peer] = Some(link),
+                Lane::AcceptorSends => ins[peer] = Some(link),
+            }
+        }
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| CollectiveError::Io { peer: me, source })?;
+    // Each accepted connection proves itself on a thread of its own, so
+    // a stranger that connects and says nothing holds up no real peer:
+    // it is dropped when its hello does not come within `HELLO_WITHIN`.
+    // While `MAX_HANDSHAKES` run, further connections wait in the
+    // listener's backlog.
+    let mut handshakes = Handshakes::new(config, deadline);
+    let missing = |outs: &[Option<Link>], ins: &[Option<Link>]| -> Vec<usize> {
+        (me + 1..ranks)
+            .filter(|&p| outs[p].is_none() || ins[p].is_none())
+            .collect()
+    };
+    // A rank that connects again gave up on its earlier connection: the
+    // newest stays.
+    let keep = |outs: &mut Vec<Option<Link>>, ins: &mut Vec<Option<Link>>, proven| {
+        for (peer, lane, link) in proven {
+            match lane {
+                Lane::ConnectorSends => ins[peer] = Some(link),
+                Lane::AcceptorSends => outs[peer] = Some(link),
+            }
+        }
+    };
+    loop {
+        keep(&mut outs, &mut ins, handshakes.proven(Duration::ZERO));
+        if missing(&outs, &ins).is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            // Handshakes under way end by the deadline: a peer proven
+            // just in time still counts.
+            let grace = Instant::now() + Duration::from_millis(500);
+            while handshakes.running() > 0 && Instant::now() < grace {
+                keep(
+                    &mut outs,
+                    &mut ins,
+                    handshakes.proven(Duration::from_millis(50)),
+                );
+            }
+            let missing = missing(&outs, &ins);
+            if missing.is_empty() {
+                break;
+            }
+            return Err(CollectiveError::Join(format!(
+                "ranks {missing:?} did not join rank {me} within {:?}",
+                config.timeout
+            )));
+        }
+        if handshakes.running() >= MAX_HANDSHAKES {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        match listener.accept() {
+            Ok((stream, _)) => handshakes.start(stream),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(source) => return Err(CollectiveError::Io { peer: me, source }),
+        }
+    }
+    Ok((outs, ins))
+}
+
+fn connect(
+    address: SocketAddr,
+    deadline: Instant,
+    peer: usize,
+) -> Result<TcpStream, CollectiveError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&address, left.max(Duration::from_millis(10))) {
+            Ok(stream) => return Ok(stream),
+            Err(source) if Instant::now() >= deadline => {
+                return Err(CollectiveError::Io { peer, source });
+            }
+            // Not listening yet: it is still starting.
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// What a handshake thread reports: its number, and the rank and lane it
+/// proved with its connection (none: dropped).
+type Handshake = (u64, Option<(usize, Lane, Link)>);
+
+/// The handshakes of the connections a joining rank accepted, each on a
+/// thread of its own. Those still running when the join ends (a stranger
+/// that sends a byte now and then) are cut then: their connections are
+/// shut, which ends their threads' reads.
+struct Handshakes {
+    config: std::sync::Arc<MeshConfig>,
+    deadline: Instant,
+    report: std::sync::mpsc::Sender<Handshake>,
+    reports: std::sync::mpsc::Receiver<Handshake>,
+    /// The running ones' connections (clones), by number.
+    running: std::collections::BTreeMap<u64, TcpStream>,
+    next: u64,
+}
+
+impl Handshakes {
+    fn new(config: &MeshConfig, deadline: Instant) -> Self {
+        let (report, reports) = std::sync::mpsc::channel();
+        Handshakes {
+            config: std::sync::Arc::new(config.clone()),
+            deadline,
+            report,
+            reports,
+            running: Default::default(),
+            next: 0,
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Proves `stream` on a thread of its own (dropped when it cannot be
+    /// cloned or no thread starts).
+    fn start(&mut self, stream: TcpStream) {
+        let Ok(clone) = stream.try_clone() else {
+            return;
+        };
+        let (n, config, report, deadline) = (
+            self.next,
+            self.config.clone(),
+            self.report.clone(),
+            self.deadline,
+        );
+        self.next += 1;
+        let handshake = move || {
+            let _ = report.send((n, accept_peer(stream, &config, deadline)));
+        };
+        if std::thread::Builder::new()
+            .name("tensor-join".into())
+            .spawn(handshake)
+            .is_ok()
+        {
+            self.running.insert(n, clone);
+        }
+    }
+
+    /// The peers proven since last asked, waiting up to `wait` for a first
+    /// report.
+    fn proven(&mut self, wait: Duration) -> Vec<(usize, Lane, Link)> {
+        let first = match wait {
+            Duration::ZERO => self.reports.try_recv().ok(),
+            _ => self.reports.recv_timeout(wait).ok(),
+        };
+        let mut proven = Vec::new();
+        let mut next = first;
+        while let Some((n, outcome)) = next {
+            self.running.remove(&n);
+            proven.extend(outcome);
+            next = self.reports.try_recv().ok();
+        }
+        proven
+    }
+}
+
+impl Drop for Handshakes {
+    fn drop(&mut self) {
+        for stream in self.running.values() {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Sets up an accepted connection and has it prove it is a higher rank of
+/// the group, within `deadline` (the join's); its rank, lane and link, or
+/// `None` for a stranger, a rank out of turn, one that fails its proof (or,
+/// with TLS, its handshake or whose certificate names another node) or a
+/// connection that cannot be set up (reset already), which are dropped: the
+/// real peer may still come, and one that never does is named when the join
+/// times out.
+fn accept_peer(
+    stream: TcpStream,
+    config: &MeshConfig,
+    deadline: Instant,
+) -> Option<(usize, Lane, Link)> {
+    let me = config.rank;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_nonblocking(false).ok()?;
+    prepare(&stream, config.timeout, me).ok()?;
+    // A real peer starts its handshake (and sends its hello) as it
+    // connects: a connection that says nothing for a while is dropped, its
+    // place taken by the next.
+    stream.set_read_timeout(Some(left.min(HELLO_WITHIN))).ok()?;
+    stream.set_write_timeout(Some(left)).ok()?;
+    let mut link = match &config.tls {
+        Some(tls) => tls.accept(stream).ok()?,
+        None => Link::Plain(stream),
+    };
+    let (peer, lane, theirs) = read_hello(&mut link, config, None).ok()?;
+    if peer <= me {
+        return None;
+    }
+    if let Some(tls) = &config.tls {
+        tls.check(&link, peer).ok()?;
+    }
+    // The rest may take no longer than the join has left.
+    link.socket().set_read_timeout(Some(left)).ok()?;
+    prove_accepting(&mut link, config, (peer, lane), &theirs).ok()?;
+    link.socket().set_read_timeout(Some(config.timeout)).ok()?;
+    link.socket().set_write_timeout(Some(config.timeout)).ok()?;
+    Some((peer, lane, link))
+}
+
+pub(super) fn prepare(
+    stream: &TcpStream,
+    timeout: Duration,
+    peer: usize,
+) -> Result<(), CollectiveError> {
+    let io = |source| CollectiveError::Io { peer, source };
+    stream.set_nodelay(true).map_err(io)?;
+    // A follower waits for its leader without a deadline: the kernel's
+    // probes find a peer whose machine went silent (no FIN, no RST) within
+    // about 20 s.
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(stream)
+        .set_tcp_keepalive(&keepalive)
+        .map_err(io)?;
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)
+}
+
+/// A `hello` message.
+fn hello(config: &MeshConfig, nonce: &[u8; NONCE], lane: Lane) -> Vec<u8> {
+    let mut m = Vec::new();
+    m.extend_from_slice(MAGIC);
+    m.push(VERSION);
+    m.extend_from_slice(&(config.group.len() as u16).to_le_bytes());
+    m.extend_from_slice(config.group.as_bytes());
+    m.extend_from_slice(&(config.addresses.len() as u32).to_le_bytes());
+    m.extend_from_slice(&(config.rank as u32).to_le_bytes());
+    m.push(lane as u8);
+    m.extend_from_slice(nonce);
+    m
+}
+
+/// Reads a peer's `hello`; returns its rank, the lane it names and the
+/// message's bytes.
+fn read_hello(
+    stream: &mut Link,
+    config: &MeshConfig,
+    expected: Option<usize>,
+) -> Result<(usize, Lane, Vec<u8>), CollectiveError> {
+    let peer = expected.unwrap_or(usize::MAX);
+    let io = |source| CollectiveError::Io { peer, source };
+    let refused = |why: String| CollectiveError::Refused { peer, why };
+    let mut head = [0u8; 7];
+    stream.read_exact(&mut head).map_err(io)?;
+    if &head[..4] != MAGIC || head[4] != VERSION {
+        return Err(refused(format!(
+            "not a shardplane tensor-group peer (version {VERSION})"
+        )));
+    }
+    let len = u16::from_le_bytes([head[5], head[6]]) as usize;
+    if len != config.group.len() {
+        return Err(refused("a peer of another group".into()));
+    }
+    let mut rest = vec![0u8; len + 9 + NONCE];
+    stream.read_exact(&mut rest).map_err(io)?;
+    if &rest[..len] != config.group.as_bytes() {
+        return Err(refused("a peer of another group".into()));
+    }
+    let ranks = u32::from_le_bytes(rest[len..len + 4].try_into().expect("4 bytes")) as usize;
+    let rank = u32::from_le_bytes(rest[len + 4..len + 8].try_into().expect("4 bytes")) as usize;
+    if ranks != config.addresses.len() || rank >= ranks || expected.is_some_and(|e| e != rank) {
+        return Err(refused(format!(
+            "claims rank {rank} of {ranks}, expected {} of {}",
+            expected.map_or("a rank".into(), |e| e.to_string()),
+            config.addresses.len()
+        )));
+    }
+    let lane = match rest[len + 8] {
+        0 => Lane::ConnectorSends,
+        1 => Lane::AcceptorSends,
+        other => return Err(refused(format!("names lane {other}, not 0 or 1"))),
+    };
+    let mut message = head.to_vec();
+    message.extend_from_slice(&rest);
+    Ok((rank, lane, message))
+}
+
+/// HMAC-SHA256 of `label ‖ transcript` under the token.
+fn tag(config: &MeshConfig, label: &[u8], transcript: &[u8]) -> hmac::Tag {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, config.token.0.as_bytes());
+    let mut ctx = hmac::Context::with_key(&key);
+    ctx.update(label);
+    ctx.update(transcript);
+    ctx.sign()
+}
+
+/// Checks a peer's tag in constant time.
+fn check_tag(
+    config: &MeshConfig,
+    label: &[u8],
+    transcript: &[u8],
+    proof: &[u8],
+    peer: usize,
+) -> Result<(), CollectiveError> {
+    let key = hmac::Key::new(hmac::HMAC_SHA256, config.token.0.as_bytes());
+    hmac::verify(&key, &[label, transcript].concat(), proof).map_err(|_| CollectiveError::Refused {
+        peer,
+        why: "does not hold the data-plane token".into(),
+    })
+}
+
+/// This rank's hello with a fresh nonce.
+fn my_hello(config: &MeshConfig, peer: usize, lane: Lane) -> Result<Vec<u8>, CollectiveError> {
+    let mut nonce = [0u8; NONCE];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| CollectiveError::Refused {
+            peer,
+            why: "no randomness for a nonce".into(),
+        })?;
+    Ok(hello(config, &nonce, lane))
+}
+
+/// The connector's side of joining (steps 1–3 of the wire format) on the
+/// lane `lane`.
+fn prove_connecting(
+    stream: &mut Link,
+    config: &MeshConfig,
+    peer: usize,
+    lane: Lane,
+) -> Result<(), CollectiveError> {
+    let io = |source| CollectiveError::Io { peer, source };
+    let mine = my_hello(config, peer, lane)?;
+    stream.write_all(&mine).map_err(io)?;
+    stream.flush().map_err(io)?;
+    let (_, their_lane, theirs) = read_hello(stream, config, Some(peer))?;
+    if their_lane != lane {
+        return Err(CollectiveError::Refused {
+            peer,
+            why: format!("answered lane {lane:?} as {their_lane:?}"),
+        });
+    }
+    let transcript = [mine, theirs].concat();
+    let mut proof = [0u8; 32];
+    stream.read_exact(&mut proof).map_err(io)?;
+    check_tag(config, b"accept", &transcript, &proof, peer)?;
+    stream
+        .write_all(tag(config, b"connect", &transcript).as_ref())
+        .map_err(io)?;
+    stream.flush().map_err(io)
+}
+
+/// The acceptor's side, once the connector's hello (`theirs`) is read; its
+/// hello names the lane the connector's did.
+fn prove_accepting(
+    stream: &mut Link,
+    config: &MeshConfig,
+    (peer, lane): (usize, Lane),
+    theirs: &[u8],
+) -> Result<(), CollectiveError> {
+    let io = |source| CollectiveError::Io { peer, source };
+    let mine = my_hello(config, peer, lane)?;
+    let transcript = [theirs, mine.as_slice()].concat();
+    stream.write_all(&mine).map_err(io)?;
+    stream
+        .write_all(tag(config, b"accept", &transcript).as_ref())
+        .map_err(io)?;
+    stream.flush().map_err(io)?;
+    let mut proof = [0u8; 32];
+    stream.read_exact(&mut proof).map_err(io)?;
+    check_tag(config, b"connect", &transcript, &proof, peer)
+}
