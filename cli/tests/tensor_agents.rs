@@ -6,7 +6,9 @@
 //! that rank moves, the group forms again, and the gateway goes on with the
 //! answer there: the client gets exactly the uninterrupted answer. A
 //! pipeline of two tensor groups answers as one process does, and heals a
-//! rank of its second group the same way.
+//! rank of its second group the same way; its agents run the data plane
+//! over TLS with a certificate per node, so its hop and both groups' meshes
+//! are TLS.
 //!
 //! The split of a quantized model rounds differently from the whole model
 //! (its partial sums are added in another order), so on a near-tie the
@@ -37,11 +39,21 @@ fn shardplane(args: &[&str]) -> ChildGuard {
     shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
 }
 
-/// An agent for `node` labelled `label`.
-fn agent(node: &str, label: &str) -> ChildGuard {
+/// An agent for `node` labelled `label`; with `tls`, its data plane runs
+/// TLS with the material in that directory.
+fn agent(node: &str, label: &str, tls: Option<&std::path::Path>) -> ChildGuard {
     let admin = free_address().to_string();
     let cache = shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), node);
-    shardplane(&[
+    let tls_args: Vec<&str> = match tls {
+        Some(dir) => vec![
+            "--data-plane-tls",
+            "files",
+            "--tls-dir",
+            dir.to_str().unwrap(),
+        ],
+        None => Vec::new(),
+    };
+    let mut args = vec![
         "agent",
         "--node-name",
         node,
@@ -55,7 +67,52 @@ fn agent(node: &str, label: &str) -> ChildGuard {
         label,
         "--cache-dir",
         cache.to_str().unwrap(),
-    ])
+    ];
+    args.extend(tls_args);
+    shardplane(&args)
+}
+
+/// A data-plane CA and a certificate for each of `nodes` (in a directory
+/// named after it under `root`, as `--tls-dir` reads them); returns this
+/// test's own material as a caller (a client certificate naming no node).
+fn certificates(root: &std::path::Path, nodes: &[String]) -> std::sync::Arc<dp::tls::Tls> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let issue = |names: Vec<String>, usages| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names).unwrap();
+        params.extended_key_usages = usages;
+        (
+            params.signed_by(&key, &issuer).unwrap().pem(),
+            key.serialize_pem(),
+        )
+    };
+    for node in nodes {
+        let dir = root.join(node);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = issue(
+            vec![node.clone()],
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+        );
+        std::fs::write(dir.join(dp::tls::CA_FILE), &ca_pem).unwrap();
+        std::fs::write(dir.join(dp::tls::CERT_FILE), cert).unwrap();
+        std::fs::write(dir.join(dp::tls::KEY_FILE), key).unwrap();
+    }
+    let caller = issue(Vec::new(), vec![ExtendedKeyUsagePurpose::ClientAuth]);
+    dp::tls::Tls::new(&dp::tls::Material {
+        ca_pem,
+        identity: Some(caller),
+    })
+    .unwrap()
 }
 
 /// The greedy tokens one process gives for `prompt` with `extra` options
@@ -75,9 +132,21 @@ fn local_tokens(prompt: &str, extra: &[&str]) -> String {
 }
 
 /// The greedy tokens the instance led by Shard `ns/shard` at `endpoint`
-/// gives for `prompt`, in the same form.
-async fn group_tokens(endpoint: &str, ns: &str, shard: &str, prompt: &str) -> String {
-    let mut client = shardplane_testkit::agent_calls::client(endpoint);
+/// gives for `prompt`, in the same form; with `tls`, called over TLS (the
+/// caller's material, and the node the endpoint belongs to).
+async fn group_tokens(
+    endpoint: &str,
+    (ns, shard): (&str, &str),
+    prompt: &str,
+    tls: Option<(&std::sync::Arc<dp::tls::Tls>, &str)>,
+) -> String {
+    let mut client = match tls {
+        None => shardplane_testkit::agent_calls::client(endpoint),
+        Some(tls) => dp::client(
+            dp::channel(endpoint, Some(tls)).unwrap(),
+            dp::Token::new(shardplane_testkit::DATA_PLANE_TOKEN).unwrap(),
+        ),
+    };
     let request = shardplane_testkit::agent_calls::prompt(ns, shard, prompt, 24);
     let mut stream = client.generate(request).await.unwrap().into_inner();
     let mut tokens = Vec::new();
@@ -198,9 +267,12 @@ struct Cluster {
     _operator: ChildGuard,
     agents: Vec<(String, ChildGuard)>,
     tag: String,
+    /// With TLS on the data plane: the certificates' directory and the
+    /// test's own material as a caller.
+    tls: Option<(tempfile::TempDir, std::sync::Arc<dp::tls::Tls>)>,
 }
 
-fn cluster(n: usize) -> Cluster {
+fn cluster(n: usize, tls: bool) -> Cluster {
     let tag = unique_name("tp");
     let operator = shardplane(&[
         "operator",
@@ -212,10 +284,17 @@ fn cluster(n: usize) -> Cluster {
         "3",
     ]);
     let label = format!("tp={tag}");
-    let agents = (0..n)
-        .map(|i| {
-            let node = format!("{tag}-n{i}");
-            let a = agent(&node, &label);
+    let nodes: Vec<String> = (0..n).map(|i| format!("{tag}-n{i}")).collect();
+    let tls = tls.then(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let caller = certificates(dir.path(), &nodes);
+        (dir, caller)
+    });
+    let agents = nodes
+        .into_iter()
+        .map(|node| {
+            let dir = tls.as_ref().map(|(d, _)| d.path().join(&node));
+            let a = agent(&node, &label, dir.as_deref());
             (node, a)
         })
         .collect();
@@ -223,6 +302,7 @@ fn cluster(n: usize) -> Cluster {
         _operator: operator,
         agents,
         tag,
+        tls,
     }
 }
 
@@ -271,7 +351,7 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
     let _serial = SERIAL.lock().await;
     let client = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client, "tp").await.unwrap();
-    let c = cluster(3);
+    let c = cluster(3, false);
     let deployments = deploy(&client, &ns, &c, "tp", 2, None).await;
     let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
 
@@ -306,7 +386,7 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         );
     }
     for (prompt, want) in PROMPTS.iter().zip(&expected) {
-        let got = group_tokens(&endpoint, &ns, &leader.name_any(), prompt).await;
+        let got = group_tokens(&endpoint, (&ns, &leader.name_any()), prompt, None).await;
         assert_eq!(&got, want, "{prompt:?}");
     }
 
@@ -382,7 +462,7 @@ async fn a_tensor_group_across_agents_answers_as_one_process_and_heals_a_lost_ra
         .clone()
         .unwrap();
     for (prompt, want) in PROMPTS.iter().zip(&expected) {
-        let got = group_tokens(&endpoint, &ns, &healed_leader.name_any(), prompt).await;
+        let got = group_tokens(&endpoint, (&ns, &healed_leader.name_any()), prompt, None).await;
         assert_eq!(&got, want, "{prompt:?} after healing");
     }
 }
@@ -393,7 +473,7 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process_and_heals_a_lost
     let client = control_plane().client().await.unwrap();
     let ns = control_plane().namespace(&client, "tpp").await.unwrap();
     // Four nodes placed, one spare.
-    let c = cluster(5);
+    let c = cluster(5, true);
     let deployments = deploy(&client, &ns, &c, "tpp", 4, Some(2)).await;
     let shards: Api<Shard> = Api::namespaced(client.clone(), &ns);
     let ranks = ready_ranks(&deployments, &shards, "tpp", 4, None).await;
@@ -426,12 +506,14 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process_and_heals_a_lost
         ranks.iter().map(|s| s.spec.node.as_str()).collect();
     assert_eq!(nodes.len(), 4);
     let endpoint = ranks[0].status.as_ref().unwrap().endpoint.clone().unwrap();
+    let caller = &c.tls.as_ref().unwrap().1;
     let expected: Vec<String> = PROMPTS
         .iter()
         .map(|p| local_tokens(p, &["--tensor", "2", "--stages", "0-14,15-29"]))
         .collect();
     for (prompt, want) in PROMPTS.iter().zip(&expected) {
-        let got = group_tokens(&endpoint, &ns, &ranks[0].name_any(), prompt).await;
+        let tls = Some((caller, ranks[0].spec.node.as_str()));
+        let got = group_tokens(&endpoint, (&ns, &ranks[0].name_any()), prompt, tls).await;
         assert_eq!(&got, want, "{prompt:?}");
     }
 
@@ -483,7 +565,8 @@ async fn a_pipeline_of_two_tensor_groups_answers_as_one_process_and_heals_a_lost
     }
     let endpoint = healed[0].status.as_ref().unwrap().endpoint.clone().unwrap();
     for (prompt, want) in PROMPTS.iter().zip(&expected) {
-        let got = group_tokens(&endpoint, &ns, &healed[0].name_any(), prompt).await;
+        let tls = Some((caller, healed[0].spec.node.as_str()));
+        let got = group_tokens(&endpoint, (&ns, &healed[0].name_any()), prompt, tls).await;
         assert_eq!(&got, want, "{prompt:?} after healing");
     }
 }
