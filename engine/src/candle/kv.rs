@@ -189,20 +189,28 @@ const BLOCK_ROWS: usize = 16;
 
 /// Attention of query rows (of any sequences, several per sequence when a
 /// prompt runs) against their caches, written into `out` (`rows × heads ×
-/// value dim`): threads take one query head of a block of rows at a time (a
-/// decoding sequence's one row, or up to [`BLOCK_ROWS`] of a prompt's), so
-/// there are pieces to share out even when a single sequence decodes. Each
-/// head of each row is summed in the same order whatever else runs.
+/// value dim`): threads take a block of rows at a time (a decoding
+/// sequence's one row, or up to [`BLOCK_ROWS`] of a prompt's) with every
+/// query head of one KV head, so each key and value is read once for all
+/// the query heads that share it — at a long context the keys and values
+/// are most of what a step reads. When that leaves fewer pieces than
+/// threads (a single sequence of a model with one KV head decoding),
+/// threads take one query head at a time instead. Each head of each row is summed in the same order whatever else
+/// runs, and either way.
 pub(super) fn attend_rows(
     rows: &[QueryRow<'_>],
     shape: &HeadShape,
     sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let (heads, vd) = (shape.heads, shape.value_dim);
-    let rep = heads / shape.kv_heads;
-    debug_assert_eq!(out.len(), rows.len() * heads * vd);
-    // Runs of consecutive rows on the same cache (one prompt's), cut short.
+    let pieces = blocks(rows).len() * shape.kv_heads;
+    let grouped = pieces >= rayon::current_num_threads();
+    attend_rows_as(rows, shape, sinks, out, grouped);
+}
+
+/// Runs of consecutive rows on the same cache (one prompt's), cut short at
+/// [`BLOCK_ROWS`].
+fn blocks(rows: &[QueryRow<'_>]) -> Vec<std::ops::Range<usize>> {
     let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
     for (i, row) in rows.iter().enumerate() {
         match blocks.last_mut() {
@@ -212,61 +220,91 @@ pub(super) fn attend_rows(
             _ => blocks.push(i..i + 1),
         }
     }
-    let units: Vec<(usize, usize)> = (0..blocks.len())
-        .flat_map(|b| (0..heads).map(move |h| (b, h)))
+    blocks
+}
+
+/// [`attend_rows`], the query heads of a KV head taken together
+/// (`grouped`) or one by one.
+fn attend_rows_as(
+    rows: &[QueryRow<'_>],
+    shape: &HeadShape,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+    grouped: bool,
+) {
+    let (heads, vd) = (shape.heads, shape.value_dim);
+    let rep = heads / shape.kv_heads;
+    debug_assert_eq!(out.len(), rows.len() * heads * vd);
+    let blocks = blocks(rows);
+    // Each piece: a block and the query heads it computes (of one KV head).
+    let per_piece = if grouped { rep } else { 1 };
+    let units: Vec<(usize, std::ops::Range<usize>)> = (0..blocks.len())
+        .flat_map(|b| {
+            (0..heads)
+                .step_by(per_piece)
+                .map(move |h| (b, h..h + per_piece))
+        })
         .collect();
     let results: Vec<Vec<f32>> = units
         .par_iter()
-        .map(|&(b, head)| {
-            let block = &rows[blocks[b].clone()];
-            let mut o = vec![0f32; block.len() * vd];
-            let sink = sinks.map(|s| s[head]);
-            attend_block(block, head, head / rep, shape, sink, &mut o);
+        .map(|(b, hs)| {
+            let block = &rows[blocks[*b].clone()];
+            // Head by head, each head's rows in order.
+            let mut o = vec![0f32; hs.len() * block.len() * vd];
+            attend_block(block, hs.clone(), hs.start / rep, shape, sinks, &mut o);
             o
         })
         .collect();
-    for (&(b, head), o) in units.iter().zip(&results) {
-        for (i, r) in blocks[b].clone().enumerate() {
-            let at = (r * heads + head) * vd;
-            out[at..at + vd].copy_from_slice(&o[i * vd..(i + 1) * vd]);
+    for ((b, hs), o) in units.iter().zip(&results) {
+        for (j, head) in hs.clone().enumerate() {
+            for (i, r) in blocks[*b].clone().enumerate() {
+                let at = (r * heads + head) * vd;
+                let from = (j * blocks[*b].len() + i) * vd;
+                out[at..at + vd].copy_from_slice(&o[from..from + vd]);
+            }
         }
     }
 }
 
-/// Query head `head` (of KV head `group`) of a block of rows on one cache,
-/// into `out` (`rows × value dim`); `sink`, a logit that joins the softmax
-/// without a value. Each row's scores, softmax and weighted sum run in key
-/// order, exactly as they would for the row alone.
+/// Query heads `heads` (all of KV head `group`) of a block of rows on one
+/// cache, into `out` (`heads × rows × value dim`); `sinks`, a logit per head
+/// that joins the softmax without a value. Each row's scores, softmax and
+/// weighted sum run in key order, exactly as they would for the row and the
+/// head alone; each key and value is read once for all of them.
 fn attend_block(
     block: &[QueryRow<'_>],
-    head: usize,
+    heads: std::ops::Range<usize>,
     group: usize,
     shape: &HeadShape,
-    sink: Option<f32>,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     let (kv, hd, vd) = (block[0].kv, shape.head_dim, shape.value_dim);
+    let n = block.len();
     let at = |t: usize| kv.at(t) + group * hd;
     let lo = block.iter().map(|r| r.first).min().unwrap_or(0);
     let hi = block.iter().map(|r| r.end).max().unwrap_or(0);
-    let qs: Vec<&[f32]> = block
-        .iter()
-        .map(|r| &r.q[head * hd..(head + 1) * hd])
+    // (head, row) pairs, head-major as `out` is laid out.
+    let qs: Vec<&[f32]> = heads
+        .clone()
+        .flat_map(|h| block.iter().map(move |r| &r.q[h * hd..(h + 1) * hd]))
         .collect();
-    let mut scores: Vec<Vec<f32>> = block
-        .iter()
-        .map(|r| Vec::with_capacity(r.end - r.first))
+    let mut scores: Vec<Vec<f32>> = heads
+        .clone()
+        .flat_map(|_| block.iter().map(|r| Vec::with_capacity(r.end - r.first)))
         .collect();
     for t in lo..hi {
         let k = &kv.k[at(t)..at(t) + hd];
-        for ((r, q), s) in block.iter().zip(&qs).zip(scores.iter_mut()) {
+        for (j, (q, s)) in qs.iter().zip(scores.iter_mut()).enumerate() {
+            let r = &block[j % n];
             if r.first <= t && t < r.end {
                 s.push(dot(q, k) * shape.scale);
             }
         }
     }
-    let mut sums = Vec::with_capacity(block.len());
-    for s in scores.iter_mut() {
+    let mut sums = Vec::with_capacity(scores.len());
+    for (j, s) in scores.iter_mut().enumerate() {
+        let sink = sinks.map(|sinks| sinks[heads.start + j / n]);
         let max = s
             .iter()
             .copied()
@@ -282,13 +320,10 @@ fn attend_block(
     out.fill(0.0);
     for t in lo..hi {
         let v = kv.value(t, group, vd);
-        for (i, r) in block.iter().enumerate() {
+        for (j, (s, sum)) in scores.iter().zip(&sums).enumerate() {
+            let r = &block[j % n];
             if r.first <= t && t < r.end {
-                axpy(
-                    scores[i][t - r.first] / sums[i],
-                    v,
-                    &mut out[i * vd..(i + 1) * vd],
-                );
+                axpy(s[t - r.first] / sum, v, &mut out[j * vd..(j + 1) * vd]);
             }
         }
     }
@@ -422,6 +457,17 @@ mod tests {
         for sinks in [None, Some(sinks.as_slice())] {
             let mut out = vec![f32::NAN; spans.len() * heads * hd];
             attend_rows(&rows, &shape, sinks, &mut out);
+            // The query heads of a KV head taken together or one by one:
+            // the same bits.
+            for grouped in [false, true] {
+                let mut again = vec![f32::NAN; out.len()];
+                attend_rows_as(&rows, &shape, sinks, &mut again, grouped);
+                let same = again
+                    .iter()
+                    .zip(&out)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "grouped {grouped}, sinks {sinks:?}");
+            }
             for (s, &(c, first, end)) in spans.iter().enumerate() {
                 let want = reference(
                     &qs[s],
