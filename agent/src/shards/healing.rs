@@ -276,6 +276,13 @@ mod tests {
             echo.panics = true;
             let worker = crate::test_stage::quiet_worker(&k.1, Box::new(echo));
             let _ = worker.forward(1, StageInput::Tokens(vec![1])).await;
+            // The caller hears of the panic before the thread records it.
+            for _ in 0..500 {
+                if worker.crashed().is_some() {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
             assert!(worker.crashed().is_some());
             shards.insert(ServedStage {
                 namespace: k.0.clone(),

@@ -19,7 +19,7 @@ use shardplane_engine::{LoadOptions, StageLayout};
 use super::healing::stage_crashed;
 use super::kv_room::{self, KvRoom};
 use super::{
-    Key, ServedStage, ShardSet, Sources, crd_engine, fetch, key, owned, report, set_phase, tensor,
+    Key, ServedStage, ShardSet, Sources, crd_engine, fetch, key, owned, put_phase, report, tensor,
 };
 use crate::cache::Failure;
 use crate::kv_budget::KvCost;
@@ -54,6 +54,18 @@ pub(super) async fn bring_up(
     );
     let path = fetch::fetch(client, shards, shard, sources, metrics).await?;
 
+    // Loading only while the claim stands: a Shard unloaded (deleted,
+    // moved) while its weights came is not brought back.
+    {
+        let mut phases = shards.phases.lock().expect("phase lock");
+        if phases.get(&k) != Some(&ShardPhase::Downloading) {
+            return Err(Failure {
+                reason: "ShardGone",
+                message: "the Shard went while its weights were fetched".into(),
+            });
+        }
+        put_phase(&mut phases, metrics, &k, Some(ShardPhase::Loading));
+    }
     report(
         client,
         shards,
@@ -63,7 +75,6 @@ pub(super) async fn bring_up(
             format!("loading layers {}", shard.spec.layers),
         ),
     );
-    set_phase(shards, metrics, &k, Some(ShardPhase::Loading));
     let spec = shard.spec.clone();
     let spec_kv = shard.spec.kv_cache;
     let engine_kind = sources.engine;

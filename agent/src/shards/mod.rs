@@ -65,7 +65,9 @@ impl ServedStage {
     }
 }
 
-/// The shards this agent runs.
+/// The shards this agent runs. Its locks are taken in one order: `ranks`,
+/// then `phases`, then any of the others (each alone); nothing takes an
+/// earlier one while holding a later one.
 #[derive(Clone)]
 pub struct ShardSet {
     loaded: Arc<Mutex<BTreeMap<Key, Arc<ServedStage>>>>,
@@ -390,6 +392,8 @@ fn key(s: &Shard) -> Key {
     (s.namespace().unwrap_or_default(), s.name_any())
 }
 
+/// Sets Shard `key`'s phase (tests; the code sets it under locks it holds).
+#[cfg(test)]
 fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
     put_phase(
         &mut shards.phases.lock().expect("phase lock"),
@@ -399,7 +403,8 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
     );
 }
 
-/// [`set_phase`] on the phases already locked.
+/// Sets Shard `key`'s phase in `phases` (locked by the caller), and the
+/// per-phase counts on `/metrics`.
 fn put_phase(
     phases: &mut BTreeMap<Key, ShardPhase>,
     metrics: &Metrics,

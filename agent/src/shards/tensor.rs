@@ -415,12 +415,19 @@ pub(super) fn release(
     sources: &Sources,
 ) {
     rank.mesh.close();
-    sources.cache.unpin(&rank.spec.source.cache_key());
     match rank.follower_bytes {
-        Some(bytes) => metrics.weight_bytes.sub(bytes as i64),
+        Some(bytes) => {
+            sources.cache.unpin(&rank.spec.source.cache_key());
+            metrics.weight_bytes.sub(bytes as i64);
+        }
+        // A leader's pin and weights are its stage's (let go of already
+        // when its thread crashed).
         None => {
-            if let Some(stage) = shards.loaded.lock().expect("shard set lock").remove(k) {
+            let stage = shards.loaded.lock().expect("shard set lock").remove(k);
+            if let Some(stage) = stage {
+                sources.cache.unpin(&stage.spec.source.cache_key());
                 metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
+                metrics.forget_shard(&stage.name);
             }
         }
     }
