@@ -10,10 +10,10 @@
 //!                   ├─ a retry, no longer Failed / a load's end, unloaded ─► Left
 //!                   └─ otherwise ─► Load (phase claimed: Downloading)
 //!
-//!  load ok ─► ended ─┬─ still loading, stage (or rank) in place ─► Ready
+//!  load ok ─► ended ─┬─ its claim stands, stage (or rank) in place ─► Ready
 //!                    ├─ its tensor group broke as it formed ─► Broken
 //!                    ├─ its stage's thread panicked meanwhile ─► Crashed
-//!                    ├─ the Shard was unloaded meanwhile ─► Unloaded (taken out again)
+//!                    ├─ the Shard was unloaded (and claimed anew) meanwhile ─► Unloaded
 //!                    └─ another phase stands ─► Superseded
 //! ```
 
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use shardplane_crds::{Shard, ShardPhase, ShardSpec};
 
-use super::{Key, ServedStage, ShardSet, Taken, key, put_phase, take, tensor};
+use super::{Claim, Key, ServedStage, ShardSet, Taken, key, put_phase, take, tensor};
 use crate::metrics::Metrics;
 
 /// Who asks [`decide`] about a Shard.
@@ -49,8 +49,8 @@ pub(super) enum Decision {
     /// Nothing to do: a retry is pending, the spec failed for good, or
     /// the Shard is no longer what the asker expects (see [`Origin`]).
     Left,
-    /// Claimed (Downloading): to be loaded.
-    Load,
+    /// Claimed (Downloading): to be loaded under this claim.
+    Load(Claim),
 }
 
 /// Decides what to do with `shard`. The phase lock is held throughout, so
@@ -143,7 +143,7 @@ pub(super) fn decide(
     }
     drop(failures);
     put_phase(&mut phases, metrics, &k, Some(ShardPhase::Downloading));
-    Decision::Load
+    Decision::Load(shards.claim(&k))
 }
 
 /// How a load that succeeded ends ([`ended`]).
@@ -157,31 +157,41 @@ pub(super) enum End {
     /// let go of then).
     Crashed,
     /// The Shard was unloaded (deleted, moved) during the load: what the
-    /// load put in was taken out again, to be let go of.
+    /// load put in was taken out again, to be let go of (nothing when the
+    /// Shard was claimed anew: what the load put in went with the unload).
     Unloaded(Taken),
     /// Another phase stands (set by a failure's handler): left as it is.
     Superseded(ShardPhase),
 }
 
-/// Ends Shard `k`'s load: its status (`ready`, called to report it) and
-/// phase become Ready only while its load still stands — the phase still
-/// one of a load, its stage still loaded (a `tensor` rank: its rank still
+/// Ends Shard `k`'s load (made under `claim`): its status (`ready`,
+/// called to report it) and phase become Ready only while its load still
+/// stands — its claim still the Shard's, its stage still loaded (a `tensor` rank: its rank still
 /// kept, its group whole; a `follower` has no stage). Decided under the
 /// rank and phase locks, so that a group's break, a Shard's deletion or a
 /// decision cannot come between the check and the write.
 pub(super) fn ended(
     shards: &ShardSet,
     metrics: &Metrics,
-    k: &Key,
+    (k, claim): (&Key, Claim),
     (tensor, follower): (bool, bool),
     ready: impl FnOnce(),
 ) -> End {
     let mut ranks = shards.ranks.lock().expect("rank lock");
     let mut phases = shards.phases.lock().expect("phase lock");
-    match phases.get(k).copied() {
-        None => return End::Unloaded(take(k, shards, metrics, &mut ranks, &mut phases)),
-        Some(ShardPhase::Downloading | ShardPhase::Loading) => {}
-        Some(other) => return End::Superseded(other),
+    let phase = phases.get(k).copied();
+    if phase.is_none() {
+        return End::Unloaded(take(k, shards, metrics, &mut ranks, &mut phases));
+    }
+    // Claimed anew since (unloaded, then back), whatever the new load's
+    // phase: nothing of this load is left to take.
+    if !shards.owns(k, claim) {
+        return End::Unloaded(Taken::none());
+    }
+    if let Some(other) =
+        phase.filter(|p| !matches!(p, ShardPhase::Downloading | ShardPhase::Loading))
+    {
+        return End::Superseded(other);
     }
     if tensor && ranks.get(k).is_none_or(|r| r.mesh.broken().is_some()) {
         let why = ranks
@@ -208,12 +218,20 @@ pub(super) fn ended(
 /// A load that failed. A Failed Shard serves nothing, so what serves the
 /// spec it was to replace (a stage, a tensor rank) is taken out, to be let
 /// go of; returns it and whether the Shard is still here to fail — when it
-/// was unloaded during the load, all of it is taken out again instead.
-pub(super) fn load_failed(shards: &ShardSet, metrics: &Metrics, k: &Key) -> (Taken, bool) {
+/// was unloaded during the load, all of it is taken out again instead, and
+/// nothing when it was claimed anew since (the new load stands for it).
+pub(super) fn load_failed(
+    shards: &ShardSet,
+    metrics: &Metrics,
+    (k, claim): (&Key, Claim),
+) -> (Taken, bool) {
     let mut ranks = shards.ranks.lock().expect("rank lock");
     let mut phases = shards.phases.lock().expect("phase lock");
     if !phases.contains_key(k) {
         return (take(k, shards, metrics, &mut ranks, &mut phases), false);
+    }
+    if !shards.claimed(&phases, k, claim) {
+        return (Taken::none(), false);
     }
     let old = Taken {
         rank: ranks.remove(k),
@@ -262,14 +280,19 @@ mod tests {
         shards.phases.lock().unwrap().get(k).copied()
     }
 
+    /// The claim `d` made; it must be a load's.
+    fn claimed(d: Decision) -> Claim {
+        match d {
+            Decision::Load(claim) => claim,
+            d => panic!("not claimed: {d:?}"),
+        }
+    }
+
     #[test]
     fn a_shard_is_claimed_once_and_changes_during_its_load_pass_to_its_end() {
         let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
         let k = key(&at(1));
-        assert_eq!(
-            decide(&shards, &metrics, &at(1), Origin::Watch),
-            Decision::Load
-        );
+        claimed(decide(&shards, &metrics, &at(1), Origin::Watch));
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
         // The same spec again (the watch restarted), then changes: passed
         // over to the running load, the newest remembered.
@@ -320,10 +343,7 @@ mod tests {
             decide(&shards, &metrics, &at(1), Origin::Watch),
             Decision::Left
         );
-        assert_eq!(
-            decide(&shards, &metrics, &at(2), Origin::LoadEnd),
-            Decision::Load
-        );
+        claimed(decide(&shards, &metrics, &at(2), Origin::LoadEnd));
         // A retry pending: it reads the Shard as it then is; nothing now.
         fail("DownloadFailed");
         assert_eq!(
@@ -376,10 +396,7 @@ mod tests {
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Ready));
         let mut other = at(4);
         other.spec.layers = LayerRange { start: 0, end: 4 };
-        assert_eq!(
-            decide(&shards, &metrics, &other, Origin::Watch),
-            Decision::Load
-        );
+        claimed(decide(&shards, &metrics, &other, Origin::Watch));
     }
 
     #[test]
@@ -447,10 +464,7 @@ mod tests {
         // Still Failed: claimed, the restart counted; a second retry due
         // at once, or the watch, finds the load under way.
         failed(&shards, &metrics, &k, "DownloadFailed");
-        assert_eq!(
-            decide(&shards, &metrics, &at(1), Origin::Retry),
-            Decision::Load
-        );
+        claimed(decide(&shards, &metrics, &at(1), Origin::Retry));
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
         assert_eq!(shards.failures.lock().unwrap()[&k].restarts, 1);
         assert_eq!(
@@ -476,10 +490,7 @@ mod tests {
             decide(&shards, &metrics, &at(1), Origin::Watch),
             Decision::Left
         );
-        assert_eq!(
-            decide(&shards, &metrics, &at(1), Origin::Retry),
-            Decision::Load
-        );
+        claimed(decide(&shards, &metrics, &at(1), Origin::Retry));
     }
 
     #[test]
@@ -489,13 +500,10 @@ mod tests {
         let ready = || reported.set(reported.get() + 1);
         let k = key(&at(1));
         // Its stage in place: Ready, reported before the phase changed.
-        assert_eq!(
-            decide(&shards, &metrics, &at(1), Origin::Watch),
-            Decision::Load
-        );
+        let claim = claimed(decide(&shards, &metrics, &at(1), Origin::Watch));
         serve(&shards);
         assert!(matches!(
-            ended(&shards, &metrics, &k, (false, false), ready),
+            ended(&shards, &metrics, (&k, claim), (false, false), ready),
             End::Ready
         ));
         assert_eq!(
@@ -507,7 +515,7 @@ mod tests {
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
         shards.loaded.lock().unwrap().remove(&k);
         assert!(matches!(
-            ended(&shards, &metrics, &k, (false, false), ready),
+            ended(&shards, &metrics, (&k, claim), (false, false), ready),
             End::Crashed
         ));
         assert_eq!(
@@ -517,13 +525,13 @@ mod tests {
         // A follower has no stage; its rank gone (its group broke and the
         // break's handler let go of it): broken.
         assert!(matches!(
-            ended(&shards, &metrics, &k, (true, true), ready),
+            ended(&shards, &metrics, (&k, claim), (true, true), ready),
             End::Broken(None, None)
         ));
         // Another phase stands: left as it is.
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Failed));
         assert!(matches!(
-            ended(&shards, &metrics, &k, (false, false), ready),
+            ended(&shards, &metrics, (&k, claim), (false, false), ready),
             End::Superseded(ShardPhase::Failed)
         ));
         // Unloaded during the load (deleted): what the load put in and
@@ -532,7 +540,7 @@ mod tests {
         let (tx, _rx) = tokio::sync::watch::channel(Default::default());
         shards.statuses.lock().unwrap().insert(k.clone(), tx);
         set_phase(&shards, &metrics, &k, None);
-        match ended(&shards, &metrics, &k, (false, false), ready) {
+        match ended(&shards, &metrics, (&k, claim), (false, false), ready) {
             End::Unloaded(taken) => assert!(taken.stage.is_some()),
             _ => panic!("not unloaded"),
         }
@@ -547,14 +555,62 @@ mod tests {
         let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
         let k = serve(&shards);
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
-        let (old, here) = load_failed(&shards, &metrics, &k);
+        let claim = shards.claim(&k);
+        let (old, here) = load_failed(&shards, &metrics, (&k, claim));
         assert!(here && old.stage.is_some());
         assert!(shards.served(&k.0, &k.1).is_none());
         // The phase is the failure's to set.
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Loading));
         // Unloaded during the load: nothing to fail.
         set_phase(&shards, &metrics, &k, None);
-        let (_, here) = load_failed(&shards, &metrics, &k);
+        let (_, here) = load_failed(&shards, &metrics, (&k, claim));
         assert!(!here);
+    }
+
+    #[test]
+    fn a_load_of_a_shard_unloaded_and_claimed_anew_ends_over_nothing() {
+        let (shards, metrics) = (ShardSet::new("127.0.0.1:1"), Metrics::new());
+        let reported = std::cell::Cell::new(0);
+        let ready = || reported.set(reported.get() + 1);
+        let k = key(&at(1));
+        let old = claimed(decide(&shards, &metrics, &at(1), Origin::Watch));
+        // Deleted and created again under its name (or moved away and
+        // back) while the old load ran: unloaded, then claimed anew.
+        let cache_dir = tempfile::tempdir().unwrap();
+        let http = shardplane_models::http_client().unwrap();
+        let cache = Cache::new(cache_dir.path().into(), http).unwrap();
+        unload(&k, &shards, &metrics, &cache);
+        let new = claimed(decide(&shards, &metrics, &at(1), Origin::Watch));
+        assert_ne!(old, new);
+        let stands = |claim| shards.claimed(&shards.phases.lock().unwrap(), &k, claim);
+        assert!(stands(new) && !stands(old));
+        // The new load's stage is in place; the old load ends (or fails)
+        // over nothing of it: not Ready, nothing taken, nothing failed.
+        serve(&shards);
+        match ended(&shards, &metrics, (&k, old), (false, false), ready) {
+            End::Unloaded(taken) => assert!(taken.stage.is_none() && taken.rank.is_none()),
+            _ => panic!("the old load ended over the new claim"),
+        }
+        let (taken, here) = load_failed(&shards, &metrics, (&k, old));
+        assert!(!here && taken.stage.is_none());
+        assert_eq!(
+            (reported.get(), phase(&shards, &k)),
+            (0, Some(ShardPhase::Downloading))
+        );
+        assert!(shards.served(&k.0, &k.1).is_some());
+        // The new load's own end: Ready.
+        assert!(matches!(
+            ended(&shards, &metrics, (&k, new), (false, false), ready),
+            End::Ready
+        ));
+        assert_eq!(reported.get(), 1);
+        // The old load ending only now, over the new one's Ready: still
+        // nothing of it (not taken as a load superseded by a phase, whose
+        // end would take up what the new one passed over).
+        match ended(&shards, &metrics, (&k, old), (false, false), ready) {
+            End::Unloaded(taken) => assert!(taken.stage.is_none() && taken.rank.is_none()),
+            _ => panic!("the old load ended over the new one's Ready"),
+        }
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Ready));
     }
 }

@@ -16,22 +16,23 @@ use std::sync::atomic::AtomicU64;
 use kube::{Client, ResourceExt};
 use shardplane_crds::{ModelFormat, ModelSource, Shard, ShardPhase, ShardStatus};
 
-use super::{ShardSet, Sources, key, report};
+use super::{Claim, ShardSet, Sources, key, report_claimed};
 use crate::cache::{Failure, verify_sha256};
 use crate::metrics::Metrics;
 
-/// Makes sure the weights are on this node; returns their path.
+/// Makes sure the weights are on this node (for the load that made
+/// `claim`); returns their path.
 pub(super) async fn fetch(
     client: &Client,
     shards: &ShardSet,
-    shard: &Shard,
+    (shard, claim): (&Shard, Claim),
     sources: &Sources,
     metrics: &Metrics,
 ) -> Result<PathBuf, Failure> {
     if shard.spec.format == ModelFormat::Safetensors {
         return match &shard.spec.source {
             ModelSource::Path(p) => local_directory(p),
-            _ => fetch_repository(client, shards, shard, sources, metrics).await,
+            _ => fetch_repository(client, shards, (shard, claim), sources, metrics).await,
         };
     }
     let (url, sha256, hub_client) = match &shard.spec.source {
@@ -53,7 +54,7 @@ pub(super) async fn fetch(
     // Another stage of the same model may be fetching it right now: wait for
     // it (the file is then in the cache) rather than write the same file.
     let _one_at_a_time = sources.cache.lock_fetch(&key).await;
-    let (done, total, reporter) = progress_reporter(client, shards, shard);
+    let (done, total, reporter) = progress_reporter(client, shards, (shard, claim));
     // A peer's copy is checked against the SHA-256 the Model pins (its
     // `sha256`, or the hub's LFS hash the operator resolved), never against
     // what the peer says of its own file: without a pin, the source.
@@ -139,12 +140,13 @@ fn counting(
     }
 }
 
-/// Progress to the Shard's status once a second while a download runs:
-/// the counters to update, and the task to abort when it ends.
+/// Progress to the Shard's status once a second while a download runs
+/// (for the load that made `claim`, while it stands): the counters to
+/// update, and the task to abort when it ends.
 fn progress_reporter(
     client: &Client,
     shards: &ShardSet,
-    shard: &Shard,
+    (shard, claim): (&Shard, Claim),
 ) -> (Arc<AtomicU64>, Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
     let done = Arc::new(AtomicU64::new(0));
     let total = Arc::new(AtomicU64::new(0));
@@ -167,7 +169,7 @@ fn progress_reporter(
                 observed_generation: generation,
                 ..Default::default()
             };
-            report(&client, &shards, &k, status);
+            report_claimed(&client, &shards, (&k, claim), status);
         }
     });
     (done, total, task)
@@ -179,7 +181,7 @@ fn progress_reporter(
 async fn fetch_repository(
     client: &Client,
     shards: &ShardSet,
-    shard: &Shard,
+    (shard, claim): (&Shard, Claim),
     sources: &Sources,
     metrics: &Metrics,
 ) -> Result<PathBuf, Failure> {
@@ -232,7 +234,7 @@ async fn fetch_repository(
         reason: "LayerRangeDoesNotFit",
         message: e.to_string(),
     })?;
-    let (done, total, reporter) = progress_reporter(client, shards, shard);
+    let (done, total, reporter) = progress_reporter(client, shards, (shard, claim));
     let counter = metrics.download_bytes.with_label_values(&["url"]);
     let key = shard.spec.source.cache_key();
     let progress = counting(&done, &total, counter);

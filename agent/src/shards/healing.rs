@@ -12,7 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Api, Client};
 use shardplane_crds::{Shard, ShardPhase, ShardStatus};
 
-use super::{Key, Origin, ShardSet, Sources, ensure, owned, put_phase, report};
+use super::{Claim, Key, Origin, ShardSet, Sources, ensure, owned, put_phase, report};
 use crate::cache::Failure;
 use crate::metrics::Metrics;
 use crate::retry;
@@ -20,8 +20,9 @@ use crate::retry;
 /// The phase a failure replaces ([`fail_shard`]).
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Over {
-    /// The failing load's own (Downloading, Loading).
-    Load,
+    /// The failing load's own (Downloading, Loading), while its claim
+    /// stands.
+    Load(Claim),
     /// Ready: a loaded stage or rank failed.
     Ready,
 }
@@ -30,7 +31,7 @@ pub(super) enum Over {
 /// `over` names, and tries it again after a pause when the failure may
 /// pass. Recorded and set under the phase lock only while that phase
 /// stands: a Shard unloaded (deleted, moved) or claimed by a new load
-/// meanwhile is not failed.
+/// meanwhile (even one of the same phase) is not failed.
 pub(super) fn fail_shard(
     client: &Client,
     k: Key,
@@ -44,7 +45,7 @@ pub(super) fn fail_shard(
         let mut phases = shards.phases.lock().expect("phase lock");
         let phase = phases.get(&k).copied();
         let stands = match over {
-            Over::Load => matches!(phase, Some(ShardPhase::Downloading | ShardPhase::Loading)),
+            Over::Load(claim) => shards.claimed(&phases, &k, claim),
             Over::Ready => phase == Some(ShardPhase::Ready),
         };
         if !stands {
@@ -177,9 +178,8 @@ mod tests {
     use shardplane_crds::LayerRange;
     use shardplane_engine::StageInput;
 
-    use super::super::{ServedStage, set_phase};
+    use super::super::{ServedStage, set_phase, test_sources};
     use super::*;
-    use crate::cache::Cache;
     use crate::test_stage::Echo;
 
     /// A client of an API server that is not there: the paths tested
@@ -187,22 +187,6 @@ mod tests {
     fn client() -> Client {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         Client::try_from(config).unwrap()
-    }
-
-    fn sources(dir: &std::path::Path) -> Sources {
-        let http = shardplane_models::http_client().unwrap();
-        Sources {
-            cache: Cache::new(dir.into(), http).unwrap(),
-            hugging_face_endpoint: String::new(),
-            peers: None,
-            engine: shardplane_engine::pipeline::EngineKind::Candle,
-            budget: crate::scheduler::Budget::default(),
-            prefix_cache_bytes: 0,
-            memory_reserve: 0,
-            directory: kube::runtime::reflector::store::Writer::default().as_reader(),
-            token: shardplane_dataplane::Token::random().unwrap(),
-            tls: None,
-        }
     }
 
     fn phase(shards: &ShardSet, k: &Key) -> Option<ShardPhase> {
@@ -222,7 +206,7 @@ mod tests {
         let (shards, metrics, sources) = (
             ShardSet::new("127.0.0.1:1"),
             Metrics::new(),
-            sources(dir.path()),
+            test_sources(dir.path()),
         );
         let k: Key = ("ns".into(), "s".into());
         let fail = |over| {
@@ -238,17 +222,25 @@ mod tests {
             );
         };
         // Unloaded meanwhile: nothing recorded, nothing retried.
-        fail(Over::Load);
+        let stale = shards.claim(&k);
+        set_phase(&shards, &metrics, &k, None);
+        fail(Over::Load(stale));
         assert_eq!(phase(&shards, &k), None);
         assert!(shards.failures.lock().unwrap().is_empty());
         // A crash seen while Ready, reported after a new load claimed the
         // Shard: the load stands.
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Downloading));
+        let claim = shards.claim(&k);
         fail(Over::Ready);
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
         assert!(shards.failures.lock().unwrap().is_empty());
+        // The failure of the load the new one replaced (the Shard was
+        // unloaded and claimed anew meanwhile): the new load stands.
+        fail(Over::Load(stale));
+        assert_eq!(phase(&shards, &k), Some(ShardPhase::Downloading));
+        assert!(shards.failures.lock().unwrap().is_empty());
         // The load's own failure: Failed, recorded.
-        fail(Over::Load);
+        fail(Over::Load(claim));
         assert_eq!(phase(&shards, &k), Some(ShardPhase::Failed));
         let record = shards.failures.lock().unwrap()[&k].clone();
         assert_eq!(record.last_failure.as_deref(), Some("StageCrashed: x"));
@@ -260,7 +252,7 @@ mod tests {
         let (shards, metrics, sources) = (
             ShardSet::new("127.0.0.1:1"),
             Metrics::new(),
-            sources(dir.path()),
+            test_sources(dir.path()),
         );
         let mut shard = shardplane_testkit::fixtures::shard(
             "d",

@@ -19,7 +19,8 @@ use shardplane_engine::{LoadOptions, StageLayout};
 use super::healing::stage_crashed;
 use super::kv_room::{self, KvRoom};
 use super::{
-    Key, ServedStage, ShardSet, Sources, crd_engine, fetch, key, owned, put_phase, report, tensor,
+    Claim, Key, ServedStage, ShardSet, Sources, crd_engine, fetch, key, owned, put_phase,
+    report_claimed, tensor,
 };
 use crate::cache::Failure;
 use crate::kv_budget::KvCost;
@@ -27,10 +28,11 @@ use crate::metrics::Metrics;
 use crate::scheduler::Budget;
 use crate::stage::{OnCrash, StageWorker};
 
-/// Fetches and loads a shard; returns what it holds.
+/// Fetches and loads a shard under `claim`; returns what it holds. What
+/// it loaded is served only while the claim stands (else `ShardGone`).
 pub(super) async fn bring_up(
     client: &Client,
-    shard: &Shard,
+    (shard, claim): (&Shard, Claim),
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
@@ -46,30 +48,27 @@ pub(super) async fn bring_up(
         observed_generation: shard.metadata.generation,
         ..Default::default()
     };
-    report(
+    report_claimed(
         client,
         shards,
-        &k,
+        (&k, claim),
         status(ShardPhase::Downloading, "checking the weights".into()),
     );
-    let path = fetch::fetch(client, shards, shard, sources, metrics).await?;
+    let path = fetch::fetch(client, shards, (shard, claim), sources, metrics).await?;
 
     // Loading only while the claim stands: a Shard unloaded (deleted,
     // moved) while its weights came is not brought back.
     {
         let mut phases = shards.phases.lock().expect("phase lock");
-        if phases.get(&k) != Some(&ShardPhase::Downloading) {
-            return Err(Failure {
-                reason: "ShardGone",
-                message: "the Shard went while its weights were fetched".into(),
-            });
+        if phases.get(&k) != Some(&ShardPhase::Downloading) || !shards.claimed(&phases, &k, claim) {
+            return Err(gone());
         }
         put_phase(&mut phases, metrics, &k, Some(ShardPhase::Loading));
     }
-    report(
+    report_claimed(
         client,
         shards,
-        &k,
+        (&k, claim),
         status(
             ShardPhase::Loading,
             format!("loading layers {}", shard.spec.layers),
@@ -100,51 +99,52 @@ pub(super) async fn bring_up(
             let (engine, text) = load(path, spec, engine_kind, prefix_cache_bytes).await?;
             (engine, text, None)
         }
-        Some(_) => match tensor::load_and_join(client, shard, shards, sources, path).await? {
-            tensor::Joined::Leads {
-                stage,
-                text,
-                mesh,
-                endpoint,
-                spec,
-                generation: joined,
-            } => {
-                joined_spec = spec;
-                generation = joined;
-                (stage, text, Some((mesh, endpoint)))
-            }
-            tensor::Joined::Follows {
-                stage,
-                mesh,
-                endpoint,
-                spec,
-                generation,
-            } => {
-                let bytes = stage.weight_bytes();
-                metrics.weight_bytes.add(bytes as i64);
-                let rank = tensor::Rank {
-                    mesh: mesh.clone(),
+        Some(_) => {
+            match tensor::load_and_join(client, (shard, claim), shards, sources, path).await? {
+                tensor::Joined::Leads {
+                    stage,
+                    text,
+                    mesh,
+                    endpoint,
                     spec,
-                    follower_bytes: Some(bytes),
-                };
-                // Kept before its mesh is watched: a break then finds it.
-                put_rank(&k, rank, shards, metrics, sources);
-                watch_group(client, &k, generation, &mesh, shards, metrics, sources);
-                if let Err(e) = tensor::follow(stage, mesh.clone(), &k.1) {
-                    // Handled as any break (the rank let go of, the Shard
-                    // failed and tried again), not left kept and idle.
-                    mesh.break_with(&format!("cannot start the rank's thread: {e}"));
+                    generation: joined,
+                } => {
+                    joined_spec = spec;
+                    generation = joined;
+                    (stage, text, Some((mesh, endpoint)))
                 }
-                return Ok(Loaded {
-                    bytes: bytes as u64,
-                    kv_budget_tokens: 0,
-                    engine: Engine::Candle,
-                    tensor_endpoint: Some(endpoint),
+                tensor::Joined::Follows {
+                    stage,
+                    mesh,
+                    endpoint,
+                    spec,
                     generation,
-                    follows: true,
-                });
+                } => {
+                    let bytes = stage.weight_bytes();
+                    let rank = tensor::Rank {
+                        mesh: mesh.clone(),
+                        spec,
+                        follower_bytes: Some(bytes),
+                    };
+                    // Kept before its mesh is watched: a break then finds it.
+                    put_loaded((&k, claim), (Some(rank), None), shards, metrics, sources)?;
+                    watch_group(client, &k, generation, &mesh, shards, metrics, sources);
+                    if let Err(e) = tensor::follow(stage, mesh.clone(), &k.1) {
+                        // Handled as any break (the rank let go of, the Shard
+                        // failed and tried again), not left kept and idle.
+                        mesh.break_with(&format!("cannot start the rank's thread: {e}"));
+                    }
+                    return Ok(Loaded {
+                        bytes: bytes as u64,
+                        kv_budget_tokens: 0,
+                        engine: Engine::Candle,
+                        tensor_endpoint: Some(endpoint),
+                        generation,
+                        follows: true,
+                    });
+                }
             }
-        },
+        }
     };
     let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
     // Sliding layers hold at most their kept rows of a sequence: each
@@ -206,7 +206,6 @@ pub(super) async fn bring_up(
         );
     }
     let bytes = worker.weight_bytes;
-    metrics.weight_bytes.add(bytes as i64);
     let loaded = Loaded {
         bytes: bytes as u64,
         kv_budget_tokens: budget,
@@ -222,21 +221,20 @@ pub(super) async fn bring_up(
         worker,
         text,
     });
-    // A leader's rank is kept before its stage, so that its old group
+    // A leader's rank is kept with its stage, so that its old group
     // breaking meanwhile cannot take the new stage with it.
-    if let Some((mesh, _)) = &tensor {
-        let rank = tensor::Rank {
-            mesh: mesh.clone(),
-            spec: joined_spec,
-            follower_bytes: None,
-        };
-        put_rank(&k, rank, shards, metrics, sources);
-    }
-    let replaced = shards
-        .loaded
-        .lock()
-        .expect("shard set lock")
-        .insert(k.clone(), served.clone());
+    let rank = tensor.as_ref().map(|(mesh, _)| tensor::Rank {
+        mesh: mesh.clone(),
+        spec: joined_spec,
+        follower_bytes: None,
+    });
+    put_loaded(
+        (&k, claim),
+        (rank, Some(served.clone())),
+        shards,
+        metrics,
+        sources,
+    )?;
     if let Some((mesh, _)) = &tensor {
         watch_group(client, &k, generation, mesh, shards, metrics, sources);
     }
@@ -247,13 +245,15 @@ pub(super) async fn bring_up(
         room,
         kv_room::INTERVAL,
     ));
-    // A new spec (other layers, another template) replaced a loaded stage:
-    // its sequences finish on the old one, which then goes.
-    if let Some(old) = replaced {
-        metrics.weight_bytes.sub(old.worker.weight_bytes as i64);
-        sources.cache.unpin(&old.spec.source.cache_key());
-    }
     Ok(loaded)
+}
+
+/// A load's failure when its Shard went (or was claimed anew) meanwhile.
+fn gone() -> Failure {
+    Failure {
+        reason: "ShardGone",
+        message: "the Shard went while it loaded".into(),
+    }
 }
 
 /// What a loaded stage reports.
@@ -341,22 +341,50 @@ pub(super) fn load_failure(e: shardplane_engine::Error) -> Failure {
     }
 }
 
-/// Keeps `rank` as Shard `k`'s; one it replaces is let go of (its mesh
-/// closed; a follower's weights and cache pin released), and a leader's
-/// stage when the Shard now follows.
-pub(super) fn put_rank(
-    k: &Key,
-    rank: tensor::Rank,
+/// Keeps what a load under `claim` brought up as Shard `k`'s — a tensor
+/// `rank` and, unless it follows, a `stage` — while the claim stands (else
+/// `ShardGone`, a rank's mesh closed; the Shard was unloaded, perhaps
+/// claimed anew, meanwhile). What they replace is let go of: a rank's
+/// mesh closed, a follower's weights and cache pin released, a stage's
+/// (a new spec's stage replaced it, its sequences finish on it, or the
+/// Shard now follows).
+pub(super) fn put_loaded(
+    (k, claim): (&Key, Claim),
+    (rank, stage): (Option<tensor::Rank>, Option<Arc<ServedStage>>),
     shards: &ShardSet,
     metrics: &Metrics,
     sources: &Sources,
-) {
-    let follows = rank.follower_bytes.is_some();
-    let old = shards
-        .ranks
-        .lock()
-        .expect("rank lock")
-        .insert(k.clone(), rank);
+) -> Result<(), Failure> {
+    let follows = rank.as_ref().is_some_and(|r| r.follower_bytes.is_some());
+    let bytes = match (&stage, &rank) {
+        (Some(stage), _) => stage.worker.weight_bytes,
+        (None, Some(rank)) => rank.follower_bytes.unwrap_or(0),
+        (None, None) => 0,
+    };
+    let (old, led) = {
+        let mut ranks = shards.ranks.lock().expect("rank lock");
+        let phases = shards.phases.lock().expect("phase lock");
+        if !shards.claimed(&phases, k, claim) {
+            if let Some(rank) = rank {
+                rank.mesh.close();
+            }
+            return Err(gone());
+        }
+        // A stage that is no tensor rank replaces the rank it was.
+        let old = match rank {
+            Some(rank) => ranks.insert(k.clone(), rank),
+            None => ranks.remove(k),
+        };
+        let mut loaded = shards.loaded.lock().expect("shard set lock");
+        let led = match stage {
+            Some(stage) => loaded.insert(k.clone(), stage),
+            None if follows => loaded.remove(k),
+            None => None,
+        };
+        // Counted before an unload can take it out again.
+        metrics.weight_bytes.add(bytes as i64);
+        (old, led)
+    };
     if let Some(old) = old {
         old.mesh.close();
         if let Some(bytes) = old.follower_bytes {
@@ -364,15 +392,15 @@ pub(super) fn put_rank(
             metrics.weight_bytes.sub(bytes as i64);
         }
     }
-    let led = follows
-        .then(|| shards.loaded.lock().expect("shard set lock").remove(k))
-        .flatten();
     if let Some(stage) = led {
         sources.cache.unpin(&stage.spec.source.cache_key());
         metrics.weight_bytes.sub(stage.worker.weight_bytes as i64);
-        // Its stage's series go with it (a follower serves none).
-        metrics.forget_shard(&stage.name);
+        // Its stage's series go with it when a follower serves none.
+        if follows {
+            metrics.forget_shard(&stage.name);
+        }
     }
+    Ok(())
 }
 
 /// Fails Shard `k` when its tensor group's `mesh` breaks.
@@ -401,4 +429,109 @@ pub(super) fn watch_group(
             &sources,
         );
     }));
+}
+
+#[cfg(test)]
+mod tests {
+    use shardplane_crds::LayerRange;
+
+    use super::super::{set_phase, test_sources, unload};
+    use super::*;
+
+    fn stage(k: &Key) -> Arc<ServedStage> {
+        let shard = shardplane_testkit::fixtures::shard(
+            "d",
+            "node-0",
+            0,
+            2,
+            LayerRange { start: 0, end: 8 },
+        );
+        Arc::new(ServedStage {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            spec: shard.spec,
+            worker: crate::test_stage::quiet_worker(
+                &k.1,
+                Box::new(crate::test_stage::Echo::middle()),
+            ),
+            text: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_load_puts_in_its_stage_only_while_its_claim_stands() {
+        let dir = tempfile::tempdir().unwrap();
+        let (shards, metrics, sources) = (
+            ShardSet::new("127.0.0.1:1"),
+            Metrics::new(),
+            test_sources(dir.path()),
+        );
+        let k: Key = ("ns".into(), "s".into());
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        let old = shards.claim(&k);
+        // Unloaded (deleted) during the load, then claimed anew under its
+        // name: the old load's stage is refused, the Shard left to the
+        // new load.
+        unload(&k, &shards, &metrics, &sources.cache);
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Downloading));
+        let new = shards.claim(&k);
+        let put = |claim, s| put_loaded((&k, claim), (None, Some(s)), &shards, &metrics, &sources);
+        let refused = put(old, stage(&k)).expect_err("a stale claim put its stage in");
+        assert_eq!(refused.reason, "ShardGone");
+        assert!(shards.served(&k.0, &k.1).is_none());
+        // The new load's stage goes in; the claim's phase is the load's.
+        let mine = stage(&k);
+        put(new, mine.clone()).expect("the standing claim");
+        let served = shards.served(&k.0, &k.1).expect("served");
+        assert!(Arc::ptr_eq(&served, &mine));
+        // The old load, still running, cannot replace it either.
+        assert!(put(old, stage(&k)).is_err());
+        let served = shards.served(&k.0, &k.1).expect("served");
+        assert!(Arc::ptr_eq(&served, &mine));
+        // Only the standing claim's weights are counted.
+        assert_eq!(metrics.weight_bytes.get(), mine.worker.weight_bytes as i64);
+    }
+
+    #[tokio::test]
+    async fn a_stage_that_is_no_tensor_rank_replaces_the_rank_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let (shards, metrics, sources) = (
+            ShardSet::new("127.0.0.1:1"),
+            Metrics::new(),
+            test_sources(dir.path()),
+        );
+        let k: Key = ("ns".into(), "s".into());
+        set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
+        // A follower's rank, its weights counted and its model pinned.
+        let spec = stage(&k).spec.clone();
+        let mesh = crate::tensor::SharedMesh::default();
+        let rank = tensor::Rank {
+            mesh: mesh.clone(),
+            spec: spec.clone(),
+            follower_bytes: Some(1000),
+        };
+        sources.cache.pin(&spec.source.cache_key());
+        put_loaded(
+            (&k, shards.claim(&k)),
+            (Some(rank), None),
+            &shards,
+            &metrics,
+            &sources,
+        )
+        .expect("the follower's rank");
+        assert_eq!(metrics.weight_bytes.get(), 1000);
+        // Its spec changes to a stage of its own: the rank goes with its
+        // weights, so a later break of its old group finds nothing here.
+        let mine = stage(&k);
+        put_loaded(
+            (&k, shards.claim(&k)),
+            (None, Some(mine.clone())),
+            &shards,
+            &metrics,
+            &sources,
+        )
+        .expect("the stage");
+        assert!(shards.ranks.lock().unwrap().get(&k).is_none());
+        assert_eq!(metrics.weight_bytes.get(), mine.worker.weight_bytes as i64);
+    }
 }

@@ -36,10 +36,17 @@ mod tensor;
 use decide::{Decision, End, Origin, decide, ended, load_failed};
 use healing::{Over, fail_shard};
 use load::{bring_up, layout_and_options, load_failure, with_template};
-use status::{reassert, report, report_seen};
+use status::{reassert, report, report_claimed, report_seen};
 
 /// A Shard's key: `namespace/name`.
 type Key = (String, String);
+
+/// One load's claim on a Shard ([`decide`]): a Shard unloaded during a
+/// load and claimed again (deleted and created again under its name,
+/// moved away and back) is claimed anew, so that the old load, still
+/// running, cannot end over the new one's phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Claim(u64);
 
 /// A tensor rank's listener and its `host:port` as its group reaches it.
 type MeshListener = (Arc<std::net::TcpListener>, String);
@@ -73,6 +80,9 @@ pub struct ShardSet {
     loaded: Arc<Mutex<BTreeMap<Key, Arc<ServedStage>>>>,
     phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
     failures: Arc<Mutex<BTreeMap<Key, retry::Record>>>,
+    /// The claim of each load under way (set and read under the phase
+    /// lock) and the next one's number.
+    claims: Arc<Mutex<(BTreeMap<Key, Claim>, u64)>>,
     /// The status each Shard should show; one task per Shard writes it.
     statuses: Arc<Mutex<BTreeMap<Key, watch::Sender<ShardStatus>>>>,
     /// Ranks of tensor groups: their meshes (leaders' and followers').
@@ -93,6 +103,7 @@ impl ShardSet {
             loaded: Arc::default(),
             phases: Arc::default(),
             failures: Arc::default(),
+            claims: Arc::default(),
             statuses: Arc::default(),
             ranks: Arc::default(),
             listeners: Arc::default(),
@@ -102,8 +113,14 @@ impl ShardSet {
     }
 
     /// The listener Shard `k`'s tensor group reaches it at (bound on every
-    /// interface on first use) and its `host:port` as peers reach it.
-    fn mesh_listener(&self, k: &Key) -> std::io::Result<MeshListener> {
+    /// interface on first use) and its `host:port` as peers reach it, for
+    /// the load that made `claim` while it stands (a load whose Shard went
+    /// meanwhile keeps none for it).
+    fn mesh_listener(&self, k: &Key, claim: Claim) -> std::io::Result<MeshListener> {
+        let phases = self.phases.lock().expect("phase lock");
+        if !self.claimed(&phases, k, claim) {
+            return Err(std::io::Error::other("the Shard went while it loaded"));
+        }
         let mut listeners = self.listeners.lock().expect("listener lock");
         if let Some((l, e)) = listeners.get(k) {
             return Ok((l.clone(), e.clone()));
@@ -123,6 +140,33 @@ impl ShardSet {
         let entry = (Arc::new(listener), endpoint);
         listeners.insert(k.clone(), entry.clone());
         Ok(entry)
+    }
+
+    /// Claims a load of Shard `k` (the caller holds the phase lock and
+    /// sets it Downloading).
+    fn claim(&self, k: &Key) -> Claim {
+        let mut claims = self.claims.lock().expect("claim lock");
+        claims.1 += 1;
+        let claim = Claim(claims.1);
+        claims.0.insert(k.clone(), claim);
+        claim
+    }
+
+    /// Whether the load that made `claim` still stands for Shard `k`:
+    /// its phase one of a load, and no newer load claimed it since (the
+    /// caller holds the phase lock, `phases`).
+    fn claimed(&self, phases: &BTreeMap<Key, ShardPhase>, k: &Key, claim: Claim) -> bool {
+        matches!(
+            phases.get(k),
+            Some(ShardPhase::Downloading | ShardPhase::Loading)
+        ) && self.owns(k, claim)
+    }
+
+    /// Whether `claim` is the newest claim on Shard `k` (the caller holds
+    /// the phase lock): no other load claimed it since, whatever its
+    /// phase now.
+    fn owns(&self, k: &Key, claim: Claim) -> bool {
+        self.claims.lock().expect("claim lock").0.get(k) == Some(&claim)
     }
 
     /// Remembers `shard`, passed over while a load of it runs (the caller
@@ -392,15 +436,37 @@ fn key(s: &Shard) -> Key {
     (s.namespace().unwrap_or_default(), s.name_any())
 }
 
-/// Sets Shard `key`'s phase (tests; the code sets it under locks it holds).
+/// Sets Shard `key`'s phase (tests; the code sets it under locks it holds);
+/// none: its claim goes too, as [`take`] does.
 #[cfg(test)]
 fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
+    if phase.is_none() {
+        shards.claims.lock().expect("claim lock").0.remove(key);
+    }
     put_phase(
         &mut shards.phases.lock().expect("phase lock"),
         metrics,
         key,
         phase,
     );
+}
+
+/// Sources for tests: a cache in `dir`, nothing else to fetch from.
+#[cfg(test)]
+fn test_sources(dir: &std::path::Path) -> Sources {
+    let http = shardplane_models::http_client().expect("http client");
+    Sources {
+        cache: Cache::new(dir.into(), http).expect("cache"),
+        hugging_face_endpoint: String::new(),
+        peers: None,
+        engine: EngineKind::Candle,
+        budget: crate::scheduler::Budget::default(),
+        prefix_cache_bytes: 0,
+        memory_reserve: 0,
+        directory: kube::runtime::reflector::store::Writer::default().as_reader(),
+        token: shardplane_dataplane::Token::random().expect("token"),
+        tls: None,
+    }
 }
 
 /// Sets Shard `key`'s phase in `phases` (locked by the caller), and the
@@ -449,6 +515,16 @@ pub(super) struct Taken {
     stage: Option<Arc<ServedStage>>,
 }
 
+impl Taken {
+    /// Nothing taken.
+    fn none() -> Self {
+        Taken {
+            rank: None,
+            stage: None,
+        }
+    }
+}
+
 /// Takes everything of Shard `key` out of the set, under the rank and
 /// phase locks (so that a Shard of the same name arriving meanwhile keeps
 /// what it claims). Its status writer writes what it was last given, then
@@ -464,6 +540,7 @@ fn take(
     shards.statuses.lock().expect("status lock").remove(key);
     shards.listeners.lock().expect("listener lock").remove(key);
     shards.skipped.lock().expect("skipped lock").remove(key);
+    shards.claims.lock().expect("claim lock").0.remove(key);
     let taken = Taken {
         rank: ranks.remove(key),
         stage: shards.loaded.lock().expect("shard set lock").remove(key),
@@ -504,7 +581,7 @@ fn ensure(
 ) {
     let k = key(&shard);
     let layers = (shard.spec.layers.start, shard.spec.layers.end);
-    match decide(shards, metrics, &shard, origin) {
+    let claim = match decide(shards, metrics, &shard, origin) {
         Decision::Kept { changed } => {
             if changed {
                 tracing::info!(
@@ -519,14 +596,14 @@ fn ensure(
             return;
         }
         Decision::PassedOver | Decision::Left => return,
-        Decision::Load => {}
-    }
+        Decision::Load(claim) => claim,
+    };
     // The weights stay in the cache while the shard runs.
     let cache_key = shard.spec.source.cache_key();
     sources.cache.pin(&cache_key);
     let (client, shards, metrics, sources) = owned(client, shards, metrics, sources);
     tokio::spawn(async move {
-        match bring_up(&client, &shard, &shards, &metrics, &sources).await {
+        match bring_up(&client, (&shard, claim), &shards, &metrics, &sources).await {
             Ok(loaded) => {
                 let message = match &shard.spec.tensor {
                     Some(t) => format!(
@@ -558,7 +635,7 @@ fn ensure(
                 let end = ended(
                     &shards,
                     &metrics,
-                    &k,
+                    (&k, claim),
                     (shard.spec.tensor.is_some(), loaded.follows),
                     || report(&client, &shards, &k, status),
                 );
@@ -598,7 +675,7 @@ fn ensure(
                         &client,
                         k.clone(),
                         loaded.generation,
-                        (f, Over::Load),
+                        (f, Over::Load(claim)),
                         &shards,
                         &metrics,
                         &sources,
@@ -615,7 +692,7 @@ fn ensure(
             }
             Err(f) => {
                 sources.cache.unpin(&cache_key);
-                let (old, here) = load_failed(&shards, &metrics, &k);
+                let (old, here) = load_failed(&shards, &metrics, (&k, claim));
                 let_go(&k, old, &metrics, &sources.cache);
                 if !here {
                     tracing::info!(shard = %k.1, namespace = %k.0, "the shard went while it loaded");
@@ -626,7 +703,7 @@ fn ensure(
                     &client,
                     k.clone(),
                     generation,
-                    (f, Over::Load),
+                    (f, Over::Load(claim)),
                     &shards,
                     &metrics,
                     &sources,

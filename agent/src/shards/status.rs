@@ -11,7 +11,7 @@ use kube::{Api, Client};
 use shardplane_crds::{AGENT_MANAGER, Shard, ShardPhase, ShardStatus};
 use tokio::sync::watch;
 
-use super::{Key, ShardSet};
+use super::{Claim, Key, ShardSet};
 
 /// Sets the status Shard `k` should show. Its one writer applies the latest
 /// status in order; one superseded before it could be written is skipped.
@@ -26,6 +26,21 @@ pub(super) fn report(client: &Client, shards: &ShardSet, k: &Key, status: ShardS
             statuses.insert(k.clone(), tx);
             tokio::spawn(status_writer(client.clone(), shards.clone(), k.clone(), rx));
         }
+    }
+}
+
+/// [`report`], while the load that made `claim` still stands for Shard
+/// `k`: a load whose Shard went (or was claimed anew) meanwhile reports
+/// nothing over what is there now.
+pub(super) fn report_claimed(
+    client: &Client,
+    shards: &ShardSet,
+    (k, claim): (&Key, Claim),
+    status: ShardStatus,
+) {
+    let phases = shards.phases.lock().expect("phase lock");
+    if shards.claimed(&phases, k, claim) {
+        report(client, shards, k, status);
     }
 }
 

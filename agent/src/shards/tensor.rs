@@ -29,7 +29,7 @@ use shardplane_engine::Stage;
 use shardplane_engine::pipeline::{TextModel, load_tensor_rank};
 use shardplane_engine::tensor::TensorGroup;
 
-use super::{Key, ShardSet, Sources, key, report};
+use super::{Key, ShardSet, Sources, key, report_claimed};
 use crate::cache::Failure;
 use crate::metrics::Metrics;
 use crate::tensor::{MeshFollowers, SharedMesh};
@@ -82,7 +82,7 @@ pub(super) enum Joined {
 /// its group.
 pub(super) async fn load_and_join(
     client: &Client,
-    shard: &Shard,
+    (shard, claim): (&Shard, super::Claim),
     shards: &ShardSet,
     sources: &Sources,
     path: std::path::PathBuf,
@@ -93,7 +93,7 @@ pub(super) async fn load_and_join(
         reason: "InvalidSpec",
         message: "not a tensor rank".into(),
     })?;
-    let (listener, endpoint) = shards.mesh_listener(&k).map_err(|e| Failure {
+    let (listener, endpoint) = shards.mesh_listener(&k, claim).map_err(|e| Failure {
         reason: "TensorGroupIncomplete",
         message: format!("cannot listen for the tensor group: {e}"),
     })?;
@@ -125,7 +125,7 @@ pub(super) async fn load_and_join(
         observed_generation: shard.metadata.generation,
         ..Default::default()
     };
-    report(client, shards, &k, waiting);
+    report_claimed(client, shards, (&k, claim), waiting);
     let (joined, spec, generation) = join(shard, listener, sources).await?;
     mesh.set(Some(joined));
     if rank == 0 {
