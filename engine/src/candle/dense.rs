@@ -24,7 +24,6 @@
 
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Module, Storage, Tensor};
-use rayon::prelude::*;
 
 use super::kv::dot;
 use crate::error::Result;
@@ -40,16 +39,15 @@ pub(super) fn times_transposed(x: &[f32], w: &[f32], k: usize) -> Vec<f32> {
         return Vec::new();
     }
     let (rows, n) = (x.len() / k, w.len() / k);
-    let blocks: Vec<Vec<f32>> = w
-        .par_chunks(COLUMNS * k)
-        .map(|columns| {
-            let mut out = Vec::with_capacity(rows * columns.len() / k);
-            for row in x.chunks_exact(k) {
-                out.extend(columns.chunks_exact(k).map(|column| dot(row, column)));
-            }
-            out
-        })
-        .collect();
+    let columns: Vec<&[f32]> = w.chunks(COLUMNS * k).collect();
+    let blocks: Vec<Vec<f32>> = super::pool::run(columns.len(), |b| {
+        let columns = columns[b];
+        let mut out = Vec::with_capacity(rows * columns.len() / k);
+        for row in x.chunks_exact(k) {
+            out.extend(columns.chunks_exact(k).map(|column| dot(row, column)));
+        }
+        out
+    });
     let mut y = vec![0f32; rows * n];
     for (b, block) in blocks.iter().enumerate() {
         let width = block.len() / rows.max(1);

@@ -24,8 +24,6 @@
 //! costs the arithmetic and not the bookkeeping. A prompt's rows take the
 //! same loop, so a row's result never depends on what runs beside it.
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 
 /// One layer's keys and values of one sequence.
@@ -187,25 +185,38 @@ pub(super) struct HeadShape {
 /// read once for all of them rather than once per row.
 const BLOCK_ROWS: usize = 16;
 
+/// Keys a piece takes at most: a row's keys are cut at the multiples of
+/// this (of their positions) and the pieces' softmaxes merged in position
+/// order, so one long sequence's attention is spread over the threads, and
+/// how a row is cut depends neither on what runs beside it nor on what a
+/// sliding layer forgot.
+const KEY_CHUNK: usize = 256;
+
 /// Attention of query rows (of any sequences, several per sequence when a
 /// prompt runs) against their caches, written into `out` (`rows × heads ×
-/// value dim`): threads take a block of rows at a time (a decoding
+/// value dim`). Work comes in units: a block of rows (a decoding
 /// sequence's one row, or up to [`BLOCK_ROWS`] of a prompt's) with every
 /// query head of one KV head, so each key and value is read once for all
-/// the query heads that share it — at a long context the keys and values
-/// are most of what a step reads. When that leaves fewer pieces than
-/// threads (a single sequence of a model with one KV head decoding),
-/// threads take one query head at a time instead. Each head of each row is summed in the same order whatever else
-/// runs, and either way.
+/// the query heads that share it (at a long context the keys and values
+/// are most of what a step reads). A unit runs its [`KEY_CHUNK`]s of keys
+/// in position order; when there are fewer units than threads (one long
+/// sequence decoding), its chunks run on threads of their own, merged in
+/// the same order after. When even that leaves fewer pieces than threads
+/// (a single short sequence of a model with one KV head), threads take one
+/// query head at a time. Each head of each row is summed in the same order
+/// whatever else runs, and either way.
 pub(super) fn attend_rows(
     rows: &[QueryRow<'_>],
     shape: &HeadShape,
     sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let pieces = blocks(rows).len() * shape.kv_heads;
-    let grouped = pieces >= rayon::current_num_threads();
-    attend_rows_as(rows, shape, sinks, out, grouped);
+    let threads = super::pool::threads();
+    let blocks = blocks(rows);
+    let chunks: usize = blocks.iter().map(|b| chunks(&rows[b.clone()]).len()).sum();
+    let grouped = chunks * shape.kv_heads >= threads;
+    let units = blocks.len() * if grouped { shape.kv_heads } else { shape.heads };
+    attend_rows_as(rows, shape, sinks, out, (grouped, units < threads));
 }
 
 /// Runs of consecutive rows on the same cache (one prompt's), cut short at
@@ -223,110 +234,196 @@ fn blocks(rows: &[QueryRow<'_>]) -> Vec<std::ops::Range<usize>> {
     blocks
 }
 
-/// [`attend_rows`], the query heads of a KV head taken together
-/// (`grouped`) or one by one.
+/// The chunks of keys a block's rows see, in position order.
+fn chunks(block: &[QueryRow<'_>]) -> Vec<std::ops::Range<usize>> {
+    let lo = block.iter().map(|r| r.first).min().unwrap_or(0);
+    let hi = block.iter().map(|r| r.end).max().unwrap_or(0);
+    (lo / KEY_CHUNK..hi.div_ceil(KEY_CHUNK))
+        .map(|c| (c * KEY_CHUNK).max(lo)..((c + 1) * KEY_CHUNK).min(hi))
+        .collect()
+}
+
+/// Attention over some of the keys, per (head, row), head-major: the
+/// largest score, the sum of `exp(score - max)`, and the output over those
+/// keys alone (`value dim` each: the values weighted by their softmax over
+/// them, so that a row whose keys all lie in one chunk is computed as it
+/// would be without chunks). A row that sees none of the keys has a sum of
+/// 0.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl Partial {
+    /// Over no keys, for `pairs` (head, row) pairs.
+    fn empty(pairs: usize, vd: usize) -> Partial {
+        Partial {
+            max: vec![f32::NEG_INFINITY; pairs],
+            sum: vec![0.0; pairs],
+            acc: vec![0.0; pairs * vd],
+        }
+    }
+
+    /// Takes in `other`, over later keys of the same rows and heads.
+    fn merge(&mut self, other: &Partial, vd: usize) {
+        for j in 0..self.max.len() {
+            if other.sum[j] == 0.0 {
+                continue;
+            }
+            let acc = &mut self.acc[j * vd..(j + 1) * vd];
+            let more = &other.acc[j * vd..(j + 1) * vd];
+            if self.sum[j] == 0.0 {
+                acc.copy_from_slice(more);
+                (self.max[j], self.sum[j]) = (other.max[j], other.sum[j]);
+                continue;
+            }
+            let max = self.max[j].max(other.max[j]);
+            let a = self.sum[j] * (self.max[j] - max).exp();
+            let b = other.sum[j] * (other.max[j] - max).exp();
+            let sum = a + b;
+            let (a, b) = (a / sum, b / sum);
+            for (x, y) in acc.iter_mut().zip(more) {
+                *x = *x * a + y * b;
+            }
+            (self.max[j], self.sum[j]) = (max, sum);
+        }
+    }
+}
+
+/// [`attend_rows`], the query heads of a KV head taken together or one by
+/// one (`grouped`), a unit's chunks on threads of their own or not
+/// (`split`).
 fn attend_rows_as(
     rows: &[QueryRow<'_>],
     shape: &HeadShape,
     sinks: Option<&[f32]>,
     out: &mut [f32],
-    grouped: bool,
+    (grouped, split): (bool, bool),
 ) {
     let (heads, vd) = (shape.heads, shape.value_dim);
     let rep = heads / shape.kv_heads;
     debug_assert_eq!(out.len(), rows.len() * heads * vd);
     let blocks = blocks(rows);
-    // Each piece: a block and the query heads it computes (of one KV head).
-    let per_piece = if grouped { rep } else { 1 };
-    let units: Vec<(usize, std::ops::Range<usize>)> = (0..blocks.len())
-        .flat_map(|b| {
-            (0..heads)
-                .step_by(per_piece)
-                .map(move |h| (b, h..h + per_piece))
-        })
-        .collect();
-    let results: Vec<Vec<f32>> = units
-        .par_iter()
-        .map(|(b, hs)| {
-            let block = &rows[blocks[*b].clone()];
-            // Head by head, each head's rows in order.
-            let mut o = vec![0f32; hs.len() * block.len() * vd];
-            attend_block(block, hs.clone(), hs.start / rep, shape, sinks, &mut o);
-            o
-        })
-        .collect();
-    for ((b, hs), o) in units.iter().zip(&results) {
-        for (j, head) in hs.clone().enumerate() {
-            for (i, r) in blocks[*b].clone().enumerate() {
-                let at = (r * heads + head) * vd;
-                let from = (j * blocks[*b].len() + i) * vd;
-                out[at..at + vd].copy_from_slice(&o[from..from + vd]);
+    let per_unit = if grouped { rep } else { 1 };
+    // Units (a block and the first of its query heads), and the chunks of
+    // keys each task takes of its unit: all of them, or one.
+    let mut units = Vec::new();
+    let mut tasks = Vec::new();
+    for (b, range) in blocks.iter().enumerate() {
+        let chunks = chunks(&rows[range.clone()]);
+        for h in (0..heads).step_by(per_unit) {
+            match split {
+                true => tasks.extend(chunks.iter().map(|c| (units.len(), vec![c.clone()]))),
+                false => tasks.push((units.len(), chunks.clone())),
+            }
+            units.push((b, h));
+        }
+    }
+    let partials: Vec<Partial> = super::pool::run(tasks.len(), |task| {
+        let (u, chunks) = &tasks[task];
+        let (b, h) = units[*u];
+        let block = &rows[blocks[b].clone()];
+        let mut whole = Partial::empty(per_unit * block.len(), vd);
+        for keys in chunks {
+            let part = attend_block(block, (h..h + per_unit, h / rep), keys.clone(), shape);
+            whole.merge(&part, vd);
+        }
+        whole
+    });
+    // Each unit's tasks merged in position order, then the sink (a logit
+    // per head that joins the softmax without a value).
+    out.fill(0.0);
+    let mut at = 0;
+    for (u, &(b, h)) in units.iter().enumerate() {
+        let n = blocks[b].len();
+        let mut whole = Partial::empty(per_unit * n, vd);
+        while at < tasks.len() && tasks[at].0 == u {
+            whole.merge(&partials[at], vd);
+            at += 1;
+        }
+        for j in 0..per_unit * n {
+            let (head, r) = (h + j / n, blocks[b].start + j % n);
+            let (max, sum) = (whole.max[j], whole.sum[j]);
+            if sum == 0.0 {
+                continue;
+            }
+            let to = &mut out[(r * heads + head) * vd..(r * heads + head + 1) * vd];
+            let acc = &whole.acc[j * vd..(j + 1) * vd];
+            match sinks.map(|s| s[head]) {
+                // The sink's share of the softmax goes to no value.
+                Some(sink) => {
+                    let top = max.max(sink);
+                    let kept = sum * (max - top).exp();
+                    let share = kept / (kept + (sink - top).exp());
+                    for (o, a) in to.iter_mut().zip(acc) {
+                        *o = a * share;
+                    }
+                }
+                None => to.copy_from_slice(acc),
             }
         }
     }
 }
 
-/// Query heads `heads` (all of KV head `group`) of a block of rows on one
-/// cache, into `out` (`heads × rows × value dim`); `sinks`, a logit per head
-/// that joins the softmax without a value. Each row's scores, softmax and
-/// weighted sum run in key order, exactly as they would for the row and the
-/// head alone; each key and value is read once for all of them.
+/// Query heads `heads` (of KV head `group`) of a block of rows on one
+/// cache against the keys `keys`: each row's scores, softmax terms and
+/// weighted values in key order, exactly as they would be for the row and
+/// the head alone; each key and value read once for all of them.
 fn attend_block(
     block: &[QueryRow<'_>],
-    heads: std::ops::Range<usize>,
-    group: usize,
+    (heads, group): (std::ops::Range<usize>, usize),
+    keys: std::ops::Range<usize>,
     shape: &HeadShape,
-    sinks: Option<&[f32]>,
-    out: &mut [f32],
-) {
+) -> Partial {
     let (kv, hd, vd) = (block[0].kv, shape.head_dim, shape.value_dim);
     let n = block.len();
     let at = |t: usize| kv.at(t) + group * hd;
-    let lo = block.iter().map(|r| r.first).min().unwrap_or(0);
-    let hi = block.iter().map(|r| r.end).max().unwrap_or(0);
-    // (head, row) pairs, head-major as `out` is laid out.
+    // (head, row) pairs, head-major; the keys each row sees of the chunk.
     let qs: Vec<&[f32]> = heads
         .clone()
         .flat_map(|h| block.iter().map(move |r| &r.q[h * hd..(h + 1) * hd]))
         .collect();
+    let seen: Vec<std::ops::Range<usize>> = block
+        .iter()
+        .map(|r| r.first.max(keys.start)..r.end.min(keys.end))
+        .collect();
     let mut scores: Vec<Vec<f32>> = heads
         .clone()
-        .flat_map(|_| block.iter().map(|r| Vec::with_capacity(r.end - r.first)))
+        .flat_map(|_| seen.iter().map(|s| Vec::with_capacity(s.len())))
         .collect();
-    for t in lo..hi {
+    for t in keys.clone() {
         let k = &kv.k[at(t)..at(t) + hd];
         for (j, (q, s)) in qs.iter().zip(scores.iter_mut()).enumerate() {
-            let r = &block[j % n];
-            if r.first <= t && t < r.end {
+            if seen[j % n].contains(&t) {
                 s.push(dot(q, k) * shape.scale);
             }
         }
     }
-    let mut sums = Vec::with_capacity(scores.len());
+    let mut part = Partial::empty(scores.len(), vd);
     for (j, s) in scores.iter_mut().enumerate() {
-        let sink = sinks.map(|sinks| sinks[heads.start + j / n]);
-        let max = s
-            .iter()
-            .copied()
-            .chain(sink)
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = sink.map_or(0.0, |x| (x - max).exp());
+        if s.is_empty() {
+            continue;
+        }
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
         for x in s.iter_mut() {
             *x = (*x - max).exp();
             sum += *x;
         }
-        sums.push(sum);
+        (part.max[j], part.sum[j]) = (max, sum);
     }
-    out.fill(0.0);
-    for t in lo..hi {
+    for t in keys {
         let v = kv.value(t, group, vd);
-        for (j, (s, sum)) in scores.iter().zip(&sums).enumerate() {
-            let r = &block[j % n];
-            if r.first <= t && t < r.end {
-                axpy(s[t - r.first] / sum, v, &mut out[j * vd..(j + 1) * vd]);
+        for (j, s) in scores.iter().enumerate() {
+            let seen = &seen[j % n];
+            if seen.contains(&t) {
+                let weight = s[t - seen.start] / part.sum[j];
+                axpy(weight, v, &mut part.acc[j * vd..(j + 1) * vd]);
             }
         }
     }
+    part
 }
 
 /// `a · b`, in eight lanes the compiler keeps in one vector register.
@@ -431,6 +528,8 @@ mod tests {
             (2, 37 - 8, 37),
             (1, 0, 120),
             (1, 100, 121),
+            // Across the cut between two chunks of keys.
+            (1, 250, 270),
         ];
         let qs: Vec<Vec<f32>> = (0..spans.len())
             .map(|s| values(heads * hd, 99 + s as u32))
@@ -459,14 +558,15 @@ mod tests {
             attend_rows(&rows, &shape, sinks, &mut out);
             // The query heads of a KV head taken together or one by one:
             // the same bits.
-            for grouped in [false, true] {
+            // A unit's chunks on threads of their own or not: the same bits.
+            for ways in [(false, false), (false, true), (true, false), (true, true)] {
                 let mut again = vec![f32::NAN; out.len()];
-                attend_rows_as(&rows, &shape, sinks, &mut again, grouped);
+                attend_rows_as(&rows, &shape, sinks, &mut again, ways);
                 let same = again
                     .iter()
                     .zip(&out)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "grouped {grouped}, sinks {sinks:?}");
+                assert!(same, "grouped, split {ways:?}, sinks {sinks:?}");
             }
             for (s, &(c, first, end)) in spans.iter().enumerate() {
                 let want = reference(
@@ -549,11 +649,12 @@ mod tests {
 
     #[test]
     fn a_row_does_not_depend_on_the_rows_beside_it() {
-        let (heads, kv_heads, hd) = (6, 2, 16);
+        // Past a cut between chunks of keys, with and without sinks.
+        let (heads, kv_heads, hd, n) = (6, 2, 16, 300);
         let mut kv = LayerKv::new(kv_heads * hd);
-        kv.append(&values(50 * 32, 3), &values(50 * 32, 4), 16)
+        kv.append(&values(n * 32, 3), &values(n * 32, 4), 16)
             .unwrap();
-        let qs: Vec<Vec<f32>> = (0..50).map(|i| values(heads * hd, 7 + i)).collect();
+        let qs: Vec<Vec<f32>> = (0..n).map(|i| values(heads * hd, 7 + i as u32)).collect();
         let shape = HeadShape {
             heads,
             kv_heads,
@@ -567,19 +668,24 @@ mod tests {
             first: 0,
             end: i + 1,
         };
-        // All 50 rows of a prompt at once, against row 40 alone.
-        let all: Vec<QueryRow> = (0..50).map(row).collect();
-        let mut together = vec![0f32; 50 * heads * hd];
-        attend_rows(&all, &shape, None, &mut together);
-        let mut alone = vec![0f32; heads * hd];
-        attend_rows(&[row(40)], &shape, None, &mut alone);
+        let sinks: Vec<f32> = (0..heads).map(|h| h as f32 - 2.0).collect();
+        // All the rows of a prompt at once, against rows alone (one before
+        // the cut, one on it, one past it).
+        let all: Vec<QueryRow> = (0..n).map(row).collect();
         let width = heads * hd;
-        assert_eq!(
-            together[40 * width..41 * width]
-                .iter()
-                .map(|x| x.to_bits())
-                .collect::<Vec<_>>(),
-            alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
+        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for sinks in [None, Some(sinks.as_slice())] {
+            let mut together = vec![0f32; n * width];
+            attend_rows(&all, &shape, sinks, &mut together);
+            for i in [40, 255, 256, 270] {
+                let mut alone = vec![0f32; width];
+                attend_rows(&[row(i)], &shape, sinks, &mut alone);
+                assert_eq!(
+                    bits(&together[i * width..(i + 1) * width]),
+                    bits(&alone),
+                    "row {i}, sinks {sinks:?}"
+                );
+            }
+        }
     }
 }

@@ -20,6 +20,7 @@ mod dense;
 mod kv;
 mod latent;
 mod moe;
+mod pool;
 mod safetensors;
 mod weights;
 
