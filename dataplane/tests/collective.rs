@@ -1,6 +1,7 @@
 //! The tensor group's all-reduce over real TCP sockets: sums in rank order,
 //! large frames both ways at once, peers that cannot prove the token or
-//! belong to another group refused, ranks out of step named.
+//! belong to another group refused, strangers unable to hold a join up,
+//! ranks out of step named.
 
 use std::net::TcpListener;
 use std::time::Duration;
@@ -110,8 +111,9 @@ fn strangers_that_connect_and_say_nothing_hold_up_no_real_peer() {
     let t = "a-data-plane-token-of-32-characters";
     // Connected before any rank, more than the 16 handshakes a rank runs at
     // once: rank 0 accepts them first. Proven one by one, each would have
-    // held rank 0's join for its whole 8 s; they are dropped after 3 s
-    // without a hello, and the real ranks wait in the backlog meanwhile.
+    // held rank 0's join for its whole 8 s; each is cut when a newer
+    // connection needs its place (or after 5 s), so the real ranks, behind
+    // them in the backlog, get theirs.
     let strangers: Vec<_> = (0..20)
         .map(|_| std::net::TcpStream::connect(addresses[0]).unwrap())
         .collect();
@@ -139,6 +141,63 @@ fn strangers_that_connect_and_say_nothing_hold_up_no_real_peer() {
     });
     assert!(sums.iter().all(|v| v == &vec![6.0; 3]), "{sums:?}");
     drop(strangers);
+}
+
+#[test]
+fn strangers_that_drip_bytes_hold_up_no_real_peer() {
+    let (listeners, addresses) = listeners(2);
+    let t = "a-data-plane-token-of-32-characters";
+    // More strangers than the handshakes a rank runs at once, each sending
+    // a byte every 2 s (within the 3 s a read may wait, 14 s for a hello's
+    // first 7 bytes) and connecting again when cut: each read alone would
+    // hold its handshake past the join's 8 s.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let configs: Vec<MeshConfig> = (0..2)
+        .map(|rank| MeshConfig {
+            timeout: Duration::from_secs(8),
+            ..config("g", rank, &addresses, t)
+        })
+        .collect();
+    let joined = std::thread::scope(|s| {
+        for _ in 0..24 {
+            let (stop, to) = (&stop, addresses[0]);
+            s.spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut c) = std::net::TcpStream::connect(to) else {
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    };
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && std::io::Write::write_all(&mut c, b"\0").is_ok()
+                    {
+                        for _ in 0..20 {
+                            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let joins: Vec<_> = (0..2)
+            .map(|rank| {
+                let (listeners, config) = (&listeners, &configs[rank]);
+                s.spawn(move || Mesh::join(&listeners[rank], config))
+            })
+            .collect();
+        let joined: Vec<_> = joins.into_iter().map(|j| j.join().unwrap()).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        joined
+    });
+    let meshes: Vec<Mesh> = joined.into_iter().map(|r| r.unwrap()).collect();
+    let sums = on_every_rank(meshes, |m| {
+        let mut values = vec![m.rank() as f32 + 1.0; 2];
+        m.all_reduce(&mut values).unwrap();
+        values
+    });
+    assert!(sums.iter().all(|v| v == &vec![3.0; 2]), "{sums:?}");
 }
 
 #[test]

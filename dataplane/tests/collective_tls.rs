@@ -29,8 +29,15 @@ fn ca() -> Ca {
 
 /// A node's TLS: a certificate naming `node`, signed by `ca`.
 fn node(ca: &Ca, node: &str) -> Arc<Tls> {
+    named(ca, &[node])
+}
+
+/// TLS with a certificate naming `names` (none: as the gateway's), signed
+/// by `ca`.
+fn named(ca: &Ca, names: &[&str]) -> Arc<Tls> {
     let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec![node.to_string()]).unwrap();
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut params = CertificateParams::new(names).unwrap();
     params.extended_key_usages = vec![
         ExtendedKeyUsagePurpose::ServerAuth,
         ExtendedKeyUsagePurpose::ClientAuth,
@@ -138,6 +145,18 @@ fn a_rank_whose_certificate_names_another_node_is_refused() {
         other => panic!("rank 0 joined a rank of another node: {other:?}"),
     }
     assert!(results[1].is_err(), "rank 1 joined");
+    // Rank 1 holds a certificate that names no node (as the gateway's).
+    let tls = vec![Some(node(&ca, "node-0")), Some(named(&ca, &[]))];
+    let results = join_all(tls, Duration::from_secs(2));
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    // Rank 0 holds node-2's certificate: rank 1, connecting to it, refuses.
+    let tls = vec![Some(node(&ca, "node-2")), Some(node(&ca, "node-1"))];
+    let results = join_all(tls, Duration::from_secs(2));
+    match &results[1] {
+        Err(CollectiveError::Refused { peer: 0, .. }) => {}
+        other => panic!("rank 1 joined a rank 0 of another node: {other:?}"),
+    }
+    assert!(results[0].is_err(), "rank 0 joined");
 }
 
 #[test]

@@ -54,12 +54,21 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
     for (peer, address) in config.addresses.iter().enumerate().take(me) {
         for lane in [Lane::ConnectorSends, Lane::AcceptorSends] {
             let stream = connect(*address, deadline, peer)?;
-            prepare(&stream, config.timeout, peer)?;
+            // The handshake and proofs within what the join has left; the
+            // lane then runs with the mesh's timeout.
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            prepare(&stream, left, peer)?;
             let mut link = match &config.tls {
                 Some(tls) => tls.connect(stream, peer)?,
                 None => Link::Plain(stream),
             };
             prove_connecting(&mut link, config, peer, lane)?;
+            let io = |source| CollectiveError::Io { peer, source };
+            let socket = link.socket();
+            socket.set_read_timeout(Some(config.timeout)).map_err(io)?;
+            socket.set_write_timeout(Some(config.timeout)).map_err(io)?;
             match lane {
                 Lane::ConnectorSends => outs[peer] = Some(link),
                 Lane::AcceptorSends => ins[peer] = Some(link),
@@ -71,9 +80,10 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
         .map_err(|source| CollectiveError::Io { peer: me, source })?;
     // Each accepted connection proves itself on a thread of its own, so
     // a stranger that connects and says nothing holds up no real peer:
-    // it is dropped when its hello does not come within `HELLO_WITHIN`.
-    // While `MAX_HANDSHAKES` run, further connections wait in the
-    // listener's backlog.
+    // it is cut when it has not proven itself within `HELLO_WITHIN`
+    // however it drips its bytes, and when `MAX_HANDSHAKES` run, a new
+    // connection takes the place of the one that has run longest (a real
+    // peer proves itself in a few round trips).
     let mut handshakes = Handshakes::new(config, deadline);
     let missing = |outs: &[Option<Link>], ins: &[Option<Link>]| -> Vec<usize> {
         (me + 1..ranks)
@@ -99,7 +109,7 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
             // Handshakes under way end by the deadline: a peer proven
             // just in time still counts.
             let grace = Instant::now() + Duration::from_millis(500);
-            while handshakes.running() > 0 && Instant::now() < grace {
+            while handshakes.unreported() > 0 && Instant::now() < grace {
                 keep(
                     &mut outs,
                     &mut ins,
@@ -115,12 +125,14 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
                 config.timeout
             )));
         }
-        if handshakes.running() >= MAX_HANDSHAKES {
-            std::thread::sleep(Duration::from_millis(2));
-            continue;
-        }
+        handshakes.cut_overdue();
         match listener.accept() {
-            Ok((stream, _)) => handshakes.start(stream),
+            Ok((stream, _)) => {
+                if handshakes.running() >= MAX_HANDSHAKES {
+                    handshakes.cut_oldest();
+                }
+                handshakes.start(stream);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -153,16 +165,17 @@ fn connect(
 type Handshake = (u64, Option<(usize, Lane, Link)>);
 
 /// The handshakes of the connections a joining rank accepted, each on a
-/// thread of its own. Those still running when the join ends (a stranger
-/// that sends a byte now and then) are cut then: their connections are
-/// shut, which ends their threads' reads.
+/// thread of its own. One still running after `HELLO_WITHIN` (a stranger
+/// that sends a byte now and then), or when the join ends, is cut: its
+/// connection is shut, which ends its thread's reads.
 struct Handshakes {
     config: std::sync::Arc<MeshConfig>,
     deadline: Instant,
     report: std::sync::mpsc::Sender<Handshake>,
     reports: std::sync::mpsc::Receiver<Handshake>,
-    /// The running ones' connections (clones), by number.
-    running: std::collections::BTreeMap<u64, TcpStream>,
+    /// The running ones' connections (clones) and since when (none: cut,
+    /// its thread's report still to come), by number.
+    running: std::collections::BTreeMap<u64, (TcpStream, Option<Instant>)>,
     next: u64,
 }
 
@@ -179,8 +192,39 @@ impl Handshakes {
         }
     }
 
+    /// Handshakes running and not cut.
     fn running(&self) -> usize {
+        self.running.values().filter(|(_, s)| s.is_some()).count()
+    }
+
+    /// Handshakes whose threads have not reported yet.
+    fn unreported(&self) -> usize {
         self.running.len()
+    }
+
+    /// Shuts the connections of handshakes running longer than
+    /// `HELLO_WITHIN` (a real peer proves itself in a few round trips);
+    /// their threads then report them dropped.
+    fn cut_overdue(&mut self) {
+        for (stream, since) in self.running.values_mut() {
+            if since.is_some_and(|s| s.elapsed() > HELLO_WITHIN) {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                *since = None;
+            }
+        }
+    }
+
+    /// Cuts the handshake that has run longest.
+    fn cut_oldest(&mut self) {
+        let oldest = self
+            .running
+            .values_mut()
+            .filter(|(_, since)| since.is_some())
+            .min_by_key(|(_, since)| *since);
+        if let Some((stream, since)) = oldest {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            *since = None;
+        }
     }
 
     /// Proves `stream` on a thread of its own (dropped when it cannot be
@@ -204,7 +248,7 @@ impl Handshakes {
             .spawn(handshake)
             .is_ok()
         {
-            self.running.insert(n, clone);
+            self.running.insert(n, (clone, Some(Instant::now())));
         }
     }
 
@@ -228,7 +272,7 @@ impl Handshakes {
 
 impl Drop for Handshakes {
     fn drop(&mut self) {
-        for stream in self.running.values() {
+        for (stream, _) in self.running.values() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
     }

@@ -77,7 +77,11 @@ impl MeshTls {
             ClientConnection::new(self.client.clone(), name).map_err(|e| refused(peer, e))?;
         let mut stream = StreamOwned::new(conn, socket);
         handshake(&mut stream.conn, &mut stream.sock, peer)?;
-        Ok(Link::Client(Box::new(stream)))
+        let link = Link::Client(Box::new(stream));
+        // Its names compared as the acceptor compares them (exactly; the
+        // handshake's check also takes wildcards and other cases).
+        self.check(&link, peer)?;
+        Ok(link)
     }
 
     /// TLS over an accepted connection; the peer's certificate is checked
@@ -121,7 +125,7 @@ fn refused(peer: usize, e: rustls::Error) -> CollectiveError {
 }
 
 /// Runs a TLS handshake to its end (each read bounded by the socket's
-/// timeout).
+/// timeout); both sides must have agreed on the mesh's protocol ([`ALPN`]).
 fn handshake<S: rustls::SideData>(
     conn: &mut rustls::ConnectionCommon<S>,
     socket: &mut TcpStream,
@@ -135,6 +139,12 @@ fn handshake<S: rustls::SideData>(
             },
             _ => CollectiveError::Io { peer, source: e },
         })?;
+    }
+    if conn.alpn_protocol() != Some(ALPN) {
+        return Err(CollectiveError::Refused {
+            peer,
+            why: "its TLS session names no tensor-group protocol (ALPN)".into(),
+        });
     }
     Ok(())
 }

@@ -72,11 +72,13 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 const KEEPALIVE_PROBES: u32 = 3;
 /// The collective number that marks a message.
 const MESSAGE: u64 = u64::MAX;
-/// Handshakes of accepted connections that run at once while a rank joins.
+/// Handshakes of accepted connections that run at once while a rank joins
+/// (one more takes the place of the one that has run longest).
 const MAX_HANDSHAKES: usize = 16;
 /// The longest an accepted connection may take to send its hello (each
-/// read of it).
-const HELLO_WITHIN: Duration = Duration::from_secs(3);
+/// read of it), and to prove itself in all (its TLS handshake, hello and
+/// proofs: a few round trips for a real peer).
+const HELLO_WITHIN: Duration = Duration::from_secs(5);
 
 /// What can go wrong in a collective.
 #[derive(Debug, thiserror::Error)]
