@@ -10,6 +10,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ring::hmac;
@@ -128,7 +129,8 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
         handshakes.cut_overdue();
         match listener.accept() {
             Ok((stream, _)) => {
-                if handshakes.running() >= MAX_HANDSHAKES {
+                // Room for every higher rank's two lanes beside strangers.
+                if handshakes.running() >= MAX_HANDSHAKES + 2 * (ranks - me - 1) {
                     handshakes.cut_oldest();
                 }
                 handshakes.start(stream);
@@ -164,6 +166,19 @@ fn connect(
 /// proved with its connection (none: dropped).
 type Handshake = (u64, Option<(usize, Lane, Link)>);
 
+/// How a handshake ended, settled under its lock: a connection cut is
+/// never kept, one proven is never cut.
+#[derive(Clone, Copy, PartialEq)]
+enum Ended {
+    Not,
+    Cut,
+    Proven,
+}
+
+/// A running handshake: its connection (a clone), since when (none: cut)
+/// and how it ended.
+type Running = (TcpStream, Option<Instant>, Arc<Mutex<Ended>>);
+
 /// The handshakes of the connections a joining rank accepted, each on a
 /// thread of its own. One still running after `HELLO_WITHIN` (a stranger
 /// that sends a byte now and then), or when the join ends, is cut: its
@@ -173,9 +188,9 @@ struct Handshakes {
     deadline: Instant,
     report: std::sync::mpsc::Sender<Handshake>,
     reports: std::sync::mpsc::Receiver<Handshake>,
-    /// The running ones' connections (clones) and since when (none: cut,
-    /// its thread's report still to come), by number.
-    running: std::collections::BTreeMap<u64, (TcpStream, Option<Instant>)>,
+    /// The running ones' connections (clones), since when (none: cut, its
+    /// thread's report still to come) and how they ended, by number.
+    running: std::collections::BTreeMap<u64, Running>,
     next: u64,
 }
 
@@ -194,7 +209,10 @@ impl Handshakes {
 
     /// Handshakes running and not cut.
     fn running(&self) -> usize {
-        self.running.values().filter(|(_, s)| s.is_some()).count()
+        self.running
+            .values()
+            .filter(|(_, s, _)| s.is_some())
+            .count()
     }
 
     /// Handshakes whose threads have not reported yet.
@@ -206,9 +224,9 @@ impl Handshakes {
     /// `HELLO_WITHIN` (a real peer proves itself in a few round trips);
     /// their threads then report them dropped.
     fn cut_overdue(&mut self) {
-        for (stream, since) in self.running.values_mut() {
+        for (stream, since, ended) in self.running.values_mut() {
             if since.is_some_and(|s| s.elapsed() > HELLO_WITHIN) {
-                let _ = stream.shutdown(std::net::Shutdown::Both);
+                cut(stream, ended);
                 *since = None;
             }
         }
@@ -219,10 +237,10 @@ impl Handshakes {
         let oldest = self
             .running
             .values_mut()
-            .filter(|(_, since)| since.is_some())
-            .min_by_key(|(_, since)| *since);
-        if let Some((stream, since)) = oldest {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            .filter(|(_, since, _)| since.is_some())
+            .min_by_key(|(_, since, _)| *since);
+        if let Some((stream, since, ended)) = oldest {
+            cut(stream, ended);
             *since = None;
         }
     }
@@ -240,15 +258,25 @@ impl Handshakes {
             self.deadline,
         );
         self.next += 1;
+        let ended = Arc::new(Mutex::new(Ended::Not));
+        let settled = ended.clone();
         let handshake = move || {
-            let _ = report.send((n, accept_peer(stream, &config, deadline)));
+            let mut proven = accept_peer(stream, &config, deadline);
+            let mut ended = settled.lock().unwrap_or_else(|e| e.into_inner());
+            match *ended {
+                Ended::Cut => proven = None,
+                _ if proven.is_some() => *ended = Ended::Proven,
+                _ => {}
+            }
+            drop(ended);
+            let _ = report.send((n, proven));
         };
         if std::thread::Builder::new()
             .name("tensor-join".into())
             .spawn(handshake)
             .is_ok()
         {
-            self.running.insert(n, (clone, Some(Instant::now())));
+            self.running.insert(n, (clone, Some(Instant::now()), ended));
         }
     }
 
@@ -270,9 +298,18 @@ impl Handshakes {
     }
 }
 
+/// Shuts a running handshake's connection unless it was proven already.
+fn cut(stream: &TcpStream, ended: &Mutex<Ended>) {
+    let mut ended = ended.lock().unwrap_or_else(|e| e.into_inner());
+    if *ended == Ended::Not {
+        *ended = Ended::Cut;
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl Drop for Handshakes {
     fn drop(&mut self) {
-        for (stream, _) in self.running.values() {
+        for (stream, _, _) in self.running.values() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
     }

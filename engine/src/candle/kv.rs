@@ -247,7 +247,7 @@ fn chunks(block: &[QueryRow<'_>]) -> Vec<std::ops::Range<usize>> {
 /// largest score, the sum of `exp(score - max)`, and the output over those
 /// keys alone (`value dim` each: the values weighted by their softmax over
 /// them, so that a row whose keys all lie in one chunk is computed as it
-/// would be without chunks). A row that sees none of the keys has a sum of
+/// was without chunks — but for a sink, whose share is now taken after). A row that sees none of the keys has a sum of
 /// 0.
 struct Partial {
     max: Vec<f32>,
