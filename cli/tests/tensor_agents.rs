@@ -33,7 +33,10 @@ const PROMPTS: [&str; 3] = [
 ];
 /// Of [`PROMPTS`], those without a near-tie in 24 tokens: compared with
 /// the whole model too.
-const NO_NEAR_TIES: [&str; 2] = ["Water boils at a temperature of", "def fibonacci(n):"];
+// "Water boils at a temperature of" is not among them: on an AMD EPYC
+// host the whole model and tensor 2 part at its 10th token (365 against
+// 28), a near tie that rounding decides.
+const NO_NEAR_TIES: [&str; 1] = ["def fibonacci(n):"];
 
 fn shardplane(args: &[&str]) -> ChildGuard {
     shardplane_testkit::spawn_component(env!("CARGO_BIN_EXE_shardplane"), args)
