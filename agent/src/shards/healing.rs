@@ -178,7 +178,7 @@ mod tests {
     use shardplane_crds::LayerRange;
     use shardplane_engine::StageInput;
 
-    use super::super::{ServedStage, set_phase, test_sources};
+    use super::super::{ServedStage, set_phase, test_set};
     use super::*;
     use crate::test_stage::Echo;
 
@@ -202,12 +202,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failure_replaces_only_the_phase_it_names() {
-        let dir = tempfile::tempdir().unwrap();
-        let (shards, metrics, sources) = (
-            ShardSet::new("127.0.0.1:1"),
-            Metrics::new(),
-            test_sources(dir.path()),
-        );
+        let (_dir, shards, metrics, sources) = test_set();
         let k: Key = ("ns".into(), "s".into());
         let fail = |over| {
             let f = (failure("StageCrashed"), over);
@@ -248,12 +243,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stage_that_crashes_while_its_shard_loads_is_only_let_go_of() {
-        let dir = tempfile::tempdir().unwrap();
-        let (shards, metrics, sources) = (
-            ShardSet::new("127.0.0.1:1"),
-            Metrics::new(),
-            test_sources(dir.path()),
-        );
+        let (_dir, shards, metrics, sources) = test_set();
         let mut shard = shardplane_testkit::fixtures::shard(
             "d",
             "node-0",

@@ -435,7 +435,7 @@ pub(super) fn watch_group(
 mod tests {
     use shardplane_crds::LayerRange;
 
-    use super::super::{set_phase, test_sources, unload};
+    use super::super::{set_phase, test_set, unload};
     use super::*;
 
     fn stage(k: &Key) -> Arc<ServedStage> {
@@ -460,12 +460,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_load_puts_in_its_stage_only_while_its_claim_stands() {
-        let dir = tempfile::tempdir().unwrap();
-        let (shards, metrics, sources) = (
-            ShardSet::new("127.0.0.1:1"),
-            Metrics::new(),
-            test_sources(dir.path()),
-        );
+        let (_dir, shards, metrics, sources) = test_set();
         let k: Key = ("ns".into(), "s".into());
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
         let old = shards.claim(&k);
@@ -494,12 +489,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stage_that_is_no_tensor_rank_replaces_the_rank_it_was() {
-        let dir = tempfile::tempdir().unwrap();
-        let (shards, metrics, sources) = (
-            ShardSet::new("127.0.0.1:1"),
-            Metrics::new(),
-            test_sources(dir.path()),
-        );
+        let (_dir, shards, metrics, sources) = test_set();
         let k: Key = ("ns".into(), "s".into());
         set_phase(&shards, &metrics, &k, Some(ShardPhase::Loading));
         // A follower's rank, its weights counted and its model pinned.

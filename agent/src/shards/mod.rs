@@ -48,6 +48,13 @@ type Key = (String, String);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Claim(u64);
 
+/// The claim of each load under way, and the number of the last one made.
+#[derive(Default)]
+struct Claims {
+    by_shard: BTreeMap<Key, Claim>,
+    last: u64,
+}
+
 /// A tensor rank's listener and its `host:port` as its group reaches it.
 type MeshListener = (Arc<std::net::TcpListener>, String);
 
@@ -81,8 +88,8 @@ pub struct ShardSet {
     phases: Arc<Mutex<BTreeMap<Key, ShardPhase>>>,
     failures: Arc<Mutex<BTreeMap<Key, retry::Record>>>,
     /// The claim of each load under way (set and read under the phase
-    /// lock) and the next one's number.
-    claims: Arc<Mutex<(BTreeMap<Key, Claim>, u64)>>,
+    /// lock).
+    claims: Arc<Mutex<Claims>>,
     /// The status each Shard should show; one task per Shard writes it.
     statuses: Arc<Mutex<BTreeMap<Key, watch::Sender<ShardStatus>>>>,
     /// Ranks of tensor groups: their meshes (leaders' and followers').
@@ -146,9 +153,9 @@ impl ShardSet {
     /// sets it Downloading).
     fn claim(&self, k: &Key) -> Claim {
         let mut claims = self.claims.lock().expect("claim lock");
-        claims.1 += 1;
-        let claim = Claim(claims.1);
-        claims.0.insert(k.clone(), claim);
+        claims.last += 1;
+        let claim = Claim(claims.last);
+        claims.by_shard.insert(k.clone(), claim);
         claim
     }
 
@@ -166,7 +173,7 @@ impl ShardSet {
     /// the phase lock): no other load claimed it since, whatever its
     /// phase now.
     fn owns(&self, k: &Key, claim: Claim) -> bool {
-        self.claims.lock().expect("claim lock").0.get(k) == Some(&claim)
+        self.claims.lock().expect("claim lock").by_shard.get(k) == Some(&claim)
     }
 
     /// Remembers `shard`, passed over while a load of it runs (the caller
@@ -441,7 +448,12 @@ fn key(s: &Shard) -> Key {
 #[cfg(test)]
 fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
     if phase.is_none() {
-        shards.claims.lock().expect("claim lock").0.remove(key);
+        shards
+            .claims
+            .lock()
+            .expect("claim lock")
+            .by_shard
+            .remove(key);
     }
     put_phase(
         &mut shards.phases.lock().expect("phase lock"),
@@ -449,6 +461,16 @@ fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<Shar
         key,
         phase,
     );
+}
+
+/// A shard set for tests, its metrics, and sources with a cache in a
+/// temporary directory (kept while the first is) and nothing else to
+/// fetch from.
+#[cfg(test)]
+fn test_set() -> (tempfile::TempDir, ShardSet, Metrics, Sources) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let sources = test_sources(dir.path());
+    (dir, ShardSet::new("127.0.0.1:1"), Metrics::new(), sources)
 }
 
 /// Sources for tests: a cache in `dir`, nothing else to fetch from.
@@ -540,7 +562,12 @@ fn take(
     shards.statuses.lock().expect("status lock").remove(key);
     shards.listeners.lock().expect("listener lock").remove(key);
     shards.skipped.lock().expect("skipped lock").remove(key);
-    shards.claims.lock().expect("claim lock").0.remove(key);
+    shards
+        .claims
+        .lock()
+        .expect("claim lock")
+        .by_shard
+        .remove(key);
     let taken = Taken {
         rank: ranks.remove(key),
         stage: shards.loaded.lock().expect("shard set lock").remove(key),

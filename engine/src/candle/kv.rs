@@ -212,11 +212,26 @@ pub(super) fn attend_rows(
     out: &mut [f32],
 ) {
     let threads = super::pool::threads();
-    let blocks = blocks(rows);
-    let chunks: usize = blocks.iter().map(|b| chunks(&rows[b.clone()]).len()).sum();
+    let cut = Cut::of(rows);
+    let chunks: usize = cut.chunks.iter().map(Vec::len).sum();
     let grouped = chunks * shape.kv_heads >= threads;
-    let units = blocks.len() * if grouped { shape.kv_heads } else { shape.heads };
-    attend_rows_as(rows, shape, sinks, out, (grouped, units < threads));
+    let units = cut.blocks.len() * if grouped { shape.kv_heads } else { shape.heads };
+    attend_rows_as(rows, &cut, shape, sinks, out, (grouped, units < threads));
+}
+
+/// How a step's rows are cut: into blocks, and each block's keys into
+/// chunks.
+struct Cut {
+    blocks: Vec<std::ops::Range<usize>>,
+    chunks: Vec<Vec<std::ops::Range<usize>>>,
+}
+
+impl Cut {
+    fn of(rows: &[QueryRow<'_>]) -> Cut {
+        let blocks = blocks(rows);
+        let chunks = blocks.iter().map(|b| chunks(&rows[b.clone()])).collect();
+        Cut { blocks, chunks }
+    }
 }
 
 /// Runs of consecutive rows on the same cache (one prompt's), cut short at
@@ -247,8 +262,8 @@ fn chunks(block: &[QueryRow<'_>]) -> Vec<std::ops::Range<usize>> {
 /// largest score, the sum of `exp(score - max)`, and the output over those
 /// keys alone (`value dim` each: the values weighted by their softmax over
 /// them, so that a row whose keys all lie in one chunk is computed as it
-/// was without chunks — but for a sink, whose share is now taken after). A row that sees none of the keys has a sum of
-/// 0.
+/// was without chunks — but for a sink, whose share is now taken after).
+/// A row that sees none of the keys has a sum of 0.
 struct Partial {
     max: Vec<f32>,
     sum: Vec<f32>,
@@ -296,6 +311,7 @@ impl Partial {
 /// (`split`).
 fn attend_rows_as(
     rows: &[QueryRow<'_>],
+    Cut { blocks, chunks }: &Cut,
     shape: &HeadShape,
     sinks: Option<&[f32]>,
     out: &mut [f32],
@@ -304,18 +320,16 @@ fn attend_rows_as(
     let (heads, vd) = (shape.heads, shape.value_dim);
     let rep = heads / shape.kv_heads;
     debug_assert_eq!(out.len(), rows.len() * heads * vd);
-    let blocks = blocks(rows);
     let per_unit = if grouped { rep } else { 1 };
     // Units (a block and the first of its query heads), and the chunks of
     // keys each task takes of its unit: all of them, or one.
     let mut units = Vec::new();
     let mut tasks = Vec::new();
-    for (b, range) in blocks.iter().enumerate() {
-        let chunks = chunks(&rows[range.clone()]);
+    for (b, chunks) in chunks.iter().enumerate() {
         for h in (0..heads).step_by(per_unit) {
             match split {
-                true => tasks.extend(chunks.iter().map(|c| (units.len(), vec![c.clone()]))),
-                false => tasks.push((units.len(), chunks.clone())),
+                true => tasks.extend((0..chunks.len()).map(|c| (units.len(), &chunks[c..=c]))),
+                false => tasks.push((units.len(), &chunks[..])),
             }
             units.push((b, h));
         }
@@ -325,7 +339,7 @@ fn attend_rows_as(
         let (b, h) = units[*u];
         let block = &rows[blocks[b].clone()];
         let mut whole = Partial::empty(per_unit * block.len(), vd);
-        for keys in chunks {
+        for keys in chunks.iter() {
             let part = attend_block(block, (h..h + per_unit, h / rep), keys.clone(), shape);
             whole.merge(&part, vd);
         }
@@ -561,7 +575,7 @@ mod tests {
             // A unit's chunks on threads of their own or not: the same bits.
             for ways in [(false, false), (false, true), (true, false), (true, true)] {
                 let mut again = vec![f32::NAN; out.len()];
-                attend_rows_as(&rows, &shape, sinks, &mut again, ways);
+                attend_rows_as(&rows, &Cut::of(&rows), &shape, sinks, &mut again, ways);
                 let same = again
                     .iter()
                     .zip(&out)
