@@ -232,6 +232,48 @@ fn a_rank_that_never_comes_is_named_when_the_join_times_out() {
 }
 
 #[test]
+fn a_join_fails_for_every_rank_when_one_rank_fails_after_its_lanes_were_proven() {
+    // Rank 2 proves its lanes to rank 0, then fails to reach rank 1 (its
+    // address for rank 1 is a listener nobody answers on) and gives up;
+    // rank 1 waits for rank 2 in vain. Rank 0 holds every lane it needs
+    // from the first two proofs, but its join closes only when every peer
+    // says it holds all of its own: it fails with the others rather than
+    // count a group that is not there.
+    let (listeners, addresses) = listeners(3);
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let t = "a-data-plane-token-of-32-characters";
+    let timed = |rank, addresses: &[std::net::SocketAddr], secs| MeshConfig {
+        timeout: Duration::from_secs(secs),
+        ..config("g", rank, addresses, t)
+    };
+    let mut astray = addresses.clone();
+    astray[1] = silent.local_addr().unwrap();
+    let started = std::time::Instant::now();
+    let (zero, one, two) = std::thread::scope(|s| {
+        let zero = s.spawn(|| Mesh::join(&listeners[0], &timed(0, &addresses, 20)));
+        let one = s.spawn(|| Mesh::join(&listeners[1], &timed(1, &addresses, 3)));
+        let two = s.spawn(|| Mesh::join(&listeners[2], &timed(2, &astray, 2)));
+        (
+            zero.join().unwrap(),
+            one.join().unwrap(),
+            two.join().unwrap(),
+        )
+    });
+    assert!(two.is_err() && one.is_err(), "ranks 1 and 2 cannot join");
+    let e = zero.expect_err("rank 0 counted a group whose other ranks failed");
+    assert!(
+        e.to_string().contains("rank 1") || e.to_string().contains("rank 2"),
+        "{e}"
+    );
+    // Rank 0 learns it from its peers, not from its own (later) deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn an_idle_rank_finds_a_peer_gone_without_waiting_and_leaves_waiting_bytes_alone() {
     let mut meshes = Mesh::loopback(3, &Token::random().unwrap(), Duration::from_secs(5)).unwrap();
     let (two, mut one, mut zero) = (

@@ -6,7 +6,13 @@
 //!  rank j > i:  connect ─► [TLS: rank i's certificate names its node] ─► hello(lane) ─► proofs
 //!  rank i:      accept (a thread per handshake, strangers dropped) ─► [TLS] ─► hello ─►
 //!               [TLS: the certificate names rank j's node] ─► proofs ─► lane kept
+//!  every rank, once it holds all its lanes: ready ─► every peer; ◄─ ready from every peer
 //! ```
+//!
+//! The closing `ready` makes a join fail for every rank when one rank fails
+//! after some of its lanes were proven (it drops them, and its peers read
+//! the end of the lane instead of its `ready`), rather than leave the
+//! others holding a group that breaks at its first all-reduce.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -23,8 +29,11 @@ use super::{
 };
 
 const MAGIC: &[u8; 4] = b"SPTP";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const NONCE: usize = 32;
+/// The byte a rank writes on every lane it writes once it holds all its
+/// lanes.
+const READY: u8 = 0x52;
 
 /// The lane a connection is: written by the rank that connected, or by the
 /// rank that accepted.
@@ -141,7 +150,61 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
             Err(source) => return Err(CollectiveError::Io { peer: me, source }),
         }
     }
+    drop(handshakes);
+    close(&mut outs, &mut ins, config, deadline)?;
     Ok((outs, ins))
+}
+
+/// Step 4 of the wire format: [`READY`] on every lane this rank writes,
+/// then every peer's on each lane it reads, within what the join has left
+/// (at least [`HELLO_WITHIN`]: the peers are proven and a rank that holds
+/// its lanes says so at once, but one still accepting a higher rank's
+/// lanes may take the rest of its own join). A peer whose lane ends
+/// instead gave up on its join, and so does this one.
+fn close(
+    outs: &mut [Option<Link>],
+    ins: &mut [Option<Link>],
+    config: &MeshConfig,
+    deadline: Instant,
+) -> Result<(), CollectiveError> {
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(HELLO_WITHIN);
+    let until = Instant::now() + wait;
+    let failed = |peer: usize, why: String| {
+        CollectiveError::Join(format!(
+            "rank {peer} did not close the join with rank {}: {why}",
+            config.rank
+        ))
+    };
+    for (peer, link) in outs.iter_mut().enumerate() {
+        if let Some(link) = link {
+            link.write_all(&[READY])
+                .and_then(|()| link.flush())
+                .map_err(|e| failed(peer, e.to_string()))?;
+        }
+    }
+    for (peer, link) in ins.iter_mut().enumerate() {
+        let Some(link) = link else { continue };
+        let io = |source| CollectiveError::Io { peer, source };
+        let left = until
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        link.socket().set_read_timeout(Some(left)).map_err(io)?;
+        let mut byte = [0u8];
+        match link.read_exact(&mut byte) {
+            Ok(()) if byte[0] == READY => {}
+            Ok(()) => return Err(failed(peer, format!("sent {:#04x}, not ready", byte[0]))),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(failed(peer, "it gave up its join".into()));
+            }
+            Err(e) => return Err(failed(peer, e.to_string())),
+        }
+        link.socket()
+            .set_read_timeout(Some(config.timeout))
+            .map_err(io)?;
+    }
+    Ok(())
 }
 
 fn connect(

@@ -12,17 +12,17 @@
 //!                               sum = p0 + p1 + p2 + p3
 //! ```
 //!
-//! # Wire format (version 2, all integers little-endian)
+//! # Wire format (version 3, all integers little-endian)
 //!
 //! With TLS on the data plane, every connection is TLS 1.3 first (ALPN
-//! `shardplane-tensor/2`), with the data plane's certificates: the
+//! `shardplane-tensor/3`), with the data plane's certificates: the
 //! connector checks that the acceptor's certificate names the node of the
 //! rank it dials, the acceptor that the connector's names the node of the
 //! rank its hello claims. Plain connections are then refused (they fail the
 //! handshake). What follows runs inside TLS, or on plain TCP without it.
 //!
 //! Joining, on each connection (the higher rank connects, twice):
-//! 1. connector → acceptor: `hello` = magic `b"SPTP"`, version `u8` (2),
+//! 1. connector → acceptor: `hello` = magic `b"SPTP"`, version `u8` (3),
 //!    group name length `u16` and its UTF-8 bytes, ranks `u32`, sender's
 //!    rank `u32`, lane `u8` (0: the connector writes on this connection,
 //!    1: the acceptor does), a random 32-byte nonce;
@@ -33,6 +33,11 @@
 //! where the transcript is the connector's hello followed by the
 //! acceptor's. Each side checks the other's tag (in constant time) and that
 //! the group, size, ranks and lane are the ones it expects.
+//!
+//! 4. Once a rank holds every lane of its group, it writes one byte `0x52`
+//!    (`ready`) on each lane it writes, then reads the same from each lane
+//!    it reads. The join ends when every peer's has come: a rank that gave
+//!    up meanwhile closed its lanes, and its peers fail their join too.
 //!
 //! Each connection then carries frames one way only (a TLS session cannot
 //! be written on one thread while read on another, and a large frame is
