@@ -251,8 +251,8 @@ fn a_join_fails_for_every_rank_when_one_rank_fails_after_its_lanes_were_proven()
     let started = std::time::Instant::now();
     let (zero, one, two) = std::thread::scope(|s| {
         let zero = s.spawn(|| Mesh::join(&listeners[0], &timed(0, &addresses, 20)));
-        let one = s.spawn(|| Mesh::join(&listeners[1], &timed(1, &addresses, 3)));
-        let two = s.spawn(|| Mesh::join(&listeners[2], &timed(2, &astray, 2)));
+        let one = s.spawn(|| Mesh::join(&listeners[1], &timed(1, &addresses, 5)));
+        let two = s.spawn(|| Mesh::join(&listeners[2], &timed(2, &astray, 4)));
         (
             zero.join().unwrap(),
             one.join().unwrap(),
@@ -261,8 +261,10 @@ fn a_join_fails_for_every_rank_when_one_rank_fails_after_its_lanes_were_proven()
     });
     assert!(two.is_err() && one.is_err(), "ranks 1 and 2 cannot join");
     let e = zero.expect_err("rank 0 counted a group whose other ranks failed");
+    // (Its own ready meets a closed lane, or a peer's does not come.)
+    let e = e.to_string();
     assert!(
-        e.to_string().contains("rank 1") || e.to_string().contains("rank 2"),
+        e.contains("did not close the join with rank 0") || e.contains("could not send ready"),
         "{e}"
     );
     // Rank 0 learns it from its peers, not from its own (later) deadline.

@@ -51,5 +51,5 @@ pub mod tools;
 pub use config::{Architecture, ModelConfig};
 pub use error::{Error, Result};
 pub use stage::{
-    Activations, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
+    Activations, KvPrecision, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
 };

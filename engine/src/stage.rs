@@ -136,14 +136,40 @@ pub struct LoadOptions {
     /// Expand quantized weight matrices to f32 at load: about 7× the memory
     /// of Q4 weights. candle then computes products in f32 from the exact
     /// weights, as MLX does, instead of rounding activations to 8 bits first
-    /// (for checking one engine against another). MLX on a CPU then multiplies
-    /// through BLAS instead of its slow quantized CPU kernel (30× the prefill
-    /// speed here); on Metal, leave it off.
+    /// (for checking one engine against another, with `kv_precision` F32).
+    /// MLX on a CPU then multiplies through BLAS instead of its slow
+    /// quantized CPU kernel (30× the prefill speed here); on Metal, leave it
+    /// off.
     pub dequantize: bool,
     /// Bytes of KV the stage keeps for prompts it has run, so a sequence that
     /// starts with the same tokens skips them (0: no prefix cache). Only a
     /// stage that runs the whole model uses it.
     pub prefix_cache_bytes: usize,
+    /// How the candle engine holds keys and values: f16 (the default, as
+    /// llama.cpp does: half the memory, and half of what a long context
+    /// reads per step) or f32 (for checking a model's definition against
+    /// an f32 reference). MLX holds them as f32 either way.
+    pub kv_precision: KvPrecision,
+}
+
+/// The precision of a KV cache's keys and values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvPrecision {
+    /// Half precision: rounds each key and value to 11 significant bits.
+    #[default]
+    F16,
+    /// Single precision: keeps them as computed.
+    F32,
+}
+
+impl KvPrecision {
+    /// Bytes of one key or value element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvPrecision::F16 => 2,
+            KvPrecision::F32 => 4,
+        }
+    }
 }
 
 impl Default for LoadOptions {
@@ -153,6 +179,7 @@ impl Default for LoadOptions {
             requantize_slow_types: true,
             dequantize: false,
             prefix_cache_bytes: 0,
+            kv_precision: KvPrecision::default(),
         }
     }
 }
@@ -164,6 +191,12 @@ pub trait Stage: Send {
 
     /// Where this stage sits in the model.
     fn layout(&self) -> &StageLayout;
+
+    /// Bytes of KV cache one token takes in one of this stage's layers, as
+    /// this engine holds it (by default f32, as the configuration counts).
+    fn kv_bytes_per_token_per_layer(&self) -> usize {
+        self.config().kv_bytes_per_token_per_layer()
+    }
 
     /// The most tokens one sequence may hold.
     fn context_length(&self) -> usize;

@@ -25,7 +25,7 @@ use common::{
 };
 use shardplane_engine::candle::CandleStage;
 use shardplane_engine::pipeline::LocalPipeline;
-use shardplane_engine::{LoadOptions, StageLayout};
+use shardplane_engine::{LoadOptions, Stage, StageLayout};
 
 /// Runs one sequence per schedule through `p` together: each feeds the
 /// prompt in slices of the schedule's sizes (one slice a step), then its own
@@ -363,6 +363,15 @@ fn deepseek_v3_matches_mlx_lm_on_both_engines_at_every_split() {
     // Its cache holds one row of latent and rotated key per token and layer.
     let stage = candle(&t.mlx)(StageLayout::new(0..t.layers, t.layers).unwrap());
     assert_eq!(stage.config().kv_bytes_per_token_per_layer(), (64 + 16) * 4);
+    // The tests' candle holds it as f32; by default, as f16: half.
+    assert_eq!(stage.kv_bytes_per_token_per_layer(), (64 + 16) * 4);
+    let half = CandleStage::load(
+        &t.mlx,
+        StageLayout::new(0..t.layers, t.layers).unwrap(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(half.kv_bytes_per_token_per_layer(), (64 + 16) * 2);
 }
 
 /// DeepSeek V2 as its Lite model is, on both engines from both formats at

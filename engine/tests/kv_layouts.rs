@@ -18,7 +18,7 @@ mod common;
 use common::{Loader, Tiny, candle, gap, tiny, tiny_with};
 use shardplane_engine::candle::CandleStage;
 use shardplane_engine::pipeline::LocalPipeline;
-use shardplane_engine::{LoadOptions, Stage, StageInput, StageLayout, StageOutput};
+use shardplane_engine::{KvPrecision, LoadOptions, Stage, StageInput, StageLayout, StageOutput};
 
 /// Tokens of the long sequence: past MLX's second growth of a cache
 /// (chunks of 256) and hundreds of windows of 4.
@@ -149,9 +149,11 @@ fn gemma3_sliding_layers_hold_a_window_and_match_mlx_lm_over_a_long_sequence() {
 
 /// Whole models with a prefix cache, on each engine.
 fn cached_stages(t: &Tiny) -> Vec<(&'static str, Box<dyn Stage>)> {
+    // An f32 KV cache, as the references hold theirs.
     let options = LoadOptions {
         dequantize: true,
         prefix_cache_bytes: 64 << 20,
+        kv_precision: KvPrecision::F32,
         ..Default::default()
     };
     let whole = StageLayout::whole(t.layers);

@@ -12,7 +12,9 @@ use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::mlx::{MlxStage, convert};
 use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate, parse_stages};
 use shardplane_engine::sampler::SamplingParams;
-use shardplane_engine::{Error, LoadOptions, Stage, StageInput, StageLayout, StageOutput};
+use shardplane_engine::{
+    Error, KvPrecision, LoadOptions, Stage, StageInput, StageLayout, StageOutput,
+};
 
 fn model() -> (GgufFile, TextModel) {
     let file = GgufFile::open(shardplane_testkit::test_model()).expect("the test model opens");
@@ -75,11 +77,12 @@ fn whole_and_split_models_give_the_same_greedy_tokens_under_mlx() {
     );
 }
 
-/// candle with the file's own Q4_1 weights (no re-quantization), so both
-/// engines start from the same numbers.
+/// candle with the file's own Q4_1 weights (no re-quantization) and an f32
+/// KV cache as MLX's, so both engines start from the same numbers.
 fn candle_same_weights(file: &GgufFile) -> LocalPipeline {
     let options = LoadOptions {
         requantize_slow_types: false,
+        kv_precision: KvPrecision::F32,
         ..Default::default()
     };
     LocalPipeline::load(file, &[], EngineKind::Candle, &options).unwrap()
@@ -115,6 +118,7 @@ fn logit_gap(a: &[f32], b: &[f32]) -> f32 {
 fn candle_f32(file: &GgufFile, layers: std::ops::Range<usize>) -> Box<dyn Stage> {
     let options = LoadOptions {
         dequantize: true,
+        kv_precision: KvPrecision::F32,
         ..Default::default()
     };
     let layout = StageLayout::new(layers, 30).unwrap();

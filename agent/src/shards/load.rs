@@ -146,7 +146,7 @@ pub(super) async fn bring_up(
             }
         }
     };
-    let kv_bytes_per_token = engine.config().kv_bytes_per_token_per_layer();
+    let kv_bytes_per_token = engine.kv_bytes_per_token_per_layer();
     // Sliding layers hold at most their kept rows of a sequence: each
     // stage counts a long one as less by its own layers (`KvCost`), its
     // head counts it so in every stage's budget.

@@ -40,6 +40,11 @@ pub struct ModelArgs {
     /// on a CPU multiplies through BLAS, far faster than its quantized CPU kernel.
     #[arg(long)]
     pub dequantize: bool,
+    /// Hold keys and values as f32 rather than f16 on candle (twice the KV
+    /// memory, and slower at long contexts; for comparing with an f32
+    /// reference).
+    #[arg(long)]
+    pub kv_f32: bool,
     /// Split every stage across this many ranks (tensor parallelism), run in
     /// this process on threads of their own and joined over loopback TCP
     /// with the all-reduce agents use, so a split can be checked on one
@@ -94,6 +99,10 @@ impl ModelArgs {
             dequantize: self.dequantize,
             // One request at a time: nothing to share.
             prefix_cache_bytes: 0,
+            kv_precision: match self.kv_f32 {
+                true => shardplane_engine::KvPrecision::F32,
+                false => shardplane_engine::KvPrecision::F16,
+            },
         }
     }
 

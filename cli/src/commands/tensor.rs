@@ -168,6 +168,7 @@ pub fn load_group_processes(
             .args(args.context.map(|c| format!("--context={c}")))
             .args(args.keep_quantization.then_some("--keep-quantization"))
             .args(args.dequantize.then_some("--dequantize"))
+            .args(args.kv_f32.then_some("--kv-f32"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         children.push(

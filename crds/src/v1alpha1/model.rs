@@ -128,8 +128,9 @@ pub struct ModelStatus {
     /// because a last stage on another node needs its own copy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_bytes: Option<u64>,
-    /// Bytes of KV cache one token needs across all layers (keys and values, as
-    /// the engines hold them: f32).
+    /// Bytes of KV cache one token needs across all layers (keys and values,
+    /// counted as f32: MLX holds them so; candle holds f16 by default, for
+    /// which this is twice what it uses).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_bytes_per_token: Option<u64>,
     /// The layers that attend within a sliding window (Gemma 3, gpt-oss):

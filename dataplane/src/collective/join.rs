@@ -181,7 +181,12 @@ fn close(
         if let Some(link) = link {
             link.write_all(&[READY])
                 .and_then(|()| link.flush())
-                .map_err(|e| failed(peer, e.to_string()))?;
+                .map_err(|e| {
+                    CollectiveError::Join(format!(
+                        "rank {} could not send ready to rank {peer}: {e}",
+                        config.rank
+                    ))
+                })?;
         }
     }
     for (peer, link) in ins.iter_mut().enumerate() {
@@ -195,10 +200,17 @@ fn close(
         match link.read_exact(&mut byte) {
             Ok(()) if byte[0] == READY => {}
             Ok(()) => return Err(failed(peer, format!("sent {:#04x}, not ready", byte[0]))),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return Err(failed(peer, "it gave up its join".into()));
+            Err(e) => {
+                use std::io::ErrorKind::*;
+                let why = match e.kind() {
+                    UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe => {
+                        "it gave up its join".into()
+                    }
+                    WouldBlock | TimedOut => format!("it sent no ready within {wait:?}"),
+                    _ => e.to_string(),
+                };
+                return Err(failed(peer, why));
             }
-            Err(e) => return Err(failed(peer, e.to_string())),
         }
         link.socket()
             .set_read_timeout(Some(config.timeout))

@@ -36,8 +36,9 @@
 //!
 //! 4. Once a rank holds every lane of its group, it writes one byte `0x52`
 //!    (`ready`) on each lane it writes, then reads the same from each lane
-//!    it reads. The join ends when every peer's has come: a rank that gave
-//!    up meanwhile closed its lanes, and its peers fail their join too.
+//!    it reads. The join ends when every peer's has come (waiting up to what
+//!    the join has left, and at least 5 s): a rank that gave up meanwhile
+//!    closed its lanes, and its peers fail their join too.
 //!
 //! Each connection then carries frames one way only (a TLS session cannot
 //! be written on one thread while read on another, and a large frame is
@@ -159,7 +160,9 @@ pub struct MeshConfig {
     pub addresses: Vec<SocketAddr>,
     /// Proves membership.
     pub token: Token,
-    /// How long joining may take, and the longest wait for a peer's frame.
+    /// How long joining may take (the closing `ready` exchange may add up
+    /// to 5 s more, and a handshake under way at the end half a second),
+    /// and the longest wait for a peer's frame.
     pub timeout: Duration,
     /// TLS on every connection (the data plane's certificates, each rank's
     /// node); none: plain TCP.

@@ -2,7 +2,7 @@
 //! query row of a step computed in one pass per layer over all of them.
 //!
 //! ```text
-//!  a sequence's layer:  k, v = [position][kv head][head dim]   (token-major; a
+//!  a sequence's layer:  k, v = [position][kv head][head dim]   (token-major, f16; a
 //!                       step appends its rows, capacity grows by whole chunks)
 //!
 //!  one step, one layer:  q rows of every sequence (a prompt's several, a
@@ -11,6 +11,14 @@
 //!         sees (up to its own position) in place, softmax, weighted sum of
 //!         the values ─► output rows
 //! ```
+//!
+//! Keys and values are held as f16 by default (as llama.cpp holds them):
+//! at a long context they are most of what a decoding step reads, and
+//! half the bytes is nearly half the time; f32 on request (checking the
+//! model's definition against an f32 reference). A row is widened to f32
+//! once per task (a block of rows and KV head, or query head) and chunk of
+//! keys, for all the rows and query heads the task takes; the sums run in
+//! f32.
 //!
 //! A sliding layer forgets the rows no later query can see (but a window
 //! more, for the prefix cache): once a window's worth of them can go, they
@@ -24,12 +32,14 @@
 //! costs the arithmetic and not the bookkeeping. A prompt's rows take the
 //! same loop, so a row's result never depends on what runs beside it.
 
+use super::kv_rows::KvRows;
 use crate::error::{Error, Result};
+use crate::stage::KvPrecision;
 
 /// One layer's keys and values of one sequence.
 pub(super) struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvRows,
+    v: KvRows,
     /// Floats per token: KV heads × head dim.
     width: usize,
     /// Latent attention: no values of their own; each token's value is the
@@ -40,10 +50,10 @@ pub(super) struct LayerKv {
 }
 
 impl LayerKv {
-    pub fn new(width: usize) -> Self {
+    pub fn new(width: usize, precision: KvPrecision) -> Self {
         LayerKv {
-            k: Vec::new(),
-            v: Vec::new(),
+            k: KvRows::new(precision),
+            v: KvRows::new(precision),
             width,
             values_in_keys: None,
             start: 0,
@@ -59,10 +69,10 @@ impl LayerKv {
 
     /// A cache of latent attention's rows of `width` floats, whose first
     /// `values` floats are also the values.
-    pub fn latent(width: usize, values: usize) -> Self {
+    pub fn latent(width: usize, values: usize, precision: KvPrecision) -> Self {
         LayerKv {
             values_in_keys: Some(values.min(width)),
-            ..LayerKv::new(width)
+            ..LayerKv::new(width, precision)
         }
     }
 
@@ -76,13 +86,15 @@ impl LayerKv {
         (t - self.start) * self.width
     }
 
-    /// Token `t`'s value row of KV head `group` (`dim` floats).
-    fn value(&self, t: usize, group: usize, dim: usize) -> &[f32] {
+    /// Token `t`'s value row of KV head `group`, widened into `out` (its
+    /// `dim` floats).
+    fn value(&self, t: usize, group: usize, out: &mut [f32]) {
+        let dim = out.len();
         match self.values_in_keys {
-            Some(_) => &self.k[self.at(t)..self.at(t) + dim],
+            Some(_) => self.k.widen(self.at(t)..self.at(t) + dim, out),
             None => {
                 let at = self.at(t) + group * dim;
-                &self.v[at..at + dim]
+                self.v.widen(at..at + dim, out)
             }
         }
     }
@@ -106,16 +118,16 @@ impl LayerKv {
             return;
         }
         let rows = (position - self.start) * self.width;
-        self.k.drain(..rows);
+        self.k.drop_front(rows);
         if self.values_in_keys.is_none() {
-            self.v.drain(..rows);
+            self.v.drop_front(rows);
         }
         self.start = position;
     }
 
     /// Bytes reserved (what the sequence costs, not only what it uses).
     pub fn bytes(&self) -> usize {
-        (self.k.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
+        self.k.bytes() + self.v.bytes()
     }
 
     /// Appends the rows of `k` and `v` (whole tokens), growing the buffers
@@ -140,13 +152,14 @@ impl LayerKv {
                 })?;
             }
         }
-        self.k.extend_from_slice(k);
-        self.v.extend_from_slice(v);
+        self.k.extend(k);
+        self.v.extend(v);
         Ok(())
     }
 
-    /// The rows of tokens `range` (a prefix-cache block); `None` when some
-    /// were forgotten.
+    /// The rows of tokens `range` (a prefix-cache block), as f32 (each
+    /// exactly what is held, so appending them again stores the same
+    /// bits); `None` when some were forgotten.
     pub fn rows(&self, range: std::ops::Range<usize>) -> Option<(Vec<f32>, Vec<f32>)> {
         if range.start < self.start {
             return None;
@@ -154,9 +167,9 @@ impl LayerKv {
         let span = self.at(range.start)..self.at(range.end);
         let v = match self.values_in_keys {
             Some(_) => Vec::new(),
-            None => self.v[span.clone()].to_vec(),
+            None => self.v.to_f32_vec(span.clone()),
         };
-        Some((self.k[span].to_vec(), v))
+        Some((self.k.to_f32_vec(span), v))
     }
 }
 
@@ -406,8 +419,11 @@ fn attend_block(
         .clone()
         .flat_map(|_| seen.iter().map(|s| Vec::with_capacity(s.len())))
         .collect();
+    // A key or value row widened once for every (head, row) pair.
+    let mut wide = vec![0f32; hd.max(vd)];
     for t in keys.clone() {
-        let k = &kv.k[at(t)..at(t) + hd];
+        let k = &mut wide[..hd];
+        kv.k.widen(at(t)..at(t) + hd, k);
         for (j, (q, s)) in qs.iter().zip(scores.iter_mut()).enumerate() {
             if seen[j % n].contains(&t) {
                 s.push(dot(q, k) * shape.scale);
@@ -428,7 +444,8 @@ fn attend_block(
         (part.max[j], part.sum[j]) = (max, sum);
     }
     for t in keys {
-        let v = kv.value(t, group, vd);
+        let v = &mut wide[..vd];
+        kv.value(t, group, v);
         for (j, s) in scores.iter().enumerate() {
             let seen = &seen[j % n];
             if seen.contains(&t) {
@@ -486,8 +503,13 @@ mod tests {
             let qh = &q[h * hd..(h + 1) * hd];
             let scores: Vec<f64> = (first..end)
                 .map(|t| {
-                    let k = &kv.k[t * kv.width + g * hd..][..hd];
-                    qh.iter().zip(k).map(|(a, b)| f64::from(a * b)).sum::<f64>() * f64::from(scale)
+                    let at = t * kv.width + g * hd;
+                    let k = kv.k.to_f32_vec(at..at + hd);
+                    qh.iter()
+                        .zip(k)
+                        .map(|(a, b)| f64::from(*a) * f64::from(b))
+                        .sum::<f64>()
+                        * f64::from(scale)
                 })
                 .collect();
             let sink = sinks.map(|s| f64::from(s[h]));
@@ -499,7 +521,8 @@ mod tests {
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (i, t) in (first..end).enumerate() {
-                let v = &kv.v[t * kv.width + g * hd..][..hd];
+                let at = t * kv.width + g * hd;
+                let v = kv.v.to_f32_vec(at..at + hd);
                 for d in 0..hd {
                     out[h * hd + d] += (e[i] / sum * f64::from(v[d])) as f32;
                 }
@@ -508,9 +531,10 @@ mod tests {
         out
     }
 
+    /// Values in [-1, 1) that an f16 holds exactly.
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
-            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 512.0 - 1.0)
             .collect()
     }
 
@@ -523,7 +547,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(s, &n)| {
-                let mut kv = LayerKv::new(width);
+                let mut kv = LayerKv::new(width, KvPrecision::F16);
                 // Appended in pieces, across chunk boundaries.
                 for piece in values(n * width, s as u32).chunks(7 * width) {
                     let v: Vec<f32> = piece.iter().map(|x| x * 0.5).collect();
@@ -601,12 +625,33 @@ mod tests {
 
     #[test]
     fn rows_read_back_what_was_appended() {
-        let mut kv = LayerKv::new(8);
-        let k = values(5 * 8, 1);
-        let v = values(5 * 8, 2);
-        kv.append(&k, &v, 4).unwrap();
-        assert_eq!(kv.rows(1..3), Some((k[8..24].to_vec(), v[8..24].to_vec())));
-        assert_eq!(kv.value(4, 1, 4), &v[4 * 8 + 4..4 * 8 + 8]);
+        for precision in [KvPrecision::F16, KvPrecision::F32] {
+            let mut kv = LayerKv::new(8, precision);
+            let k = values(5 * 8, 1);
+            let v = values(5 * 8, 2);
+            kv.append(&k, &v, 4).unwrap();
+            assert_eq!(kv.rows(1..3), Some((k[8..24].to_vec(), v[8..24].to_vec())));
+            let mut value = [0f32; 4];
+            kv.value(4, 1, &mut value);
+            assert_eq!(value, v[4 * 8 + 4..4 * 8 + 8]);
+            let floats = 8 * 8 * 2; // two chunks of 4 tokens, keys and values
+            let bytes = match precision {
+                KvPrecision::F16 => 2,
+                KvPrecision::F32 => 4,
+            };
+            assert_eq!(kv.bytes(), floats * bytes);
+        }
+        // An f16 cache rounds what it holds (and saturates what it cannot
+        // hold); an f32 one keeps every bit.
+        let x = [0.1f32, 1e6, -1e6, 0.0, 0.0, 0.0, 0.0, 0.0];
+        for (precision, held) in [
+            (KvPrecision::F16, [0.099975586, 65504.0, -65504.0]),
+            (KvPrecision::F32, [0.1, 1e6, -1e6]),
+        ] {
+            let mut kv = LayerKv::new(8, precision);
+            kv.append(&x, &x, 1).unwrap();
+            assert_eq!(kv.rows(0..1).unwrap().0[..3], held, "{precision:?}");
+        }
     }
 
     #[test]
@@ -620,7 +665,10 @@ mod tests {
             value_dim: hd,
             scale: 0.3,
         };
-        let (mut all, mut sliding) = (LayerKv::new(width), LayerKv::new(width));
+        let (mut all, mut sliding) = (
+            LayerKv::new(width, KvPrecision::F16),
+            LayerKv::new(width, KvPrecision::F16),
+        );
         let (mut max_held, mut max_bytes) = (0, 0);
         for t in 0..400 {
             let (k, v) = (values(width, 2 * t), values(width, 2 * t + 1));
@@ -665,7 +713,7 @@ mod tests {
     fn a_row_does_not_depend_on_the_rows_beside_it() {
         // Past a cut between chunks of keys, with and without sinks.
         let (heads, kv_heads, hd, n) = (6, 2, 16, 300);
-        let mut kv = LayerKv::new(kv_heads * hd);
+        let mut kv = LayerKv::new(kv_heads * hd, KvPrecision::F16);
         kv.append(&values(n * 32, 3), &values(n * 32, 4), 16)
             .unwrap();
         let qs: Vec<Vec<f32>> = (0..n).map(|i| values(heads * hd, 7 + i as u32)).collect();

@@ -18,6 +18,7 @@
 mod attention;
 mod dense;
 mod kv;
+mod kv_rows;
 mod latent;
 mod moe;
 mod pool;
@@ -35,8 +36,8 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::prefix::{DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStats};
 use crate::stage::{
-    Activations, Item, LoadOptions, SequenceId, Stage, StageInput, StageLayout, StageOutput,
-    plan_step,
+    Activations, Item, KvPrecision, LoadOptions, SequenceId, Stage, StageInput, StageLayout,
+    StageOutput, plan_step,
 };
 use crate::tensor::{AllReduce, TensorGroup, TensorRank, TensorSplit};
 use attention::{AttentionShape, StepRows, attend_cached};
@@ -62,6 +63,8 @@ pub struct CandleStage {
     /// RoPE rotates interleaved pairs (GGUF Llama), else the two halves.
     interleaved_rope: bool,
     weight_bytes: usize,
+    /// How sequences' caches hold their keys and values.
+    kv_precision: KvPrecision,
     sequences: HashMap<SequenceId, SequenceCache>,
     /// Blocks of prompts' KV: per layer, keys and values of the block's
     /// tokens (`None`: a sliding layer had forgotten them).
@@ -98,10 +101,15 @@ impl SequenceCache {
     /// Empty, for `layers` layers of `width` key floats per token; with
     /// `values_in_keys`, latent attention's (values are the keys' first
     /// columns).
-    fn new(layers: usize, width: usize, values_in_keys: Option<usize>) -> Self {
+    fn new(
+        layers: usize,
+        width: usize,
+        values_in_keys: Option<usize>,
+        precision: KvPrecision,
+    ) -> Self {
         let layer = || match values_in_keys {
-            Some(values) => LayerKv::latent(width, values),
-            None => LayerKv::new(width),
+            Some(values) => LayerKv::latent(width, values, precision),
+            None => LayerKv::new(width, precision),
         };
         SequenceCache {
             position: 0,
@@ -272,6 +280,7 @@ impl CandleStage {
             layers,
             head,
             rope,
+            kv_precision: options.kv_precision,
             sequences: HashMap::new(),
             prefix: PrefixCache::new(DEFAULT_BLOCK_TOKENS, options.prefix_cache_bytes),
             tensor,
@@ -301,13 +310,23 @@ impl CandleStage {
     fn new_cache(&self) -> SequenceCache {
         let layers = self.layers.len();
         if let Some(latent) = &self.config.latent {
-            return SequenceCache::new(layers, latent.cache_width(), Some(latent.kv_lora_rank));
+            return SequenceCache::new(
+                layers,
+                latent.cache_width(),
+                Some(latent.kv_lora_rank),
+                self.kv_precision,
+            );
         }
         let kv_heads = match &self.tensor {
             Some(t) => t.share.kv_heads.len(),
             None => self.config.kv_heads,
         };
-        SequenceCache::new(layers, kv_heads * self.config.head_dim, None)
+        SequenceCache::new(
+            layers,
+            kv_heads * self.config.head_dim,
+            None,
+            self.kv_precision,
+        )
     }
 
     /// Stacks the inputs into rows and plans each sequence's share.
@@ -630,6 +649,12 @@ fn rope_table(inv: &[f32], context: usize, device: &Device) -> Result<(Tensor, T
 impl Stage for CandleStage {
     fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Keys and values in the precision the stage was loaded with.
+    fn kv_bytes_per_token_per_layer(&self) -> usize {
+        let floats = self.config.kv_bytes_per_token_per_layer() / std::mem::size_of::<f32>();
+        floats * self.kv_precision.bytes()
     }
 
     fn layout(&self) -> &StageLayout {

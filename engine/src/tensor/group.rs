@@ -209,6 +209,10 @@ impl Stage for TensorGroup {
         self.leader.config()
     }
 
+    fn kv_bytes_per_token_per_layer(&self) -> usize {
+        self.leader.kv_bytes_per_token_per_layer()
+    }
+
     fn layout(&self) -> &StageLayout {
         self.leader.layout()
     }

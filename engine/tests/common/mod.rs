@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use shardplane_engine::candle::CandleStage;
-use shardplane_engine::{LoadOptions, Stage, StageLayout};
+use shardplane_engine::{KvPrecision, LoadOptions, Stage, StageLayout};
 
 /// What the reference computed.
 #[derive(serde::Deserialize)]
@@ -95,8 +95,11 @@ pub type Loader<'a> = Box<dyn Fn(StageLayout) -> Box<dyn Stage> + 'a>;
 /// candle multiplying in f32 (it would quantize safetensors matrices to
 /// Q8_0 otherwise; the GGUF's f32 weights stay f32 either way).
 pub fn candle(path: &Path) -> Loader<'_> {
+    // An f32 KV cache, as the references hold theirs: the check is of the
+    // model's definition, not of the cache's rounding.
     let options = LoadOptions {
         dequantize: true,
+        kv_precision: KvPrecision::F32,
         ..Default::default()
     };
     Box::new(move |layout| Box::new(CandleStage::load(path, layout, &options).unwrap()))
