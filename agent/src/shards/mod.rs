@@ -159,6 +159,11 @@ impl ShardSet {
         claim
     }
 
+    /// Forgets the claim on Shard `k` (unloaded: no load of it stands).
+    fn forget_claim(&self, k: &Key) {
+        self.claims.lock().expect("claim lock").by_shard.remove(k);
+    }
+
     /// Whether the load that made `claim` still stands for Shard `k`:
     /// its phase one of a load, and no newer load claimed it since (the
     /// caller holds the phase lock, `phases`).
@@ -448,12 +453,7 @@ fn key(s: &Shard) -> Key {
 #[cfg(test)]
 fn set_phase(shards: &ShardSet, metrics: &Metrics, key: &Key, phase: Option<ShardPhase>) {
     if phase.is_none() {
-        shards
-            .claims
-            .lock()
-            .expect("claim lock")
-            .by_shard
-            .remove(key);
+        shards.forget_claim(key);
     }
     put_phase(
         &mut shards.phases.lock().expect("phase lock"),
@@ -562,12 +562,7 @@ fn take(
     shards.statuses.lock().expect("status lock").remove(key);
     shards.listeners.lock().expect("listener lock").remove(key);
     shards.skipped.lock().expect("skipped lock").remove(key);
-    shards
-        .claims
-        .lock()
-        .expect("claim lock")
-        .by_shard
-        .remove(key);
+    shards.forget_claim(key);
     let taken = Taken {
         rank: ranks.remove(key),
         stage: shards.loaded.lock().expect("shard set lock").remove(key),

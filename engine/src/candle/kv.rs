@@ -554,7 +554,7 @@ mod tests {
                     kv.append(piece, &v, 16).unwrap();
                 }
                 assert_eq!(kv.len(), n);
-                assert_eq!(kv.bytes(), 2 * n.div_ceil(16) * 16 * width * 4);
+                assert_eq!(kv.bytes(), 2 * n.div_ceil(16) * 16 * width * 2);
                 kv
             })
             .collect();
@@ -701,8 +701,8 @@ mod tests {
         );
         assert_eq!(
             max_bytes,
-            2 * 16 * width * 4,
-            "one chunk of 16 rows, never more"
+            2 * 16 * width * 2,
+            "one chunk of 16 rows (f16), never more"
         );
         // Blocks before the window are gone; those within it read back.
         assert_eq!(sliding.rows(0..4), None);
