@@ -193,7 +193,8 @@ pub trait Stage: Send {
     fn layout(&self) -> &StageLayout;
 
     /// Bytes of KV cache one token takes in one of this stage's layers, as
-    /// this engine holds it (by default f32, as the configuration counts).
+    /// this engine holds it (this provided method counts f32, as the
+    /// configuration does; candle overrides it).
     fn kv_bytes_per_token_per_layer(&self) -> usize {
         self.config().kv_bytes_per_token_per_layer()
     }

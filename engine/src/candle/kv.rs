@@ -624,7 +624,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_read_back_what_was_appended() {
+    fn rows_read_back_what_was_appended_in_the_bytes_of_their_precision() {
         for precision in [KvPrecision::F16, KvPrecision::F32] {
             let mut kv = LayerKv::new(8, precision);
             let k = values(5 * 8, 1);
@@ -641,8 +641,10 @@ mod tests {
             };
             assert_eq!(kv.bytes(), floats * bytes);
         }
-        // An f16 cache rounds what it holds (and saturates what it cannot
-        // hold); an f32 one keeps every bit.
+    }
+
+    #[test]
+    fn an_f16_cache_rounds_and_saturates_what_it_holds_an_f32_one_keeps_it() {
         let x = [0.1f32, 1e6, -1e6, 0.0, 0.0, 0.0, 0.0, 0.0];
         for (precision, held) in [
             (KvPrecision::F16, [0.099975586, 65504.0, -65504.0]),
