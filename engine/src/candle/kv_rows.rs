@@ -38,9 +38,13 @@ impl KvRows {
 
     /// Bytes reserved.
     pub fn bytes(&self) -> usize {
+        self.capacity() * self.precision().bytes()
+    }
+
+    fn precision(&self) -> KvPrecision {
         match self {
-            KvRows::Half(b) => b.capacity() * std::mem::size_of::<f16>(),
-            KvRows::Full(b) => b.capacity() * std::mem::size_of::<f32>(),
+            KvRows::Half(_) => KvPrecision::F16,
+            KvRows::Full(_) => KvPrecision::F32,
         }
     }
 
