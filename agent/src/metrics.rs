@@ -38,6 +38,8 @@ pub struct Metrics {
     pub generated_tokens: IntCounter,
     /// Generations preempted for KV room on head stages (resumed later by recompute), by shard.
     pub preemptions: IntCounterVec,
+    /// Prompts a pipeline's head ran whole because a later stage lacked the prefix it took, by shard.
+    pub prefix_misses_downstream: IntCounterVec,
     /// Bytes of hidden states sent to next stages.
     pub hidden_bytes_sent: IntCounter,
     /// Round trip of one decode step from this stage through the rest of the pipeline.
@@ -150,6 +152,15 @@ impl Metrics {
                 "shardplane_agent_preemptions_total",
                 "Generations on a head stage preempted because their KV could not grow within the \
                  budget: freed, then resumed by recompute when there was room; by shard.",
+            ),
+            &["shard"],
+        )
+        .expect("valid metric");
+        let prefix_misses_downstream = IntCounterVec::new(
+            Opts::new(
+                "shardplane_agent_prefix_cache_downstream_misses_total",
+                "Prompts a pipeline's head stage took in part from its prefix cache but then ran \
+                 whole, because a later stage no longer held that part in its own; by shard.",
             ),
             &["shard"],
         )
@@ -299,6 +310,7 @@ impl Metrics {
                 Box::new(generations.clone()),
                 Box::new(generated_tokens.clone()),
                 Box::new(preemptions.clone()),
+                Box::new(prefix_misses_downstream.clone()),
                 Box::new(hidden_bytes_sent.clone()),
                 Box::new(downstream_step_seconds.clone()),
                 Box::new(blob_bytes_served.clone()),
@@ -341,6 +353,7 @@ impl Metrics {
             generations,
             generated_tokens,
             preemptions,
+            prefix_misses_downstream,
             hidden_bytes_sent,
             downstream_step_seconds,
             blob_bytes_served,
@@ -376,6 +389,7 @@ impl Metrics {
         let kv_budget = self.kv_tokens.with_label_values(&[shard, "budget"]);
         // Counted by the head's generations (`dataplane::head`); from zero.
         self.preemptions.with_label_values(&[shard]);
+        self.prefix_misses_downstream.with_label_values(&[shard]);
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
         // The stage counts from its load; the counters follow its totals.
@@ -417,6 +431,7 @@ impl Metrics {
         let _ = self.kv_tokens.remove_label_values(&[shard, "reserved"]);
         let _ = self.kv_tokens.remove_label_values(&[shard, "budget"]);
         let _ = self.preemptions.remove_label_values(&[shard]);
+        let _ = self.prefix_misses_downstream.remove_label_values(&[shard]);
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }

@@ -245,6 +245,17 @@ impl StageWorker {
     pub fn release(&self, seq: SequenceId) {
         let _ = self.jobs.send(Job::Release { seq });
     }
+
+    /// Starts the new sequence `seq` from the prefix cache's longest prefix
+    /// of `tokens`, all but the last token at most; returns the tokens it
+    /// holds (0 when the stage keeps no cache or is gone).
+    pub async fn seed(&self, seq: SequenceId, tokens: Vec<u32>) -> usize {
+        let (reply, held) = oneshot::channel();
+        if self.jobs.send(Job::Seed { seq, tokens, reply }).is_err() {
+            return 0;
+        }
+        held.await.unwrap_or(0)
+    }
 }
 
 /// The text of a caught panic.

@@ -48,8 +48,8 @@ pub(crate) struct Echo {
 }
 
 impl Echo {
-    /// A stage of a 2-layer model: the first (tokens in) or the last (one
-    /// logit out: the last row's position).
+    /// A stage of a 2-layer model: the first (tokens in) or the whole
+    /// model (one logit out: the last row's position).
     pub(crate) fn new(last: bool) -> (Self, Steps) {
         let steps = Arc::new(Mutex::new(Vec::new()));
         let config = ModelConfig {
@@ -74,7 +74,7 @@ impl Echo {
             latent: None,
         };
         let layout = if last {
-            StageLayout::new(1..2, 2).unwrap()
+            StageLayout::whole(2)
         } else {
             StageLayout::new(0..1, 2).unwrap()
         };
@@ -177,7 +177,7 @@ impl Stage for Echo {
     }
     fn prefix_cache(&self) -> shardplane_engine::prefix::PrefixCacheStats {
         shardplane_engine::prefix::PrefixCacheStats {
-            budget_bytes: u64::from(self.remember),
+            budget_bytes: u64::from(self.remember || self.cached > 0),
             ..Default::default()
         }
     }

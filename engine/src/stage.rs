@@ -27,6 +27,10 @@ pub struct Activations {
     pub hidden: usize,
     /// Row-major values, `tokens * hidden` long.
     pub data: Vec<f32>,
+    /// The token ids the rows stand for, when the sender tells them (a
+    /// pipeline's head does, so that later stages can keep the rows' KV in
+    /// their prefix caches); empty when not told.
+    pub ids: Vec<u32>,
 }
 
 impl Activations {
@@ -42,7 +46,26 @@ impl Activations {
             tokens,
             hidden,
             data,
+            ids: Vec::new(),
         })
+    }
+
+    /// The same rows, standing for the tokens `ids` (one per row).
+    pub fn with_ids(mut self, ids: Vec<u32>) -> Result<Self> {
+        if ids.len() != self.tokens {
+            return Err(Error::InvalidInput(format!(
+                "{} token ids cannot name {} rows",
+                ids.len(),
+                self.tokens
+            )));
+        }
+        self.ids = ids;
+        Ok(self)
+    }
+
+    /// The ids the rows stand for, when told for every row.
+    pub fn told_ids(&self) -> Option<&[u32]> {
+        (self.ids.len() == self.tokens).then_some(self.ids.as_slice())
     }
 }
 
@@ -142,8 +165,8 @@ pub struct LoadOptions {
     /// off.
     pub dequantize: bool,
     /// Bytes of KV the stage keeps for prompts it has run, so a sequence that
-    /// starts with the same tokens skips them (0: no prefix cache). Only a
-    /// stage that runs the whole model uses it.
+    /// starts with the same tokens skips them (0: no prefix cache). A
+    /// tensor group's stage does not use it.
     pub prefix_cache_bytes: usize,
     /// How the candle engine holds keys and values: f16 (the default, as
     /// llama.cpp does: half the memory, and half of what a long context
@@ -223,15 +246,19 @@ pub trait Stage: Send {
     /// prompt `tokens`, always leaving the last token to run; returns the
     /// tokens it now holds, which the caller no longer sends (0: nothing
     /// cached, a sequence that exists already, or a stage without a prefix
-    /// cache). Only a stage that runs the whole model reuses prefixes: the
-    /// stages of a pipeline would have to agree on what each holds.
+    /// cache, or a tensor group's). A later stage of a pipeline keeps and
+    /// reuses its own layers' blocks as the first does; it knows its rows'
+    /// tokens when the stage before tells them (`Activations::ids`), and
+    /// starts from as many tokens as the head took: the caller passes
+    /// `tokens[..=n]` and checks that it got `n`.
     fn reuse_prefix(&mut self, _seq: SequenceId, _tokens: &[u32]) -> usize {
         0
     }
 
     /// Keeps the blocks of tokens `seq` holds, and its tail, in the prefix
     /// cache (a prompt, once run, is there for the sequences that follow
-    /// it). Only a stage that reuses prefixes keeps them.
+    /// it), when it knows the tokens of all it holds. Only a stage that
+    /// reuses prefixes keeps them.
     fn retain_prefix(&mut self, _seq: SequenceId) {}
 
     /// What the prefix cache did and holds.

@@ -378,3 +378,149 @@ fn candle_logits_are_bit_identical_however_a_prompt_is_cut_or_cached() {
         "a prompt carrying on from a cached one"
     );
 }
+
+#[test]
+fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches_candle() {
+    a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(EngineKind::Candle);
+}
+
+#[cfg(feature = "mlx")]
+#[test]
+fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches_mlx() {
+    a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(EngineKind::Mlx);
+}
+
+/// Two stages of a pipeline (layers 0–13 and 13–30), each with its own
+/// prefix cache, the first telling the second its rows' tokens.
+struct Split {
+    head: Box<dyn Stage>,
+    tail: Box<dyn Stage>,
+}
+
+impl Split {
+    fn load(file: &GgufFile, engine: EngineKind) -> Self {
+        let options = LoadOptions {
+            prefix_cache_bytes: 256 << 20,
+            dequantize: engine == EngineKind::Mlx,
+            ..Default::default()
+        };
+        let part = |layers| {
+            let layout = StageLayout::new(layers, 30).unwrap();
+            load_stage(file, layout, engine, &options).unwrap()
+        };
+        Split {
+            head: part(0..13),
+            tail: part(13..30),
+        }
+    }
+
+    /// `prompt` as sequence `seq`, greedily for `n` tokens, in slices of
+    /// 40 rows, as an agent runs it: the head takes what its cache holds,
+    /// the tail exactly as much from its own (the test fails otherwise);
+    /// rows go on with their token ids unless `tell` is false. Returns the
+    /// run, its tokens reused by both stages.
+    fn run(&mut self, seq: SequenceId, prompt: &[u32], n: usize, tell: bool) -> Run {
+        let reused = self.head.reuse_prefix(seq, prompt);
+        if reused > 0 {
+            let tail = self.tail.reuse_prefix(seq, &prompt[..=reused]);
+            assert_eq!(tail, reused, "the tail holds what the head took");
+        }
+        let mut run = Run {
+            seq,
+            start_step: 0,
+            rest: prompt[reused..].to_vec(),
+            out: Vec::new(),
+            reused,
+            margins: Vec::new(),
+        };
+        while run.out.len() < n {
+            let input: Vec<u32> = match run.rest.is_empty() {
+                true => vec![*run.out.last().expect("a token")],
+                false => run.rest.drain(..40.min(run.rest.len())).collect(),
+            };
+            let out = self
+                .head
+                .forward_batch(vec![(seq, StageInput::Tokens(input.clone()))])
+                .unwrap();
+            let Some(StageOutput::Hidden(mut rows)) = out.into_iter().next() else {
+                panic!("a first stage gives hidden states");
+            };
+            if tell {
+                rows = rows.with_ids(input).unwrap();
+            }
+            let out = self
+                .tail
+                .forward_batch(vec![(seq, StageInput::Hidden(rows))])
+                .unwrap();
+            let Some(StageOutput::Logits(logits)) = out.into_iter().next() else {
+                panic!("a last stage gives logits");
+            };
+            if run.rest.is_empty() {
+                let (token, margin) = argmax(&logits);
+                run.out.push(token);
+                run.margins.push(margin);
+            }
+        }
+        self.head.release(seq);
+        self.tail.release(seq);
+        run
+    }
+}
+
+fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(engine: EngineKind) {
+    let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
+    let text = TextModel::from_gguf(&file).unwrap();
+    let a = prompt(&text, "What is the capital of France?");
+    let b = prompt(&text, "Which programming language uses Cargo?");
+    let n = 12;
+    let mut plain = stage(&file, engine, 0);
+    let mut reference = |seq, p: &[u32]| {
+        run_together(&mut *plain, &[(seq, 0, p.to_vec())], n, usize::MAX)
+            .pop()
+            .unwrap()
+    };
+    let (want_a, want_b) = (reference(1, &a), reference(2, &b));
+
+    let mut split = Split::load(&file, engine);
+    let first = split.run(1, &a, n, true);
+    assert_eq!(first.reused, 0);
+    assert!(first.out.starts_with(want_a.clear_tokens()));
+    let (head, tail) = (split.head.prefix_cache(), split.tail.prefix_cache());
+    assert_eq!(head.blocks, tail.blocks, "both kept the same blocks");
+    assert!(tail.bytes > head.bytes, "of more layers on the tail");
+
+    // B shares A's whole blocks of the system prompt, on both stages.
+    let block = shardplane_engine::prefix::DEFAULT_BLOCK_TOKENS;
+    let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let second = split.run(2, &b, n, true);
+    assert_eq!(second.reused, shared / block * block);
+    assert!(
+        second.out.starts_with(want_b.clear_tokens()),
+        "{:?} where the whole prompt gave {:?}",
+        second.out,
+        want_b.out
+    );
+
+    // A's prompt and answer again (the next turn): all but its last token.
+    let again: Vec<u32> = a.iter().chain(&first.out[..n - 1]).copied().collect();
+    let want = reference(3, &again);
+    let turn = split.run(3, &again, n, true);
+    assert_eq!(turn.reused, again.len() - 1);
+    assert!(
+        turn.out.starts_with(want.clear_tokens()),
+        "{:?} where the whole prompt gave {:?}",
+        turn.out,
+        want.out
+    );
+    assert_eq!(
+        split.head.prefix_cache().hit_tokens,
+        split.tail.prefix_cache().hit_tokens
+    );
+
+    // Rows whose tokens are not told: the tail keeps no blocks of them.
+    let c = prompt(&text, "How many days are in a week?");
+    let before = split.tail.prefix_cache().inserted_blocks;
+    split.run(4, &c, 2, false);
+    assert_eq!(split.tail.prefix_cache().inserted_blocks, before);
+    assert!(split.head.prefix_cache().inserted_blocks > before);
+}

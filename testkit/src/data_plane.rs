@@ -25,11 +25,15 @@ pub type Generate = dyn Fn(dp::GenerateRequest) -> Result<Vec<Result<dp::Generat
 /// after the Open); an error ends the stream.
 pub type Step = dyn Fn(usize, dp::Step) -> Result<dp::ForwardResponse, Status> + Send + Sync;
 
+/// What a fake `Forward` says to its `Open`: go on, or refuse the stream.
+pub type Open = dyn Fn(&dp::Open) -> Result<(), Status> + Send + Sync;
+
 /// A scripted data plane.
 #[derive(Clone, Default)]
 pub struct FakeDataPlane {
     generate: Option<Arc<Generate>>,
     step: Option<Arc<Step>>,
+    open: Option<Arc<Open>>,
     /// How long a `Generate` stream is silent before its first event.
     first_after: std::time::Duration,
 }
@@ -66,6 +70,16 @@ impl FakeDataPlane {
             step: Some(Arc::new(answer)),
             ..Default::default()
         }
+    }
+
+    /// Each `Forward` stream's `Open` goes to `check` first; an error
+    /// refuses the stream.
+    pub fn on_open(
+        mut self,
+        check: impl Fn(&dp::Open) -> Result<(), Status> + Send + Sync + 'static,
+    ) -> Self {
+        self.open = Some(Arc::new(check));
+        self
     }
 
     /// Serves it on a loopback port, refusing calls without `token`; its
@@ -126,7 +140,20 @@ impl DataPlane for FakeDataPlane {
         let Some(answer) = self.step.clone() else {
             return unscripted("Forward");
         };
-        let start = (request.into_inner(), 0, false);
+        let mut inbound = request.into_inner();
+        if let Some(check) = &self.open {
+            match inbound.message().await? {
+                Some(dp::ForwardRequest {
+                    message: Some(dp::forward_request::Message::Open(open)),
+                }) => check(&open)?,
+                _ => {
+                    return Err(Status::invalid_argument(
+                        "a Forward stream starts with Open",
+                    ));
+                }
+            }
+        }
+        let start = (inbound, 0, false);
         let answers = futures::stream::unfold(start, move |(mut inbound, n, ended)| {
             let answer = answer.clone();
             async move {

@@ -17,7 +17,7 @@ use shardplane_engine::constraint::TokenMask;
 use shardplane_engine::generation::{Decoder, FinishReason, ValidRequest};
 use shardplane_engine::pipeline::ban;
 use shardplane_engine::sampler::{Logprobs, Sampler};
-use shardplane_engine::{SequenceId, StageInput, StageOutput};
+use shardplane_engine::{StageInput, StageOutput};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -170,33 +170,34 @@ impl Service {
                 }
             ))
         })?;
-        let id: SequenceId = rand::random();
-        let context = request.context();
-        let (downstream, local_sampler) = if stage.is_last() {
+        let mut seq = Sequence {
+            stage: stage.clone(),
+            id: rand::random(),
+        };
+        let (downstream, local_sampler, skip) = if stage.is_last() {
             let sampler = Sampler::resumed(
                 request.params().clone(),
                 request.prompt(),
                 request.resumed(),
             )
             .map_err(engine_status)?;
-            (None, Some(sampler))
+            (None, Some(sampler), 0)
         } else {
             let open = dp::Open {
                 shard: None,
-                sequence: id,
+                sequence: seq.id,
                 sampling: Some(sampling.clone()),
-                prompt: context,
+                prompt: request.context(),
                 banned: banned.clone(),
                 generated: request.resumed().len() as u32,
+                cached: 0,
             };
-            (Some(self.open_next(&stage, open).await?), None)
+            let (down, skip) = self.open_pipeline(&mut seq, open).await?;
+            (Some(down), None, skip)
         };
         let (events, stream) = mpsc::channel(64);
         let generation = Generation {
-            seq: Sequence {
-                stage: stage.clone(),
-                id,
-            },
+            seq,
             text,
             request,
             tools: tools.is_some(),
@@ -212,6 +213,7 @@ impl Service {
             received,
             metrics: self.metrics.clone(),
             cached_tokens: 0,
+            skip,
             reservation,
             most,
             fed: Vec::new(),
@@ -254,6 +256,9 @@ struct Generation {
     metrics: Metrics,
     /// Prompt tokens the head stage took from its prefix cache.
     cached_tokens: usize,
+    /// Of the tokens the next step runs, those a pipeline's stages took
+    /// from their prefix caches when it was opened (`open_pipeline`).
+    skip: usize,
     /// Its share of the stage's KV budget, until it ends.
     reservation: KvReservation,
     /// The most KV tokens it may come to hold (prompt and max_tokens).
@@ -321,6 +326,16 @@ impl Generation {
                 Ok((token, sampler.take_logprobs()))
             }
             Some(down) => {
+                let skip = std::mem::take(&mut self.skip);
+                let Some(tokens) = tokens.get(skip..).filter(|t| !t.is_empty()) else {
+                    return Err(Status::internal(format!(
+                        "{skip} tokens were taken from the prefix cache of a step of {}",
+                        tokens.len()
+                    )));
+                };
+                if !recompute {
+                    self.cached_tokens += skip;
+                }
                 let chunks = tokens.len().div_ceil(PREFILL_CHUNK);
                 for (i, chunk) in tokens.chunks(PREFILL_CHUNK).enumerate() {
                     let out = stage
@@ -331,6 +346,9 @@ impl Generation {
                     let StageOutput::Hidden(a) = out else {
                         return Err(Status::internal("a first stage gave logits"));
                     };
+                    // The rows go with their tokens, for the later stages'
+                    // prefix caches.
+                    let a = a.with_ids(chunk.to_vec()).map_err(engine_status)?;
                     let last = i + 1 == chunks;
                     let mask = match (&allowed, last) {
                         (Some(m), true) => m.to_bytes(),
@@ -447,8 +465,11 @@ impl Generation {
                 prompt: self.fed.clone(),
                 banned: self.banned.clone(),
                 generated: (self.fed.len() - self.request.prompt().len()) as u32,
+                cached: 0,
             };
-            self.downstream = Some(self.service.open_next(&self.seq.stage, open).await?);
+            let (down, skip) = self.service.open_pipeline(&mut self.seq, open).await?;
+            self.downstream = Some(down);
+            self.skip = skip;
         }
         Ok((self.fed.clone(), true))
     }
@@ -571,6 +592,46 @@ fn counted(full: &Account, tokens: u64) -> String {
 }
 
 impl Service {
+    /// Opens `seq` down the pipeline for the tokens `open.prompt`, after
+    /// starting it from the head's prefix cache: the later stages then take
+    /// the same tokens from theirs (`Open.cached`), and all run only the
+    /// rest. When a later stage no longer holds them all, the head lets the
+    /// sequence go and opens a new one that runs the whole prompt. Returns
+    /// the stream and the tokens taken.
+    async fn open_pipeline(
+        &self,
+        seq: &mut Sequence,
+        mut open: dp::Open,
+    ) -> Result<(Downstream, usize), Status> {
+        let held = seq.stage.worker.seed(seq.id, open.prompt.clone()).await;
+        if held > 0 {
+            open.cached = held as u32;
+            match self.open_next(&seq.stage, open.clone()).await {
+                Ok(down) => return Ok((down, held)),
+                Err(e) if e.code() == tonic::Code::Aborted => {
+                    tracing::debug!(
+                        shard = %seq.stage.name,
+                        error = e.message(),
+                        "a later stage lacks the cached prefix; the whole prompt runs"
+                    );
+                    self.metrics
+                        .prefix_misses_downstream
+                        .with_label_values(&[&seq.stage.name])
+                        .inc();
+                }
+                Err(e) => return Err(e),
+            }
+            // The seeded sequence goes when dropped.
+            *seq = Sequence {
+                stage: seq.stage.clone(),
+                id: rand::random(),
+            };
+            open.sequence = seq.id;
+            open.cached = 0;
+        }
+        Ok((self.open_next(&seq.stage, open).await?, 0))
+    }
+
     /// Who holds the budget that is `full`, for a refusal: a later stage's
     /// machine, or the head's shard.
     fn holder(&self, stage: &ServedStage, full: &Account) -> String {

@@ -73,11 +73,21 @@ impl Service {
             .forward(ReceiverStream::new(outbound))
             .await
             .map_err(|e| {
-                Status::unavailable(format!(
-                    "next stage {}/{next} at {endpoint}: {}",
-                    stage.namespace,
-                    e.message()
-                ))
+                // A stage that does not hold the cached prefix says so up
+                // to the head (see `Open.cached`); anything else makes this
+                // instance unavailable.
+                let code = match e.code() {
+                    tonic::Code::Aborted => tonic::Code::Aborted,
+                    _ => tonic::Code::Unavailable,
+                };
+                Status::new(
+                    code,
+                    format!(
+                        "next stage {}/{next} at {endpoint}: {}",
+                        stage.namespace,
+                        e.message()
+                    ),
+                )
             })?
             .into_inner();
         Ok(Downstream { requests, answers })
@@ -90,9 +100,10 @@ pub(super) struct Downstream {
     pub(super) answers: Streaming<dp::ForwardResponse>,
 }
 
-/// Sends one step of hidden states down the pipeline; `sample` asks the
-/// last stage for a token, from among the `allowed` ones when the answer
-/// follows a grammar (a [`TokenMask`]'s wire form; empty: any token).
+/// Sends one step of hidden states (and the tokens they stand for, when
+/// told) down the pipeline; `sample` asks the last stage for a token, from
+/// among the `allowed` ones when the answer follows a grammar (a
+/// [`TokenMask`]'s wire form; empty: any token).
 ///
 /// [`TokenMask`]: shardplane_engine::constraint::TokenMask
 pub(super) async fn send_step(
@@ -109,6 +120,7 @@ pub(super) async fn send_step(
         }),
         sample,
         allowed,
+        tokens: a.told_ids().unwrap_or_default().to_vec(),
     };
     requests
         .send(dp::ForwardRequest {

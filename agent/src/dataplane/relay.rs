@@ -55,6 +55,7 @@ impl Service {
             stage: stage.clone(),
             id: open.sequence,
         };
+        take_cached(&seq, &open).await?;
         let width = stage.worker.hidden;
         let (answers, stream) = mpsc::channel(64);
         if stage.is_last() {
@@ -129,9 +130,11 @@ impl Service {
                     let sent = async {
                         let (step, out) =
                             until_closed(&answers, run_step(&seq, msg, width)).await?;
-                        let StageOutput::Hidden(a) = out else {
+                        let StageOutput::Hidden(mut a) = out else {
                             return Err(Status::internal("a middle stage gave logits"));
                         };
+                        // The rows stand for the tokens they came for.
+                        a.ids = step.tokens;
                         send_step(&requests, &a, step.sample, step.allowed).await?;
                         metrics.hidden_bytes_sent.inc_by((a.data.len() * 4) as u64);
                         Ok(())
@@ -158,6 +161,36 @@ impl Drop for Sequence {
     fn drop(&mut self) {
         self.stage.worker.release(self.id);
     }
+}
+
+/// Starts `seq` from exactly the prompt tokens the head took from its prefix
+/// cache (`Open.cached`), from this stage's own cache; `ABORTED` when it no
+/// longer holds them all (evicted, or never run here), so that the head
+/// runs the whole prompt instead.
+async fn take_cached(seq: &Sequence, open: &dp::Open) -> Result<(), Status> {
+    let n = open.cached as usize;
+    if n == 0 {
+        return Ok(());
+    }
+    if n >= open.prompt.len() {
+        return Err(Status::invalid_argument(format!(
+            "{n} cached tokens of a prompt of {}: its last token always runs",
+            open.prompt.len()
+        )));
+    }
+    let held = seq
+        .stage
+        .worker
+        .seed(seq.id, open.prompt[..=n].to_vec())
+        .await;
+    if held != n {
+        return Err(Status::aborted(format!(
+            "shard {} holds {held} of the {n} prompt tokens the head took from its prefix \
+             cache; the whole prompt must run",
+            seq.stage.name
+        )));
+    }
+    Ok(())
 }
 
 /// Runs one inbound `Forward` message (a step of hidden states) through the
@@ -205,7 +238,9 @@ fn hidden_input(step: &dp::Step, width: usize) -> Result<StageInput, Status> {
             h.width
         )));
     }
-    Ok(StageInput::Hidden(
-        Activations::new(h.tokens as usize, width, data).map_err(engine_status)?,
-    ))
+    let mut rows = Activations::new(h.tokens as usize, width, data).map_err(engine_status)?;
+    if !step.tokens.is_empty() {
+        rows = rows.with_ids(step.tokens.clone()).map_err(engine_status)?;
+    }
+    Ok(StageInput::Hidden(rows))
 }

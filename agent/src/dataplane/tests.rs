@@ -90,7 +90,16 @@ pub(super) fn shard(stage: u32, endpoint: Option<&str>) -> Shard {
 /// The middle stage `d-0-1` served in process, its next stage `d-0-2` as
 /// `next` says; the stage's worker, to watch its sequences.
 async fn middle(next: Option<Shard>) -> (dp::Client, StageWorker, tempfile::TempDir) {
-    let (stage, me) = middle_stage();
+    middle_on(next, Echo::middle()).await
+}
+
+/// [`middle`], running `echo`.
+async fn middle_on(
+    next: Option<Shard>,
+    echo: Echo,
+) -> (dp::Client, StageWorker, tempfile::TempDir) {
+    let (mut stage, me) = middle_stage();
+    stage.worker = crate::test_stage::quiet_worker("d-0-1", Box::new(echo));
     let worker = stage.worker.clone();
     let (client, dir) = serve(stage, next.into_iter().chain([me]).collect()).await;
     (client, worker, dir)
@@ -177,6 +186,7 @@ pub(super) fn open() -> dp::ForwardRequest {
             prompt: vec![1, 2, 3],
             banned: Vec::new(),
             generated: 0,
+            cached: 0,
         })),
     }
 }
@@ -191,6 +201,7 @@ fn step(rows: usize) -> dp::ForwardRequest {
             }),
             sample: true,
             allowed: Vec::new(),
+            tokens: Vec::new(),
         })),
     }
 }
@@ -206,8 +217,22 @@ async fn start(
     ),
     Status,
 > {
+    start_with(client, open()).await
+}
+
+/// [`start`] with `open`.
+async fn start_with(
+    client: &mut dp::Client,
+    open: dp::ForwardRequest,
+) -> Result<
+    (
+        mpsc::Sender<dp::ForwardRequest>,
+        Streaming<dp::ForwardResponse>,
+    ),
+    Status,
+> {
     let (requests, outbound) = mpsc::channel(8);
-    requests.send(open()).await.unwrap();
+    requests.send(open).await.unwrap();
     let answers = client
         .forward(ReceiverStream::new(outbound))
         .await?
@@ -255,6 +280,42 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
     // The stage before goes away: the sequence is freed.
     drop(requests);
     drop(answers);
+    sequences_become(&worker, 0).await;
+}
+
+#[tokio::test]
+async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refuses_the_open() {
+    let cached = |n: u32| {
+        let mut o = open();
+        if let Some(dp::forward_request::Message::Open(open)) = &mut o.message {
+            open.cached = n;
+        }
+        o
+    };
+    // It holds 2 tokens of the prompt [1, 2, 3]: the first row it is sent
+    // is at position 2.
+    let (endpoint, rows) = serve_last(None).await;
+    let mut echo = Echo::middle();
+    echo.cached = 2;
+    let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&endpoint))), echo).await;
+    let (requests, mut answers) = start_with(&mut client, cached(2)).await.unwrap();
+    requests.send(step(1)).await.unwrap();
+    assert_eq!(answers.message().await.unwrap().unwrap().token, 102);
+    assert_eq!(*rows.lock().unwrap(), vec![vec![2.0]]);
+    drop((requests, answers));
+    sequences_become(&worker, 0).await;
+
+    // It holds none of them: ABORTED (the head runs the whole prompt), and
+    // nothing is kept; a count beyond the prompt is refused.
+    let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
+    let e = start_with(&mut client, cached(2)).await.err().unwrap();
+    assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+    assert!(
+        e.message().contains("holds 0 of the 2 prompt tokens"),
+        "{e:?}"
+    );
+    let e = start_with(&mut client, cached(3)).await.err().unwrap();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     sequences_become(&worker, 0).await;
 }
 

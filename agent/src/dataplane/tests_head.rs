@@ -78,7 +78,15 @@ fn text_model() -> Arc<TextModel> {
 
 /// The head stage `d-0-0` served in process, its next stage at `next`.
 async fn head(next: &str, text: Arc<TextModel>) -> (dp::Client, StageWorker, tempfile::TempDir) {
-    let (echo, _) = Echo::new(false);
+    head_on(next, text, Echo::new(false).0).await
+}
+
+/// [`head`], running `echo`.
+async fn head_on(
+    next: &str,
+    text: Arc<TextModel>,
+    echo: Echo,
+) -> (dp::Client, StageWorker, tempfile::TempDir) {
     let worker = crate::test_stage::quiet_worker("d-0-0", Box::new(echo));
     let me = shard(0, None);
     let stage = ServedStage {
@@ -498,4 +506,78 @@ pub(super) async fn reserved_becomes(worker: &StageWorker, n: u64) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     panic!("the stage still holds a reservation");
+}
+
+/// What a fake last stage saw: each `Open`'s cached tokens, and each step's
+/// rows and token ids.
+#[derive(Default)]
+struct Opened {
+    cached: Vec<u32>,
+    steps: Vec<(u32, Vec<u32>)>,
+}
+
+/// A head whose prefix cache gives 600 tokens of a 1100-token prompt, and
+/// a fake last stage that holds them too or (`lacks`) refuses the open with
+/// `ABORTED` as a stage that evicted them does.
+async fn cached_head(lacks: bool) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>, StageWorker) {
+    let text = text_model();
+    let seen = Arc::new(Mutex::new(Opened::default()));
+    let (opens, steps) = (seen.clone(), seen.clone());
+    let next = FakeDataPlane::stepping(move |_, step| {
+        let rows = step.hidden.as_ref().map_or(0, |h| h.tokens);
+        steps.lock().unwrap().steps.push((rows, step.tokens));
+        Ok(dp::ForwardResponse {
+            token: 7,
+            sampled: step.sample,
+            logprobs: None,
+        })
+    })
+    .on_open(move |open| {
+        opens.lock().unwrap().cached.push(open.cached);
+        match lacks && open.cached > 0 {
+            true => Err(Status::aborted("holds 64 of the 600 prompt tokens")),
+            false => Ok(()),
+        }
+    })
+    .serve(token())
+    .await;
+    let (mut echo, _) = Echo::new(false);
+    echo.cached = 600;
+    let (mut client, worker, _dir) = head_on(&next, text, echo).await;
+    let prompt: Vec<u32> = (0..1100).map(|i| 100 + i % 50).collect();
+    let (_, _, finished) = collect(&mut client, request(prompt.clone(), 2))
+        .await
+        .unwrap();
+    sequences_become(&worker, 0).await;
+    (seen, finished, prompt, worker)
+}
+
+#[tokio::test]
+async fn a_head_sends_only_what_its_prefix_cache_lacks_and_tells_each_row_s_token() {
+    let (seen, finished, prompt, _worker) = cached_head(false).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.cached, vec![600], "the open tells what the head took");
+    assert_eq!(
+        seen.steps,
+        vec![(500, prompt[600..].to_vec()), (1, vec![7])],
+        "the rest of the prompt in one chunk, then the token sampled"
+    );
+    assert_eq!(finished.cached_tokens, 600);
+    assert_eq!(finished.prompt_tokens, 1100);
+}
+
+#[tokio::test]
+async fn a_head_runs_the_whole_prompt_when_a_later_stage_lacks_its_cached_prefix() {
+    let (seen, finished, prompt, _worker) = cached_head(true).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(
+        seen.cached,
+        vec![600, 0],
+        "refused, then opened again whole"
+    );
+    let rows: Vec<u32> = seen.steps.iter().map(|s| s.0).collect();
+    assert_eq!(rows, vec![512, 512, 76, 1]);
+    let sent: Vec<u32> = seen.steps[..3].iter().flat_map(|s| s.1.clone()).collect();
+    assert_eq!(sent, prompt);
+    assert_eq!(finished.cached_tokens, 0);
 }

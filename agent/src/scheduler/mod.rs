@@ -66,6 +66,18 @@ pub enum Job {
         /// The sequence.
         seq: SequenceId,
     },
+    /// Start the new sequence `seq` from the prefix cache's longest prefix
+    /// of `tokens` (all but the last at most; see `Stage::reuse_prefix`),
+    /// before its first rows come: a pipeline's stages take their prompts'
+    /// prefixes so. The reply is the tokens it holds.
+    Seed {
+        /// The sequence.
+        seq: SequenceId,
+        /// Its prompt, or the part of it to take and one token more.
+        tokens: Vec<u32>,
+        /// Where the count goes.
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// How a step is made up.
@@ -175,7 +187,11 @@ pub fn run(
     budget: Budget,
 ) {
     let mut work = Work::default();
-    let caching = shard.prefix_cache().budget_bytes > 0;
+    // A whole model takes a new prompt's prefix as it comes; a pipeline's
+    // stages are told what to take (`Job::Seed`), so that all take alike.
+    let caching = shard.prefix_cache().budget_bytes > 0
+        && shard.layout().is_first()
+        && shard.layout().is_last();
     let mut gather = Gather::default();
     let _ = stats.budget.set(budget);
     loop {
@@ -196,6 +212,7 @@ pub fn run(
             match &job {
                 Job::Forward { seq, sent, .. } => gather.arrived(*seq, *sent),
                 Job::Release { seq } => gather.gone(*seq),
+                Job::Seed { .. } => {}
             }
             take(job, &mut *shard, &mut work, caching, &stats);
         };
@@ -306,11 +323,11 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                         return;
                     }
                     prompt = Some(Arc::from(ids.as_slice()));
-                }
-                cached = shard.reuse_prefix(seq, ids);
-                if cached > 0 {
-                    split_front(&mut input, cached);
-                    stats.unqueue_tokens(cached);
+                    cached = shard.reuse_prefix(seq, ids);
+                    if cached > 0 {
+                        split_front(&mut input, cached);
+                        stats.unqueue_tokens(cached);
+                    }
                 }
             }
             if input.len() == 1 && shard.sequence_len(seq) > 0 && !busy && !new_prompt {
@@ -351,6 +368,15 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                 keep
             });
             work.releases.push(seq);
+        }
+        Job::Seed { seq, tokens, reply } => {
+            let busy = work.decodes.iter().any(|(s, _, _)| *s == seq)
+                || work.prefills.iter().any(|p| p.seq == seq);
+            let held = match busy || work.releases.contains(&seq) {
+                true => 0,
+                false => shard.reuse_prefix(seq, &tokens),
+            };
+            let _ = reply.send(held);
         }
     }
 }
@@ -403,11 +429,16 @@ fn split_front(input: &mut StageInput, n: usize) -> StageInput {
         StageInput::Tokens(ids) => StageInput::Tokens(ids.drain(..n).collect()),
         StageInput::Hidden(a) => {
             let front: Vec<f32> = a.data.drain(..n * a.hidden).collect();
+            let ids = match a.told_ids() {
+                Some(_) => a.ids.drain(..n).collect(),
+                None => Vec::new(),
+            };
             a.tokens -= n;
             StageInput::Hidden(Activations {
                 tokens: n,
                 hidden: a.hidden,
                 data: front,
+                ids,
             })
         }
     }

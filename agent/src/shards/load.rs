@@ -81,14 +81,11 @@ pub(super) async fn bring_up(
         Some(_) => Engine::Candle,
         None => crd_engine(engine_kind),
     };
-    // Only a stage that runs the whole model reuses prefixes (see the
-    // engine's `reuse_prefix`): a pipeline's stages keep no cache and leave
-    // its budget to their KV.
-    let whole = shard.spec.layers.start == 0 && shard.spec.layers.end == shard.spec.total_layers;
-    let prefix_cache_bytes = if whole && shard.spec.tensor.is_none() {
-        sources.prefix_cache_bytes
-    } else {
-        0
+    // Every stage but a tensor rank keeps its own layers' prefix cache (see
+    // the engine's `reuse_prefix`); a rank leaves its budget to its KV.
+    let prefix_cache_bytes = match shard.spec.tensor {
+        None => sources.prefix_cache_bytes,
+        Some(_) => 0,
     };
     // What the stage runs as: a tensor rank's group may have changed while
     // it joined.

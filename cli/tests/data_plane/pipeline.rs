@@ -12,8 +12,11 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         .await
         .unwrap();
     let (a, b) = (unique_name("dp-a"), unique_name("dp-b"));
-    let admin_b = free_address().to_string();
-    let _agents = (agent(&a), agent_with_admin(&b, &admin_b));
+    let (admin_a, admin_b) = (free_address().to_string(), free_address().to_string());
+    let _agents = (
+        agent_with_admin(&a, &admin_a),
+        agent_with_admin(&b, &admin_b),
+    );
     let shards: Api<Shard> = Api::namespaced(client_k.clone(), &ns);
     for s in [
         fixtures::shard("pipe", &a, 0, 2, LayerRange { start: 0, end: 13 }),
@@ -90,6 +93,49 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
         "each prompt reused at least its first block: {reused} tokens"
     );
     assert!(metric(&admin_b, "shardplane_agent_prefix_cache_bytes").await > 0.0);
+
+    // And again through the pipeline: its head takes as much from its own
+    // prefix cache, its second stage (on the other agent) the same tokens
+    // from its own, and both run only the last token.
+    let before = metric(&admin_b, hits).await;
+    let mut taken = 0;
+    for (p, (tokens, _)) in prompts.iter().zip(&expected) {
+        let (got, _, finished) = run(client(&head), request("pipe-0-0", p)).await.unwrap();
+        assert_eq!(&got, tokens, "again, through the pipeline: {p}");
+        assert_eq!(
+            finished.cached_tokens + 1,
+            finished.prompt_tokens,
+            "{p}: {} of {} prompt tokens cached on both stages",
+            finished.cached_tokens,
+            finished.prompt_tokens
+        );
+        taken += finished.cached_tokens as usize;
+    }
+    // (Each stage's counters follow its passes: wait for the last.)
+    let mut counted = (0.0, 0.0);
+    for _ in 0..50 {
+        counted = (
+            metric(&admin_a, hits).await,
+            metric(&admin_b, hits).await - before,
+        );
+        if counted.0 >= taken as f64 && counted.1 >= taken as f64 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        counted,
+        (taken as f64, taken as f64),
+        "the head took them from its own cache, the second stage as many from its own"
+    );
+    assert_eq!(
+        metric(
+            &admin_a,
+            "shardplane_agent_prefix_cache_downstream_misses_total"
+        )
+        .await,
+        0.0
+    );
 
     // Resumed after the first k tokens of an answer (as the gateway does when
     // an instance fails mid-answer): exactly what the model gives when it
@@ -352,6 +398,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             prompt: vec![],
             banned: vec![],
             generated: 0,
+            cached: 0,
         })),
     })
     .await

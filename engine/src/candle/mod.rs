@@ -393,8 +393,13 @@ impl CandleStage {
                 for (item, (_, input)) in items.iter().zip(&batch) {
                     if let Some(cache) = self.sequences.get_mut(&item.seq) {
                         cache.position += item.len;
-                        if let StageInput::Tokens(ids) = input {
-                            cache.tokens.extend_from_slice(ids);
+                        match input {
+                            StageInput::Tokens(ids) => cache.tokens.extend_from_slice(ids),
+                            // Rows whose tokens are not told leave the
+                            // tokens short: such a sequence keeps no blocks.
+                            StageInput::Hidden(a) => cache
+                                .tokens
+                                .extend_from_slice(a.told_ids().unwrap_or_default()),
                         }
                     }
                 }
@@ -678,8 +683,7 @@ impl Stage for CandleStage {
     }
 
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
-        let whole = self.layout.is_first() && self.layout.is_last() && self.tensor.is_none();
-        if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
+        if self.tensor.is_some() || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
         let mut cache = self.new_cache();
@@ -725,8 +729,7 @@ impl Stage for CandleStage {
 
     fn retain_prefix(&mut self, seq: SequenceId) {
         // Only a stage that reuses prefixes keeps them (see `reuse_prefix`).
-        let whole = self.layout.is_first() && self.layout.is_last() && self.tensor.is_none();
-        if !whole {
+        if self.tensor.is_some() {
             return;
         }
         let Some(cache) = self.sequences.get(&seq) else {

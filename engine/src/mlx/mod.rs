@@ -308,7 +308,9 @@ impl MlxStage {
             .iter()
             .map(|(_, input)| match input {
                 StageInput::Tokens(t) => Some(t.clone()),
-                StageInput::Hidden(_) => None,
+                // Rows whose tokens are not told leave the tokens short:
+                // such a sequence keeps no blocks.
+                StageInput::Hidden(a) => a.told_ids().map(<[u32]>::to_vec),
             })
             .collect();
         let _guard = lock();
@@ -619,8 +621,7 @@ impl Stage for MlxStage {
     }
 
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
-        let whole = self.layout.is_first() && self.layout.is_last();
-        if !whole || !self.prefix.enabled() || self.sequences.contains_key(&seq) {
+        if !self.prefix.enabled() || self.sequences.contains_key(&seq) {
             return 0;
         }
         let (kvh, kw, vw) = self.cache_widths();
@@ -692,10 +693,6 @@ impl Stage for MlxStage {
     }
 
     fn retain_prefix(&mut self, seq: SequenceId) {
-        // Only a stage that reuses prefixes keeps them (see `reuse_prefix`).
-        if !(self.layout.is_first() && self.layout.is_last()) {
-            return;
-        }
         let Some(cache) = self.sequences.get(&seq) else {
             return;
         };
