@@ -412,6 +412,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             }),
             sample: true,
             allowed: Vec::new(),
+            tokens: Vec::new(),
         })),
     })
     .await
