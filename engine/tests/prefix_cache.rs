@@ -277,8 +277,12 @@ fn a_small_cache_evicts_and_stays_within_its_budget(engine: EngineKind) {
     let file = GgufFile::open(shardplane_testkit::test_model()).unwrap();
     let text = TextModel::from_gguf(&file).unwrap();
     // One block of this model: 30 layers × (K + V) × 3 KV heads × 32 tokens
-    // × 64 dims × 4 bytes.
-    let block_bytes = 30 * 2 * 3 * 32 * 64 * 4;
+    // × 64 dims × 2 bytes on candle (its cache holds f16), 4 on MLX.
+    let bytes = match engine {
+        EngineKind::Candle => 2,
+        _ => 4,
+    };
+    let block_bytes = 30 * 2 * 3 * 32 * 64 * bytes;
     let mut s = stage(&file, engine, 2 * block_bytes);
     let a = prompt(&text, "What is the capital of France?");
     let b = prompt(&text, "Name a prime number.");

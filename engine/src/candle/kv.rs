@@ -134,10 +134,29 @@ impl LayerKv {
     /// by whole chunks of `chunk` tokens; running out of memory is an error,
     /// not an abort.
     pub fn append(&mut self, k: &[f32], v: &[f32], chunk: usize) -> Result<()> {
+        self.reserve(k.len(), v.len(), chunk)?;
+        self.k.extend(k);
+        self.v.extend(v);
+        Ok(())
+    }
+
+    /// [`LayerKv::append`] for rows held in a [`KvRows`] (a prefix-cache
+    /// block's, from [`LayerKv::rows`]): in the same precision, the very
+    /// bits they held.
+    pub fn append_rows(&mut self, k: &KvRows, v: &KvRows, chunk: usize) -> Result<()> {
+        self.reserve(k.len(), v.len(), chunk)?;
+        self.k.extend_from(k);
+        self.v.extend_from(v);
+        Ok(())
+    }
+
+    /// Room for `keys` and `values` more floats, grown by whole chunks of
+    /// `chunk` tokens.
+    fn reserve(&mut self, keys: usize, values: usize, chunk: usize) -> Result<()> {
         let own_values = self.values_in_keys.is_none();
-        debug_assert_eq!(v.len(), if own_values { k.len() } else { 0 });
-        debug_assert_eq!(k.len() % self.width, 0);
-        let needed = self.k.len() + k.len();
+        debug_assert_eq!(values, if own_values { keys } else { 0 });
+        debug_assert_eq!(keys % self.width, 0);
+        let needed = self.k.len() + keys;
         if needed > self.k.capacity() {
             let tokens = needed.div_ceil(self.width).div_ceil(chunk) * chunk;
             let more = tokens * self.width - self.k.len();
@@ -152,24 +171,22 @@ impl LayerKv {
                 })?;
             }
         }
-        self.k.extend(k);
-        self.v.extend(v);
         Ok(())
     }
 
-    /// The rows of tokens `range` (a prefix-cache block), as f32 (each
-    /// exactly what is held, so appending them again stores the same
-    /// bits); `None` when some were forgotten.
-    pub fn rows(&self, range: std::ops::Range<usize>) -> Option<(Vec<f32>, Vec<f32>)> {
+    /// A copy of the rows of tokens `range` (a prefix-cache block), in the
+    /// precision held (so appending them again stores the same bits);
+    /// `None` when some were forgotten.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Option<(KvRows, KvRows)> {
         if range.start < self.start {
             return None;
         }
         let span = self.at(range.start)..self.at(range.end);
         let v = match self.values_in_keys {
-            Some(_) => Vec::new(),
-            None => self.v.to_f32_vec(span.clone()),
+            Some(_) => self.v.slice(0..0),
+            None => self.v.slice(span.clone()),
         };
-        Some((self.k.to_f32_vec(span), v))
+        Some((self.k.slice(span), v))
     }
 }
 
@@ -630,7 +647,22 @@ mod tests {
             let k = values(5 * 8, 1);
             let v = values(5 * 8, 2);
             kv.append(&k, &v, 4).unwrap();
-            assert_eq!(kv.rows(1..3), Some((k[8..24].to_vec(), v[8..24].to_vec())));
+            let (rk, rv) = kv.rows(1..3).unwrap();
+            assert_eq!(rk.to_f32_vec(0..16), k[8..24]);
+            assert_eq!(rv.to_f32_vec(0..16), v[8..24]);
+            assert_eq!(rk.held_bytes(), 16 * precision.bytes());
+            // Appended to a cache of either precision: the same values,
+            // held in its own.
+            for other in [KvPrecision::F16, KvPrecision::F32] {
+                let mut copy = LayerKv::new(8, other);
+                copy.append_rows(&rk, &rv, 4).unwrap();
+                let (ck, cv) = copy.rows(0..2).unwrap();
+                assert_eq!(
+                    (ck.to_f32_vec(0..16), cv.to_f32_vec(0..16)),
+                    (k[8..24].to_vec(), v[8..24].to_vec())
+                );
+                assert_eq!(ck.held_bytes(), 16 * other.bytes());
+            }
             let mut value = [0f32; 4];
             kv.value(4, 1, &mut value);
             assert_eq!(value, v[4 * 8 + 4..4 * 8 + 8]);
@@ -652,7 +684,11 @@ mod tests {
         ] {
             let mut kv = LayerKv::new(8, precision);
             kv.append(&x, &x, 1).unwrap();
-            assert_eq!(kv.rows(0..1).unwrap().0[..3], held, "{precision:?}");
+            assert_eq!(
+                kv.rows(0..1).unwrap().0.to_f32_vec(0..3),
+                held,
+                "{precision:?}"
+            );
         }
     }
 

@@ -11,6 +11,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::stage::KvPrecision;
 
 /// A buffer of keys or values, token-major.
+#[derive(Debug, Clone, PartialEq)]
 pub(super) enum KvRows {
     Half(Vec<f16>),
     Full(Vec<f32>),
@@ -39,6 +40,11 @@ impl KvRows {
     /// Bytes reserved.
     pub fn bytes(&self) -> usize {
         self.capacity() * self.precision().bytes()
+    }
+
+    /// Bytes the floats held take (a copy's, whose capacity is its length).
+    pub fn held_bytes(&self) -> usize {
+        self.len() * self.precision().bytes()
     }
 
     fn precision(&self) -> KvPrecision {
@@ -95,6 +101,26 @@ impl KvRows {
         }
     }
 
+    /// Appends the floats `other` holds: as they are in the same precision
+    /// (a prefix-cache block's rows seed a cache with the very bits it
+    /// held), widened or rounded in another.
+    pub fn extend_from(&mut self, other: &KvRows) {
+        match (&mut *self, other) {
+            (KvRows::Half(b), KvRows::Half(o)) => b.extend_from_slice(o),
+            (KvRows::Full(b), KvRows::Full(o)) => b.extend_from_slice(o),
+            (KvRows::Full(b), KvRows::Half(o)) => b.extend(o.iter().map(|x| x.to_f32())),
+            (KvRows::Half(_), KvRows::Full(o)) => self.extend(o),
+        }
+    }
+
+    /// A copy of the floats `range`, in their precision.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> KvRows {
+        match self {
+            KvRows::Half(b) => KvRows::Half(b[range].to_vec()),
+            KvRows::Full(b) => KvRows::Full(b[range].to_vec()),
+        }
+    }
+
     /// The floats `range`, widened into `out` (of the range's length).
     pub fn widen(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
         match self {
@@ -103,8 +129,8 @@ impl KvRows {
         }
     }
 
-    /// The floats `range` as f32 (each exactly what is held, so appending
-    /// them again stores the same bits).
+    /// The floats `range` as f32.
+    #[cfg(test)]
     pub fn to_f32_vec(&self, range: std::ops::Range<usize>) -> Vec<f32> {
         match self {
             KvRows::Half(b) => b[range].to_f32_vec(),

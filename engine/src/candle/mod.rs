@@ -87,7 +87,7 @@ impl std::fmt::Debug for CandleStage {
 }
 
 /// One layer's keys and values of a prefix-cache block.
-type BlockRows = (Vec<f32>, Vec<f32>);
+type BlockRows = (kv_rows::KvRows, kv_rows::KvRows);
 
 /// The KV cache of one sequence in this stage's layers.
 struct SequenceCache {
@@ -706,7 +706,7 @@ impl Stage for CandleStage {
                 kv.start_at(first * block_tokens);
                 for block in &hit.blocks[first..] {
                     let (k, v) = block[l].as_ref().expect("checked by layer_firsts");
-                    kv.append(k, v, KV_CHUNK)?;
+                    kv.append_rows(k, v, KV_CHUNK)?;
                 }
             }
             cache.position = hit.tokens;
@@ -752,7 +752,7 @@ impl Stage for CandleStage {
                     // A sliding layer's forgotten rows are missing from the block.
                     let rows = kv.rows(range.clone());
                     if let Some((k, v)) = &rows {
-                        bytes += (k.len() + v.len()) * std::mem::size_of::<f32>();
+                        bytes += k.held_bytes() + v.held_bytes();
                     }
                     layers.push(rows);
                 }
