@@ -31,10 +31,6 @@ use tokio_stream::wrappers::ReceiverStream;
 
 const WAIT: Duration = Duration::from_secs(90);
 
-fn agent(node: &str) -> Process {
-    agent_with_admin(node, &free_address().to_string())
-}
-
 fn cache_of(node: &str) -> std::path::PathBuf {
     shardplane_testkit::agent_cache(env!("CARGO_TARGET_TMPDIR"), node)
 }
