@@ -45,11 +45,42 @@ pub struct StageStats {
     pub decodes_back: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
+    /// Until when a pipeline's head runs new prompts whole without looking
+    /// in its prefix cache: a later stage lacked what it took (it keeps no
+    /// cache, or evicts sooner), so looking would only cost.
+    pub seeding_paused_until: Mutex<Option<std::time::Instant>>,
     /// The head's KV budget and the generations' shares of it.
     pub kv: Arc<KvLedger>,
 }
 
 impl StageStats {
+    /// Whether a pipeline's head should start a new sequence from its
+    /// prefix cache: it keeps one, and no later stage lacked its prefix
+    /// lately.
+    pub fn seeds(&self) -> bool {
+        let keeps = self
+            .prefix
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .budget_bytes
+            > 0;
+        let paused = self
+            .seeding_paused_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|until| std::time::Instant::now() < until);
+        keeps && !paused
+    }
+
+    /// A later stage lacked the prefix the head took: the head runs new
+    /// prompts whole for `pause`.
+    pub fn pause_seeding(&self, pause: std::time::Duration) {
+        *self
+            .seeding_paused_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now() + pause);
+    }
+
     /// How long work queued now waits before it starts, as the recent
     /// passes suggest: its rows, and the passes it takes in prompt slices —
     /// each with its fixed part and, while sequences decode, their rows, and
@@ -164,6 +195,9 @@ impl StageWorker {
     ) -> Self {
         let (jobs, queue) = mpsc::channel();
         let stats = Arc::new(StageStats::default());
+        // Known before the thread's first step: whether a head looks in
+        // its cache depends on it.
+        *stats.prefix.lock().unwrap_or_else(|p| p.into_inner()) = shard.prefix_cache();
         let crashed = Arc::new(OnceLock::new());
         let worker = StageWorker {
             jobs,

@@ -21,6 +21,13 @@ pub use prost;
 /// The gRPC library the protocol is built on, for callers' status codes and requests.
 pub use tonic;
 
+/// The response header a later stage answers a `Forward` open with when it
+/// started the sequence from its prefix cache: the tokens it took (the
+/// open's `cached`). A stage that leaves it out did not (an agent from
+/// before pipelines reused prefixes ignores the field), and the stage
+/// before takes that as `ABORTED`.
+pub const CACHED_HEADER: &str = "shardplane-cached";
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -267,6 +274,19 @@ impl Peers {
             }
         };
         Ok(client(channel, self.token.clone()))
+    }
+}
+
+/// The `Open` a `Forward` stream starts with; any other first message is
+/// the caller's error.
+pub async fn read_open(inbound: &mut tonic::Streaming<ForwardRequest>) -> Result<Open, Status> {
+    match inbound.message().await? {
+        Some(ForwardRequest {
+            message: Some(forward_request::Message::Open(open)),
+        }) => Ok(open),
+        _ => Err(Status::invalid_argument(
+            "a Forward stream starts with an Open message",
+        )),
     }
 }
 

@@ -484,6 +484,14 @@ fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(engine: Engine
             .unwrap()
     };
     let (want_a, want_b) = (reference(1, &a), reference(2, &b));
+    for want in [&want_a, &want_b] {
+        assert!(
+            want.clear_tokens().len() >= 6,
+            "a near-tie early in prompt {}'s reference (leads {:?}): pick other prompts",
+            want.seq,
+            want.margins
+        );
+    }
 
     let mut split = Split::load(&file, engine);
     let first = split.run(1, &a, n, true);
@@ -508,6 +516,7 @@ fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(engine: Engine
     // A's prompt and answer again (the next turn): all but its last token.
     let again: Vec<u32> = a.iter().chain(&first.out[..n - 1]).copied().collect();
     let want = reference(3, &again);
+    assert!(want.clear_tokens().len() >= 6, "leads {:?}", want.margins);
     let turn = split.run(3, &again, n, true);
     assert_eq!(turn.reused, again.len() - 1);
     assert!(
@@ -523,8 +532,11 @@ fn a_pipeline_s_stages_take_the_same_prefix_from_their_own_caches(engine: Engine
 
     // Rows whose tokens are not told: the tail keeps no blocks of them.
     let c = prompt(&text, "How many days are in a week?");
-    let before = split.tail.prefix_cache().inserted_blocks;
+    let before = (
+        split.head.prefix_cache().inserted_blocks,
+        split.tail.prefix_cache().inserted_blocks,
+    );
     split.run(4, &c, 2, false);
-    assert_eq!(split.tail.prefix_cache().inserted_blocks, before);
-    assert!(split.head.prefix_cache().inserted_blocks > before);
+    assert!(split.head.prefix_cache().inserted_blocks > before.0);
+    assert_eq!(split.tail.prefix_cache().inserted_blocks, before.1);
 }

@@ -34,6 +34,9 @@ pub struct FakeDataPlane {
     generate: Option<Arc<Generate>>,
     step: Option<Arc<Step>>,
     open: Option<Arc<Open>>,
+    /// Leave out the confirmation of a cached prefix, as an agent from
+    /// before pipelines reused prefixes does.
+    older: bool,
     /// How long a `Generate` stream is silent before its first event.
     first_after: std::time::Duration,
 }
@@ -79,6 +82,13 @@ impl FakeDataPlane {
         check: impl Fn(&dp::Open) -> Result<(), Status> + Send + Sync + 'static,
     ) -> Self {
         self.open = Some(Arc::new(check));
+        self
+    }
+
+    /// Answers opens as an agent from before pipelines reused prefixes:
+    /// without confirming the cached prefix (`dp::CACHED_HEADER`).
+    pub fn as_older_agent(mut self) -> Self {
+        self.older = true;
         self
     }
 
@@ -141,17 +151,9 @@ impl DataPlane for FakeDataPlane {
             return unscripted("Forward");
         };
         let mut inbound = request.into_inner();
+        let open = dp::read_open(&mut inbound).await?;
         if let Some(check) = &self.open {
-            match inbound.message().await? {
-                Some(dp::ForwardRequest {
-                    message: Some(dp::forward_request::Message::Open(open)),
-                }) => check(&open)?,
-                _ => {
-                    return Err(Status::invalid_argument(
-                        "a Forward stream starts with Open",
-                    ));
-                }
-            }
+            check(&open)?;
         }
         let start = (inbound, 0, false);
         let answers = futures::stream::unfold(start, move |(mut inbound, n, ended)| {
@@ -170,14 +172,22 @@ impl DataPlane for FakeDataPlane {
                             let failed = a.is_err();
                             return Some((a, (inbound, n + 1, failed)));
                         }
-                        // The Open, or an empty message.
+                        // An empty message.
                         Ok(Some(_)) => continue,
                         Ok(None) | Err(_) => return None,
                     }
                 }
             }
         });
-        Ok(Response::new(Box::pin(answers)))
+        // Like a stage that took the open's cached prefix (see
+        // `dp::CACHED_HEADER`).
+        let mut response = Response::new(Box::pin(answers) as Answers<dp::ForwardResponse>);
+        if open.cached > 0 && !self.older {
+            response
+                .metadata_mut()
+                .insert(dp::CACHED_HEADER, open.cached.into());
+        }
+        Ok(response)
     }
 
     async fn status(

@@ -34,6 +34,11 @@ use crate::shards::ServedStage;
 /// several steps, which later stages work on while earlier ones go on.
 const PREFILL_CHUNK: usize = 512;
 
+/// How long a pipeline's head runs new prompts whole, without its prefix
+/// cache, after a later stage lacked the prefix it took: a stage that keeps
+/// no cache (a tensor group's) would refuse every time.
+const SEEDING_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// KV tokens a head reserves ahead of what a generation holds:
 /// its share of the budget grows this many tokens at a time.
 const KV_GROWTH: u64 = 16;
@@ -603,7 +608,14 @@ impl Service {
         seq: &mut Sequence,
         mut open: dp::Open,
     ) -> Result<(Downstream, usize), Status> {
-        let held = seq.stage.worker.seed(seq.id, open.prompt.clone()).await;
+        // Asked on the stage's thread (a step's wait when it is busy), so
+        // only when there is a cache to look in and the later stages held
+        // what it gave lately.
+        let stats = &seq.stage.worker.stats;
+        let held = match stats.seeds() {
+            true => seq.stage.worker.seed(seq.id, open.prompt.clone()).await,
+            false => 0,
+        };
         if held > 0 {
             open.cached = held as u32;
             match self.open_next(&seq.stage, open.clone()).await {
@@ -614,6 +626,7 @@ impl Service {
                         error = e.message(),
                         "a later stage lacks the cached prefix; the whole prompt runs"
                     );
+                    stats.pause_seeding(SEEDING_PAUSE);
                     self.metrics
                         .prefix_misses_downstream
                         .with_label_values(&[&seq.stage.name])

@@ -62,6 +62,7 @@ impl Service {
             .peers
             .client(&shard.spec.node, &endpoint)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let cached = open.cached;
         let (requests, outbound) = mpsc::channel(64);
         requests
             .send(dp::ForwardRequest {
@@ -88,8 +89,22 @@ impl Service {
                         e.message()
                     ),
                 )
-            })?
-            .into_inner();
+            })?;
+        // It says it took the cached prefix; a stage that does not know the
+        // field ran nothing of it, and would take the rows for positions
+        // from 0.
+        let confirmed = answers
+            .metadata()
+            .get(dp::CACHED_HEADER)
+            .and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+        if cached > 0 && confirmed != Some(cached) {
+            return Err(Status::aborted(format!(
+                "next stage {}/{next} at {endpoint} did not confirm taking {cached} prompt tokens \
+                 from its prefix cache (an agent from before pipelines reused prefixes?)",
+                stage.namespace
+            )));
+        }
+        let answers = answers.into_inner();
         Ok(Downstream { requests, answers })
     }
 }

@@ -33,16 +33,7 @@ impl Service {
     ) -> Result<Response<EventStream<dp::ForwardResponse>>, Status> {
         let caller = self.calling_node(request.extensions().get(), "Forward")?;
         let mut inbound = request.into_inner();
-        let open = match inbound.message().await? {
-            Some(dp::ForwardRequest {
-                message: Some(dp::forward_request::Message::Open(open)),
-            }) => open,
-            _ => {
-                return Err(Status::invalid_argument(
-                    "a Forward stream starts with an Open message",
-                ));
-            }
-        };
+        let open = dp::read_open(&mut inbound).await?;
         let stage = self.stage(open.shard.as_ref())?;
         self.check_previous(&stage, caller.as_deref())?;
         if stage.text.is_some() {
@@ -56,6 +47,7 @@ impl Service {
             id: open.sequence,
         };
         take_cached(&seq, &open).await?;
+        let cached = open.cached;
         let width = stage.worker.hidden;
         let (answers, stream) = mpsc::channel(64);
         if stage.is_last() {
@@ -147,7 +139,13 @@ impl Service {
                 }
             });
         }
-        Ok(Response::new(Box::pin(ReceiverStream::new(stream))))
+        let mut response = Response::new(Box::pin(ReceiverStream::new(stream)) as EventStream<_>);
+        if cached > 0 {
+            response
+                .metadata_mut()
+                .insert(dp::CACHED_HEADER, cached.into());
+        }
+        Ok(response)
     }
 }
 

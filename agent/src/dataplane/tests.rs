@@ -283,6 +283,29 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
     sequences_become(&worker, 0).await;
 }
 
+/// A fake last stage that records each step's token ids and answers `100 +`
+/// its last row; it refuses opens with a cached prefix when `lacks`.
+async fn last_telling_tokens(lacks: bool) -> (String, Arc<Mutex<Vec<Vec<u32>>>>) {
+    let told = Arc::new(Mutex::new(Vec::new()));
+    let got = told.clone();
+    let endpoint = FakeDataPlane::stepping(move |_, step| {
+        let hidden = dp::decode_hidden(step.hidden.as_ref().unwrap()).unwrap();
+        got.lock().unwrap().push(step.tokens);
+        Ok(dp::ForwardResponse {
+            token: 100 + *hidden.last().unwrap() as u32,
+            sampled: step.sample,
+            ..Default::default()
+        })
+    })
+    .on_open(move |open| match lacks && open.cached > 0 {
+        true => Err(Status::aborted("holds 0 of them")),
+        false => Ok(()),
+    })
+    .serve(token())
+    .await;
+    (endpoint, told)
+}
+
 #[tokio::test]
 async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refuses_the_open() {
     let cached = |n: u32| {
@@ -292,31 +315,51 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
         }
         o
     };
-    // It holds 2 tokens of the prompt [1, 2, 3]: the first row it is sent
-    // is at position 2.
-    let (endpoint, rows) = serve_last(None).await;
-    let mut echo = Echo::middle();
-    echo.cached = 2;
-    let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&endpoint))), echo).await;
-    let (requests, mut answers) = start_with(&mut client, cached(2)).await.unwrap();
-    requests.send(step(1)).await.unwrap();
+    let holding = |n| {
+        let mut echo = Echo::middle();
+        echo.cached = n;
+        echo
+    };
+    // It holds 2 tokens of the prompt [1, 2, 3] and says so: the first row
+    // it is sent is at position 2, and goes on with its token id.
+    let (endpoint, told) = last_telling_tokens(false).await;
+    let next = || Some(shard(2, Some(&endpoint)));
+    let (mut client, worker, _dir) = middle_on(next(), holding(2)).await;
+    let (requests, outbound) = mpsc::channel(8);
+    requests.send(cached(2)).await.unwrap();
+    let response = client.forward(ReceiverStream::new(outbound)).await.unwrap();
+    assert_eq!(response.metadata().get(dp::CACHED_HEADER).unwrap(), "2");
+    let mut answers = response.into_inner();
+    let mut told_step = step(1);
+    if let Some(dp::forward_request::Message::Step(s)) = &mut told_step.message {
+        s.tokens = vec![3];
+    }
+    requests.send(told_step).await.unwrap();
     assert_eq!(answers.message().await.unwrap().unwrap().token, 102);
-    assert_eq!(*rows.lock().unwrap(), vec![vec![2.0]]);
+    assert_eq!(*told.lock().unwrap(), vec![vec![3]]);
     drop((requests, answers));
     sequences_become(&worker, 0).await;
 
-    // It holds none of them: ABORTED (the head runs the whole prompt), and
-    // nothing is kept; a count beyond the prompt is refused.
-    let (mut client, worker, _dir) = middle(Some(shard(2, Some(&endpoint)))).await;
-    let e = start_with(&mut client, cached(2)).await.err().unwrap();
-    assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
-    assert!(
-        e.message().contains("holds 0 of the 2 prompt tokens"),
-        "{e:?}"
-    );
-    let e = start_with(&mut client, cached(3)).await.err().unwrap();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    sequences_become(&worker, 0).await;
+    // It holds 1 of the 2, or all of them while the stage after it holds
+    // none: ABORTED (the head runs the whole prompt), and the sequence it
+    // started goes; a count beyond the prompt is refused.
+    let (refusing, _) = last_telling_tokens(true).await;
+    for (echo, after, says) in [
+        (
+            holding(1),
+            endpoint.clone(),
+            "holds 1 of the 2 prompt tokens",
+        ),
+        (holding(2), refusing, "holds 0 of them"),
+    ] {
+        let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&after))), echo).await;
+        let e = start_with(&mut client, cached(2)).await.err().unwrap();
+        assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+        assert!(e.message().contains(says), "{e:?}");
+        let e = start_with(&mut client, cached(3)).await.err().unwrap();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        sequences_become(&worker, 0).await;
+    }
 }
 
 #[tokio::test]

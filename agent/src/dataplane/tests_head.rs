@@ -516,14 +516,24 @@ struct Opened {
     steps: Vec<(u32, Vec<u32>)>,
 }
 
+/// What the fake last stage of [`cached_head`] does with a cached prefix.
+#[derive(Clone, Copy, PartialEq)]
+enum Next {
+    /// Takes it.
+    Holds,
+    /// Refuses the open with `ABORTED`, as a stage that evicted it does.
+    Lacks,
+    /// Ignores it, as an agent from before pipelines reused prefixes does.
+    Older,
+}
+
 /// A head whose prefix cache gives 600 tokens of a 1100-token prompt, and
-/// a fake last stage that holds them too or (`lacks`) refuses the open with
-/// `ABORTED` as a stage that evicted them does.
-async fn cached_head(lacks: bool) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>, StageWorker) {
+/// a fake last stage that does with them as `next` says.
+async fn cached_head(next: Next) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>, StageWorker) {
     let text = text_model();
     let seen = Arc::new(Mutex::new(Opened::default()));
     let (opens, steps) = (seen.clone(), seen.clone());
-    let next = FakeDataPlane::stepping(move |_, step| {
+    let fake = FakeDataPlane::stepping(move |_, step| {
         let rows = step.hidden.as_ref().map_or(0, |h| h.tokens);
         steps.lock().unwrap().steps.push((rows, step.tokens));
         Ok(dp::ForwardResponse {
@@ -534,13 +544,16 @@ async fn cached_head(lacks: bool) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>
     })
     .on_open(move |open| {
         opens.lock().unwrap().cached.push(open.cached);
-        match lacks && open.cached > 0 {
+        match next == Next::Lacks && open.cached > 0 {
             true => Err(Status::aborted("holds 64 of the 600 prompt tokens")),
             false => Ok(()),
         }
-    })
-    .serve(token())
-    .await;
+    });
+    let fake = match next {
+        Next::Older => fake.as_older_agent(),
+        _ => fake,
+    };
+    let next = fake.serve(token()).await;
     let (mut echo, _) = Echo::new(false);
     echo.cached = 600;
     let (mut client, worker, _dir) = head_on(&next, text, echo).await;
@@ -554,7 +567,7 @@ async fn cached_head(lacks: bool) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>
 
 #[tokio::test]
 async fn a_head_sends_only_what_its_prefix_cache_lacks_and_tells_each_row_s_token() {
-    let (seen, finished, prompt, _worker) = cached_head(false).await;
+    let (seen, finished, prompt, _worker) = cached_head(Next::Holds).await;
     let seen = seen.lock().unwrap();
     assert_eq!(seen.cached, vec![600], "the open tells what the head took");
     assert_eq!(
@@ -568,16 +581,22 @@ async fn a_head_sends_only_what_its_prefix_cache_lacks_and_tells_each_row_s_toke
 
 #[tokio::test]
 async fn a_head_runs_the_whole_prompt_when_a_later_stage_lacks_its_cached_prefix() {
-    let (seen, finished, prompt, _worker) = cached_head(true).await;
-    let seen = seen.lock().unwrap();
-    assert_eq!(
-        seen.cached,
-        vec![600, 0],
-        "refused, then opened again whole"
-    );
-    let rows: Vec<u32> = seen.steps.iter().map(|s| s.0).collect();
-    assert_eq!(rows, vec![512, 512, 76, 1]);
-    let sent: Vec<u32> = seen.steps[..3].iter().flat_map(|s| s.1.clone()).collect();
-    assert_eq!(sent, prompt);
-    assert_eq!(finished.cached_tokens, 0);
+    // Refused, or taken by a stage that ignores the field (it would take
+    // the rows for positions from 0): opened again whole, and the next
+    // prompts run whole for a while without looking in the cache.
+    for next in [Next::Lacks, Next::Older] {
+        let (seen, finished, prompt, worker) = cached_head(next).await;
+        let seen = seen.lock().unwrap();
+        assert_eq!(
+            seen.cached,
+            vec![600, 0],
+            "refused, then opened again whole"
+        );
+        let rows: Vec<u32> = seen.steps.iter().map(|s| s.0).collect();
+        assert_eq!(rows, vec![512, 512, 76, 1]);
+        let sent: Vec<u32> = seen.steps[..3].iter().flat_map(|s| s.1.clone()).collect();
+        assert_eq!(sent, prompt);
+        assert_eq!(finished.cached_tokens, 0);
+        assert!(!worker.stats.seeds(), "seeding paused");
+    }
 }

@@ -370,9 +370,15 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
             work.releases.push(seq);
         }
         Job::Seed { seq, tokens, reply } => {
+            // Sequences released before it keep their blocks first: a
+            // preempted generation's old sequence, say, holds what the new
+            // one takes.
+            for released in std::mem::take(&mut work.releases) {
+                shard.release(released);
+            }
             let busy = work.decodes.iter().any(|(s, _, _)| *s == seq)
                 || work.prefills.iter().any(|p| p.seq == seq);
-            let held = match busy || work.releases.contains(&seq) {
+            let held = match busy {
                 true => 0,
                 false => shard.reuse_prefix(seq, &tokens),
             };
