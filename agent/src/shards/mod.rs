@@ -255,7 +255,7 @@ pub struct Sources {
     pub engine: EngineKind,
     /// How the stages' steps are made up.
     pub budget: crate::scheduler::Budget,
-    /// Bytes of prompts' KV each whole-model stage keeps for reuse.
+    /// Bytes of prompts' KV each stage but a tensor rank keeps for reuse.
     pub prefix_cache_bytes: usize,
     /// Memory kept free for the rest of the machine (`--memory-reserve`):
     /// a head's KV budget never counts on it.

@@ -139,11 +139,11 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u64).range(1..=60_000))]
     decode_step_millis: u64,
     /// Memory for the KV of recent prompts, kept in blocks of 32 tokens by
-    /// each stage that runs a whole model, so a request that starts with the
-    /// same tokens (a system prompt, a conversation so far, an agent's
-    /// context) skips computing them. Least recently used blocks go first;
-    /// 0 turns the cache off. Count it beside the weights: it is held on top
-    /// of the sequences' own KV.
+    /// each stage for its own layers (a tensor group's ranks keep none), so
+    /// a request that starts with the same tokens (a system prompt, a
+    /// conversation so far, an agent's context) skips computing them. Least
+    /// recently used blocks go first; 0 turns the cache off. Count it beside
+    /// the weights: it is held on top of the sequences' own KV.
     #[arg(long, env = "SHARDPLANE_PREFIX_CACHE", default_value = "512Mi")]
     prefix_cache: String,
 }
