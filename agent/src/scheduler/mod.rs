@@ -172,6 +172,13 @@ struct Work {
     releases: Vec<SequenceId>,
 }
 
+impl Work {
+    /// Whether `seq` has a decode step or a prompt waiting to run.
+    fn runs(&self, seq: SequenceId) -> bool {
+        self.decodes.iter().any(|(s, _, _)| *s == seq) || self.prefills.iter().any(|p| p.seq == seq)
+    }
+}
+
 /// One sequence's part in a step.
 enum Part {
     Decode(SequenceId, Reply),
@@ -299,8 +306,7 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
             reply,
             sent,
         } => {
-            let busy = work.decodes.iter().any(|(s, _, _)| *s == seq)
-                || work.prefills.iter().any(|p| p.seq == seq);
+            let busy = work.runs(seq);
             let (mut new_prompt, mut cached, mut prompt) = (false, 0, None);
             if let StageInput::Tokens(ids) = &input
                 && !busy
@@ -376,8 +382,7 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
             for released in std::mem::take(&mut work.releases) {
                 shard.release(released);
             }
-            let busy = work.decodes.iter().any(|(s, _, _)| *s == seq)
-                || work.prefills.iter().any(|p| p.seq == seq);
+            let busy = work.runs(seq);
             let held = match busy {
                 true => 0,
                 false => shard.reuse_prefix(seq, &tokens),
