@@ -131,9 +131,11 @@ impl Stage for Echo {
         Ok(batch
             .into_iter()
             .map(|(seq, input)| {
-                if let StageInput::Tokens(ids) = &input {
-                    self.tokens.entry(seq).or_default().extend(ids);
-                }
+                let ids = match &input {
+                    StageInput::Tokens(ids) => ids.as_slice(),
+                    StageInput::Hidden(rows) => rows.ids.as_slice(),
+                };
+                self.tokens.entry(seq).or_default().extend(ids);
                 let start = *self.held.get(&seq).unwrap_or(&0);
                 let n = input.len();
                 self.held.insert(seq, start + n);
@@ -147,7 +149,12 @@ impl Stage for Echo {
             .collect())
     }
     fn release(&mut self, seq: SequenceId) -> bool {
-        self.tokens.remove(&seq);
+        // As the engines do, a released sequence keeps its tokens' blocks.
+        if let Some(t) = self.tokens.remove(&seq)
+            && self.remember
+        {
+            self.kept.push(t);
+        }
         self.held.remove(&seq).is_some()
     }
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {

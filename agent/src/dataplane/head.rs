@@ -196,6 +196,7 @@ impl Service {
                 banned: banned.clone(),
                 generated: request.resumed().len() as u32,
                 cached: 0,
+                replaces: 0,
             };
             let (down, skip) = self.open_pipeline(&mut seq, open).await?;
             (Some(down), None, skip)
@@ -452,7 +453,9 @@ impl Generation {
             "a generation is preempted for KV room; it resumes by recompute"
         );
         // The old sequence's KV goes when it is dropped, and the later
-        // stages' when its stream to them closes.
+        // stages' when its stream to them closes, or sooner when they see
+        // the new open that names it.
+        let replaces = self.seq.id;
         self.seq = Sequence {
             stage: self.seq.stage.clone(),
             id: rand::random(),
@@ -471,6 +474,7 @@ impl Generation {
                 banned: self.banned.clone(),
                 generated: (self.fed.len() - self.request.prompt().len()) as u32,
                 cached: 0,
+                replaces,
             };
             let (down, skip) = self.service.open_pipeline(&mut self.seq, open).await?;
             self.downstream = Some(down);

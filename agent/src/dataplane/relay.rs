@@ -46,6 +46,13 @@ impl Service {
             stage: stage.clone(),
             id: open.sequence,
         };
+        // A recompute after a preemption: the sequence it replaces goes
+        // first (a job before the prefix lookup on the stage's thread), so
+        // its tokens are in the cache to take. Its stream's end frees it
+        // again, which is then nothing.
+        if open.replaces != 0 && open.replaces != open.sequence {
+            stage.worker.release(open.replaces);
+        }
         take_cached(&seq, &open).await?;
         let cached = open.cached;
         let width = stage.worker.hidden;

@@ -187,6 +187,7 @@ pub(super) fn open() -> dp::ForwardRequest {
             banned: Vec::new(),
             generated: 0,
             cached: 0,
+            replaces: 0,
         })),
     }
 }
@@ -360,6 +361,58 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         sequences_become(&worker, 0).await;
     }
+}
+
+#[tokio::test]
+async fn a_recompute_s_open_frees_the_sequence_it_replaces_before_taking_from_the_cache() {
+    let opening = |sequence: u64, cached: u32, replaces: u64| {
+        let mut o = open();
+        if let Some(dp::forward_request::Message::Open(open)) = &mut o.message {
+            (open.sequence, open.cached, open.replaces) = (sequence, cached, replaces);
+            open.prompt = vec![1, 2, 3, 4, 5, 6];
+        }
+        o
+    };
+    let told = |ids: Vec<u32>| {
+        let mut s = step(ids.len());
+        if let Some(dp::forward_request::Message::Step(s)) = &mut s.message {
+            s.tokens = ids;
+        }
+        s
+    };
+    let (endpoint, _) = last_telling_tokens(false).await;
+    let mut echo = Echo::middle();
+    echo.remember = true;
+    let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&endpoint))), echo).await;
+    // Sequence 7 runs the prompt [1, 2, 3] and decodes 4 and 5; then the
+    // head preempts it. Its stream's close has not reached this stage yet:
+    // the stage keeps blocks of the prompt only.
+    let (old, mut old_answers) = start_with(&mut client, opening(7, 0, 0)).await.unwrap();
+    for ids in [vec![1, 2, 3], vec![4], vec![5]] {
+        old.send(told(ids)).await.unwrap();
+        old_answers.message().await.unwrap().unwrap();
+    }
+    // A recompute of [1..=6] taking 5 from the caches, not naming 7: short.
+    let e = start_with(&mut client, opening(8, 5, 0))
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+    assert!(e.message().contains("holds 3 of the 5"), "{e:?}");
+    // Naming 7: it goes first, its tokens kept, and the 5 are taken.
+    let (requests, outbound) = mpsc::channel(8);
+    requests.send(opening(9, 5, 7)).await.unwrap();
+    let response = client.forward(ReceiverStream::new(outbound)).await.unwrap();
+    assert_eq!(response.metadata().get(dp::CACHED_HEADER).unwrap(), "5");
+    sequences_become(&worker, 1).await;
+    let mut answers = response.into_inner();
+    requests.send(told(vec![6])).await.unwrap();
+    assert_eq!(answers.message().await.unwrap().unwrap().token, 105);
+    // The old stream's close frees nothing more; the new one's, the rest.
+    drop((old, old_answers));
+    sequences_become(&worker, 1).await;
+    drop((requests, answers));
+    sequences_become(&worker, 0).await;
 }
 
 #[tokio::test]

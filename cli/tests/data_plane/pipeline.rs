@@ -399,6 +399,7 @@ async fn two_agents_serve_a_pipeline_exactly_as_one_process_does() {
             banned: vec![],
             generated: 0,
             cached: 0,
+            replaces: 0,
         })),
     })
     .await
