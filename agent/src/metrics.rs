@@ -38,7 +38,7 @@ pub struct Metrics {
     pub generated_tokens: IntCounter,
     /// Generations preempted for KV room on head stages (resumed later by recompute), by shard.
     pub preemptions: IntCounterVec,
-    /// Prompts a pipeline's head ran whole because a later stage lacked the prefix it took, by shard.
+    /// Pipeline opens a later stage refused because it lacked some of the prefix the head took, by shard.
     pub prefix_misses_downstream: IntCounterVec,
     /// Bytes of hidden states sent to next stages.
     pub hidden_bytes_sent: IntCounter,
@@ -159,8 +159,9 @@ impl Metrics {
         let prefix_misses_downstream = IntCounterVec::new(
             Opts::new(
                 "shardplane_agent_prefix_cache_downstream_misses_total",
-                "Prompts a pipeline's head stage took in part from its prefix cache but then ran \
-                 whole, because a later stage no longer held that part in its own; by shard.",
+                "Pipeline opens a later stage refused because it no longer held all of the prompt \
+                 tokens the head stage took from its prefix cache (the head then asks again with \
+                 as many as that stage holds, or runs the prompt whole); by shard.",
             ),
             &["shard"],
         )

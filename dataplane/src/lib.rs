@@ -25,7 +25,9 @@ pub use tonic;
 /// started the sequence from its prefix cache: the tokens it took (the
 /// open's `cached`). A stage that leaves it out did not (an agent from
 /// before pipelines reused prefixes ignores the field), and the stage
-/// before takes that as `ABORTED`.
+/// before takes that as `ABORTED`. A stage that refuses the open with
+/// `ABORTED` for holding fewer names in the refusal's metadata, under the
+/// same key, how many it holds.
 pub const CACHED_HEADER: &str = "shardplane-cached";
 
 use std::path::{Path, PathBuf};

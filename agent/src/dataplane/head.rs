@@ -39,6 +39,12 @@ const PREFILL_CHUNK: usize = 512;
 /// no cache (a tensor group's) would refuse every time.
 const SEEDING_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How many times a pipeline's head asks its later stages again, with the
+/// fewer tokens one said it holds, before it runs the whole prompt: each
+/// ask costs a look in the caches and an open, a fraction of running the
+/// prompt, and stages that keep evicting should not make it ask forever.
+const RETAKES: usize = 3;
+
 /// KV tokens a head reserves ahead of what a generation holds:
 /// its share of the budget grows this many tokens at a time.
 const KV_GROWTH: u64 = 16;
@@ -604,9 +610,11 @@ impl Service {
     /// Opens `seq` down the pipeline for the tokens `open.prompt`, after
     /// starting it from the head's prefix cache: the later stages then take
     /// the same tokens from theirs (`Open.cached`), and all run only the
-    /// rest. When a later stage no longer holds them all, the head lets the
-    /// sequence go and opens a new one that runs the whole prompt. Returns
-    /// the stream and the tokens taken.
+    /// rest. A later stage that holds fewer says how many: the head lets the
+    /// sequence go and asks again, a new one started from that many (at most
+    /// `RETAKES` times). When one holds none (or does not say), the whole
+    /// prompt runs in a new sequence, and the head stops looking in its
+    /// cache for a while. Returns the stream and the tokens taken.
     async fn open_pipeline(
         &self,
         seq: &mut Sequence,
@@ -615,37 +623,54 @@ impl Service {
         // Asked on the stage's thread (a step's wait when it is busy), so
         // only when there is a cache to look in and the later stages held
         // what it gave lately.
-        let stats = &seq.stage.worker.stats;
-        let held = match stats.seeds() {
+        let stats = seq.stage.worker.stats.clone();
+        let mut held = match stats.seeds() {
             true => seq.stage.worker.seed(seq.id, open.prompt.clone()).await,
             false => 0,
         };
-        if held > 0 {
+        let mut asked = 0;
+        while held > 0 {
             open.cached = held as u32;
-            match self.open_next(&seq.stage, open.clone()).await {
+            let e = match self.open_next(&seq.stage, open.clone()).await {
                 Ok(down) => return Ok((down, held)),
-                Err(e) if e.code() == tonic::Code::Aborted => {
-                    tracing::debug!(
-                        shard = %seq.stage.name,
-                        error = e.message(),
-                        "a later stage lacks the cached prefix; the whole prompt runs"
-                    );
-                    stats.pause_seeding(SEEDING_PAUSE);
-                    self.metrics
-                        .prefix_misses_downstream
-                        .with_label_values(&[&seq.stage.name])
-                        .inc();
-                }
+                Err(e) if e.code() == tonic::Code::Aborted => e,
                 Err(e) => return Err(e),
-            }
+            };
+            asked += 1;
+            self.metrics
+                .prefix_misses_downstream
+                .with_label_values(&[&seq.stage.name])
+                .inc();
+            let fewer = e
+                .metadata()
+                .get(dp::CACHED_HEADER)
+                .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+                .filter(|&n| n < held);
+            tracing::debug!(
+                shard = %seq.stage.name,
+                error = e.message(),
+                "a later stage lacks some of the cached prefix"
+            );
             // The seeded sequence goes when dropped.
             *seq = Sequence {
                 stage: seq.stage.clone(),
                 id: rand::random(),
             };
             open.sequence = seq.id;
-            open.cached = 0;
+            held = match fewer {
+                Some(n) if n > 0 && asked < RETAKES => {
+                    seq.stage
+                        .worker
+                        .seed(seq.id, open.prompt[..=n].to_vec())
+                        .await
+                }
+                _ => {
+                    stats.pause_seeding(SEEDING_PAUSE);
+                    0
+                }
+            };
         }
+        open.cached = 0;
         Ok((self.open_next(&seq.stage, open).await?, 0))
     }
 

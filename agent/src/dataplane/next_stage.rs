@@ -81,14 +81,23 @@ impl Service {
                     tonic::Code::Aborted => tonic::Code::Aborted,
                     _ => tonic::Code::Unavailable,
                 };
-                Status::new(
+                let mut status = Status::new(
                     code,
                     format!(
                         "next stage {}/{next} at {endpoint}: {}",
                         stage.namespace,
                         e.message()
                     ),
-                )
+                );
+                // How many it holds, for the head to ask again with.
+                if let (tonic::Code::Aborted, Some(held)) =
+                    (code, e.metadata().get(dp::CACHED_HEADER))
+                {
+                    status
+                        .metadata_mut()
+                        .insert(dp::CACHED_HEADER, held.clone());
+                }
+                status
             })?;
         // It says it took the cached prefix; a stage that does not know the
         // field ran nothing of it, and would take the rows for positions

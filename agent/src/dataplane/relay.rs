@@ -170,8 +170,9 @@ impl Drop for Sequence {
 
 /// Starts `seq` from exactly the prompt tokens the head took from its prefix
 /// cache (`Open.cached`), from this stage's own cache; `ABORTED` when it no
-/// longer holds them all (evicted, or never run here), so that the head
-/// runs the whole prompt instead.
+/// longer holds them all (evicted, or never run here), saying how many it
+/// does hold (in the `shardplane-cached` header), so that the head asks
+/// again with as many or runs the whole prompt.
 async fn take_cached(seq: &Sequence, open: &dp::Open) -> Result<(), Status> {
     let n = open.cached as usize;
     if n == 0 {
@@ -189,11 +190,16 @@ async fn take_cached(seq: &Sequence, open: &dp::Open) -> Result<(), Status> {
         .seed(seq.id, open.prompt[..=n].to_vec())
         .await;
     if held != n {
-        return Err(Status::aborted(format!(
+        let mut refusal = Status::aborted(format!(
             "shard {} holds {held} of the {n} prompt tokens the head took from its prefix \
-             cache; the whole prompt must run",
+             cache",
             seq.stage.name
-        )));
+        ));
+        // The head may ask again with as many.
+        refusal
+            .metadata_mut()
+            .insert(dp::CACHED_HEADER, (held as u32).into());
+        return Err(refusal);
     }
     Ok(())
 }

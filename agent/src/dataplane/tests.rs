@@ -299,7 +299,11 @@ async fn last_telling_tokens(lacks: bool) -> (String, Arc<Mutex<Vec<Vec<u32>>>>)
         })
     })
     .on_open(move |open| match lacks && open.cached > 0 {
-        true => Err(Status::aborted("holds 0 of them")),
+        true => {
+            let mut refusal = Status::aborted("holds 0 of them");
+            refusal.metadata_mut().insert(dp::CACHED_HEADER, 0.into());
+            Err(refusal)
+        }
         false => Ok(()),
     })
     .serve(token())
@@ -342,21 +346,24 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
     sequences_become(&worker, 0).await;
 
     // It holds 1 of the 2, or all of them while the stage after it holds
-    // none: ABORTED (the head runs the whole prompt), and the sequence it
+    // none: ABORTED, saying how many the short stage holds (the head asks
+    // again with as many, or runs the whole prompt), and the sequence it
     // started goes; a count beyond the prompt is refused.
     let (refusing, _) = last_telling_tokens(true).await;
-    for (echo, after, says) in [
+    for (echo, after, says, holds) in [
         (
             holding(1),
             endpoint.clone(),
             "holds 1 of the 2 prompt tokens",
+            "1",
         ),
-        (holding(2), refusing, "holds 0 of them"),
+        (holding(2), refusing, "holds 0 of them", "0"),
     ] {
         let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&after))), echo).await;
         let e = start_with(&mut client, cached(2)).await.err().unwrap();
         assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
         assert!(e.message().contains(says), "{e:?}");
+        assert_eq!(e.metadata().get(dp::CACHED_HEADER).unwrap(), holds);
         let e = start_with(&mut client, cached(3)).await.err().unwrap();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         sequences_become(&worker, 0).await;

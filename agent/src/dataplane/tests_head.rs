@@ -525,6 +525,8 @@ enum Next {
     Lacks,
     /// Ignores it, as an agent from before pipelines reused prefixes does.
     Older,
+    /// Holds 64 of them: refuses more with `ABORTED`, saying so.
+    Fewer,
 }
 
 /// A head whose prefix cache gives 600 tokens of a 1100-token prompt, and
@@ -544,9 +546,14 @@ async fn cached_head(next: Next) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>,
     })
     .on_open(move |open| {
         opens.lock().unwrap().cached.push(open.cached);
-        match next == Next::Lacks && open.cached > 0 {
-            true => Err(Status::aborted("holds 64 of the 600 prompt tokens")),
-            false => Ok(()),
+        match next {
+            Next::Lacks if open.cached > 0 => Err(Status::aborted("holds none of them")),
+            Next::Fewer if open.cached > 64 => {
+                let mut refusal = Status::aborted("holds 64 of them");
+                refusal.metadata_mut().insert(dp::CACHED_HEADER, 64.into());
+                Err(refusal)
+            }
+            _ => Ok(()),
         }
     });
     let fake = match next {
@@ -599,4 +606,17 @@ async fn a_head_runs_the_whole_prompt_when_a_later_stage_lacks_its_cached_prefix
         assert_eq!(finished.cached_tokens, 0);
         assert!(!worker.stats.seeds(), "seeding paused");
     }
+}
+
+#[tokio::test]
+async fn a_head_asks_again_with_as_many_tokens_as_a_later_stage_says_it_holds() {
+    let (seen, finished, prompt, worker) = cached_head(Next::Fewer).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.cached, vec![600, 64], "refused, then asked with 64");
+    let rows: Vec<u32> = seen.steps.iter().map(|s| s.0).collect();
+    assert_eq!(rows, vec![512, 512, 12, 1]);
+    let sent: Vec<u32> = seen.steps[..3].iter().flat_map(|s| s.1.clone()).collect();
+    assert_eq!(sent, prompt[64..]);
+    assert_eq!(finished.cached_tokens, 64);
+    assert!(worker.stats.seeds(), "no pause: the stages keep caches");
 }
