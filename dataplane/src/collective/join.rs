@@ -12,10 +12,19 @@
 //! The closing `ready` makes a join fail for every rank when one rank fails
 //! after some of its lanes were proven (it drops them, and its peers read
 //! the end of the lane instead of its `ready`), rather than leave the
-//! others holding a group that breaks at its first all-reduce.
+//! others holding a group that breaks at its first all-reduce. A rank that
+//! has sent its `ready` therefore waits for its peers' as long as any peer
+//! still joining may take, never giving up on a timer a peer could still
+//! beat.
+//!
+//! Every hello names its sender's join attempt (a number that only grows,
+//! in a process and across restarts), so both lanes between two ranks come
+//! from one attempt of each: a lane of an attempt a peer gave up is never
+//! paired with one of its next.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,7 +38,7 @@ use super::{
 };
 
 const MAGIC: &[u8; 4] = b"SPTP";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 const NONCE: usize = 32;
 /// The byte a rank writes on every lane it writes once it holds all its
 /// lanes.
@@ -49,8 +58,35 @@ pub(super) enum Lane {
 /// rank writes and those it reads.
 pub(super) type Lanes = (Vec<Option<Link>>, Vec<Option<Link>>);
 
+/// The last join attempt's number.
+static LAST_ATTEMPT: AtomicU64 = AtomicU64::new(0);
+
+/// A new join attempt's number: the time in microseconds, or one more than
+/// the last when that is later, so it grows in a process and (with the
+/// clock) across a restart.
+fn new_attempt() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let last = LAST_ATTEMPT
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+            Some(now.max(last + 1))
+        })
+        .unwrap_or(0);
+    now.max(last + 1)
+}
+
 /// Joins the group (see [`super::Mesh::join`]).
 pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes, CollectiveError> {
+    join_as(listener, config, new_attempt())
+}
+
+/// [`join`] as the attempt `attempt`.
+fn join_as(
+    listener: &TcpListener,
+    config: &MeshConfig,
+    attempt: u64,
+) -> Result<Lanes, CollectiveError> {
     let ranks = config.addresses.len();
     let me = config.rank;
     if me >= ranks {
@@ -62,26 +98,26 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
     let mut outs: Vec<Option<Link>> = (0..ranks).map(|_| None).collect();
     let mut ins: Vec<Option<Link>> = (0..ranks).map(|_| None).collect();
     for (peer, address) in config.addresses.iter().enumerate().take(me) {
-        for lane in [Lane::ConnectorSends, Lane::AcceptorSends] {
-            let stream = connect(*address, deadline, peer)?;
-            // The handshake and proofs within what the join has left; the
-            // lane then runs with the mesh's timeout.
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            prepare(&stream, left, peer)?;
-            let mut link = match &config.tls {
-                Some(tls) => tls.connect(stream, peer)?,
-                None => Link::Plain(stream),
-            };
-            prove_connecting(&mut link, config, peer, lane)?;
-            let io = |source| CollectiveError::Io { peer, source };
-            let socket = link.socket();
-            socket.set_read_timeout(Some(config.timeout)).map_err(io)?;
-            socket.set_write_timeout(Some(config.timeout)).map_err(io)?;
-            match lane {
-                Lane::ConnectorSends => outs[peer] = Some(link),
-                Lane::AcceptorSends => ins[peer] = Some(link),
+        // Both lanes from one attempt of the peer's: one that began its
+        // join again between the two dials gets both again.
+        loop {
+            let (out, theirs) = dial(
+                *address,
+                config,
+                deadline,
+                (peer, attempt),
+                Lane::ConnectorSends,
+            )?;
+            let (inn, again) = dial(
+                *address,
+                config,
+                deadline,
+                (peer, attempt),
+                Lane::AcceptorSends,
+            )?;
+            if theirs == again {
+                (outs[peer], ins[peer]) = (Some(out), Some(inn));
+                break;
             }
         }
     }
@@ -94,25 +130,11 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
     // however it drips its bytes, and when `MAX_HANDSHAKES` run, a new
     // connection takes the place of the one that has run longest (a real
     // peer proves itself in a few round trips).
-    let mut handshakes = Handshakes::new(config, deadline);
-    let missing = |outs: &[Option<Link>], ins: &[Option<Link>]| -> Vec<usize> {
-        (me + 1..ranks)
-            .filter(|&p| outs[p].is_none() || ins[p].is_none())
-            .collect()
-    };
-    // A rank that connects again gave up on its earlier connection: the
-    // newest stays.
-    let keep = |outs: &mut Vec<Option<Link>>, ins: &mut Vec<Option<Link>>, proven| {
-        for (peer, lane, link) in proven {
-            match lane {
-                Lane::ConnectorSends => ins[peer] = Some(link),
-                Lane::AcceptorSends => outs[peer] = Some(link),
-            }
-        }
-    };
+    let mut handshakes = Handshakes::new(config, deadline, attempt);
+    let mut held = Held::new(ranks);
     loop {
-        keep(&mut outs, &mut ins, handshakes.proven(Duration::ZERO));
-        if missing(&outs, &ins).is_empty() {
+        held.keep(handshakes.proven(Duration::ZERO));
+        if held.missing(me).is_empty() {
             break;
         }
         if Instant::now() > deadline {
@@ -120,13 +142,9 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
             // just in time still counts.
             let grace = Instant::now() + Duration::from_millis(500);
             while handshakes.unreported() > 0 && Instant::now() < grace {
-                keep(
-                    &mut outs,
-                    &mut ins,
-                    handshakes.proven(Duration::from_millis(50)),
-                );
+                held.keep(handshakes.proven(Duration::from_millis(50)));
             }
-            let missing = missing(&outs, &ins);
+            let missing = held.missing(me);
             if missing.is_empty() {
                 break;
             }
@@ -151,25 +169,126 @@ pub(super) fn join(listener: &TcpListener, config: &MeshConfig) -> Result<Lanes,
         }
     }
     drop(handshakes);
-    close(&mut outs, &mut ins, config, deadline)?;
+    held.into(&mut outs, &mut ins);
+    close(&mut outs, &mut ins, config)?;
     Ok((outs, ins))
 }
 
+/// Connects to the lower rank `peer` at `address` and proves the lane
+/// `lane` as the attempt `attempt`; the link, and the peer's attempt.
+fn dial(
+    address: SocketAddr,
+    config: &MeshConfig,
+    deadline: Instant,
+    (peer, attempt): (usize, u64),
+    lane: Lane,
+) -> Result<(Link, u64), CollectiveError> {
+    let stream = connect(address, deadline, peer)?;
+    // The handshake and proofs within what the join has left; the lane
+    // then runs with the mesh's timeout.
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    prepare(&stream, left, peer)?;
+    let mut link = match &config.tls {
+        Some(tls) => tls.connect(stream, peer)?,
+        None => Link::Plain(stream),
+    };
+    let theirs = prove_connecting(&mut link, config, (peer, attempt), lane)?;
+    let io = |source| CollectiveError::Io { peer, source };
+    let socket = link.socket();
+    socket.set_read_timeout(Some(config.timeout)).map_err(io)?;
+    socket.set_write_timeout(Some(config.timeout)).map_err(io)?;
+    Ok((link, theirs))
+}
+
+/// The lanes higher ranks proved to an accepting rank, each peer's from
+/// one attempt of its: a lane of an older attempt than one already held is
+/// shut, and one of a newer attempt shuts the lanes of the older (that
+/// attempt was given up). A rank that connects again within one attempt
+/// gave up its earlier connection: the newest stays.
+struct Held {
+    /// By rank: the attempt, the lane the peer writes and the one it reads.
+    peers: Vec<Option<PeerLanes>>,
+}
+
+/// A peer's attempt, the lane it writes and the one it reads.
+type PeerLanes = (u64, Option<Link>, Option<Link>);
+
+impl Held {
+    fn new(ranks: usize) -> Self {
+        Held {
+            peers: (0..ranks).map(|_| None).collect(),
+        }
+    }
+
+    fn keep(&mut self, proven: Vec<Proven>) {
+        for (peer, lane, attempt, link) in proven {
+            let held = &mut self.peers[peer];
+            match held {
+                Some((a, _, _)) if attempt < *a => {
+                    shut(&link);
+                    continue;
+                }
+                Some((a, writes, reads)) if attempt > *a => {
+                    for old in [writes.take(), reads.take()].into_iter().flatten() {
+                        shut(&old);
+                    }
+                    *a = attempt;
+                }
+                Some(_) => {}
+                None => *held = Some((attempt, None, None)),
+            }
+            let (_, writes, reads) = held.as_mut().expect("set above");
+            let slot = match lane {
+                Lane::ConnectorSends => writes,
+                Lane::AcceptorSends => reads,
+            };
+            if let Some(old) = slot.replace(link) {
+                shut(&old);
+            }
+        }
+    }
+
+    /// The higher ranks than `me` that lack a lane.
+    fn missing(&self, me: usize) -> Vec<usize> {
+        (me + 1..self.peers.len())
+            .filter(|&p| !matches!(&self.peers[p], Some((_, Some(_), Some(_)))))
+            .collect()
+    }
+
+    /// Puts the lanes where the mesh keeps them: the one a peer writes
+    /// among those this rank reads, and the other way round.
+    fn into(self, outs: &mut [Option<Link>], ins: &mut [Option<Link>]) {
+        for (peer, held) in self.peers.into_iter().enumerate() {
+            if let Some((_, writes, reads)) = held {
+                (ins[peer], outs[peer]) = (writes, reads);
+            }
+        }
+    }
+}
+
+/// Shuts a lane that is not kept (its peer reads its end at once).
+fn shut(link: &Link) {
+    let _ = link.socket().shutdown(std::net::Shutdown::Both);
+}
+
 /// Step 4 of the wire format: [`READY`] on every lane this rank writes,
-/// then every peer's on each lane it reads, within what the join has left
-/// (at least [`HELLO_WITHIN`]: the peers are proven and a rank that holds
-/// its lanes says so at once, but one still accepting a higher rank's
-/// lanes may take the rest of its own join). A peer whose lane ends
-/// instead gave up on its join, and so does this one.
+/// then every peer's on each lane it reads. A peer whose lane ends instead
+/// gave up on its join, and so does this one. Having sent its own, a rank
+/// waits for the others' as long as a peer still joining may take: one
+/// still in its join began it before this one's lanes to it were proven,
+/// so it holds its lanes (and sends its `ready`) or gives up (and its lanes
+/// end) within the mesh's timeout and the half second of grace (the wait
+/// is the timeout and [`HELLO_WITHIN`] more); waiting less would let this
+/// rank give up while others, holding its `ready`, keep the group. The
+/// ranks of a group must share the timeout.
 fn close(
     outs: &mut [Option<Link>],
     ins: &mut [Option<Link>],
     config: &MeshConfig,
-    deadline: Instant,
 ) -> Result<(), CollectiveError> {
-    let wait = deadline
-        .saturating_duration_since(Instant::now())
-        .max(HELLO_WITHIN);
+    let wait = config.timeout + HELLO_WITHIN;
     let until = Instant::now() + wait;
     let failed = |peer: usize, why: String| {
         CollectiveError::Join(format!(
@@ -237,9 +356,12 @@ fn connect(
     }
 }
 
-/// What a handshake thread reports: its number, and the rank and lane it
-/// proved with its connection (none: dropped).
-type Handshake = (u64, Option<(usize, Lane, Link)>);
+/// A lane a higher rank proved: its rank, the lane, its attempt and the link.
+type Proven = (usize, Lane, u64, Link);
+
+/// What a handshake thread reports: its number, and what its connection
+/// proved (none: dropped).
+type Handshake = (u64, Option<Proven>);
 
 /// How a handshake ended, settled under its lock: a connection cut is
 /// never kept, one proven is never cut.
@@ -261,6 +383,8 @@ type Running = (TcpStream, Option<Instant>, Arc<Mutex<Ended>>);
 struct Handshakes {
     config: std::sync::Arc<MeshConfig>,
     deadline: Instant,
+    /// This rank's join attempt.
+    attempt: u64,
     report: std::sync::mpsc::Sender<Handshake>,
     reports: std::sync::mpsc::Receiver<Handshake>,
     /// The running ones' connections (clones), since when (none: cut, its
@@ -270,11 +394,12 @@ struct Handshakes {
 }
 
 impl Handshakes {
-    fn new(config: &MeshConfig, deadline: Instant) -> Self {
+    fn new(config: &MeshConfig, deadline: Instant, attempt: u64) -> Self {
         let (report, reports) = std::sync::mpsc::channel();
         Handshakes {
             config: std::sync::Arc::new(config.clone()),
             deadline,
+            attempt,
             report,
             reports,
             running: Default::default(),
@@ -326,17 +451,18 @@ impl Handshakes {
         let Ok(clone) = stream.try_clone() else {
             return;
         };
-        let (n, config, report, deadline) = (
+        let (n, config, report, deadline, attempt) = (
             self.next,
             self.config.clone(),
             self.report.clone(),
             self.deadline,
+            self.attempt,
         );
         self.next += 1;
         let ended = Arc::new(Mutex::new(Ended::Not));
         let settled = ended.clone();
         let handshake = move || {
-            let mut proven = accept_peer(stream, &config, deadline);
+            let mut proven = accept_peer(stream, &config, deadline, attempt);
             let mut ended = settled.lock().unwrap_or_else(|e| e.into_inner());
             match *ended {
                 Ended::Cut => proven = None,
@@ -357,7 +483,7 @@ impl Handshakes {
 
     /// The peers proven since last asked, waiting up to `wait` for a first
     /// report.
-    fn proven(&mut self, wait: Duration) -> Vec<(usize, Lane, Link)> {
+    fn proven(&mut self, wait: Duration) -> Vec<Proven> {
         let first = match wait {
             Duration::ZERO => self.reports.try_recv().ok(),
             _ => self.reports.recv_timeout(wait).ok(),
@@ -391,7 +517,8 @@ impl Drop for Handshakes {
 }
 
 /// Sets up an accepted connection and has it prove it is a higher rank of
-/// the group, within `deadline` (the join's); its rank, lane and link, or
+/// the group, within `deadline` (the join's), this rank answering as the
+/// attempt `attempt`; its rank, lane, attempt and link, or
 /// `None` for a stranger, a rank out of turn, one that fails its proof (or,
 /// with TLS, its handshake or whose certificate names another node) or a
 /// connection that cannot be set up (reset already), which are dropped: the
@@ -401,7 +528,8 @@ fn accept_peer(
     stream: TcpStream,
     config: &MeshConfig,
     deadline: Instant,
-) -> Option<(usize, Lane, Link)> {
+    attempt: u64,
+) -> Option<Proven> {
     let me = config.rank;
     let left = deadline
         .saturating_duration_since(Instant::now())
@@ -417,7 +545,7 @@ fn accept_peer(
         Some(tls) => tls.accept(stream).ok()?,
         None => Link::Plain(stream),
     };
-    let (peer, lane, theirs) = read_hello(&mut link, config, None).ok()?;
+    let (peer, lane, their_attempt, theirs) = read_hello(&mut link, config, None).ok()?;
     if peer <= me {
         return None;
     }
@@ -426,10 +554,10 @@ fn accept_peer(
     }
     // The rest may take no longer than the join has left.
     link.socket().set_read_timeout(Some(left)).ok()?;
-    prove_accepting(&mut link, config, (peer, lane), &theirs).ok()?;
+    prove_accepting(&mut link, config, (peer, lane, attempt), &theirs).ok()?;
     link.socket().set_read_timeout(Some(config.timeout)).ok()?;
     link.socket().set_write_timeout(Some(config.timeout)).ok()?;
-    Some((peer, lane, link))
+    Some((peer, lane, their_attempt, link))
 }
 
 pub(super) fn prepare(
@@ -453,8 +581,8 @@ pub(super) fn prepare(
     stream.set_write_timeout(Some(timeout)).map_err(io)
 }
 
-/// A `hello` message.
-fn hello(config: &MeshConfig, nonce: &[u8; NONCE], lane: Lane) -> Vec<u8> {
+/// A `hello` message of the attempt `attempt`.
+fn hello(config: &MeshConfig, nonce: &[u8; NONCE], lane: Lane, attempt: u64) -> Vec<u8> {
     let mut m = Vec::new();
     m.extend_from_slice(MAGIC);
     m.push(VERSION);
@@ -463,17 +591,18 @@ fn hello(config: &MeshConfig, nonce: &[u8; NONCE], lane: Lane) -> Vec<u8> {
     m.extend_from_slice(&(config.addresses.len() as u32).to_le_bytes());
     m.extend_from_slice(&(config.rank as u32).to_le_bytes());
     m.push(lane as u8);
+    m.extend_from_slice(&attempt.to_le_bytes());
     m.extend_from_slice(nonce);
     m
 }
 
-/// Reads a peer's `hello`; returns its rank, the lane it names and the
-/// message's bytes.
+/// Reads a peer's `hello`; returns its rank, the lane it names, its
+/// attempt and the message's bytes.
 fn read_hello(
     stream: &mut Link,
     config: &MeshConfig,
     expected: Option<usize>,
-) -> Result<(usize, Lane, Vec<u8>), CollectiveError> {
+) -> Result<(usize, Lane, u64, Vec<u8>), CollectiveError> {
     let peer = expected.unwrap_or(usize::MAX);
     let io = |source| CollectiveError::Io { peer, source };
     let refused = |why: String| CollectiveError::Refused { peer, why };
@@ -488,7 +617,7 @@ fn read_hello(
     if len != config.group.len() {
         return Err(refused("a peer of another group".into()));
     }
-    let mut rest = vec![0u8; len + 9 + NONCE];
+    let mut rest = vec![0u8; len + 17 + NONCE];
     stream.read_exact(&mut rest).map_err(io)?;
     if &rest[..len] != config.group.as_bytes() {
         return Err(refused("a peer of another group".into()));
@@ -507,9 +636,10 @@ fn read_hello(
         1 => Lane::AcceptorSends,
         other => return Err(refused(format!("names lane {other}, not 0 or 1"))),
     };
+    let attempt = u64::from_le_bytes(rest[len + 9..len + 17].try_into().expect("8 bytes"));
     let mut message = head.to_vec();
     message.extend_from_slice(&rest);
-    Ok((rank, lane, message))
+    Ok((rank, lane, attempt, message))
 }
 
 /// HMAC-SHA256 of `label ‖ transcript` under the token.
@@ -536,8 +666,13 @@ fn check_tag(
     })
 }
 
-/// This rank's hello with a fresh nonce.
-fn my_hello(config: &MeshConfig, peer: usize, lane: Lane) -> Result<Vec<u8>, CollectiveError> {
+/// This rank's hello of the attempt `attempt`, with a fresh nonce.
+fn my_hello(
+    config: &MeshConfig,
+    peer: usize,
+    lane: Lane,
+    attempt: u64,
+) -> Result<Vec<u8>, CollectiveError> {
     let mut nonce = [0u8; NONCE];
     SystemRandom::new()
         .fill(&mut nonce)
@@ -545,22 +680,22 @@ fn my_hello(config: &MeshConfig, peer: usize, lane: Lane) -> Result<Vec<u8>, Col
             peer,
             why: "no randomness for a nonce".into(),
         })?;
-    Ok(hello(config, &nonce, lane))
+    Ok(hello(config, &nonce, lane, attempt))
 }
 
 /// The connector's side of joining (steps 1–3 of the wire format) on the
-/// lane `lane`.
+/// lane `lane`, as the attempt `attempt`; the acceptor's attempt.
 fn prove_connecting(
     stream: &mut Link,
     config: &MeshConfig,
-    peer: usize,
+    (peer, attempt): (usize, u64),
     lane: Lane,
-) -> Result<(), CollectiveError> {
+) -> Result<u64, CollectiveError> {
     let io = |source| CollectiveError::Io { peer, source };
-    let mine = my_hello(config, peer, lane)?;
+    let mine = my_hello(config, peer, lane, attempt)?;
     stream.write_all(&mine).map_err(io)?;
     stream.flush().map_err(io)?;
-    let (_, their_lane, theirs) = read_hello(stream, config, Some(peer))?;
+    let (_, their_lane, their_attempt, theirs) = read_hello(stream, config, Some(peer))?;
     if their_lane != lane {
         return Err(CollectiveError::Refused {
             peer,
@@ -574,19 +709,20 @@ fn prove_connecting(
     stream
         .write_all(tag(config, b"connect", &transcript).as_ref())
         .map_err(io)?;
-    stream.flush().map_err(io)
+    stream.flush().map_err(io)?;
+    Ok(their_attempt)
 }
 
-/// The acceptor's side, once the connector's hello (`theirs`) is read; its
-/// hello names the lane the connector's did.
+/// The acceptor's side, once the connector's hello (`theirs`) is read, as
+/// the attempt `attempt`; its hello names the lane the connector's did.
 fn prove_accepting(
     stream: &mut Link,
     config: &MeshConfig,
-    (peer, lane): (usize, Lane),
+    (peer, lane, attempt): (usize, Lane, u64),
     theirs: &[u8],
 ) -> Result<(), CollectiveError> {
     let io = |source| CollectiveError::Io { peer, source };
-    let mine = my_hello(config, peer, lane)?;
+    let mine = my_hello(config, peer, lane, attempt)?;
     let transcript = [theirs, mine.as_slice()].concat();
     stream.write_all(&mine).map_err(io)?;
     stream
@@ -597,3 +733,7 @@ fn prove_accepting(
     stream.read_exact(&mut proof).map_err(io)?;
     check_tag(config, b"connect", &transcript, &proof, peer)
 }
+
+#[cfg(test)]
+#[path = "join_tests.rs"]
+mod tests;

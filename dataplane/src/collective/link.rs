@@ -24,7 +24,7 @@ use crate::tls::{Tls, TlsError, facts_der};
 
 /// The protocol a mesh's TLS sessions name (ALPN): a data-plane port that
 /// is reached by mistake refuses it rather than reading frames as HTTP/2.
-const ALPN: &[u8] = b"shardplane-tensor/3";
+const ALPN: &[u8] = b"shardplane-tensor/4";
 
 /// TLS on a mesh: the data plane's certificates, and the node each rank's
 /// certificate must name.

@@ -12,33 +12,41 @@
 //!                               sum = p0 + p1 + p2 + p3
 //! ```
 //!
-//! # Wire format (version 3, all integers little-endian)
+//! # Wire format (version 4, all integers little-endian)
 //!
 //! With TLS on the data plane, every connection is TLS 1.3 first (ALPN
-//! `shardplane-tensor/3`), with the data plane's certificates: the
+//! `shardplane-tensor/4`), with the data plane's certificates: the
 //! connector checks that the acceptor's certificate names the node of the
 //! rank it dials, the acceptor that the connector's names the node of the
 //! rank its hello claims. Plain connections are then refused (they fail the
 //! handshake). What follows runs inside TLS, or on plain TCP without it.
 //!
 //! Joining, on each connection (the higher rank connects, twice):
-//! 1. connector → acceptor: `hello` = magic `b"SPTP"`, version `u8` (3),
+//! 1. connector → acceptor: `hello` = magic `b"SPTP"`, version `u8` (4),
 //!    group name length `u16` and its UTF-8 bytes, ranks `u32`, sender's
 //!    rank `u32`, lane `u8` (0: the connector writes on this connection,
-//!    1: the acceptor does), a random 32-byte nonce;
+//!    1: the acceptor does), the sender's join attempt `u64` (a number that
+//!    only grows: a new one each time a rank begins its join), a random
+//!    32-byte nonce;
 //! 2. acceptor → connector: its own `hello` (naming the same lane), then a
 //!    32-byte `HMAC-SHA256(token, "accept" ‖ transcript)`;
 //! 3. connector → acceptor: `HMAC-SHA256(token, "connect" ‖ transcript)`,
 //!
 //! where the transcript is the connector's hello followed by the
 //! acceptor's. Each side checks the other's tag (in constant time) and that
-//! the group, size, ranks and lane are the ones it expects.
+//! the group, size, ranks and lane are the ones it expects. Both lanes
+//! between two ranks come from one attempt of each: an acceptor shuts a
+//! lane of an older attempt of the connector's than one it holds (and
+//! those it holds when a newer one comes), and a connector whose two lanes
+//! were answered by two attempts of the acceptor's dials both again.
 //!
 //! 4. Once a rank holds every lane of its group, it writes one byte `0x52`
 //!    (`ready`) on each lane it writes, then reads the same from each lane
-//!    it reads. The join ends when every peer's has come (waiting up to what
-//!    the join has left, and at least 5 s): a rank that gave up meanwhile
-//!    closed its lanes, and its peers fail their join too.
+//!    it reads. The join ends when every peer's has come (waiting up to the
+//!    join's timeout and 5 s more, as long as a peer still joining may take,
+//!    so that no rank gives up after sending its own while others go on: the
+//!    ranks must share the timeout): a rank that gave up meanwhile closed
+//!    its lanes, and its peers fail their join too.
 //!
 //! Each connection then carries frames one way only (a TLS session cannot
 //! be written on one thread while read on another, and a large frame is
@@ -160,9 +168,10 @@ pub struct MeshConfig {
     pub addresses: Vec<SocketAddr>,
     /// Proves membership.
     pub token: Token,
-    /// How long joining may take (the closing `ready` exchange may add up
-    /// to 5 s more, and a handshake under way at the end half a second),
-    /// and the longest wait for a peer's frame.
+    /// How long joining may take (the closing `ready` exchange may add the
+    /// timeout and 5 s more, and a handshake under way at the end half a
+    /// second), and the longest wait for a peer's frame. Every rank of a
+    /// group must use the same.
     pub timeout: Duration,
     /// TLS on every connection (the data plane's certificates, each rank's
     /// node); none: plain TCP.
