@@ -38,7 +38,7 @@ pub struct Metrics {
     pub generated_tokens: IntCounter,
     /// Generations preempted for KV room on head stages (resumed later by recompute), by shard.
     pub preemptions: IntCounterVec,
-    /// Pipeline opens a later stage refused because it lacked some of the prefix the head took, by shard.
+    /// Pipeline opens a later stage refused because it lacked some of the prefix the head took, by shard and what the head did next.
     pub prefix_misses_downstream: IntCounterVec,
     /// Bytes of hidden states sent to next stages.
     pub hidden_bytes_sent: IntCounter,
@@ -160,10 +160,11 @@ impl Metrics {
             Opts::new(
                 "shardplane_agent_prefix_cache_downstream_misses_total",
                 "Pipeline opens a later stage refused because it no longer held all of the prompt \
-                 tokens the head stage took from its prefix cache (the head then asks again with \
-                 as many as that stage holds, or runs the prompt whole); by shard.",
+                 tokens the head stage took from its prefix cache, by shard and what the head did \
+                 next: asked again with as many as that stage holds (fewer) or ran the prompt \
+                 whole (whole).",
             ),
-            &["shard"],
+            &["shard", "then"],
         )
         .expect("valid metric");
         let generated_tokens = IntCounter::new(
@@ -390,7 +391,10 @@ impl Metrics {
         let kv_budget = self.kv_tokens.with_label_values(&[shard, "budget"]);
         // Counted by the head's generations (`dataplane::head`); from zero.
         self.preemptions.with_label_values(&[shard]);
-        self.prefix_misses_downstream.with_label_values(&[shard]);
+        for then in ["fewer", "whole"] {
+            self.prefix_misses_downstream
+                .with_label_values(&[shard, then]);
+        }
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
         // The stage counts from its load; the counters follow its totals.
@@ -432,7 +436,11 @@ impl Metrics {
         let _ = self.kv_tokens.remove_label_values(&[shard, "reserved"]);
         let _ = self.kv_tokens.remove_label_values(&[shard, "budget"]);
         let _ = self.preemptions.remove_label_values(&[shard]);
-        let _ = self.prefix_misses_downstream.remove_label_values(&[shard]);
+        for then in ["fewer", "whole"] {
+            let _ = self
+                .prefix_misses_downstream
+                .remove_label_values(&[shard, then]);
+        }
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);
     }

@@ -46,8 +46,8 @@ pub struct StageStats {
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
     /// Until when a pipeline's head runs new prompts whole without looking
-    /// in its prefix cache: a later stage lacked what it took (it keeps no
-    /// cache, or evicts sooner), so looking would only cost.
+    /// in its prefix cache: a later stage held none of what it took (it
+    /// keeps no cache, say), so looking would only cost.
     pub seeding_paused_until: Mutex<Option<std::time::Instant>>,
     /// The head's KV budget and the generations' shares of it.
     pub kv: Arc<KvLedger>,
@@ -55,7 +55,7 @@ pub struct StageStats {
 
 impl StageStats {
     /// Whether a pipeline's head should start a new sequence from its
-    /// prefix cache: it keeps one, and no later stage lacked its prefix
+    /// prefix cache: it keeps one, and no later stage held none of its prefix
     /// lately.
     pub fn seeds(&self) -> bool {
         let keeps = self
@@ -278,6 +278,12 @@ impl StageWorker {
     /// Frees `seq`'s KV cache (queued behind its pending steps).
     pub fn release(&self, seq: SequenceId) {
         let _ = self.jobs.send(Job::Release { seq });
+    }
+
+    /// Frees `seq`'s KV cache (queued behind its pending steps) and refuses
+    /// its later steps: another sequence took its place.
+    pub fn retire(&self, seq: SequenceId) {
+        let _ = self.jobs.send(Job::Retire { seq });
     }
 
     /// Starts the new sequence `seq` from the prefix cache's longest prefix

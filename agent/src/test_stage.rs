@@ -150,11 +150,9 @@ impl Stage for Echo {
     }
     fn release(&mut self, seq: SequenceId) -> bool {
         // As the engines do, a released sequence keeps its tokens' blocks.
-        if let Some(t) = self.tokens.remove(&seq)
-            && self.remember
-        {
-            self.kept.push(t);
-        }
+        self.retain_prefix(seq);
+        self.retained.lock().unwrap().pop();
+        self.tokens.remove(&seq);
         self.held.remove(&seq).is_some()
     }
     fn reuse_prefix(&mut self, seq: SequenceId, tokens: &[u32]) -> usize {
@@ -176,8 +174,10 @@ impl Stage for Echo {
     }
     fn retain_prefix(&mut self, seq: SequenceId) {
         self.retained.lock().unwrap().push(seq);
+        // Only what every row was told the token of, as the engines keep.
         if self.remember
             && let Some(t) = self.tokens.get(&seq)
+            && Some(&t.len()) == self.held.get(&seq)
         {
             self.kept.push(t.clone());
         }

@@ -35,12 +35,14 @@ use crate::shards::ServedStage;
 const PREFILL_CHUNK: usize = 512;
 
 /// How long a pipeline's head runs new prompts whole, without its prefix
-/// cache, after a later stage lacked the prefix it took: a stage that keeps
-/// no cache (a tensor group's) would refuse every time.
+/// cache, after a later stage held none of the prefix it took (or did not
+/// say how much): a stage that keeps no cache (a tensor group's) would
+/// refuse every time.
 const SEEDING_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// How many times a pipeline's head asks its later stages again, with the
-/// fewer tokens one said it holds, before it runs the whole prompt: each
+/// How many times a pipeline's head asks its later stages again (after the
+/// first ask), with the fewer tokens one said it holds, before it runs the
+/// whole prompt: each
 /// ask costs a look in the caches and an open, a fraction of running the
 /// prompt, and stages that keep evicting should not make it ask forever.
 const RETAKES: usize = 3;
@@ -402,7 +404,8 @@ impl Generation {
     /// later stages' KV) and its share given back; it waits for room for all
     /// it held and `tokens` (before any new generation is admitted), then
     /// runs all of them again, the prompt mostly from the prefix cache (a
-    /// pipeline's next stage opened again, its sampler resumed after the
+    /// pipeline's next stage opened again naming the old sequence, which
+    /// each later stage then frees first, its sampler resumed after the
     /// answer so far). Its text state stays, so the answer goes on as if
     /// nothing happened. Returns what to run and whether it is a recompute.
     async fn room(&mut self, tokens: Vec<u32>) -> Result<(Vec<u32>, bool), Status> {
@@ -612,9 +615,10 @@ impl Service {
     /// the same tokens from theirs (`Open.cached`), and all run only the
     /// rest. A later stage that holds fewer says how many: the head lets the
     /// sequence go and asks again, a new one started from that many (at most
-    /// `RETAKES` times). When one holds none (or does not say), the whole
-    /// prompt runs in a new sequence, and the head stops looking in its
-    /// cache for a while. Returns the stream and the tokens taken.
+    /// `RETAKES` times; then, or when its own cache no longer holds them,
+    /// the prompt runs whole). When one holds none (or does not say), the
+    /// whole prompt runs in a new sequence, and the head stops looking in
+    /// its cache for a while. Returns the stream and the tokens taken.
     async fn open_pipeline(
         &self,
         seq: &mut Sequence,
@@ -637,15 +641,20 @@ impl Service {
                 Err(e) => return Err(e),
             };
             asked += 1;
-            self.metrics
-                .prefix_misses_downstream
-                .with_label_values(&[&seq.stage.name])
-                .inc();
             let fewer = e
                 .metadata()
                 .get(dp::CACHED_HEADER)
                 .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
-                .filter(|&n| n < held);
+                .filter(|&n| n < held)
+                .unwrap_or(0);
+            let again = fewer > 0 && asked <= RETAKES;
+            self.metrics
+                .prefix_misses_downstream
+                .with_label_values(&[
+                    seq.stage.name.as_str(),
+                    if again { "fewer" } else { "whole" },
+                ])
+                .inc();
             tracing::debug!(
                 shard = %seq.stage.name,
                 error = e.message(),
@@ -657,14 +666,16 @@ impl Service {
                 id: rand::random(),
             };
             open.sequence = seq.id;
-            held = match fewer {
-                Some(n) if n > 0 && asked < RETAKES => {
+            held = match (again, fewer) {
+                (true, n) => {
                     seq.stage
                         .worker
                         .seed(seq.id, open.prompt[..=n].to_vec())
                         .await
                 }
-                _ => {
+                // Asked enough: this prompt runs whole, the next look again.
+                (false, 1..) => 0,
+                (false, 0) => {
                     stats.pause_seeding(SEEDING_PAUSE);
                     0
                 }

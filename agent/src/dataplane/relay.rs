@@ -48,10 +48,11 @@ impl Service {
         };
         // A recompute after a preemption: the sequence it replaces goes
         // first (a job before the prefix lookup on the stage's thread), so
-        // its tokens are in the cache to take. Its stream's end frees it
-        // again, which is then nothing.
+        // its tokens are in the cache to take, and a step of it still on
+        // its way is refused rather than run at position 0. Its stream's
+        // end frees it again, which is then nothing.
         if open.replaces != 0 && open.replaces != open.sequence {
-            stage.worker.release(open.replaces);
+            stage.worker.retire(open.replaces);
         }
         take_cached(&seq, &open).await?;
         let cached = open.cached;

@@ -284,11 +284,16 @@ async fn a_middle_stage_passes_hidden_states_on_and_relays_the_answers_back() {
     sequences_become(&worker, 0).await;
 }
 
-/// A fake last stage that records each step's token ids and answers `100 +`
-/// its last row; it refuses opens with a cached prefix when `lacks`.
-async fn last_telling_tokens(lacks: bool) -> (String, Arc<Mutex<Vec<Vec<u32>>>>) {
-    let told = Arc::new(Mutex::new(Vec::new()));
-    let got = told.clone();
+/// What a fake last stage saw: each step's token ids, and each open's
+/// `replaces`.
+type Told = (Arc<Mutex<Vec<Vec<u32>>>>, Arc<Mutex<Vec<u64>>>);
+
+/// A fake last stage that records each step's token ids and each open's
+/// `replaces`, and answers `100 +` its last row; it refuses opens with a
+/// cached prefix when `lacks`.
+async fn last_telling_tokens(lacks: bool) -> (String, Told) {
+    let told: Told = Default::default();
+    let (got, opens) = (told.0.clone(), told.1.clone());
     let endpoint = FakeDataPlane::stepping(move |_, step| {
         let hidden = dp::decode_hidden(step.hidden.as_ref().unwrap()).unwrap();
         got.lock().unwrap().push(step.tokens);
@@ -298,13 +303,16 @@ async fn last_telling_tokens(lacks: bool) -> (String, Arc<Mutex<Vec<Vec<u32>>>>)
             ..Default::default()
         })
     })
-    .on_open(move |open| match lacks && open.cached > 0 {
-        true => {
-            let mut refusal = Status::aborted("holds 0 of them");
-            refusal.metadata_mut().insert(dp::CACHED_HEADER, 0.into());
-            Err(refusal)
+    .on_open(move |open| {
+        opens.lock().unwrap().push(open.replaces);
+        match lacks && open.cached > 0 {
+            true => {
+                let mut refusal = Status::aborted("holds 0 of them");
+                refusal.metadata_mut().insert(dp::CACHED_HEADER, 0.into());
+                Err(refusal)
+            }
+            false => Ok(()),
         }
-        false => Ok(()),
     })
     .serve(token())
     .await;
@@ -341,7 +349,7 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
     }
     requests.send(told_step).await.unwrap();
     assert_eq!(answers.message().await.unwrap().unwrap().token, 102);
-    assert_eq!(*told.lock().unwrap(), vec![vec![3]]);
+    assert_eq!(*told.0.lock().unwrap(), vec![vec![3]]);
     drop((requests, answers));
     sequences_become(&worker, 0).await;
 
@@ -387,7 +395,7 @@ async fn a_recompute_s_open_frees_the_sequence_it_replaces_before_taking_from_th
         }
         s
     };
-    let (endpoint, _) = last_telling_tokens(false).await;
+    let (endpoint, (_, replaced)) = last_telling_tokens(false).await;
     let mut echo = Echo::middle();
     echo.remember = true;
     let (mut client, worker, _dir) = middle_on(Some(shard(2, Some(&endpoint))), echo).await;
@@ -412,11 +420,22 @@ async fn a_recompute_s_open_frees_the_sequence_it_replaces_before_taking_from_th
     let response = client.forward(ReceiverStream::new(outbound)).await.unwrap();
     assert_eq!(response.metadata().get(dp::CACHED_HEADER).unwrap(), "5");
     sequences_become(&worker, 1).await;
+    assert_eq!(
+        *replaced.lock().unwrap(),
+        vec![0, 7],
+        "named down the pipeline"
+    );
+    // A step of 7 still on its way is refused, not run at position 0.
+    old.send(told(vec![6])).await.unwrap();
+    let e = old_answers.message().await.unwrap_err();
+    assert!(e.message().contains("replaced"), "{e:?}");
     let mut answers = response.into_inner();
     requests.send(told(vec![6])).await.unwrap();
     assert_eq!(answers.message().await.unwrap().unwrap().token, 105);
     // The old stream's close frees nothing more; the new one's, the rest.
     drop((old, old_answers));
+    requests.send(told(vec![7])).await.unwrap();
+    assert_eq!(answers.message().await.unwrap().unwrap().token, 106);
     sequences_become(&worker, 1).await;
     drop((requests, answers));
     sequences_become(&worker, 0).await;

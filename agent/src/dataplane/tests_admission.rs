@@ -179,8 +179,8 @@ async fn preempted_and_resumed(pipeline: bool) {
     );
     assert_eq!(worker.stats.kv.preemptions.load(Ordering::Relaxed), 1);
     assert_eq!(worker.stats.kv.waiting(), 0);
-    // The recompute took its tokens from every stage's cache: no later
-    // stage lacked them (which would pause the head's seeding).
+    // The recompute looked in the caches, and no later stage held none of
+    // its tokens (which would pause the head's seeding).
     assert!(worker.stats.seeds(), "a later stage lacked the prefix");
     reserved_becomes(&worker, 0).await;
     sequences_become(&worker, 0).await;

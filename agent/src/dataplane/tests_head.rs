@@ -527,6 +527,15 @@ enum Next {
     Older,
     /// Holds 64 of them: refuses more with `ABORTED`, saying so.
     Fewer,
+    /// Holds half of what it is asked for, every time.
+    Halves,
+}
+
+/// A refusal of an open by a stage that holds `n` of its cached tokens.
+fn holding(n: u32) -> Status {
+    let mut refusal = Status::aborted(format!("holds {n} of them"));
+    refusal.metadata_mut().insert(dp::CACHED_HEADER, n.into());
+    refusal
 }
 
 /// A head whose prefix cache gives 600 tokens of a 1100-token prompt, and
@@ -547,12 +556,9 @@ async fn cached_head(next: Next) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>,
     .on_open(move |open| {
         opens.lock().unwrap().cached.push(open.cached);
         match next {
-            Next::Lacks if open.cached > 0 => Err(Status::aborted("holds none of them")),
-            Next::Fewer if open.cached > 64 => {
-                let mut refusal = Status::aborted("holds 64 of them");
-                refusal.metadata_mut().insert(dp::CACHED_HEADER, 64.into());
-                Err(refusal)
-            }
+            Next::Lacks if open.cached > 0 => Err(holding(0)),
+            Next::Fewer if open.cached > 64 => Err(holding(64)),
+            Next::Halves if open.cached > 0 => Err(holding(open.cached / 2)),
             _ => Ok(()),
         }
     });
@@ -618,5 +624,14 @@ async fn a_head_asks_again_with_as_many_tokens_as_a_later_stage_says_it_holds() 
     let sent: Vec<u32> = seen.steps[..3].iter().flat_map(|s| s.1.clone()).collect();
     assert_eq!(sent, prompt[64..]);
     assert_eq!(finished.cached_tokens, 64);
+    assert!(worker.stats.seeds(), "no pause: the stages keep caches");
+}
+
+#[tokio::test]
+async fn a_head_asks_again_three_times_at_most_then_runs_the_prompt_whole() {
+    let (seen, finished, _, worker) = cached_head(Next::Halves).await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.cached, vec![600, 300, 150, 75, 0]);
+    assert_eq!(finished.cached_tokens, 0);
     assert!(worker.stats.seeds(), "no pause: the stages keep caches");
 }

@@ -66,6 +66,14 @@ pub enum Job {
         /// The sequence.
         seq: SequenceId,
     },
+    /// Free `seq`'s KV cache and refuse its steps from now on: another
+    /// sequence took its place (a recompute after a preemption) while its
+    /// stream may still carry a step, which would otherwise start it again
+    /// at position 0 (and, kept in the prefix cache, poison it).
+    Retire {
+        /// The sequence.
+        seq: SequenceId,
+    },
     /// Start the new sequence `seq` from the prefix cache's longest prefix
     /// of `tokens` (all but the last at most; see `Stage::reuse_prefix`),
     /// before its first rows come: a pipeline's stages take their prompts'
@@ -163,6 +171,9 @@ struct Parked {
     sent: Instant,
 }
 
+/// Retired sequences a stage remembers (a stray step comes within moments).
+const RETIRED: usize = 256;
+
 /// What the stage holds between steps.
 #[derive(Default)]
 struct Work {
@@ -170,6 +181,8 @@ struct Work {
     prefills: VecDeque<Prefill>,
     parked: Vec<Parked>,
     releases: Vec<SequenceId>,
+    /// The latest retired sequences, whose steps are refused.
+    retired: VecDeque<SequenceId>,
 }
 
 impl Work {
@@ -218,7 +231,7 @@ pub fn run(
         let mut file = |job: Job, gather: &mut Gather| {
             match &job {
                 Job::Forward { seq, sent, .. } => gather.arrived(*seq, *sent),
-                Job::Release { seq } => gather.gone(*seq),
+                Job::Release { seq } | Job::Retire { seq } => gather.gone(*seq),
                 Job::Seed { .. } => {}
             }
             take(job, &mut *shard, &mut work, caching, &stats);
@@ -306,6 +319,13 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
             reply,
             sent,
         } => {
+            if work.retired.contains(&seq) {
+                stats.unqueue_tokens(input.len());
+                let _ = reply.send(Err(shardplane_engine::Error::InvalidInput(format!(
+                    "sequence {seq} was replaced by another"
+                ))));
+                return;
+            }
             let busy = work.runs(seq);
             let (mut new_prompt, mut cached, mut prompt) = (false, 0, None);
             if let StageInput::Tokens(ids) = &input
@@ -374,6 +394,13 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                 keep
             });
             work.releases.push(seq);
+        }
+        Job::Retire { seq } => {
+            if work.retired.len() == RETIRED {
+                work.retired.pop_front();
+            }
+            work.retired.push_back(seq);
+            take(Job::Release { seq }, shard, work, caching, stats);
         }
         Job::Seed { seq, tokens, reply } => {
             // Sequences released before it keep their blocks first: a

@@ -385,3 +385,20 @@ fn prompt_slices_shrink_while_sequences_decode_on_a_slow_stage() {
     };
     assert_eq!(tiny.prefill_room(3, cost(0.0, 36.0)), 2);
 }
+
+#[test]
+fn a_retired_sequence_s_later_steps_are_refused_not_started_again() {
+    let (mut shard, steps) = Echo::new(false);
+    // Sequence 1 ran its prompt; then another took its place, and a step
+    // of it still on its way comes after.
+    shard.forward(1, tokens(3)).unwrap();
+    steps.lock().unwrap().clear();
+    let (stray, stray_answer) = forward(1, tokens(1));
+    let (other, other_answer) = forward(2, tokens(2));
+    let stats = run_jobs(shard, vec![Job::Retire { seq: 1 }, stray, other], 512);
+    let refused = stray_answer.blocking_recv().unwrap().err().unwrap();
+    assert!(refused.to_string().contains("replaced"), "{refused}");
+    assert!(other_answer.blocking_recv().unwrap().is_ok());
+    assert_eq!(*steps.lock().unwrap(), vec![vec![(2, 2)]]);
+    assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+}
