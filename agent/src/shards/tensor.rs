@@ -38,7 +38,8 @@ use crate::tensor::{MeshFollowers, SharedMesh};
 const GROUP_WAIT: Duration = Duration::from_secs(600);
 /// How often a leader looks whether a follower has gone while idle.
 const IDLE_CHECK: Duration = Duration::from_secs(2);
-/// The longest one attempt to join waits for a peer.
+/// The longest one attempt to join waits for a peer (every rank the same;
+/// the closing ready exchange may take as long again and 5 s more).
 const JOIN_ATTEMPT: Duration = Duration::from_secs(10);
 /// The longest a joined rank waits for a peer's partial sums or reply.
 const PEER_TIMEOUT: Duration = Duration::from_secs(60);

@@ -18,9 +18,10 @@
 //! beat.
 //!
 //! Every hello names its sender's join attempt (a number that only grows,
-//! in a process and across restarts), so both lanes between two ranks come
-//! from one attempt of each: a lane of an attempt a peer gave up is never
-//! paired with one of its next.
+//! in a process, and across restarts while the clock does not go back; a
+//! rank that dials a peer again takes a new one), so both lanes between two
+//! ranks come from one attempt of each: a lane of an attempt a peer gave up
+//! is never paired with one of its next.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -99,7 +100,10 @@ fn join_as(
     let mut ins: Vec<Option<Link>> = (0..ranks).map(|_| None).collect();
     for (peer, address) in config.addresses.iter().enumerate().take(me) {
         // Both lanes from one attempt of the peer's: one that began its
-        // join again between the two dials gets both again.
+        // join again between the two dials gets both again, as a new
+        // attempt of this rank's, so that it shuts the lane its new attempt
+        // holds already (this rank drops it) rather than pair it.
+        let mut attempt = attempt;
         loop {
             let (out, theirs) = dial(
                 *address,
@@ -119,6 +123,14 @@ fn join_as(
                 (outs[peer], ins[peer]) = (Some(out), Some(inn));
                 break;
             }
+            if Instant::now() >= deadline {
+                return Err(CollectiveError::Join(format!(
+                    "rank {peer} began its join again while rank {me} connected, \
+                     until the join's {:?} ran out",
+                    config.timeout
+                )));
+            }
+            attempt = new_attempt();
         }
     }
     listener

@@ -176,7 +176,7 @@ fn a_connecting_rank_dials_again_when_a_peer_began_its_join_again_between_its_la
     // attempt 2 (it began its join again between the two).
     l0.set_nonblocking(true).unwrap();
     let until = Instant::now() + Duration::from_secs(5);
-    let mut lanes = Vec::new();
+    let (mut lanes, mut dialled) = (Vec::new(), Vec::new());
     for attempt in [1, 2, 2, 2] {
         let stream = loop {
             match l0.accept() {
@@ -188,10 +188,18 @@ fn a_connecting_rank_dials_again_when_a_peer_began_its_join_again_between_its_la
         stream.set_nonblocking(false).unwrap();
         stream.set_read_timeout(Some(timeout)).unwrap();
         let mut link = Link::Plain(stream);
-        let (peer, lane, _, theirs) = read_hello(&mut link, &zero, None).unwrap();
+        let (peer, lane, theirs_is, theirs) = read_hello(&mut link, &zero, None).unwrap();
         prove_accepting(&mut link, &zero, (peer, lane, attempt), &theirs).unwrap();
         lanes.push((lane, link));
+        dialled.push(theirs_is);
     }
+    // Dialled again as a new attempt, so that rank 0's attempt 2 shuts the
+    // lane it holds of rank 1's first (which rank 1 dropped).
+    assert_eq!(dialled[0], dialled[1]);
+    assert!(
+        dialled[2] > dialled[1] && dialled[3] == dialled[2],
+        "{dialled:?}"
+    );
     let named: Vec<Lane> = lanes.iter().map(|(l, _)| *l).collect();
     assert_eq!(
         named,

@@ -26,8 +26,8 @@
 //!    group name length `u16` and its UTF-8 bytes, ranks `u32`, sender's
 //!    rank `u32`, lane `u8` (0: the connector writes on this connection,
 //!    1: the acceptor does), the sender's join attempt `u64` (a number that
-//!    only grows: a new one each time a rank begins its join), a random
-//!    32-byte nonce;
+//!    only grows: a new one each time a rank begins its join or dials a
+//!    peer again), a random 32-byte nonce;
 //! 2. acceptor → connector: its own `hello` (naming the same lane), then a
 //!    32-byte `HMAC-SHA256(token, "accept" ‖ transcript)`;
 //! 3. connector → acceptor: `HMAC-SHA256(token, "connect" ‖ transcript)`,
@@ -38,7 +38,8 @@
 //! between two ranks come from one attempt of each: an acceptor shuts a
 //! lane of an older attempt of the connector's than one it holds (and
 //! those it holds when a newer one comes), and a connector whose two lanes
-//! were answered by two attempts of the acceptor's dials both again.
+//! were answered by two attempts of the acceptor's dials both again as a
+//! new attempt.
 //!
 //! 4. Once a rank holds every lane of its group, it writes one byte `0x52`
 //!    (`ready`) on each lane it writes, then reads the same from each lane
