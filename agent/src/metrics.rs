@@ -6,6 +6,11 @@ use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
+/// What a pipeline's head did after a later stage refused the prefix it
+/// took: asked again with fewer tokens, or ran the prompt whole (the
+/// `outcome` of `shardplane_agent_prefix_cache_downstream_misses_total`).
+pub const RETAKE_OUTCOMES: [&str; 2] = ["fewer", "whole"];
+
 /// Every metric the agent exposes.
 #[derive(Clone)]
 pub struct Metrics {
@@ -164,7 +169,7 @@ impl Metrics {
                  next: asked again with as many as that stage holds (fewer) or ran the prompt \
                  whole (whole).",
             ),
-            &["shard", "then"],
+            &["shard", "outcome"],
         )
         .expect("valid metric");
         let generated_tokens = IntCounter::new(
@@ -391,9 +396,9 @@ impl Metrics {
         let kv_budget = self.kv_tokens.with_label_values(&[shard, "budget"]);
         // Counted by the head's generations (`dataplane::head`); from zero.
         self.preemptions.with_label_values(&[shard]);
-        for then in ["fewer", "whole"] {
+        for outcome in RETAKE_OUTCOMES {
             self.prefix_misses_downstream
-                .with_label_values(&[shard, then]);
+                .with_label_values(&[shard, outcome]);
         }
         let used = self.prefix_bytes.with_label_values(&[shard]);
         let budget = self.prefix_budget_bytes.with_label_values(&[shard]);
@@ -436,10 +441,10 @@ impl Metrics {
         let _ = self.kv_tokens.remove_label_values(&[shard, "reserved"]);
         let _ = self.kv_tokens.remove_label_values(&[shard, "budget"]);
         let _ = self.preemptions.remove_label_values(&[shard]);
-        for then in ["fewer", "whole"] {
+        for outcome in RETAKE_OUTCOMES {
             let _ = self
                 .prefix_misses_downstream
-                .remove_label_values(&[shard, then]);
+                .remove_label_values(&[shard, outcome]);
         }
         let _ = self.prefix_bytes.remove_label_values(&[shard]);
         let _ = self.prefix_budget_bytes.remove_label_values(&[shard]);

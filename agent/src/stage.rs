@@ -72,8 +72,8 @@ impl StageStats {
         keeps && !paused
     }
 
-    /// A later stage lacked the prefix the head took: the head runs new
-    /// prompts whole for `pause`.
+    /// A later stage held none of the prefix the head took: the head runs
+    /// new prompts whole for `pause`.
     pub fn pause_seeding(&self, pause: std::time::Duration) {
         *self
             .seeding_paused_until
@@ -280,8 +280,8 @@ impl StageWorker {
         let _ = self.jobs.send(Job::Release { seq });
     }
 
-    /// Frees `seq`'s KV cache (queued behind its pending steps) and refuses
-    /// its later steps: another sequence took its place.
+    /// Frees `seq`'s KV cache and refuses its steps from then on (those
+    /// already queued are dropped): another sequence took its place.
     pub fn retire(&self, seq: SequenceId) {
         let _ = self.jobs.send(Job::Retire { seq });
     }

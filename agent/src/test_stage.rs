@@ -108,6 +108,19 @@ impl Echo {
     }
 }
 
+impl Echo {
+    /// Keeps `seq`'s tokens when remembering, only when every row was told
+    /// its token (as the engines keep only such).
+    fn keep_told(&mut self, seq: SequenceId) {
+        if self.remember
+            && let Some(t) = self.tokens.get(&seq)
+            && Some(&t.len()) == self.held.get(&seq)
+        {
+            self.kept.push(t.clone());
+        }
+    }
+}
+
 impl Stage for Echo {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -150,8 +163,7 @@ impl Stage for Echo {
     }
     fn release(&mut self, seq: SequenceId) -> bool {
         // As the engines do, a released sequence keeps its tokens' blocks.
-        self.retain_prefix(seq);
-        self.retained.lock().unwrap().pop();
+        self.keep_told(seq);
         self.tokens.remove(&seq);
         self.held.remove(&seq).is_some()
     }
@@ -174,13 +186,7 @@ impl Stage for Echo {
     }
     fn retain_prefix(&mut self, seq: SequenceId) {
         self.retained.lock().unwrap().push(seq);
-        // Only what every row was told the token of, as the engines keep.
-        if self.remember
-            && let Some(t) = self.tokens.get(&seq)
-            && Some(&t.len()) == self.held.get(&seq)
-        {
-            self.kept.push(t.clone());
-        }
+        self.keep_told(seq);
     }
     fn prefix_cache(&self) -> shardplane_engine::prefix::PrefixCacheStats {
         shardplane_engine::prefix::PrefixCacheStats {

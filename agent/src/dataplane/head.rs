@@ -42,9 +42,9 @@ const SEEDING_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How many times a pipeline's head asks its later stages again (after the
 /// first ask), with the fewer tokens one said it holds, before it runs the
-/// whole prompt: each
-/// ask costs a look in the caches and an open, a fraction of running the
-/// prompt, and stages that keep evicting should not make it ask forever.
+/// whole prompt: each ask costs a look in the caches and an open, a
+/// fraction of running the prompt, and stages that keep evicting should not
+/// make it ask forever.
 const RETAKES: usize = 3;
 
 /// KV tokens a head reserves ahead of what a generation holds:
@@ -648,13 +648,6 @@ impl Service {
                 .filter(|&n| n < held)
                 .unwrap_or(0);
             let again = fewer > 0 && asked <= RETAKES;
-            self.metrics
-                .prefix_misses_downstream
-                .with_label_values(&[
-                    seq.stage.name.as_str(),
-                    if again { "fewer" } else { "whole" },
-                ])
-                .inc();
             tracing::debug!(
                 shard = %seq.stage.name,
                 error = e.message(),
@@ -680,6 +673,15 @@ impl Service {
                     0
                 }
             };
+            // Counted once the head knows whether it asks again.
+            let [asked_again, ran_whole] = crate::metrics::RETAKE_OUTCOMES;
+            self.metrics
+                .prefix_misses_downstream
+                .with_label_values(&[
+                    seq.stage.name.as_str(),
+                    if held > 0 { asked_again } else { ran_whole },
+                ])
+                .inc();
         }
         open.cached = 0;
         Ok((self.open_next(&seq.stage, open).await?, 0))

@@ -396,10 +396,13 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
             work.releases.push(seq);
         }
         Job::Retire { seq } => {
-            if work.retired.len() == RETIRED {
-                work.retired.pop_front();
+            // Each ask of a recompute names it again.
+            if !work.retired.contains(&seq) {
+                if work.retired.len() == RETIRED {
+                    work.retired.pop_front();
+                }
+                work.retired.push_back(seq);
             }
-            work.retired.push_back(seq);
             take(Job::Release { seq }, shard, work, caching, stats);
         }
         Job::Seed { seq, tokens, reply } => {

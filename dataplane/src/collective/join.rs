@@ -69,12 +69,13 @@ fn new_attempt() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64);
+    let next = |last: u64| now.max(last + 1);
     let last = LAST_ATTEMPT
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
-            Some(now.max(last + 1))
+            Some(next(last))
         })
-        .unwrap_or(0);
-    now.max(last + 1)
+        .unwrap_or_else(|last| last);
+    next(last)
 }
 
 /// Joins the group (see [`super::Mesh::join`]).
