@@ -14,7 +14,7 @@ use shardplane_engine::chat::ChatMessage;
 use shardplane_engine::gguf::GgufFile;
 use shardplane_engine::pipeline::{EngineKind, LocalPipeline, TextModel, generate};
 use shardplane_engine::sampler::SamplingParams;
-use shardplane_engine::{Error, LoadOptions, StageLayout};
+use shardplane_engine::{Error, LoadOptions, Stage, StageLayout};
 
 fn model() -> PathBuf {
     shardplane_testkit::test_model()
@@ -352,7 +352,7 @@ fn a_layer_range_past_the_model_is_an_error() {
 #[test]
 fn mlx_holds_k_quants_as_groups_of_the_same_values() {
     use shardplane_engine::mlx::MlxStage;
-    use shardplane_engine::{Stage, StageInput, StageOutput};
+    use shardplane_engine::{StageInput, StageOutput};
     let dir = tempfile::tempdir().unwrap();
     let text = TextModel::from_gguf(&GgufFile::open(model()).unwrap()).unwrap();
     let prompt = text
@@ -404,5 +404,64 @@ fn mlx_holds_k_quants_as_groups_of_the_same_values() {
             grouped_bytes * 5 < f32_bytes * 2,
             "{grouped_bytes} vs {f32_bytes}"
         );
+    }
+}
+
+/// What placement counts of a model in memory (`shardplane_formats::held`,
+/// from the file's tensor directory alone) is what each engine holds when it
+/// loads a first and a last stage, for each way an engine treats a type:
+/// kept as stored, re-quantized (candle: Q4_1 and Q5_0 to Q8_0), held as
+/// groups (MLX), spread (MLX: Q6_K), expanded to f32 (MLX: F16; both:
+/// vectors).
+#[test]
+fn placement_counts_the_bytes_each_engine_holds() {
+    use shardplane_formats::held::Holder;
+    let dir = tempfile::tempdir().unwrap();
+    for (dtype, fallback) in [
+        (GgmlDType::F16, GgmlDType::F16),
+        (GgmlDType::Q4_1, GgmlDType::Q4_1),
+        (GgmlDType::Q4K, GgmlDType::Q5_0),
+        (GgmlDType::Q6K, GgmlDType::Q8_0),
+    ] {
+        let path = convert(dtype, fallback, dir.path());
+        let file = GgufFile::open(&path).unwrap();
+        let counted = |holder: Holder| {
+            let held = holder.held(file.header(), 30);
+            let layers = |r: std::ops::Range<usize>| held.layer_bytes[r].iter().sum::<u64>();
+            (
+                held.embedding_bytes + layers(0..15),
+                layers(15..30) + held.output_bytes,
+            )
+        };
+        let layouts = [
+            StageLayout::new(0..15, 30).unwrap(),
+            StageLayout::new(15..30, 30).unwrap(),
+        ];
+        let options = LoadOptions::default();
+        let candle: Vec<u64> = layouts
+            .iter()
+            .map(|l| {
+                CandleStage::load(&path, l.clone(), &options)
+                    .unwrap()
+                    .weight_bytes() as u64
+            })
+            .collect();
+        let (first, last) = counted(Holder::Candle);
+        assert_eq!(candle, [first, last], "candle, {dtype:?}/{fallback:?}");
+        #[cfg(feature = "mlx")]
+        {
+            use shardplane_engine::mlx::MlxStage;
+            let mlx: Vec<u64> = layouts
+                .iter()
+                .map(|l| {
+                    MlxStage::load_gguf(&file, l.clone(), &options)
+                        .unwrap()
+                        .weight_bytes() as u64
+                })
+                .collect();
+            let (first, last) = counted(Holder::Mlx);
+            assert_eq!(mlx, [first, last], "MLX, {dtype:?}/{fallback:?}");
+        }
+        std::fs::remove_file(path).unwrap();
     }
 }

@@ -9,7 +9,8 @@
 //!
 //! Layout: [`gguf`] reads (and, for tests, writes) GGUF headers; [`ggml`]
 //! knows ggml's tensor types and their block sizes; [`config`] turns either
-//! format's metadata into a [`ModelConfig`]; [`safetensors`] reads a
+//! format's metadata into a [`ModelConfig`]; [`held`] counts what each
+//! engine holds of a GGUF model in memory; [`safetensors`] reads a
 //! safetensors header. Nothing here reads tensor data. Every reader is
 //! fuzzed (`fuzz/fuzz_targets/model_headers.rs`).
 
@@ -17,6 +18,7 @@ pub mod config;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
+pub mod held;
 pub mod safetensors;
 
 pub use config::{Architecture, ModelConfig};

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use shardplane_crds::{ModelSpec, ModelStatus, SlidingWindowStatus};
+use shardplane_crds::{Engine, EngineFootprint, ModelSpec, ModelStatus, SlidingWindowStatus};
+use shardplane_formats::held::Holder;
 use shardplane_formats::{GgufHeader, ModelConfig};
 
 /// What can go wrong below a model's resolution: clients, tokens, headers.
@@ -249,23 +250,7 @@ fn status_from_gguf(
             ("the head dimension", c.head_dim as u64),
         ],
     )?;
-    // Tensors grouped by layer in one pass (`blk.<i>.…`).
-    let mut layer_bytes = vec![0u64; layers];
-    for (name, info) in &header.tensors {
-        let layer = name
-            .strip_prefix("blk.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok());
-        if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
-            *slot = slot.saturating_add(info.bytes);
-        }
-    }
-    let embedding = header.tensor_bytes("token_embd.weight");
-    let head = if header.tensors.contains_key("output.weight") {
-        header.tensor_bytes("output.weight")
-    } else {
-        embedding
-    };
+    let stored = Holder::Stored.held(header, layers);
     // The weight type holding the most bytes names the quantization.
     let mut by_type: BTreeMap<&str, u64> = BTreeMap::new();
     for info in header.tensors.values() {
@@ -295,12 +280,27 @@ fn status_from_gguf(
         vocab_size: Some(c.vocab_size as u32),
         context_length: Some(context),
         quantization,
-        embedding_bytes: Some(embedding),
-        output_bytes: Some(head.saturating_add(header.tensor_bytes("output_norm.weight"))),
+        embedding_bytes: Some(stored.embedding_bytes),
+        output_bytes: Some(stored.output_bytes),
         kv_bytes_per_token: Some(kv_per_layer.saturating_mul(layers as u64)),
+        engine_footprints: [(Engine::Candle, Holder::Candle), (Engine::Mlx, Holder::Mlx)]
+            .into_iter()
+            .map(|(engine, holder)| {
+                let held = holder.held(header, layers);
+                EngineFootprint {
+                    engine,
+                    layer_bytes: held.layer_bytes,
+                    embedding_bytes: held.embedding_bytes,
+                    output_bytes: held.output_bytes,
+                    // Bounded by check_shape: the f32 figure, in the engine's precision.
+                    kv_bytes_per_token: kv_per_layer * holder.kv_element_bytes() / 4
+                        * layers as u64,
+                }
+            })
+            .collect(),
         sliding_window: sliding_window(&c, layers),
         total_bytes,
-        layer_bytes,
+        layer_bytes: stored.layer_bytes,
         ..Default::default()
     })
 }

@@ -1,6 +1,9 @@
 //! The nodes and links placement chooses from.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use crate::footprint::Footprint;
 
 /// A node as placement sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +19,10 @@ pub struct Node {
     pub dedicated_to: Option<String>,
     /// Deployments with shards on this node.
     pub occupants: BTreeSet<String>,
+    /// The model being placed as this node's engine holds it, when that
+    /// differs from the request's footprint (an engine that converts the
+    /// file's weight types, or keeps its KV cache in another precision).
+    pub footprint: Option<Arc<Footprint>>,
 }
 
 impl Node {
@@ -27,6 +34,7 @@ impl Node {
             has_weights: false,
             dedicated_to: None,
             occupants: BTreeSet::new(),
+            footprint: None,
         }
     }
 

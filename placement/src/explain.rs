@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 
 use crate::cluster::{Cluster, Node};
+use crate::footprint::Footprint;
 use crate::plan::{Request, Strategy};
 
 /// Bytes for people: `41.3 GiB`, `512.0 MiB`, `900 B`.
@@ -23,12 +24,13 @@ pub fn human_bytes(bytes: u64) -> String {
     format!("{value:.1} {unit}")
 }
 
-fn budget(request: &Request<'_>) -> String {
+/// The model's weights and KV budget as `footprint` (one engine's) holds them.
+fn budget(request: &Request<'_>, footprint: &Footprint) -> String {
     let s: &Strategy = request.strategy;
     format!(
         "{} weights + {} KV cache for {} tokens x {} sequences",
-        human_bytes(request.footprint.weight_bytes()),
-        human_bytes(request.footprint.kv_bytes(s.kv)),
+        human_bytes(footprint.weight_bytes()),
+        human_bytes(footprint.kv_bytes(s.kv)),
         s.kv.context_length,
         s.kv.sequences
     )
@@ -53,40 +55,57 @@ pub(crate) fn no_spare_node(usable: usize) -> String {
     )
 }
 
-pub(crate) fn whole(
-    request: &Request<'_>,
-    need: u64,
+/// Nothing holds a whole replica: what one needs on the largest free node
+/// (as that node's engine holds the model, `footprint_on`), and what it has.
+pub(crate) fn whole<'f>(
+    request: &'f Request<'_>,
+    footprint_on: &dyn Fn(&str) -> &'f Footprint,
     usable: &[(&String, &Node)],
     others: &BTreeSet<&str>,
 ) -> String {
-    let free: Vec<u64> = usable
+    let largest = usable
         .iter()
         .filter(|(name, _)| !others.contains(name.as_str()))
-        .map(|(_, n)| n.free_bytes)
-        .collect();
-    let largest = free.iter().copied().max().unwrap_or(0);
+        .max_by_key(|(_, n)| n.free_bytes);
+    let footprint = largest.map_or(request.footprint, |(name, _)| footprint_on(name));
+    let need = footprint.stage_bytes(
+        &(0..footprint.layers()),
+        request.strategy.kv,
+        request.strategy.stage_overhead,
+    );
+    let available = usable
+        .iter()
+        .filter(|(name, _)| !others.contains(name.as_str()))
+        .count();
     format!(
         "one replica needs {} on one node ({} + {} overhead); the largest free node of {} available has {}: use nodes with more memory, a smaller context or fewer sequences, or a pipeline strategy on a reasoning pool",
         human_bytes(need),
-        budget(request),
+        budget(request, footprint),
         human_bytes(request.strategy.stage_overhead),
-        free.len(),
-        human_bytes(largest)
+        available,
+        human_bytes(largest.map_or(0, |(_, n)| n.free_bytes))
     )
 }
 
-pub(crate) fn pipeline(
-    request: &Request<'_>,
+/// No pipeline fits: what one instance needs at least (as the engine of
+/// the node with the most free memory holds the model, `footprint_on`),
+/// and what the pool has.
+pub(crate) fn pipeline<'f>(
+    request: &'f Request<'_>,
+    footprint_on: &dyn Fn(&str) -> &'f Footprint,
     usable: &[(&String, &Node)],
     min_k: usize,
     max_k: usize,
 ) -> String {
     let s = request.strategy;
     let total_free: u64 = usable.iter().map(|(_, n)| n.free_bytes).sum();
-    let largest = usable.iter().map(|(_, n)| n.free_bytes).max().unwrap_or(0);
-    let need = request.footprint.weight_bytes()
-        + request.footprint.kv_bytes(s.kv)
-        + s.stage_overhead * min_k.max(1) as u64;
+    let most = usable.iter().max_by_key(|(_, n)| n.free_bytes);
+    let largest = most.map_or(0, |(_, n)| n.free_bytes);
+    let footprint = most.map_or(request.footprint, |(name, _)| footprint_on(name));
+    let need = footprint
+        .weight_bytes()
+        .saturating_add(footprint.kv_bytes(s.kv))
+        .saturating_add(s.stage_overhead.saturating_mul(min_k.max(1) as u64));
     let limit = if max_k < usable.len() {
         format!(", and the strategy allows at most {max_k} nodes per instance")
     } else {
@@ -95,7 +114,7 @@ pub(crate) fn pipeline(
     format!(
         "one instance needs at least {} ({} + {} overhead per stage); the pool's {} schedulable nodes have {} free in all (largest {}){limit}: add nodes or memory, lower the KV budget, or raise maxNodes",
         human_bytes(need),
-        budget(request),
+        budget(request, footprint),
         human_bytes(s.stage_overhead),
         usable.len(),
         human_bytes(total_free),

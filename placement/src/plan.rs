@@ -8,7 +8,7 @@ use crate::cluster::Cluster;
 use crate::explain;
 use crate::footprint::{Footprint, KvBudget};
 use crate::order::order_ring;
-use crate::split::split_layers;
+use crate::split::{Room, split_layers};
 use crate::tensor::TensorRank;
 use crate::tensor::{link_peers, pipeline_stages};
 
@@ -265,18 +265,31 @@ impl Planner<'_, '_> {
         self.request.strategy.kv
     }
 
-    fn stage_bytes(&self, layers: &Range<u32>) -> u64 {
-        self.request
-            .footprint
-            .stage_bytes(layers, self.kv(), self.request.strategy.stage_overhead)
+    /// The model as `node`'s engine holds it (the request's footprint for a
+    /// node that does not say, or is not in the cluster).
+    pub(crate) fn footprint_on<'c>(&'c self, cluster: &'c Cluster, node: &str) -> &'c Footprint {
+        cluster
+            .nodes
+            .get(node)
+            .and_then(|n| n.footprint.as_deref())
+            .unwrap_or(self.request.footprint)
     }
 
-    /// Bytes one entry of an instance needs on its node: its stage, or its
-    /// rank's share of it.
-    pub(crate) fn entry_bytes(&self, stage: &Stage) -> u64 {
+    /// Bytes `layers` need as one stage on `node`.
+    fn stage_bytes(&self, cluster: &Cluster, node: &str, layers: &Range<u32>) -> u64 {
+        self.footprint_on(cluster, node).stage_bytes(
+            layers,
+            self.kv(),
+            self.request.strategy.stage_overhead,
+        )
+    }
+
+    /// Bytes one entry of an instance needs on `node` (its own, or one
+    /// that would replace it): its stage, or its rank's share of it.
+    pub(crate) fn entry_bytes(&self, cluster: &Cluster, stage: &Stage, node: &str) -> u64 {
         match &stage.tensor {
-            None => self.stage_bytes(&stage.layers),
-            Some(rank) => self.request.footprint.rank_bytes(
+            None => self.stage_bytes(cluster, node, &stage.layers),
+            Some(rank) => self.footprint_on(cluster, node).rank_bytes(
                 &stage.layers,
                 self.kv(),
                 self.request.strategy.stage_overhead,
@@ -353,7 +366,7 @@ impl Planner<'_, '_> {
         // Memory per node (two stages may share a node).
         let mut need: std::collections::BTreeMap<&str, u64> = Default::default();
         for st in &instance.stages {
-            *need.entry(st.node.as_str()).or_default() += self.entry_bytes(st);
+            *need.entry(st.node.as_str()).or_default() += self.entry_bytes(cluster, st, &st.node);
         }
         shape_ok
             && covers
@@ -387,9 +400,11 @@ impl Planner<'_, '_> {
             .map(|s| s.node.clone())
             .collect();
         for i in 0..stages.len() {
-            let need = self.entry_bytes(&stages[i]);
+            let fits = |name: &str, n: &crate::cluster::Node| {
+                n.free_bytes >= self.entry_bytes(cluster, &stages[i], name)
+            };
             let ok = self.node_usable(cluster, &stages[i].node)
-                && cluster.nodes[&stages[i].node].free_bytes >= need;
+                && fits(&stages[i].node, &cluster.nodes[&stages[i].node]);
             if ok {
                 continue;
             }
@@ -398,7 +413,7 @@ impl Planner<'_, '_> {
                 .nodes
                 .iter()
                 .filter(|(name, n)| {
-                    n.free_bytes >= need
+                    fits(name, n)
                         && self.node_usable(cluster, name)
                         && !taken.contains(*name)
                         && !(self.daily() && others.contains(name.as_str()))
@@ -450,7 +465,7 @@ impl Planner<'_, '_> {
             });
         }
         if self.daily() {
-            return self.place_whole(index, &usable, &others);
+            return self.place_whole(cluster, index, &usable, &others);
         }
         if self.request.strategy.parallelism == Parallelism::Tensor {
             return self.place_tensor(cluster, index, &usable, &others);
@@ -460,12 +475,14 @@ impl Planner<'_, '_> {
 
     fn place_whole(
         &self,
+        cluster: &Cluster,
         index: u32,
         usable: &[(&String, &crate::cluster::Node)],
         others: &BTreeSet<&str>,
     ) -> Result<Instance, Unplaceable> {
         let all = 0..self.request.footprint.layers();
-        let need = self.stage_bytes(&all);
+        let need = |name: &str| self.stage_bytes(cluster, name, &all);
+        let footprint_on = |name: &str| self.footprint_on(cluster, name);
         if usable
             .iter()
             .all(|(name, _)| others.contains(name.as_str()))
@@ -478,7 +495,7 @@ impl Planner<'_, '_> {
         // Nodes with the weights first, then the tightest fit (big nodes stay free for big models).
         let best = usable
             .iter()
-            .filter(|(name, n)| n.free_bytes >= need && !others.contains(name.as_str()))
+            .filter(|(name, n)| n.free_bytes >= need(name) && !others.contains(name.as_str()))
             .min_by(|(a, na), (b, nb)| {
                 (!na.has_weights, na.free_bytes)
                     .cmp(&(!nb.has_weights, nb.free_bytes))
@@ -491,7 +508,7 @@ impl Planner<'_, '_> {
             }),
             None => Err(Unplaceable {
                 reason: UnplaceableReason::InsufficientMemory,
-                message: explain::whole(self.request, need, usable, others),
+                message: explain::whole(self.request, &footprint_on, usable, others),
             }),
         }
     }
@@ -523,14 +540,12 @@ impl Planner<'_, '_> {
                 let chosen: Vec<&str> =
                     pool.iter().take(k).map(|(name, _)| name.as_str()).collect();
                 let order = order_ring(cluster, &chosen);
-                let free: Vec<u64> = order.iter().map(|n| cluster.nodes[*n].free_bytes).collect();
-                let Some(ranges) = split_layers(
-                    self.request.footprint,
-                    self.kv(),
-                    s.stage_overhead,
-                    &free,
-                    s.policy,
-                ) else {
+                let rooms: Vec<Room<'_>> = order
+                    .iter()
+                    .map(|n| (self.footprint_on(cluster, n), cluster.nodes[*n].free_bytes))
+                    .collect();
+                let Some(ranges) = split_layers(&rooms, self.kv(), s.stage_overhead, s.policy)
+                else {
                     continue;
                 };
                 let stages: Vec<Stage> = order
@@ -551,17 +566,35 @@ impl Planner<'_, '_> {
                 message: explain::links(s),
             });
         }
-        Err(Unplaceable {
+        Err(self.too_little_memory(cluster, usable, min_k, max_k))
+    }
+
+    /// No split of `min_k` to `max_k` nodes fits: what one needs, and what
+    /// the pool has.
+    pub(crate) fn too_little_memory(
+        &self,
+        cluster: &Cluster,
+        usable: &[Usable<'_>],
+        min_k: usize,
+        max_k: usize,
+    ) -> Unplaceable {
+        Unplaceable {
             reason: UnplaceableReason::InsufficientMemory,
-            message: explain::pipeline(self.request, usable, min_k, max_k),
-        })
+            message: explain::pipeline(
+                self.request,
+                &|name| self.footprint_on(cluster, name),
+                usable,
+                min_k,
+                max_k,
+            ),
+        }
     }
 
     /// Takes the memory `instance` uses from the cluster, and the daily
     /// deployment's nodes for itself.
     fn reserve(&self, cluster: &mut Cluster, instance: &Instance) {
         for st in &instance.stages {
-            let bytes = self.entry_bytes(st);
+            let bytes = self.entry_bytes(cluster, st, &st.node);
             if let Some(node) = cluster.nodes.get_mut(&st.node) {
                 node.free_bytes = node.free_bytes.saturating_sub(bytes);
                 node.occupants.insert(self.request.deployment.to_string());

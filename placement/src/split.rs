@@ -5,37 +5,38 @@ use std::ops::Range;
 use crate::footprint::{Footprint, KvBudget};
 use crate::plan::Policy;
 
-/// Splits the layers over nodes with `free` bytes each, in pipeline order, so
-/// every stage fits; `None` when no split of this policy fits.
+/// One node a pipeline's stage may go on: the model as that node's engine
+/// holds it, and the bytes free there.
+pub(crate) type Room<'f> = (&'f Footprint, u64);
+
+/// Splits the layers over `nodes` in pipeline order, so every stage fits
+/// its node; `None` when no split of this policy fits.
 pub(crate) fn split_layers(
-    footprint: &Footprint,
+    nodes: &[Room<'_>],
     kv: KvBudget,
     overhead: u64,
-    free: &[u64],
     policy: Policy,
 ) -> Option<Vec<Range<u32>>> {
-    let layers = footprint.layers() as usize;
-    let k = free.len();
-    if k == 0 || k > layers {
+    let k = nodes.len();
+    let layers = nodes.first()?.0.layers() as usize;
+    if k > layers || nodes.iter().any(|(f, _)| f.layers() as usize != layers) {
         return None;
     }
     let fits = |ranges: &[Range<u32>]| {
         ranges
             .iter()
-            .zip(free)
-            .all(|(r, &f)| footprint.stage_bytes(r, kv, overhead) <= f)
+            .zip(nodes)
+            .all(|(r, (footprint, free))| footprint.stage_bytes(r, kv, overhead) <= *free)
     };
     let candidates: Vec<Vec<usize>> = match policy {
         Policy::EvenLayers => vec![even_counts(layers, k)],
         Policy::MemoryWeighted => {
-            let mut c = vec![weighted_counts(footprint, kv, overhead, free)];
+            let mut c = vec![weighted_counts(nodes, kv, overhead)];
             // When rounding makes a stage overflow, fill greedily instead.
-            c.extend(fill_counts(footprint, kv, overhead, free));
+            c.extend(fill_counts(nodes, kv, overhead));
             c
         }
-        Policy::FewestNodes => fill_counts(footprint, kv, overhead, free)
-            .into_iter()
-            .collect(),
+        Policy::FewestNodes => fill_counts(nodes, kv, overhead).into_iter().collect(),
     };
     candidates
         .into_iter()
@@ -63,33 +64,53 @@ fn even_counts(layers: usize, k: usize) -> Vec<usize> {
 }
 
 /// What each node can hold for layers: its free memory less overhead and the
-/// embedding (first) or output head (last).
-fn layer_capacity(footprint: &Footprint, overhead: u64, free: &[u64]) -> Vec<u64> {
-    let k = free.len();
-    free.iter()
+/// embedding (first) or output head (last), as its engine holds them.
+fn layer_capacity(nodes: &[Room<'_>], overhead: u64) -> Vec<u64> {
+    let k = nodes.len();
+    nodes
+        .iter()
         .enumerate()
-        .map(|(i, &f)| {
+        .map(|(i, &(footprint, free))| {
             let mut fixed = overhead;
             if i == 0 {
-                fixed += footprint.embedding_bytes;
+                fixed = fixed.saturating_add(footprint.embedding_bytes);
             }
             if i + 1 == k {
-                fixed += footprint.output_bytes;
+                fixed = fixed.saturating_add(footprint.output_bytes);
             }
-            f.saturating_sub(fixed)
+            free.saturating_sub(fixed)
         })
         .collect()
 }
 
-/// Layers in proportion to each node's capacity (at least one each).
-fn weighted_counts(footprint: &Footprint, kv: KvBudget, overhead: u64, free: &[u64]) -> Vec<usize> {
-    let layers = footprint.layers() as usize;
-    let k = free.len();
-    let caps = layer_capacity(footprint, overhead, free);
-    let total_cap: u128 = caps.iter().map(|&c| c as u128).sum();
-    let total_cost: u128 = (0..layers as u32)
+/// Bytes of all layers as `footprint` holds them, for the budget.
+fn total_cost(footprint: &Footprint, kv: KvBudget) -> u128 {
+    (0..footprint.layers())
         .map(|l| footprint.layer_cost(l, kv) as u128)
-        .sum();
+        .sum()
+}
+
+/// Layers in proportion to each node's capacity (at least one each). The
+/// walk counts the first node's engine's bytes; a node whose engine holds
+/// the model in more or fewer bytes has its capacity scaled to match (the
+/// share of the model it holds stays the same).
+fn weighted_counts(nodes: &[Room<'_>], kv: KvBudget, overhead: u64) -> Vec<usize> {
+    let reference = nodes[0].0;
+    let layers = reference.layers() as usize;
+    let k = nodes.len();
+    let total_cost = total_cost(reference, kv);
+    let caps: Vec<u128> = layer_capacity(nodes, overhead)
+        .into_iter()
+        .zip(nodes)
+        .map(|(cap, (footprint, _))| {
+            // Exact when the footprints are the same.
+            (cap as u128)
+                .checked_mul(total_cost)
+                .and_then(|c| c.checked_div(self::total_cost(footprint, kv)))
+                .unwrap_or(cap as u128)
+        })
+        .collect();
+    let total_cap: u128 = caps.iter().fold(0u128, |sum, &c| sum.saturating_add(c));
     if total_cap == 0 {
         return even_counts(layers, k);
     }
@@ -105,18 +126,19 @@ fn weighted_counts(footprint: &Footprint, kv: KvBudget, overhead: u64, free: &[u
             counts.push(layers - layer);
             break;
         }
-        cum_cap += cap as u128;
-        let target = total_cost * cum_cap / total_cap;
+        cum_cap = cum_cap.saturating_add(cap);
+        // Saturating: a hostile model's sizes read as "too big", never wrap.
+        let target = total_cost.saturating_mul(cum_cap) / total_cap;
         let start = layer;
         // At least one layer here, and one left for every later stage.
         while layer < layers - remaining_stages
             && (layer == start || {
-                let next = cum_cost + footprint.layer_cost(layer as u32, kv) as u128;
+                let next = cum_cost + reference.layer_cost(layer as u32, kv) as u128;
                 // Take the layer if that lands closer to the target than stopping.
                 next <= target || next - target < target.saturating_sub(cum_cost)
             })
         {
-            cum_cost += footprint.layer_cost(layer as u32, kv) as u128;
+            cum_cost += reference.layer_cost(layer as u32, kv) as u128;
             layer += 1;
         }
         counts.push(layer - start);
@@ -126,18 +148,13 @@ fn weighted_counts(footprint: &Footprint, kv: KvBudget, overhead: u64, free: &[u
 
 /// Fills each node in turn as far as it fits, leaving a layer for each later
 /// stage; `None` when the last stage cannot hold what is left.
-fn fill_counts(
-    footprint: &Footprint,
-    kv: KvBudget,
-    overhead: u64,
-    free: &[u64],
-) -> Option<Vec<usize>> {
-    let layers = footprint.layers() as usize;
-    let k = free.len();
-    let caps = layer_capacity(footprint, overhead, free);
+fn fill_counts(nodes: &[Room<'_>], kv: KvBudget, overhead: u64) -> Option<Vec<usize>> {
+    let layers = nodes[0].0.layers() as usize;
+    let k = nodes.len();
+    let caps = layer_capacity(nodes, overhead);
     let mut counts = Vec::with_capacity(k);
     let mut layer = 0usize;
-    for (i, &cap) in caps.iter().enumerate() {
+    for (i, (&cap, (footprint, _))) in caps.iter().zip(nodes).enumerate() {
         let remaining_stages = k - i - 1;
         if remaining_stages == 0 {
             counts.push(layers - layer);
@@ -147,7 +164,7 @@ fn fill_counts(
         let mut used = 0u64;
         while layer < layers - remaining_stages {
             let cost = footprint.layer_cost(layer as u32, kv);
-            if used + cost > cap {
+            if used.saturating_add(cost) > cap {
                 break;
             }
             used += cost;
@@ -176,6 +193,10 @@ mod tests {
         }
     }
 
+    fn rooms<'f>(footprint: &'f Footprint, free: &[u64]) -> Vec<Room<'f>> {
+        free.iter().map(|&f| (footprint, f)).collect()
+    }
+
     const KV: KvBudget = KvBudget {
         context_length: 1,
         sequences: 1,
@@ -190,11 +211,11 @@ mod tests {
     #[test]
     fn weighted_split_follows_memory() {
         // Capacities for layers 1450, 3000, 1450 (embedding and head take 50).
+        let m = model(40);
         let r = split_layers(
-            &model(40),
+            &rooms(&m, &[1500, 3000, 1500]),
             KV,
             0,
-            &[1500, 3000, 1500],
             Policy::MemoryWeighted,
         )
         .unwrap();
@@ -204,14 +225,37 @@ mod tests {
 
     #[test]
     fn fill_uses_the_first_nodes_fully() {
-        let r = split_layers(&model(10), KV, 0, &[1050, 10_000], Policy::FewestNodes).unwrap();
+        let m = model(10);
+        let r = split_layers(&rooms(&m, &[1050, 10_000]), KV, 0, Policy::FewestNodes).unwrap();
         // 1050 less the embedding holds 10 layers, but one is left for the last stage.
         assert_eq!(r, vec![0..9, 9..10]);
     }
 
     #[test]
     fn nothing_fits_is_none() {
-        assert!(split_layers(&model(10), KV, 0, &[500, 500], Policy::MemoryWeighted).is_none());
-        assert!(split_layers(&model(2), KV, 0, &[1000, 1000, 1000], Policy::EvenLayers).is_none());
+        let (ten, two) = (model(10), model(2));
+        assert!(split_layers(&rooms(&ten, &[500, 500]), KV, 0, Policy::MemoryWeighted).is_none());
+        assert!(
+            split_layers(&rooms(&two, &[1000, 1000, 1000]), KV, 0, Policy::EvenLayers).is_none()
+        );
+    }
+
+    #[test]
+    fn a_node_whose_engine_holds_the_model_in_fewer_bytes_takes_more_layers() {
+        // The second node's engine holds each layer in half the bytes: with
+        // the same free memory it takes twice the layers, and fits them.
+        let (m, half) = (
+            model(30),
+            Footprint {
+                layer_bytes: vec![50; 30],
+                ..model(30)
+            },
+        );
+        let r = split_layers(&[(&m, 1100), (&half, 1100)], KV, 0, Policy::MemoryWeighted).unwrap();
+        assert_eq!(r, vec![0..10, 10..30]);
+        // Counted by the first node's engine alone, nothing would fit.
+        assert!(split_layers(&rooms(&m, &[1100, 1100]), KV, 0, Policy::MemoryWeighted).is_none());
+        let r = split_layers(&[(&m, 1100), (&half, 1100)], KV, 0, Policy::FewestNodes).unwrap();
+        assert_eq!(r, vec![0..10, 10..30]);
     }
 }

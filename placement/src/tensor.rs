@@ -25,7 +25,7 @@ use crate::explain;
 use crate::footprint::{Footprint, KvBudget};
 use crate::order::order_ring;
 use crate::plan::{Instance, Planner, Policy, Stage, Unplaceable, UnplaceableReason, preferred};
-use crate::split::split_layers;
+use crate::split::{Room, split_layers};
 
 /// One rank of a tensor group.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -253,10 +253,7 @@ impl Planner<'_, '_> {
                 ),
             });
         }
-        Err(Unplaceable {
-            reason: UnplaceableReason::InsufficientMemory,
-            message: explain::pipeline(self.request, usable, min_k, max_k),
-        })
+        Err(self.too_little_memory(cluster, usable, min_k, max_k))
     }
 
     /// `count` groups of `size` nodes whose links within the group meet the
@@ -294,24 +291,27 @@ impl Planner<'_, '_> {
     /// when some rank does not fit.
     fn split_groups(&self, cluster: &Cluster, groups: &[Vec<&str>]) -> Option<Vec<Stage>> {
         let s = self.request.strategy;
-        let footprint = self.request.footprint;
         let free = |n: &str| cluster.nodes[n].free_bytes;
         // A group holds what its nodes hold, less what every rank repeats
-        // (its overhead, and on the first stage the embedding).
-        let capacity: Vec<u64> = groups
+        // (its overhead, and on the first stage the embedding), counted as
+        // its first rank's engine holds the model (every rank is checked
+        // on its own below).
+        let rooms: Vec<Room<'_>> = groups
             .iter()
             .enumerate()
             .map(|(g, nodes)| {
+                let footprint = self.footprint_on(cluster, nodes[0]);
                 let repeated =
                     s.stage_overhead + if g == 0 { footprint.embedding_bytes } else { 0 };
-                nodes
+                let capacity = nodes
                     .iter()
                     .map(|n| free(n))
                     .fold(0u64, u64::saturating_add)
-                    .saturating_sub(repeated.saturating_mul(nodes.len() as u64 - 1))
+                    .saturating_sub(repeated.saturating_mul(nodes.len() as u64 - 1));
+                (footprint, capacity)
             })
             .collect();
-        let ranges = split_layers(footprint, self.kv(), s.stage_overhead, &capacity, s.policy)?;
+        let ranges = split_layers(&rooms, self.kv(), s.stage_overhead, s.policy)?;
         let mut stages = Vec::with_capacity(groups.len() * groups[0].len());
         for (nodes, layers) in groups.iter().zip(ranges) {
             let weights: Vec<u32> = nodes
@@ -332,7 +332,7 @@ impl Planner<'_, '_> {
                         weights: weights.clone(),
                     }),
                 };
-                if self.entry_bytes(&stage) > free(node) {
+                if self.entry_bytes(cluster, &stage, node) > free(node) {
                     return None;
                 }
                 stages.push(stage);

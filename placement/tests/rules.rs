@@ -537,3 +537,58 @@ fn a_lost_stage_moves_to_a_spare_even_when_fewer_nodes_would_do() {
     let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &current));
     assert_eq!(nodes_of(&p.instances[0]), ["n0", "n3", "n2"]);
 }
+
+#[test]
+fn each_node_counts_the_model_as_its_engine_holds_it() {
+    let (f, s) = (model(), strategy(Parallelism::Pipeline));
+    // An engine that converts the weights to a type twice the file's size,
+    // and one that holds them in half.
+    let double = std::sync::Arc::new(Footprint {
+        layer_bytes: vec![2 * GIB; 30],
+        ..model()
+    });
+    let half = std::sync::Arc::new(Footprint {
+        layer_bytes: vec![GIB / 2; 30],
+        ..model()
+    });
+    let with = |gib: u64, footprint: &std::sync::Arc<Footprint>| Node {
+        footprint: Some(footprint.clone()),
+        ..Node::new(gib * GIB)
+    };
+
+    // Daily: 32 GiB as stored fit a 40 GiB node; 62 GiB as the other
+    // engine holds them do not, and the reason says so.
+    let mut c = cluster(&[("stored", 40)]);
+    c.add_node("converting", with(40, &double));
+    let daily = strategy(Parallelism::None);
+    let p = plan(&mut c, &request("d", Tier::Daily, 2, &f, &daily, &[]));
+    assert_eq!(p.instances.len(), 1);
+    assert_eq!(nodes_of(&p.instances[0]), ["stored"]);
+    let why = p.unplaced.expect("the second replica does not fit");
+    assert!(why.message.contains("needs 62.0 GiB"), "{}", why.message);
+
+    // Pipeline: 32 GiB as stored do not fit 10 + 20 GiB, but the model
+    // held in half the bytes on the smaller node does.
+    let mut stored_only = cluster(&[("small", 10), ("big", 20)]);
+    let p = plan(
+        &mut stored_only,
+        &request("r", Tier::Reasoning, 1, &f, &s, &[]),
+    );
+    assert!(p.instances.is_empty());
+    let mut c = cluster(&[("big", 20)]);
+    c.add_node("small", with(10, &half));
+    let p = plan(
+        &mut c.clone(),
+        &request("r", Tier::Reasoning, 1, &f, &s, &[]),
+    );
+    assert!(p.unplaced.is_none(), "{p:?}");
+    for stage in &p.instances[0].stages {
+        let (footprint, free) = match stage.node.as_str() {
+            "small" => (&*half, 10 * GIB),
+            _ => (&f, 20 * GIB),
+        };
+        let need = footprint.stage_bytes(&stage.layers, s.kv, 0);
+        assert!(need <= free, "{stage:?} needs {need} of {free}");
+    }
+    assert_eq!(p.instances[0].stages.len(), 2);
+}

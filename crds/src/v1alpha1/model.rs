@@ -4,7 +4,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Conditions, ModelFormat, ModelSource, keep_field_docs};
+use super::{Conditions, Engine, ModelFormat, ModelSource, keep_field_docs};
 
 /// Weights to run: where they come from, their format, and the name clients use.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -78,6 +78,24 @@ pub struct SlidingWindowStatus {
     pub layers: Vec<u32>,
 }
 
+/// A model in memory as one engine holds it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(transform = keep_field_docs)]
+pub struct EngineFootprint {
+    /// The engine.
+    pub engine: Engine,
+    /// Bytes of the weights of each layer as the engine holds them, in layer order.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes of the token embedding as the engine holds it.
+    pub embedding_bytes: u64,
+    /// Bytes of the final norm and output head as the engine holds them.
+    pub output_bytes: u64,
+    /// Bytes of KV cache one token needs across all layers, in the
+    /// engine's precision.
+    pub kv_bytes_per_token: u64,
+}
+
 /// What the operator read from the model's source: everything placement needs.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -129,10 +147,16 @@ pub struct ModelStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_bytes: Option<u64>,
     /// Bytes of KV cache one token needs across all layers (keys and values,
-    /// counted as f32: MLX holds them so; candle holds f16 by default, for
-    /// which this is twice what it uses).
+    /// counted as f32: MLX holds them so; candle holds f16 by default, and
+    /// its figure in `engineFootprints` says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_bytes_per_token: Option<u64>,
+    /// What each engine holds of the model in memory, where that is not
+    /// the figures above: weights in the types it computes with, KV in its
+    /// precision. Placement counts a node's stages by the figures of the
+    /// engine its agent runs (the first it reports), else by those above.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engine_footprints: Vec<EngineFootprint>,
     /// The layers that attend within a sliding window (Gemma 3, gpt-oss):
     /// their KV cache holds a bounded number of tokens however long a
     /// sequence grows, and placement counts them so.

@@ -40,6 +40,36 @@ pub fn footprint(status: &ModelStatus, prompt_step: usize) -> Option<placement::
     })
 }
 
+/// The planner's view of a model as `engine` holds it: `base` (its
+/// footprint as stored, [`footprint`]) with that engine's weights and KV,
+/// when the status has them.
+pub fn engine_footprint(
+    status: &ModelStatus,
+    engine: Engine,
+    base: &placement::Footprint,
+) -> Option<placement::Footprint> {
+    let held = status
+        .engine_footprints
+        .iter()
+        .find(|e| e.engine == engine)?;
+    let layers = base.layers() as u64;
+    if held.layer_bytes.len() as u64 != layers {
+        return None;
+    }
+    Some(placement::Footprint {
+        layer_bytes: held.layer_bytes.clone(),
+        embedding_bytes: held.embedding_bytes,
+        output_bytes: held.output_bytes,
+        kv_bytes_per_token_per_layer: held.kv_bytes_per_token / layers,
+        ..base.clone()
+    })
+}
+
+/// The engine a node's agent loads stages into (the first it reports).
+fn node_engine(node: &InferenceNode) -> Option<Engine> {
+    node.status.as_ref()?.engines.first().copied()
+}
+
 /// Per layer, the tokens of KV a sequence holds at most there: the status's
 /// sliding-window layers hold `heldTokens`, which assume the default prompt
 /// step, and one row more or fewer per prompt token `prompt_step` takes
@@ -114,16 +144,27 @@ pub fn strategy(spec: &ShardingStrategySpec) -> placement::Strategy {
 }
 
 /// Bytes a Shard of another deployment holds: what its agent reports, else
-/// what its model and KV budget imply.
-fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Arc<Model>>) -> u64 {
+/// what its model and KV budget imply (as `engine`, its node's, holds them).
+fn shard_bytes(
+    shard: &Shard,
+    models: &BTreeMap<(String, String), Arc<Model>>,
+    engine: Option<Engine>,
+) -> u64 {
     if let Some(b) = shard.status.as_ref().and_then(|s| s.memory_bytes) {
         return b;
     }
     let ns = shard.namespace().unwrap_or_default();
-    let fp = models
+    let status = models
         .get(&(ns, shard.spec.model.clone()))
-        .and_then(|m| m.status.as_ref())
-        .and_then(|s| footprint(s, PROMPT_STEP));
+        .and_then(|m| m.status.as_ref());
+    let fp = status.and_then(|s| {
+        let base = footprint(s, PROMPT_STEP)?;
+        Some(
+            engine
+                .and_then(|e| engine_footprint(s, e, &base))
+                .unwrap_or(base),
+        )
+    });
     let Some(fp) = fp else {
         return DEFAULT_STAGE_OVERHEAD;
     };
@@ -138,23 +179,42 @@ fn shard_bytes(shard: &Shard, models: &BTreeMap<(String, String), Arc<Model>>) -
     )
 }
 
-/// Builds the cluster a deployment is placed on: the pool's nodes with what
-/// other deployments already use.
+/// Builds the cluster a deployment of `model` (whose footprint as stored
+/// is `base`) is placed on: the pool's nodes, each with the model as its
+/// engine holds it and what other deployments already use there.
 pub fn cluster(
     me: &str,
     pool: &NodePool,
     model: &Model,
+    base: &placement::Footprint,
     nodes: &[Arc<InferenceNode>],
     shards: &[Arc<Shard>],
     models: &BTreeMap<(String, String), Arc<Model>>,
 ) -> placement::Cluster {
     let source = model.pinned_source().cache_key();
+    let held: Vec<(Engine, Arc<placement::Footprint>)> = model
+        .status
+        .iter()
+        .flat_map(|s| {
+            s.engine_footprints.iter().filter_map(|e| {
+                engine_footprint(s, e.engine, base).map(|f| (e.engine, Arc::new(f)))
+            })
+        })
+        .collect();
     let mut cluster = placement::Cluster::new();
+    let mut engines: BTreeMap<String, Engine> = BTreeMap::new();
     for node in nodes.iter().filter(|n| selects(pool, n)) {
         let status = node.status.clone().unwrap_or_default();
         let mut n = placement::Node::new(node_allocatable(pool, node));
         n.schedulable = node_ready(node) && !node.spec.unschedulable;
         n.has_weights = status.cached_models.iter().any(|c| c.key == source);
+        if let Some(engine) = node_engine(node) {
+            engines.insert(node.name_any(), engine);
+            n.footprint = held
+                .iter()
+                .find(|(e, _)| *e == engine)
+                .map(|(_, f)| f.clone());
+        }
         cluster.add_node(node.name_any(), n);
     }
     for shard in shards {
@@ -165,7 +225,7 @@ pub fn cluster(
         if key == me {
             continue;
         }
-        let bytes = shard_bytes(shard, models);
+        let bytes = shard_bytes(shard, models, engines.get(&shard.spec.node).copied());
         if let Some(n) = cluster.nodes.get_mut(&shard.spec.node) {
             n.free_bytes = n.free_bytes.saturating_sub(bytes);
             n.occupants.insert(key.clone());
@@ -311,6 +371,62 @@ mod tests {
         )
         .unwrap();
         assert!(without.kv_token_caps.is_empty());
+    }
+
+    #[test]
+    fn each_node_sees_the_model_as_its_engine_holds_it() {
+        let held = |engine, layer_bytes: Vec<u64>, kv| shardplane_crds::EngineFootprint {
+            engine,
+            layer_bytes,
+            embedding_bytes: 7,
+            output_bytes: 8,
+            kv_bytes_per_token: kv,
+        };
+        let mut model = shardplane_testkit::fixtures::model("m");
+        model.status = Some(ModelStatus {
+            layers: Some(2),
+            layer_bytes: vec![10, 10],
+            embedding_bytes: Some(5),
+            output_bytes: Some(5),
+            kv_bytes_per_token: Some(40),
+            engine_footprints: vec![
+                held(Engine::Candle, vec![12, 12], 20),
+                held(Engine::Mlx, vec![15, 15], 40),
+            ],
+            ..Default::default()
+        });
+        let base = footprint(model.status.as_ref().unwrap(), PROMPT_STEP).unwrap();
+        let pool = shardplane_testkit::fixtures::node_pool("p", Tier::Reasoning);
+        let node = |name: &str, engines: Vec<Engine>| {
+            let mut n = shardplane_testkit::fixtures::inference_node(name);
+            n.metadata.labels = Some([("pool".to_string(), "p".to_string())].into());
+            n.status = Some(InferenceNodeStatus {
+                engines,
+                ..Default::default()
+            });
+            Arc::new(n)
+        };
+        let nodes = [
+            node("linux", vec![Engine::Candle, Engine::Mlx]),
+            node("mac", vec![Engine::Mlx]),
+            node("old", vec![]),
+        ];
+        let view = cluster("ns/d", &pool, &model, &base, &nodes, &[], &BTreeMap::new());
+        let linux = view.nodes["linux"].footprint.as_deref().unwrap();
+        assert_eq!(linux.layer_bytes, [12, 12]);
+        assert_eq!(linux.kv_bytes_per_token_per_layer, 10);
+        assert_eq!((linux.embedding_bytes, linux.output_bytes), (7, 8));
+        let mac = view.nodes["mac"].footprint.as_deref().unwrap();
+        assert_eq!(mac.layer_bytes, [15, 15]);
+        assert_eq!(mac.kv_bytes_per_token_per_layer, 20);
+        // An agent that does not say counts the model as stored.
+        assert!(view.nodes["old"].footprint.is_none());
+        // A figure of another layer count is not used.
+        let status = model.status.as_mut().unwrap();
+        status.engine_footprints[0].layer_bytes.push(12);
+        assert!(engine_footprint(status, Engine::Candle, &base).is_none());
+        let view = cluster("ns/d", &pool, &model, &base, &nodes, &[], &BTreeMap::new());
+        assert!(view.nodes["linux"].footprint.is_none());
     }
 
     #[test]

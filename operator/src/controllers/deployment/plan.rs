@@ -67,7 +67,15 @@ pub fn failing_nodes(mine: &[&Shard]) -> BTreeMap<String, String> {
 pub fn plan(d: &ModelDeployment, o: &Observed, v: &Valid<'_>) -> Planned {
     let ns = d.namespace().unwrap_or_default();
     let me = deployment_key(&ns, &d.name_any());
-    let cluster = cluster_view::cluster(&me, v.pool, v.model, &o.nodes, &o.shards, &o.models);
+    let cluster = cluster_view::cluster(
+        &me,
+        v.pool,
+        v.model,
+        &v.footprint,
+        &o.nodes,
+        &o.shards,
+        &o.models,
+    );
     let mine = o.mine(d);
     let current = cluster_view::current_instances(&mine);
     let strategy = cluster_view::strategy(&v.strategy.spec);
