@@ -139,6 +139,66 @@ fn check_model(family: &str, t: &Tiny, splits: fn(usize) -> Vec<Vec<Range<usize>
     for (engine, load) in &engines {
         check_splits(&format!("{family} on {engine}"), load, t, &splits(t.layers));
     }
+    check_held(family, &t.mlx, t.layers);
+    if gguf {
+        check_held(family, &t.gguf, t.layers);
+    }
+}
+
+/// What the operator writes of the model at `path` in memory (each
+/// engine's figures in the Model's status, `shardplane_models`, from the
+/// tensor directory alone) is what each engine holds with its default
+/// options, for a first and a last stage (split after the first layer).
+fn check_held(what: &str, path: &Path, layers: usize) {
+    use shardplane_crds::{Engine, ModelFormat};
+    let format = match path.extension().and_then(|e| e.to_str()) {
+        Some("gguf") => ModelFormat::Gguf,
+        _ => ModelFormat::Safetensors,
+    };
+    let mut spec = shardplane_testkit::fixtures::model("m").spec;
+    spec.format = format;
+    let status = shardplane_models::resolve_path(path, format, &spec).unwrap();
+    let split = [0..1, 1..layers];
+    let counted = |engine: Engine| -> Vec<u64> {
+        let held = status
+            .engine_footprints
+            .iter()
+            .find(|e| e.engine == engine)
+            .unwrap();
+        let sum = |r: &Range<usize>| held.layer_bytes[r.clone()].iter().sum::<u64>();
+        vec![
+            held.embedding_bytes + sum(&split[0]),
+            sum(&split[1]) + held.output_bytes,
+        ]
+    };
+    let layout = |r: &Range<usize>| StageLayout::new(r.clone(), layers).unwrap();
+    let options = LoadOptions::default();
+    let candle: Vec<u64> = split
+        .iter()
+        .map(|r| {
+            CandleStage::load(path, layout(r), &options)
+                .unwrap()
+                .weight_bytes() as u64
+        })
+        .collect();
+    assert_eq!(
+        candle,
+        counted(Engine::Candle),
+        "{what} ({format:?}) on candle"
+    );
+    #[cfg(feature = "mlx")]
+    {
+        use shardplane_engine::mlx::MlxStage;
+        let mlx: Vec<u64> = split
+            .iter()
+            .map(|r| {
+                MlxStage::load(path, layout(r), &options)
+                    .unwrap()
+                    .weight_bytes() as u64
+            })
+            .collect();
+        assert_eq!(mlx, counted(Engine::Mlx), "{what} ({format:?}) on MLX");
+    }
 }
 
 /// One engine at each split: every logit row and greedy token as the
@@ -255,6 +315,7 @@ fn an_mxfp4_gpt_oss_gguf_runs_on_candle_and_mlx() {
     let q8 = gap(&row, &r.logits[0]);
     eprintln!("gpt_oss, MXFP4 GGUF as Q8_0 on candle: gap {q8:.2e} of the logit range");
     assert!(q8 < 0.05, "{q8}");
+    check_held("gpt_oss, MXFP4 GGUF", &t.gguf, t.layers);
     #[cfg(feature = "mlx")]
     {
         check_splits(

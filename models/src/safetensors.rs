@@ -7,9 +7,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
-use shardplane_crds::{ModelSpec, ModelStatus};
+use shardplane_crds::{Engine, EngineFootprint, ModelSpec, ModelStatus};
+use shardplane_formats::held::{HeldBytes, Holder};
 use shardplane_formats::safetensors::HeaderError;
-pub use shardplane_formats::safetensors::{MAX_HEADER, header_len, parse_header};
+pub use shardplane_formats::safetensors::{
+    MAX_HEADER, TensorEntry, header_len, parse_header, parse_tensors,
+};
 
 use crate::{Error, MAX_LAYERS, Unresolved, check_shape, format_unresolved, off_runtime};
 
@@ -22,10 +25,10 @@ fn field(config: &Value, key: &str) -> Option<u64> {
     config.get(key).and_then(Value::as_u64)
 }
 
-/// What placement needs, from `config.json` and the tensors' sizes.
+/// What placement needs, from `config.json` and the tensors' directory.
 pub fn status_from(
     config: &Value,
-    tensors: &BTreeMap<String, u64>,
+    tensors: &BTreeMap<String, TensorEntry>,
     spec: &ModelSpec,
 ) -> Result<ModelStatus, Unresolved> {
     let bad = |message: String| Unresolved {
@@ -61,29 +64,31 @@ pub fn status_from(
     let context = field(config, "max_position_embeddings")
         .unwrap_or(4096)
         .min(u32::MAX.into()) as u32;
-    let sum = |prefix: &str| {
-        tensors
-            .iter()
-            .filter(|(n, _)| n.starts_with(prefix))
-            .fold(0u64, |sum, (_, b)| sum.saturating_add(*b))
-    };
-    // Tensors grouped by layer in one pass (`model.layers.<i>.…`).
     debug_assert!(layers <= MAX_LAYERS);
-    let mut layer_bytes = vec![0u64; layers as usize];
-    for (name, bytes) in tensors {
-        let layer = name
-            .strip_prefix("model.layers.")
-            .and_then(|rest| rest.split_once('.'))
-            .and_then(|(i, _)| i.parse::<usize>().ok());
-        if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
-            *slot = slot.saturating_add(*bytes);
-        }
-    }
-    let embedding = sum("model.embed_tokens.");
-    let head = match sum("lm_head.") {
-        0 => embedding, // tied embeddings
-        b => b,
-    };
+    let stored = grouped(tensors, layers as usize, &|_, e| {
+        e.offsets.1.saturating_sub(e.offsets.0)
+    });
+    let bits = |module: &str| quantized_bits(config, module);
+    let engine_footprints = [(Engine::Candle, Holder::Candle), (Engine::Mlx, Holder::Mlx)]
+        .into_iter()
+        .map(|(engine, holder)| {
+            let held = grouped(tensors, layers as usize, &|name, e| {
+                holder.safetensors_bytes(name, e, tensors, &bits)
+            });
+            EngineFootprint {
+                engine,
+                layer_bytes: held.layer_bytes,
+                embedding_bytes: held.embedding_bytes,
+                output_bytes: held.output_bytes,
+                // Bounded by check_shape and the reader: the f32 figure,
+                // in the engine's precision.
+                kv_bytes_per_token: (parsed.kv_bytes_per_token_per_layer() as u64
+                    * holder.kv_element_bytes()
+                    / 4)
+                .saturating_mul(layers),
+            }
+        })
+        .collect();
     let quantization = config
         .get("quantization")
         .and_then(|q| q.get("bits"))
@@ -107,18 +112,67 @@ pub fn status_from(
         vocab_size: field(config, "vocab_size").map(|v| v as u32),
         context_length: Some(spec.max_context_length.map_or(context, |m| m.min(context))),
         quantization,
-        embedding_bytes: Some(embedding),
-        output_bytes: Some(head.saturating_add(sum("model.norm."))),
+        embedding_bytes: Some(stored.embedding_bytes),
+        output_bytes: Some(stored.output_bytes),
         kv_bytes_per_token: Some(
             // As the engines hold it (f32; latent attention's compressed
             // row), bounded by check_shape and the reader.
             (parsed.kv_bytes_per_token_per_layer() as u64).saturating_mul(layers),
         ),
+        engine_footprints,
         sliding_window: crate::sliding_window(&parsed, layers as usize),
-        total_bytes: Some(sum("")),
-        layer_bytes,
+        total_bytes: Some(tensors.values().fold(0u64, |sum, e| {
+            sum.saturating_add(e.offsets.1.saturating_sub(e.offsets.0))
+        })),
+        layer_bytes: stored.layer_bytes,
         ..Default::default()
     })
+}
+
+/// The tensors' bytes (`bytes_of` each) grouped as placement counts them:
+/// per layer (`model.layers.<i>.…`), the embedding, the head and final norm
+/// (the embedding again when tied: a last stage elsewhere holds its own).
+fn grouped(
+    tensors: &BTreeMap<String, TensorEntry>,
+    layers: usize,
+    bytes_of: &dyn Fn(&str, &TensorEntry) -> u64,
+) -> HeldBytes {
+    let sum = |prefix: &str| {
+        tensors
+            .iter()
+            .filter(|(n, _)| n.starts_with(prefix))
+            .fold(0u64, |sum, (n, e)| sum.saturating_add(bytes_of(n, e)))
+    };
+    let mut layer_bytes = vec![0u64; layers];
+    for (name, entry) in tensors {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok());
+        if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i)) {
+            *slot = slot.saturating_add(bytes_of(name, entry));
+        }
+    }
+    let embedding = sum("model.embed_tokens.");
+    let head = match sum("lm_head.") {
+        0 => embedding, // tied embeddings
+        b => b,
+    };
+    HeldBytes {
+        layer_bytes,
+        embedding_bytes: embedding,
+        output_bytes: head.saturating_add(sum("model.norm.")),
+    }
+}
+
+/// The bits of a quantized module's codes: its own entry in
+/// `config.json`'s `quantization`, else the default there.
+fn quantized_bits(config: &Value, module: &str) -> Option<u64> {
+    let q = config.get("quantization")?;
+    q.get(module)
+        .and_then(|own| own.get("bits"))
+        .or_else(|| q.get("bits"))
+        .and_then(Value::as_u64)
 }
 
 /// Reads a local safetensors model directory.
@@ -167,12 +221,12 @@ pub fn expected_file_size(path: &Path) -> Result<u64, Error> {
     let mut first = [0u8; 8];
     std::io::Read::read_exact(&mut std::fs::File::open(path)?, &mut first)?;
     let header = header_len(&first).unwrap_or(0);
-    Ok(tensors
-        .values()
-        .fold(header, |sum, bytes| sum.saturating_add(*bytes)))
+    Ok(tensors.values().fold(header, |sum, e| {
+        sum.saturating_add(e.offsets.1.saturating_sub(e.offsets.0))
+    }))
 }
 
-fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
+fn read_header_file(path: &Path) -> Result<BTreeMap<String, TensorEntry>, Error> {
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;
     let mut first = [0u8; 8];
@@ -185,7 +239,7 @@ fn read_header_file(path: &Path) -> Result<BTreeMap<String, u64>, Error> {
     bytes.resize(len as usize, 0);
     file.read_exact(&mut bytes[8..])
         .map_err(|_| HeaderError::HeaderCutShort(len))?;
-    Ok(parse_header(&bytes)?)
+    Ok(parse_tensors(&bytes)?)
 }
 
 /// A weights file's name as an index lists it: a relative path inside the
@@ -303,7 +357,7 @@ pub async fn resolve_repo(
         let (_, header) = get(file, Some((0, len - 1)), len)
             .await
             .map_err(unreachable)?;
-        let parsed = off_runtime(file, move || parse_header(&header))
+        let parsed = off_runtime(file, move || parse_tensors(&header))
             .await?
             .map_err(|e| corrupt(format!("{file}: {e}")))?;
         tensors.extend(parsed);
@@ -314,6 +368,98 @@ pub async fn resolve_repo(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory of one 10×10 BF16 tensor (200 bytes).
+    fn one_tensor(name: &str) -> BTreeMap<String, TensorEntry> {
+        let entry = TensorEntry {
+            dtype: "BF16".into(),
+            shape: vec![10, 10],
+            offsets: (0, 200),
+        };
+        BTreeMap::from([(name.to_string(), entry)])
+    }
+
+    /// What each engine holds of a 4-bit MLX-community model: candle the
+    /// values as Q8_0 (scales and biases folded in), MLX the codes as
+    /// stored with f32 scales and biases; both the norms as f32.
+    #[test]
+    fn each_engine_s_bytes_follow_its_reading_of_the_layout() {
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "max_position_embeddings": 512,
+            "quantization": {"bits": 4, "group_size": 32,
+                             "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}},
+        });
+        let entry = |dtype: &str, shape: &[u64], bytes: u64| TensorEntry {
+            dtype: dtype.into(),
+            shape: shape.to_vec(),
+            offsets: (0, bytes),
+        };
+        let tensors = BTreeMap::from([
+            // 128 × 64 at 4 bits: 8 words a row; 2 groups a row.
+            (
+                "model.layers.0.mlp.up_proj.weight".to_string(),
+                entry("U32", &[128, 8], 4096),
+            ),
+            (
+                "model.layers.0.mlp.up_proj.scales".to_string(),
+                entry("BF16", &[128, 2], 512),
+            ),
+            (
+                "model.layers.0.mlp.up_proj.biases".to_string(),
+                entry("BF16", &[128, 2], 512),
+            ),
+            // 64 × 128 at 8 bits: 32 words a row; 4 groups a row.
+            (
+                "model.layers.0.mlp.down_proj.weight".to_string(),
+                entry("U32", &[64, 32], 8192),
+            ),
+            (
+                "model.layers.0.mlp.down_proj.scales".to_string(),
+                entry("BF16", &[64, 4], 512),
+            ),
+            (
+                "model.layers.0.mlp.down_proj.biases".to_string(),
+                entry("BF16", &[64, 4], 512),
+            ),
+            (
+                "model.layers.0.input_layernorm.weight".to_string(),
+                entry("BF16", &[64], 128),
+            ),
+            (
+                "model.embed_tokens.weight".to_string(),
+                entry("BF16", &[256, 64], 32768),
+            ),
+            ("model.norm.weight".to_string(), entry("BF16", &[64], 128)),
+        ]);
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "source": {"path": {"path": "/models/tiny"}}, "format": "safetensors",
+        }))
+        .unwrap();
+        let status = status_from(&config, &tensors, &spec).unwrap();
+        assert_eq!(status.layer_bytes, [4096 + 512 * 4 + 8192 + 128]);
+        let held = |engine| {
+            status
+                .engine_footprints
+                .iter()
+                .find(|e| e.engine == engine)
+                .unwrap()
+                .clone()
+        };
+        let (candle, mlx) = (held(Engine::Candle), held(Engine::Mlx));
+        // Two 8192-value matrices as Q8_0 (34 bytes a block of 32), a norm in f32.
+        assert_eq!(candle.layer_bytes, [2 * 8192 / 32 * 34 + 256]);
+        // The codes as stored, 2 × 256 + 2 × 256 scales and biases as f32, the norm.
+        assert_eq!(mlx.layer_bytes, [4096 + 8192 + 1024 * 4 + 256]);
+        // Tied: the head is the embedding again, with the final norm.
+        assert_eq!(candle.embedding_bytes, 256 * 64 / 32 * 34);
+        assert_eq!(candle.output_bytes, 256 * 64 / 32 * 34 + 256);
+        assert_eq!(mlx.embedding_bytes, 256 * 64 * 4);
+        // KV: 2 heads × 16 × keys and values, f16 on candle, f32 on MLX.
+        assert_eq!(candle.kv_bytes_per_token, 2 * 2 * 16 * 2);
+        assert_eq!(mlx.kv_bytes_per_token, 2 * 2 * 16 * 4);
+    }
 
     /// DeepSeek V3's KV bytes are its compressed row's: 576 floats per token
     /// and layer, not 128 heads' keys and values.
@@ -330,7 +476,7 @@ mod tests {
             "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
             "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
         });
-        let tensors = BTreeMap::from([("model.layers.0.mlp.gate.weight".to_string(), 100u64)]);
+        let tensors = one_tensor("model.layers.0.mlp.gate.weight");
         let spec: ModelSpec = serde_json::from_value(serde_json::json!({
             "source": {"path": {"path": "/models/deepseek-v3"}},
             "format": "safetensors",
@@ -354,7 +500,7 @@ mod tests {
             "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
             "query_pre_attn_scalar": 168,
         });
-        let tensors = BTreeMap::from([("model.layers.0.mlp.gate_proj.weight".to_string(), 100u64)]);
+        let tensors = one_tensor("model.layers.0.mlp.gate_proj.weight");
         let spec: ModelSpec = serde_json::from_value(serde_json::json!({
             "source": {"path": {"path": "/models/gemma-3-27b"}},
             "format": "safetensors",

@@ -23,6 +23,9 @@ pub struct Node {
     /// differs from the request's footprint (an engine that converts the
     /// file's weight types, or keeps its KV cache in another precision).
     pub footprint: Option<Arc<Footprint>>,
+    /// The same for a tensor rank, which runs on an engine of its own
+    /// (candle) whatever the node's stages run on.
+    pub rank_footprint: Option<Arc<Footprint>>,
 }
 
 impl Node {
@@ -35,6 +38,7 @@ impl Node {
             dedicated_to: None,
             occupants: BTreeSet::new(),
             footprint: None,
+            rank_footprint: None,
         }
     }
 

@@ -98,7 +98,9 @@ pub(crate) fn pipeline<'f>(
     max_k: usize,
 ) -> String {
     let s = request.strategy;
-    let total_free: u64 = usable.iter().map(|(_, n)| n.free_bytes).sum();
+    let total_free = usable
+        .iter()
+        .fold(0u64, |sum, (_, n)| sum.saturating_add(n.free_bytes));
     let most = usable.iter().max_by_key(|(_, n)| n.free_bytes);
     let largest = most.map_or(0, |(_, n)| n.free_bytes);
     let footprint = most.map_or(request.footprint, |(name, _)| footprint_on(name));

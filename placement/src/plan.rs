@@ -266,12 +266,30 @@ impl Planner<'_, '_> {
     }
 
     /// The model as `node`'s engine holds it (the request's footprint for a
-    /// node that does not say, or is not in the cluster).
+    /// node that does not say, or is not in the cluster, or says it for
+    /// another number of layers).
     pub(crate) fn footprint_on<'c>(&'c self, cluster: &'c Cluster, node: &str) -> &'c Footprint {
-        cluster
-            .nodes
-            .get(node)
-            .and_then(|n| n.footprint.as_deref())
+        self.held(cluster.nodes.get(node).and_then(|n| n.footprint.as_deref()))
+    }
+
+    /// The model as a tensor rank on `node` holds it (see
+    /// [`Planner::footprint_on`]).
+    pub(crate) fn rank_footprint_on<'c>(
+        &'c self,
+        cluster: &'c Cluster,
+        node: &str,
+    ) -> &'c Footprint {
+        self.held(
+            cluster
+                .nodes
+                .get(node)
+                .and_then(|n| n.rank_footprint.as_deref()),
+        )
+    }
+
+    fn held<'c>(&'c self, footprint: Option<&'c Footprint>) -> &'c Footprint {
+        footprint
+            .filter(|f| f.layers() == self.request.footprint.layers())
             .unwrap_or(self.request.footprint)
     }
 
@@ -289,7 +307,7 @@ impl Planner<'_, '_> {
     pub(crate) fn entry_bytes(&self, cluster: &Cluster, stage: &Stage, node: &str) -> u64 {
         match &stage.tensor {
             None => self.stage_bytes(cluster, node, &stage.layers),
-            Some(rank) => self.footprint_on(cluster, node).rank_bytes(
+            Some(rank) => self.rank_footprint_on(cluster, node).rank_bytes(
                 &stage.layers,
                 self.kv(),
                 self.request.strategy.stage_overhead,
@@ -366,7 +384,9 @@ impl Planner<'_, '_> {
         // Memory per node (two stages may share a node).
         let mut need: std::collections::BTreeMap<&str, u64> = Default::default();
         for st in &instance.stages {
-            *need.entry(st.node.as_str()).or_default() += self.entry_bytes(cluster, st, &st.node);
+            let bytes = self.entry_bytes(cluster, st, &st.node);
+            let sum = need.entry(st.node.as_str()).or_default();
+            *sum = sum.saturating_add(bytes);
         }
         shape_ok
             && covers
@@ -566,27 +586,25 @@ impl Planner<'_, '_> {
                 message: explain::links(s),
             });
         }
-        Err(self.too_little_memory(cluster, usable, min_k, max_k))
+        Err(self.too_little_memory(cluster, usable, (min_k, max_k), false))
     }
 
-    /// No split of `min_k` to `max_k` nodes fits: what one needs, and what
-    /// the pool has.
+    /// No split of `min_k` to `max_k` nodes (`ranks`: in tensor ranks)
+    /// fits: what one needs, and what the pool has.
     pub(crate) fn too_little_memory(
         &self,
         cluster: &Cluster,
         usable: &[Usable<'_>],
-        min_k: usize,
-        max_k: usize,
+        (min_k, max_k): (usize, usize),
+        ranks: bool,
     ) -> Unplaceable {
+        let footprint_on = |name: &str| match ranks {
+            true => self.rank_footprint_on(cluster, name),
+            false => self.footprint_on(cluster, name),
+        };
         Unplaceable {
             reason: UnplaceableReason::InsufficientMemory,
-            message: explain::pipeline(
-                self.request,
-                &|name| self.footprint_on(cluster, name),
-                usable,
-                min_k,
-                max_k,
-            ),
+            message: explain::pipeline(self.request, &footprint_on, usable, min_k, max_k),
         }
     }
 

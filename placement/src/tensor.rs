@@ -253,7 +253,7 @@ impl Planner<'_, '_> {
                 ),
             });
         }
-        Err(self.too_little_memory(cluster, usable, min_k, max_k))
+        Err(self.too_little_memory(cluster, usable, (min_k, max_k), true))
     }
 
     /// `count` groups of `size` nodes whose links within the group meet the
@@ -300,9 +300,12 @@ impl Planner<'_, '_> {
             .iter()
             .enumerate()
             .map(|(g, nodes)| {
-                let footprint = self.footprint_on(cluster, nodes[0]);
-                let repeated =
-                    s.stage_overhead + if g == 0 { footprint.embedding_bytes } else { 0 };
+                let footprint = self.rank_footprint_on(cluster, nodes[0]);
+                let repeated = s.stage_overhead.saturating_add(if g == 0 {
+                    footprint.embedding_bytes
+                } else {
+                    0
+                });
                 let capacity = nodes
                     .iter()
                     .map(|n| free(n))

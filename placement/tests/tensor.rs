@@ -195,3 +195,39 @@ fn every_link_within_a_group_meets_the_strategy() {
         UnplaceableReason::LinkRequirements
     );
 }
+
+#[test]
+fn a_rank_counts_the_model_as_the_rank_engine_holds_it() {
+    // 32 GiB as stored fit two 20 GiB nodes as ranks; the ranks' engine
+    // holding the layers at twice the bytes (62 GiB) does not, whatever
+    // the nodes' own stages would run on.
+    let (f, s) = (model(), tensor(None));
+    let p = place(&mut cluster(&[("a", 20), ("b", 20)]), &f, &s, &[]);
+    assert!(p.unplaced.is_none(), "{p:?}");
+    let double = std::sync::Arc::new(Footprint {
+        layer_bytes: vec![2 * GIB; 30],
+        ..model()
+    });
+    let mut c = Cluster::new();
+    for name in ["a", "b"] {
+        let node = Node {
+            rank_footprint: Some(double.clone()),
+            ..Node::new(20 * GIB)
+        };
+        c.add_node(name, node);
+    }
+    let p = place(&mut c, &f, &s, &[]);
+    let why = p.unplaced.expect("the ranks do not fit");
+    assert_eq!(why.reason, UnplaceableReason::InsufficientMemory);
+    assert!(
+        why.message.contains("needs at least 62.0 GiB"),
+        "{}",
+        why.message
+    );
+    // With room for them, the ranks are placed.
+    for (_, node) in c.nodes.iter_mut() {
+        node.free_bytes = 40 * GIB;
+    }
+    let p = place(&mut c, &f, &s, &[]);
+    assert!(p.unplaced.is_none(), "{p:?}");
+}

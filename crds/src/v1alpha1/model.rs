@@ -151,10 +151,12 @@ pub struct ModelStatus {
     /// its figure in `engineFootprints` says so).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_bytes_per_token: Option<u64>,
-    /// What each engine holds of the model in memory, where that is not
-    /// the figures above: weights in the types it computes with, KV in its
-    /// precision. Placement counts a node's stages by the figures of the
-    /// engine its agent runs (the first it reports), else by those above.
+    /// What each engine holds of the model in memory with its default
+    /// options (GGUF and MLX-community safetensors): weights in the types
+    /// it computes with, KV in its precision. Placement counts a node's
+    /// stages by the figures of the engine its agent runs (the first it
+    /// reports), a tensor rank by candle's (ranks run on candle), and by
+    /// the file's figures above where an engine has none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub engine_footprints: Vec<EngineFootprint>,
     /// The layers that attend within a sliding window (Gemma 3, gpt-oss):

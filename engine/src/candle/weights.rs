@@ -107,7 +107,19 @@ impl TensorLoader<'_> {
             return Ok(QMatMul::Tensor(t));
         }
         // An f32 QTensor (safetensors dequantized) becomes a plain f32 product.
-        Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
+        let t = self.qtensor(name)?;
+        self.product(t)
+    }
+
+    /// A product of `t` (already counted as stored), counted as candle
+    /// holds it: F32, F16 and BF16 become f32 tensors.
+    fn product(&mut self, t: QTensor) -> Result<QMatMul> {
+        let stored = t.storage_size_in_bytes();
+        let product = QMatMul::from_qtensor(t)?;
+        if let QMatMul::Tensor(d) | QMatMul::TensorF16(d) = &product {
+            self.bytes = self.bytes + d.elem_count() * d.dtype().size_in_bytes() - stored;
+        }
+        Ok(product)
     }
 
     /// Part of a weight matrix (all of it without a part): a tensor rank's
@@ -137,7 +149,7 @@ impl TensorLoader<'_> {
         let (rows, cols) = part.ranges(rows, cols, name)?;
         let t = slice_quantized(&whole, rows, cols, &self.device)?;
         self.bytes += t.storage_size_in_bytes();
-        Ok(QMatMul::from_qtensor(t)?)
+        self.product(t)
     }
 
     /// Part of a vector (a bias): `range`, or all of it.
@@ -246,7 +258,7 @@ impl TensorLoader<'_> {
                 QMatMul::Tensor(dense)
             } else {
                 self.bytes += q.storage_size_in_bytes();
-                QMatMul::from_qtensor(q)?
+                self.product(q)?
             });
         }
         // Counted per expert above instead.

@@ -406,7 +406,10 @@ impl Loader {
                                 if b.shape() != [e] {
                                     return Err(self.bad_shape(&name, &b, &format!("[{e}]")));
                                 }
-                                Some(b.astype(Dtype::F32)?.to_f32()?)
+                                let bias = b.astype(Dtype::F32)?.to_f32()?;
+                                // Held on the host, counted all the same.
+                                self.bytes += std::mem::size_of_val(bias.as_slice());
+                                Some(bias)
                             }
                             Routing::Softmax | Routing::SoftmaxGroups { .. } => None,
                         },

@@ -65,6 +65,9 @@ pub fn engine_footprint(
     })
 }
 
+/// The engine a tensor rank runs on, whatever the node's stages run on.
+const RANK_ENGINE: Engine = Engine::Candle;
+
 /// The engine a node's agent loads stages into (the first it reports).
 fn node_engine(node: &InferenceNode) -> Option<Engine> {
     node.status.as_ref()?.engines.first().copied()
@@ -144,15 +147,22 @@ pub fn strategy(spec: &ShardingStrategySpec) -> placement::Strategy {
 }
 
 /// Bytes a Shard of another deployment holds: what its agent reports, else
-/// what its model and KV budget imply (as `engine`, its node's, holds them).
+/// what its model and KV budget imply, as the engine it runs on holds them
+/// (its status says; else a rank's, else its node's, `node_engine`).
 fn shard_bytes(
     shard: &Shard,
     models: &BTreeMap<(String, String), Arc<Model>>,
-    engine: Option<Engine>,
+    node_engine: Option<Engine>,
 ) -> u64 {
     if let Some(b) = shard.status.as_ref().and_then(|s| s.memory_bytes) {
         return b;
     }
+    let engine = shard
+        .status
+        .as_ref()
+        .and_then(|s| s.engine)
+        .or(shard.spec.tensor.as_ref().map(|_| RANK_ENGINE))
+        .or(node_engine);
     let ns = shard.namespace().unwrap_or_default();
     let status = models
         .get(&(ns, shard.spec.model.clone()))
@@ -208,13 +218,16 @@ pub fn cluster(
         let mut n = placement::Node::new(node_allocatable(pool, node));
         n.schedulable = node_ready(node) && !node.spec.unschedulable;
         n.has_weights = status.cached_models.iter().any(|c| c.key == source);
+        let held_by = |engine: Engine| {
+            held.iter()
+                .find(|(e, _)| *e == engine)
+                .map(|(_, f)| f.clone())
+        };
         if let Some(engine) = node_engine(node) {
             engines.insert(node.name_any(), engine);
-            n.footprint = held
-                .iter()
-                .find(|(e, _)| *e == engine)
-                .map(|(_, f)| f.clone());
+            n.footprint = held_by(engine);
         }
+        n.rank_footprint = held_by(RANK_ENGINE);
         cluster.add_node(node.name_any(), n);
     }
     for shard in shards {
@@ -421,6 +434,11 @@ mod tests {
         assert_eq!(mac.kv_bytes_per_token_per_layer, 20);
         // An agent that does not say counts the model as stored.
         assert!(view.nodes["old"].footprint.is_none());
+        // A tensor rank runs on candle wherever it is.
+        for node in ["linux", "mac", "old"] {
+            let rank = view.nodes[node].rank_footprint.as_deref().unwrap();
+            assert_eq!(rank.layer_bytes, [12, 12], "{node}");
+        }
         // A figure of another layer count is not used.
         let status = model.status.as_mut().unwrap();
         status.engine_footprints[0].layer_bytes.push(12);
