@@ -114,7 +114,8 @@ impl Holder {
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|i| i.parse::<usize>().ok());
             // A joined latent map beside split ones is not read.
-            let unread = latent(name) == Some(Latent::Joined)
+            let unread = self != Holder::Stored
+                && latent(name) == Some(Latent::Joined)
                 && header.tensors.contains_key(&split_beside(name));
             if let Some(slot) = layer.and_then(|i| layer_bytes.get_mut(i))
                 && !unread
@@ -183,7 +184,10 @@ impl Holder {
             (false, _) => (elements, last),
         };
         let map = latent(name);
-        if map == Some(Latent::Joined) && tensors.contains_key(&split_beside(name)) {
+        if self != Holder::Stored
+            && map == Some(Latent::Joined)
+            && tensors.contains_key(&split_beside(name))
+        {
             return 0;
         }
         let f32 = values.saturating_mul(4);

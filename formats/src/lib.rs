@@ -10,7 +10,7 @@
 //! Layout: [`gguf`] reads (and, for tests, writes) GGUF headers; [`ggml`]
 //! knows ggml's tensor types and their block sizes; [`config`] turns either
 //! format's metadata into a [`ModelConfig`]; [`held`] counts what each
-//! engine holds of a GGUF model in memory; [`safetensors`] reads a
+//! engine holds of a GGUF or MLX-community safetensors model in memory; [`safetensors`] reads a
 //! safetensors header. Nothing here reads tensor data. Every reader is
 //! fuzzed (`fuzz/fuzz_targets/model_headers.rs`).
 

@@ -132,8 +132,9 @@ impl TensorLoader<'_> {
         let whole = match self.matrix(name)? {
             QMatMul::QTensor(t) => t,
             QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                // As `product` counted it.
+                self.bytes -= t.elem_count() * t.dtype().size_in_bytes();
                 let t = t.to_dtype(DType::F32)?;
-                self.bytes -= t.elem_count() * 4;
                 let (rows, cols) = t.dims2()?;
                 let (rows, cols) = part.ranges(rows, cols, name)?;
                 let t = t
