@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use shardplane_crds::{Engine, EngineFootprint, ModelSpec, ModelStatus, SlidingWindowStatus};
-use shardplane_formats::held::Holder;
+use shardplane_formats::held::{HeldBytes, Holder};
 use shardplane_formats::{GgufHeader, ModelConfig};
 
 /// What can go wrong below a model's resolution: clients, tokens, headers.
@@ -119,6 +119,31 @@ pub fn resolve_path(
         shardplane_crds::ModelFormat::Gguf => resolve_gguf(path, spec),
         shardplane_crds::ModelFormat::Safetensors => safetensors::resolve_dir(path, spec),
     }
+}
+
+/// Each engine's figures: its weights as `held` counts them for it, and
+/// the KV cache (`kv_per_layer` bytes a token and layer counted as f32,
+/// over `layers` layers) in its precision.
+pub(crate) fn engine_footprints(
+    kv_per_layer: u64,
+    layers: u64,
+    held: impl Fn(Holder) -> HeldBytes,
+) -> Vec<EngineFootprint> {
+    [(Engine::Candle, Holder::Candle), (Engine::Mlx, Holder::Mlx)]
+        .into_iter()
+        .map(|(engine, holder)| {
+            let held = held(holder);
+            EngineFootprint {
+                engine,
+                layer_bytes: held.layer_bytes,
+                embedding_bytes: held.embedding_bytes,
+                output_bytes: held.output_bytes,
+                kv_bytes_per_token: (kv_per_layer / 4)
+                    .saturating_mul(holder.kv_element_bytes())
+                    .saturating_mul(layers),
+            }
+        })
+        .collect()
 }
 
 /// The sliding-window layers of a model of `layers` layers, as the status
@@ -283,21 +308,9 @@ fn status_from_gguf(
         embedding_bytes: Some(stored.embedding_bytes),
         output_bytes: Some(stored.output_bytes),
         kv_bytes_per_token: Some(kv_per_layer.saturating_mul(layers as u64)),
-        engine_footprints: [(Engine::Candle, Holder::Candle), (Engine::Mlx, Holder::Mlx)]
-            .into_iter()
-            .map(|(engine, holder)| {
-                let held = holder.held(header, layers);
-                EngineFootprint {
-                    engine,
-                    layer_bytes: held.layer_bytes,
-                    embedding_bytes: held.embedding_bytes,
-                    output_bytes: held.output_bytes,
-                    // Bounded by check_shape: the f32 figure, in the engine's precision.
-                    kv_bytes_per_token: kv_per_layer * holder.kv_element_bytes() / 4
-                        * layers as u64,
-                }
-            })
-            .collect(),
+        engine_footprints: engine_footprints(kv_per_layer, layers as u64, |holder| {
+            holder.held(header, layers)
+        }),
         sliding_window: sliding_window(&c, layers),
         total_bytes,
         layer_bytes: stored.layer_bytes,

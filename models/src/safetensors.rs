@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
-use shardplane_crds::{Engine, EngineFootprint, ModelSpec, ModelStatus};
-use shardplane_formats::held::{HeldBytes, Holder};
+use shardplane_crds::{ModelSpec, ModelStatus};
+use shardplane_formats::held::HeldBytes;
 use shardplane_formats::safetensors::HeaderError;
 pub use shardplane_formats::safetensors::{
     MAX_HEADER, TensorEntry, header_len, parse_header, parse_tensors,
@@ -69,26 +69,13 @@ pub fn status_from(
         e.offsets.1.saturating_sub(e.offsets.0)
     });
     let bits = |module: &str| quantized_bits(config, module);
-    let engine_footprints = [(Engine::Candle, Holder::Candle), (Engine::Mlx, Holder::Mlx)]
-        .into_iter()
-        .map(|(engine, holder)| {
-            let held = grouped(tensors, layers as usize, &|name, e| {
-                holder.safetensors_bytes(name, e, tensors, &bits)
-            });
-            EngineFootprint {
-                engine,
-                layer_bytes: held.layer_bytes,
-                embedding_bytes: held.embedding_bytes,
-                output_bytes: held.output_bytes,
-                // Bounded by check_shape and the reader: the f32 figure,
-                // in the engine's precision.
-                kv_bytes_per_token: (parsed.kv_bytes_per_token_per_layer() as u64
-                    * holder.kv_element_bytes()
-                    / 4)
-                .saturating_mul(layers),
-            }
+    // Bounded by check_shape and the reader.
+    let kv_per_layer = parsed.kv_bytes_per_token_per_layer() as u64;
+    let engine_footprints = crate::engine_footprints(kv_per_layer, layers, |holder| {
+        grouped(tensors, layers as usize, &|name, e| {
+            holder.safetensors_bytes(name, e, tensors, &bits)
         })
-        .collect();
+    });
     let quantization = config
         .get("quantization")
         .and_then(|q| q.get("bits"))
@@ -114,11 +101,8 @@ pub fn status_from(
         quantization,
         embedding_bytes: Some(stored.embedding_bytes),
         output_bytes: Some(stored.output_bytes),
-        kv_bytes_per_token: Some(
-            // As the engines hold it (f32; latent attention's compressed
-            // row), bounded by check_shape and the reader.
-            (parsed.kv_bytes_per_token_per_layer() as u64).saturating_mul(layers),
-        ),
+        // As MLX holds it (f32; latent attention's compressed row).
+        kv_bytes_per_token: Some(kv_per_layer.saturating_mul(layers)),
         engine_footprints,
         sliding_window: crate::sliding_window(&parsed, layers as usize),
         total_bytes: Some(tensors.values().fold(0u64, |sum, e| {
@@ -368,6 +352,7 @@ pub async fn resolve_repo(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shardplane_crds::Engine;
 
     /// A directory of one 10×10 BF16 tensor (200 bytes).
     fn one_tensor(name: &str) -> BTreeMap<String, TensorEntry> {
