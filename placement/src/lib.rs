@@ -17,7 +17,8 @@
 //! - daily tier: the whole model on one node per replica, distinct nodes, each
 //!   node dedicated to one deployment;
 //! - pipeline: the fewest nodes that fit, preferring nodes that hold the
-//!   weights and have the most free memory; stages ordered around the ring to
+//!   weights and have the most room (the share of the model their free
+//!   memory holds, as their engine holds it); stages ordered around the ring to
 //!   minimise measured link latency; layers split by the strategy's policy so
 //!   every stage fits its node's memory (weights of its layers, the first
 //!   stage's embedding, the last stage's output head, its layers' KV cache for

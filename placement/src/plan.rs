@@ -1,7 +1,7 @@
 //! Planning one deployment: keep what stands, repair what lost nodes, place
 //! what is missing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use crate::cluster::Cluster;
@@ -293,6 +293,14 @@ impl Planner<'_, '_> {
             .unwrap_or(self.request.footprint)
     }
 
+    /// Bytes of the whole model, weights and KV for the budget, as
+    /// `footprint` counts it (no stage overhead): what ranks nodes by room.
+    pub(crate) fn whole_bytes(&self, footprint: &Footprint) -> u64 {
+        footprint
+            .weight_bytes()
+            .saturating_add(footprint.kv_bytes(self.kv()))
+    }
+
     /// Bytes `layers` need as one stage on `node`.
     fn stage_bytes(&self, cluster: &Cluster, node: &str, layers: &Range<u32>) -> u64 {
         self.footprint_on(cluster, node).stage_bytes(
@@ -382,7 +390,7 @@ impl Planner<'_, '_> {
                 .iter()
                 .all(|st| !others.contains(st.node.as_str()));
         // Memory per node (two stages may share a node).
-        let mut need: std::collections::BTreeMap<&str, u64> = Default::default();
+        let mut need: BTreeMap<&str, u64> = Default::default();
         for st in &instance.stages {
             let bytes = self.entry_bytes(cluster, st, &st.node);
             let sum = need.entry(st.node.as_str()).or_default();
@@ -545,8 +553,9 @@ impl Planner<'_, '_> {
         let min_k = s.min_nodes.max(1) as usize;
         let max_k = (s.max_nodes.unwrap_or(layers).min(layers) as usize).min(usable.len());
         // Preference: holds the weights, not used by another instance of this
-        // deployment, most free memory, name.
-        let (ranked, by_memory) = preferred(usable, others);
+        // deployment, most room for the model as the node holds it, name.
+        let whole = |name: &str| self.whole_bytes(self.footprint_on(cluster, name));
+        let (ranked, by_room) = preferred(usable, others, &whole);
         let mut link_blocked = false;
         // Even layers spread over maxNodes nodes when it is set (the strategy
         // asks for that many stages); the other policies take the fewest that fit.
@@ -556,7 +565,7 @@ impl Planner<'_, '_> {
             (min_k..=max_k).collect()
         };
         for k in counts {
-            for pool in [&ranked, &by_memory] {
+            for pool in [&ranked, &by_room] {
                 let chosen: Vec<&str> =
                     pool.iter().take(k).map(|(name, _)| name.as_str()).collect();
                 let order = order_ring(cluster, &chosen);
@@ -628,24 +637,33 @@ impl Planner<'_, '_> {
 pub(crate) type Usable<'n> = (&'n String, &'n crate::cluster::Node);
 
 /// The nodes to choose from, in two orders: preferred (holds the weights,
-/// not used by another instance of this deployment, most free memory, name)
-/// and by free memory alone.
+/// not used by another instance of this deployment, most room, name) and by
+/// room alone. A node's room is the share of the model its free memory
+/// holds as its own engine holds the model (`whole`: the model's bytes,
+/// weights and KV, on that node), so a node with a leaner engine can rank
+/// above one with more free bytes.
 pub(crate) fn preferred<'u, 'n>(
     usable: &'u [Usable<'n>],
     others: &BTreeSet<&str>,
+    whole: &dyn Fn(&str) -> u64,
 ) -> (Vec<&'u Usable<'n>>, Vec<&'u Usable<'n>>) {
+    let room: BTreeMap<&str, (u64, u64)> = usable
+        .iter()
+        .map(|(name, n)| (name.as_str(), (n.free_bytes, whole(name))))
+        .collect();
+    // Most room first: free_a / whole_a > free_b / whole_b, compared exactly.
+    let more_room = |a: &str, b: &str| {
+        let ((free_a, whole_a), (free_b, whole_b)) = (room[a], room[b]);
+        (u128::from(free_b) * u128::from(whole_a)).cmp(&(u128::from(free_a) * u128::from(whole_b)))
+    };
     let mut ranked: Vec<_> = usable.iter().collect();
     ranked.sort_by(|(a, na), (b, nb)| {
-        let key = |name: &str, n: &crate::cluster::Node| {
-            (
-                !n.has_weights,
-                others.contains(name),
-                std::cmp::Reverse(n.free_bytes),
-            )
-        };
-        key(a, na).cmp(&key(b, nb)).then_with(|| a.cmp(b))
+        (!na.has_weights, others.contains(a.as_str()))
+            .cmp(&(!nb.has_weights, others.contains(b.as_str())))
+            .then_with(|| more_room(a, b))
+            .then_with(|| a.cmp(b))
     });
-    let mut by_memory = ranked.clone();
-    by_memory.sort_by(|(a, na), (b, nb)| nb.free_bytes.cmp(&na.free_bytes).then_with(|| a.cmp(b)));
-    (ranked, by_memory)
+    let mut by_room = ranked.clone();
+    by_room.sort_by(|(a, _), (b, _)| more_room(a, b).then_with(|| a.cmp(b)));
+    (ranked, by_room)
 }

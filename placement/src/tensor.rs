@@ -204,7 +204,8 @@ impl Planner<'_, '_> {
             .max_nodes
             .map_or(usable.len(), |m| m as usize)
             .min(usable.len());
-        let (ranked, by_memory) = preferred(usable, others);
+        let whole = |name: &str| self.whole_bytes(self.rank_footprint_on(cluster, name));
+        let (ranked, by_room) = preferred(usable, others, &whole);
         let mut link_blocked = false;
         let mut too_many_ranks = None;
         for k in min_k..=max_k {
@@ -216,7 +217,7 @@ impl Planner<'_, '_> {
                 too_many_ranks.get_or_insert(size);
                 continue;
             }
-            let mut candidates: Vec<Vec<Vec<&str>>> = [&ranked, &by_memory]
+            let mut candidates: Vec<Vec<Vec<&str>>> = [&ranked, &by_room]
                 .iter()
                 .map(|pool| {
                     let chosen: Vec<&str> = pool.iter().take(k).map(|(n, _)| n.as_str()).collect();

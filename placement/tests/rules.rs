@@ -592,3 +592,44 @@ fn each_node_counts_the_model_as_its_engine_holds_it() {
     }
     assert_eq!(p.instances[0].stages.len(), 2);
 }
+
+#[test]
+fn nodes_rank_by_the_share_of_the_model_they_hold_as_their_engine_holds_it() {
+    let s = strategy(Parallelism::Pipeline);
+    let f = model();
+    // 62 GiB on the converting engine, 17 GiB on the lean one.
+    let double = std::sync::Arc::new(Footprint {
+        layer_bytes: vec![2 * GIB; 30],
+        ..model()
+    });
+    let half = std::sync::Arc::new(Footprint {
+        layer_bytes: vec![GIB / 2; 30],
+        ..model()
+    });
+    let mut c = Cluster::new();
+    c.add_node(
+        "converting",
+        Node {
+            footprint: Some(double),
+            ..Node::new(50 * GIB)
+        },
+    );
+    c.add_node(
+        "lean",
+        Node {
+            footprint: Some(half),
+            ..Node::new(20 * GIB)
+        },
+    );
+    // The node with more free bytes holds 80 % of the model; the other all
+    // of it: one stage there, not a pipeline across both.
+    let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &[]));
+    assert!(p.unplaced.is_none(), "{p:?}");
+    assert_eq!(nodes_of(&p.instances[0]), ["lean"]);
+    assert_eq!(p.instances[0].stages[0].layers, 0..30);
+
+    // With the same engine everywhere, room is free bytes: the bigger node.
+    let mut c = cluster(&[("a", 33), ("b", 40)]);
+    let p = plan(&mut c, &request("r", Tier::Reasoning, 1, &f, &s, &[]));
+    assert_eq!(nodes_of(&p.instances[0]), ["b"]);
+}
