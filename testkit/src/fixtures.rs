@@ -155,7 +155,6 @@ pub fn shard(
                 context_length: 4096,
                 concurrent_sequences: 4,
             },
-            engine: None,
             next: (stage + 1 < stage_count).then(|| name(stage + 1)),
             previous: (stage > 0).then(|| name(stage - 1)),
             chat_template: None,

@@ -80,9 +80,6 @@ pub struct ShardSpec {
     pub total_layers: u32,
     /// The KV cache this stage must hold.
     pub kv_cache: KvCacheBudget,
-    /// The engine to run the stage with; the node's preferred engine when unset.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub engine: Option<Engine>,
     /// The Shard of the next stage, to which hidden states are sent; unset on the last stage.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next: Option<String>,

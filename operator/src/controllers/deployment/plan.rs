@@ -285,7 +285,6 @@ fn desired_shards(d: &ModelDeployment, v: &Valid<'_>, plan: &placement::Plan) ->
                         },
                         total_layers: v.footprint.layers(),
                         kv_cache: v.strategy.spec.kv_cache,
-                        engine: None,
                         next: leader(i + 1),
                         previous: i.checked_sub(1).and_then(leader),
                         chat_template: (i == 0 && leads)
