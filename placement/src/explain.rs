@@ -87,9 +87,9 @@ pub(crate) fn whole<'f>(
     )
 }
 
-/// No pipeline fits: what one instance needs at least (as the engine of
-/// the node with the most free memory holds the model, `footprint_on`),
-/// and what the pool has.
+/// No pipeline fits: what one instance needs at least (as the leanest of
+/// the nodes' engines holds the model, `footprint_on`), and what the pool
+/// has.
 pub(crate) fn pipeline<'f>(
     request: &'f Request<'_>,
     footprint_on: &dyn Fn(&str) -> &'f Footprint,
@@ -101,9 +101,12 @@ pub(crate) fn pipeline<'f>(
     let total_free = usable
         .iter()
         .fold(0u64, |sum, (_, n)| sum.saturating_add(n.free_bytes));
-    let most = usable.iter().max_by_key(|(_, n)| n.free_bytes);
-    let largest = most.map_or(0, |(_, n)| n.free_bytes);
-    let footprint = most.map_or(request.footprint, |(name, _)| footprint_on(name));
+    let largest = usable.iter().map(|(_, n)| n.free_bytes).max().unwrap_or(0);
+    let footprint = usable
+        .iter()
+        .map(|(name, _)| footprint_on(name))
+        .min_by_key(|f| f.weight_bytes().saturating_add(f.kv_bytes(s.kv)))
+        .unwrap_or(request.footprint);
     let need = footprint
         .weight_bytes()
         .saturating_add(footprint.kv_bytes(s.kv))

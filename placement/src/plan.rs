@@ -649,7 +649,8 @@ pub(crate) fn preferred<'u, 'n>(
 ) -> (Vec<&'u Usable<'n>>, Vec<&'u Usable<'n>>) {
     let room: BTreeMap<&str, (u64, u64)> = usable
         .iter()
-        .map(|(name, n)| (name.as_str(), (n.free_bytes, whole(name))))
+        // A model of no bytes counts as one, so that room stays a total order.
+        .map(|(name, n)| (name.as_str(), (n.free_bytes, whole(name).max(1))))
         .collect();
     // Most room first: free_a / whole_a > free_b / whole_b, compared exactly.
     let more_room = |a: &str, b: &str| {
