@@ -57,9 +57,10 @@ pub struct Metrics {
     pub cache_bytes: IntGauge,
     /// Sequences with a KV cache, by shard.
     pub sequences: IntGaugeVec,
-    /// Prompt tokens looked up in each shard's prefix cache.
+    /// Prompt tokens of the sequences each shard started after a look in
+    /// its prefix cache (once per sequence).
     pub prefix_lookup_tokens: IntCounterVec,
-    /// Prompt tokens whose KV came from the prefix cache.
+    /// Of those, the tokens whose KV came from the prefix cache.
     pub prefix_hit_tokens: IntCounterVec,
     /// Blocks the prefix cache evicted.
     pub prefix_evicted_blocks: IntCounterVec,
@@ -222,11 +223,13 @@ impl Metrics {
         };
         let prefix_lookup_tokens = counter(
             "shardplane_agent_prefix_cache_lookup_tokens_total",
-            "Prompt tokens of new sequences looked up in the prefix cache, by shard.",
+            "Prompt tokens of new sequences started after a look in the prefix cache (once per \
+             sequence, however often a pipeline asked its later stages), by shard.",
         );
         let prefix_hit_tokens = counter(
             "shardplane_agent_prefix_cache_hit_tokens_total",
-            "Prompt tokens whose KV came from the prefix cache (not computed), by shard.",
+            "Of the prompt tokens counted in shardplane_agent_prefix_cache_lookup_tokens_total, \
+             those whose KV came from the prefix cache (not computed), by shard.",
         );
         let prefix_evicted_blocks = counter(
             "shardplane_agent_prefix_cache_evicted_blocks_total",
@@ -418,8 +421,8 @@ impl Metrics {
             for &wait in &pass.queue_waits {
                 queue_wait.observe(wait);
             }
-            follow(&lookups, pass.prefix.lookup_tokens);
-            follow(&hits, pass.prefix.hit_tokens);
+            follow(&lookups, pass.looks.0);
+            follow(&hits, pass.looks.1);
             follow(&evicted, pass.prefix.evicted_blocks);
             used.set(pass.prefix.bytes as i64);
             budget.set(pass.prefix.budget_bytes as i64);

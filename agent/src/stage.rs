@@ -45,6 +45,13 @@ pub struct StageStats {
     pub decodes_back: AtomicUsize,
     /// What the stage's prefix cache did and holds (after the last step).
     pub prefix: Mutex<shardplane_engine::prefix::PrefixCacheStats>,
+    /// Prompt tokens of the sequences started after a look in the prefix
+    /// cache, and of those the tokens taken from it: once per sequence that
+    /// starts (a pipeline's asks that a later stage refused are not
+    /// counted; see [`StageStats::count_look`]).
+    pub looked_up: AtomicU64,
+    /// See `looked_up`.
+    pub reused: AtomicU64,
     /// Until when a pipeline's head runs new prompts whole without looking
     /// in its prefix cache: a later stage held none of what it took (it
     /// keeps no cache, say), so looking would only cost.
@@ -70,6 +77,21 @@ impl StageStats {
             .unwrap_or_else(|p| p.into_inner())
             .is_some_and(|until| std::time::Instant::now() < until);
         keeps && !paused
+    }
+
+    /// Counts a sequence that started after a look in the prefix cache:
+    /// its `prompt` tokens, of which it took `reused` from the cache.
+    pub fn count_look(&self, prompt: usize, reused: usize) {
+        self.looked_up.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.reused.fetch_add(reused as u64, Ordering::Relaxed);
+    }
+
+    /// The stage's `looked_up` and `reused` so far.
+    pub fn looks(&self) -> (u64, u64) {
+        (
+            self.looked_up.load(Ordering::Relaxed),
+            self.reused.load(Ordering::Relaxed),
+        )
     }
 
     /// A later stage held none of the prefix the head took: the head runs
@@ -153,8 +175,10 @@ pub struct Pass {
     pub queue_waits: Vec<f64>,
     /// KV tokens reserved by admitted generations, and the budget.
     pub kv_tokens: (u64, u64),
-    /// The prefix cache's counts.
+    /// The prefix cache's counts (its bytes, budget and evictions).
     pub prefix: shardplane_engine::prefix::PrefixCacheStats,
+    /// The stage's `looked_up` and `reused` so far.
+    pub looks: (u64, u64),
 }
 
 /// Observes each turn of a stage's loop.

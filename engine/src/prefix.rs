@@ -29,10 +29,11 @@ use std::ops::Range;
 /// Tokens in a block unless configured otherwise.
 pub const DEFAULT_BLOCK_TOKENS: usize = 32;
 
-/// What a prefix cache did, for metrics.
+/// What a prefix cache did (its own counts: a look whose sequence is then
+/// let go counts too; the agent's metrics count sequences that start).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {
-    /// Prompt tokens looked up (every new sequence's prompt).
+    /// Prompt tokens looked up (every look).
     pub lookup_tokens: u64,
     /// Of those, tokens whose KV came from the cache.
     pub hit_tokens: u64,

@@ -628,7 +628,15 @@ impl Service {
         // only when there is a cache to look in and the later stages held
         // what it gave lately.
         let stats = seq.stage.worker.stats.clone();
-        let mut held = match stats.seeds() {
+        let looked = stats.seeds();
+        let prompt = open.prompt.len();
+        // Counted once per prompt, with what the sequence that runs took.
+        let count = |held: usize| {
+            if looked {
+                stats.count_look(prompt, held);
+            }
+        };
+        let mut held = match looked {
             true => seq.stage.worker.seed(seq.id, open.prompt.clone()).await,
             false => 0,
         };
@@ -636,7 +644,10 @@ impl Service {
         while held > 0 {
             open.cached = held as u32;
             let e = match self.open_next(&seq.stage, open.clone()).await {
-                Ok(down) => return Ok((down, held)),
+                Ok(down) => {
+                    count(held);
+                    return Ok((down, held));
+                }
                 Err(e) if e.code() == tonic::Code::Aborted => e,
                 Err(e) => return Err(e),
             };
@@ -684,7 +695,9 @@ impl Service {
                 .inc();
         }
         open.cached = 0;
-        Ok((self.open_next(&seq.stage, open).await?, 0))
+        let down = self.open_next(&seq.stage, open).await?;
+        count(0);
+        Ok((down, 0))
     }
 
     /// Who holds the budget that is `full`, for a refusal: a later stage's

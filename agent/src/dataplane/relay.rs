@@ -55,7 +55,7 @@ impl Service {
             stage.worker.retire(open.replaces);
         }
         take_cached(&seq, &open).await?;
-        let cached = open.cached;
+        let (cached, prompt) = (open.cached, open.prompt.len());
         let width = stage.worker.hidden;
         let (answers, stream) = mpsc::channel(64);
         if stage.is_last() {
@@ -152,6 +152,10 @@ impl Service {
             response
                 .metadata_mut()
                 .insert(dp::CACHED_HEADER, cached.into());
+            // Counted once the sequence starts here and after: an ask this
+            // stage or a later one refused counts at the head (as a
+            // downstream miss).
+            stage.worker.stats.count_look(prompt, cached as usize);
         }
         Ok(response)
     }

@@ -352,6 +352,11 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
     assert_eq!(*told.0.lock().unwrap(), vec![vec![3]]);
     drop((requests, answers));
     sequences_become(&worker, 0).await;
+    assert_eq!(
+        worker.stats.looks(),
+        (3, 2),
+        "the prompt's 3 tokens, 2 reused"
+    );
 
     // It holds 1 of the 2, or all of them while the stage after it holds
     // none: ABORTED, saying how many the short stage holds (the head asks
@@ -375,6 +380,11 @@ async fn a_later_stage_takes_the_head_s_cached_prefix_from_its_own_cache_or_refu
         let e = start_with(&mut client, cached(3)).await.err().unwrap();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         sequences_become(&worker, 0).await;
+        assert_eq!(
+            worker.stats.looks(),
+            (0, 0),
+            "a refused ask counts at the head"
+        );
     }
 }
 

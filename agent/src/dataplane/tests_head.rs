@@ -580,7 +580,7 @@ async fn cached_head(next: Next) -> (Arc<Mutex<Opened>>, dp::Finished, Vec<u32>,
 
 #[tokio::test]
 async fn a_head_sends_only_what_its_prefix_cache_lacks_and_tells_each_row_s_token() {
-    let (seen, finished, prompt, _worker) = cached_head(Next::Holds).await;
+    let (seen, finished, prompt, worker) = cached_head(Next::Holds).await;
     let seen = seen.lock().unwrap();
     assert_eq!(seen.cached, vec![600], "the open tells what the head took");
     assert_eq!(
@@ -590,6 +590,7 @@ async fn a_head_sends_only_what_its_prefix_cache_lacks_and_tells_each_row_s_toke
     );
     assert_eq!(finished.cached_tokens, 600);
     assert_eq!(finished.prompt_tokens, 1100);
+    assert_eq!(worker.stats.looks(), (1100, 600), "one look, 600 reused");
 }
 
 #[tokio::test]
@@ -611,6 +612,7 @@ async fn a_head_runs_the_whole_prompt_when_a_later_stage_lacks_its_cached_prefix
         assert_eq!(sent, prompt);
         assert_eq!(finished.cached_tokens, 0);
         assert!(!worker.stats.seeds(), "seeding paused");
+        assert_eq!(worker.stats.looks(), (1100, 0), "one look, nothing reused");
     }
 }
 
@@ -625,6 +627,7 @@ async fn a_head_asks_again_with_as_many_tokens_as_a_later_stage_says_it_holds() 
     assert_eq!(sent, prompt[64..]);
     assert_eq!(finished.cached_tokens, 64);
     assert!(worker.stats.seeds(), "no pause: the stages keep caches");
+    assert_eq!(worker.stats.looks(), (1100, 64), "counted once, as it ran");
 }
 
 #[tokio::test]
@@ -634,4 +637,5 @@ async fn a_head_asks_again_three_times_at_most_then_runs_the_prompt_whole() {
     assert_eq!(seen.cached, vec![600, 300, 150, 75, 0]);
     assert_eq!(finished.cached_tokens, 0);
     assert!(worker.stats.seeds(), "no pause: the stages keep caches");
+    assert_eq!(worker.stats.looks(), (1100, 0), "counted once, as it ran");
 }

@@ -292,6 +292,7 @@ pub fn run(
                 stats.kv.budget(),
             ),
             prefix,
+            looks: stats.looks(),
         });
     }
 }
@@ -350,6 +351,7 @@ fn take(job: Job, shard: &mut dyn Stage, work: &mut Work, caching: bool, stats: 
                     }
                     prompt = Some(Arc::from(ids.as_slice()));
                     cached = shard.reuse_prefix(seq, ids);
+                    stats.count_look(ids.len(), cached);
                     if cached > 0 {
                         split_front(&mut input, cached);
                         stats.unqueue_tokens(cached);

@@ -261,6 +261,8 @@ fn prompts_that_begin_like_a_running_one_wait_and_run_only_their_own_part() {
     assert_eq!(d_answer.counted().cached, 0);
     assert_eq!(*retained.lock().unwrap(), vec![1, 4, 2, 3]);
     assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+    // Each counted once, the waiting ones when they were taken again.
+    assert_eq!(stats.looks(), (350, 160));
 }
 
 #[test]
@@ -274,6 +276,9 @@ fn a_parked_prompt_whose_leader_is_released_runs_whole() {
     assert_eq!(*steps.lock().unwrap(), vec![vec![(2, 100)]]);
     assert_eq!(b_answer.counted().cached, 0);
     assert_eq!(stats.queued_tokens.load(Ordering::Relaxed), 0);
+    // Each counted when taken: the leader too, though it left before its
+    // first pass.
+    assert_eq!(stats.looks(), (200, 0));
 }
 
 #[test]
