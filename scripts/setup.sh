@@ -14,7 +14,8 @@
 #     web view's browser test
 #   - cargo-fuzz (crates.io), for the data-plane fuzz target
 #   - mlx-lm, the mlx CPU wheel and the gguf writer (PyPI, in a venv of their
-#     own): the reference implementations the model-family tests compare with
+#     own), SentencePiece, tokenizers and tiktoken: the reference
+#     implementations the model-family and tokenizer tests compare with
 #
 # SHARDPLANE_SETUP=check checks instead what a cold machine's first run depends
 # on and the cache cannot show: that no cargo build variable reached this
@@ -75,9 +76,9 @@ CACHE="${SHARDPLANE_CACHE:-$HOME/.cache/shardplane}"
 # chart test, and Selenium for the web view's browser test.
 pinned_venv "$CACHE/venv" "openai==3.52.0 anthropic==2.11.0 ollama==0.6.3 jsonschema==4.25.1 helm-python-sdk==0.2.2 openai-agents==0.24.0 selenium==4.40.0"
 # The model families' reference implementations: mlx-lm's model classes on
-# the MLX CPU wheel, the gguf writer, SentencePiece and tokenizers (engine/tests/families.rs
+# the MLX CPU wheel, the gguf writer, SentencePiece, tokenizers and tiktoken (engine/tests/families.rs
 # and gguf_tokenizers.rs compare the engines and tokenizers with them).
-pinned_venv "$CACHE/reference" "mlx-lm==0.32.2 mlx[cpu]==0.32.4 gguf==0.19.0 sentencepiece==0.2.3 tokenizers==0.23.3"
+pinned_venv "$CACHE/reference" "mlx-lm==0.32.2 mlx[cpu]==0.32.4 gguf==0.19.0 sentencepiece==0.2.3 tokenizers==0.23.3 tiktoken==0.14.0"
 # cargo-fuzz runs the data-plane decoders under libFuzzer in the test command.
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --quiet --locked cargo-fuzz@0.13.2 >&2 ||

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  base = <hub>/<repo>/resolve/<commit>  or a URL source
-//!  config.json, model.safetensors.index.json?, tokenizer files ──► <cache>/<key>.safetensors/
+//!  config.json, model.safetensors.index.json?, tokenizer.json | tiktoken.model, … ──► <cache>/<key>.safetensors/
 //!  index weight_map ──► files with model.layers.{stage's}.*  (+ embedding / norm / head)
 //!  each file: resumable download ──► size and SHA-256 the hub lists (LFS)
 //!                                ──► safetensors header = file size (no truncation)
@@ -19,13 +19,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use shardplane_engine::StageLayout;
+use shardplane_engine::tokenizer::TOKENIZER_FILES;
 use shardplane_models::hub::Revision;
 use shardplane_models::safetensors::{expected_file_size, is_plain_file_name};
 
 use crate::cache::{Cache, Failure, verify_sha256};
 
 /// Files every stage reads beside the weights: they must be there.
-const REQUIRED: &[&str] = &["config.json", "tokenizer.json"];
+const REQUIRED: &[&str] = &["config.json"];
 /// Files read when the repository has them.
 const OPTIONAL: &[&str] = &[
     "model.safetensors.index.json",
@@ -160,6 +161,25 @@ pub async fn fetch(
         }
         names.push(name);
     }
+    // The tokenizer: the first of its files the repository has.
+    let mut tokenizer = None;
+    for name in TOKENIZER_FILES {
+        if source.has(name).await? {
+            tokenizer = Some(name);
+            break;
+        }
+    }
+    let Some(tokenizer) = tokenizer else {
+        return Err(Failure {
+            reason: "WeightsNotFound",
+            message: format!(
+                "{}/{} is missing (nor is there {}): the repository is not a model in the \
+                 MLX-community (Hugging Face) layout",
+                source.base, TOKENIZER_FILES[0], TOKENIZER_FILES[1]
+            ),
+        });
+    };
+    names.push(tokenizer);
     for &name in OPTIONAL {
         if source.has(name).await? {
             names.push(name);

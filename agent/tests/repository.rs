@@ -216,5 +216,16 @@ async fn a_url_source_names_missing_files_and_tells_a_cut_file_by_its_header() {
         .await
         .unwrap_err();
     assert_eq!(e.reason, "WeightsNotFound");
-    assert!(e.message.contains("tokenizer.json"), "{}", e.message);
+    assert!(
+        e.message.contains("tokenizer.json") && e.message.contains("tiktoken.model"),
+        "{}",
+        e.message
+    );
+    // Tiktoken ranks in its place (Kimi K2's layout) are fetched instead.
+    std::fs::write(repo.path().join("tiktoken.model"), b"YQ== 0\n").unwrap();
+    let dir = fetch(&cache, "w", &source, &wanted(0..1), |_, _| {})
+        .await
+        .unwrap();
+    assert!(dir.join("tiktoken.model").is_file());
+    assert!(!dir.join("tokenizer.json").exists());
 }

@@ -19,7 +19,7 @@ use crate::constraint::{Constraint, Grammar, Grammars};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::harmony;
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{TOKENIZER_FILES, Tokenizer};
 use crate::tools::{CallSyntax, ToolSet};
 
 /// The text-side parts of a model: tokenizer and chat template.
@@ -139,7 +139,9 @@ impl TextModel {
     }
 
     /// Builds both from a model directory in the safetensors layouts:
-    /// `tokenizer.json`; `tokenizer_config.json` for BOS, EOS and the chat
+    /// `tokenizer.json` (or tiktoken ranks, `tiktoken.model`, with the
+    /// special tokens `tokenizer_config.json` names, as Kimi K2 keeps its
+    /// tokenizer); `tokenizer_config.json` for BOS, EOS and the chat
     /// template (`chat_template.jinja`, or `chat_template.json`, when the
     /// template is kept apart); stop tokens from the `eos_token_id` of
     /// `config.json` and `generation_config.json`.
@@ -181,7 +183,13 @@ impl TextModel {
         };
         let mut eos = ids(config.get("eos_token_id"));
         eos.extend(ids(generation.as_ref().and_then(|g| g.get("eos_token_id"))));
-        let probe = Tokenizer::from_file(dir.join("tokenizer.json"), &[], None)?;
+        // `tokenizer.json`, or tiktoken ranks (Kimi K2).
+        let [json, tiktoken] = TOKENIZER_FILES.map(|name| dir.join(name));
+        let load = |eos: &[u32], bos: Option<u32>| match json.is_file() || !tiktoken.is_file() {
+            true => Tokenizer::from_file(&json, eos, bos),
+            false => Tokenizer::from_tiktoken(&tiktoken, &tok_cfg, eos, bos),
+        };
+        let probe = load(&[], None)?;
         let bos_name = token_name("bos_token");
         let eos_name = token_name("eos_token");
         let bos = config
@@ -194,7 +202,7 @@ impl TextModel {
         }
         eos.sort_unstable();
         eos.dedup();
-        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"), &eos, bos)?;
+        let mut tokenizer = load(&eos, bos)?;
         tokenizer
             .set_adds_bos(tok_cfg.get("add_bos_token").and_then(|v| v.as_bool()) == Some(true));
         let kept_apart = read("chat_template.json")?;

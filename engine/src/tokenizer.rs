@@ -1,6 +1,7 @@
 //! Tokenizers built from a model's own files, with the `tokenizers` crate:
 //! from GGUF metadata (BPE vocabulary, merges and the pre-tokenizer the file
-//! names) or from a `tokenizer.json`.
+//! names), from a `tokenizer.json`, or from tiktoken ranks
+//! ([`tiktoken`]: `tiktoken.model`).
 
 use std::path::Path;
 
@@ -22,6 +23,12 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{Error, Result};
+
+mod tiktoken;
+
+/// The files a safetensors model may keep its tokenizer in, in the order
+/// they are read: a `tokenizer.json`, else tiktoken ranks.
+pub const TOKENIZER_FILES: [&str; 2] = ["tokenizer.json", "tiktoken.model"];
 
 /// GPT-2's split, also what `ByteLevel` applies with `use_regex`.
 const GPT2_SPLIT: &str =
@@ -456,6 +463,31 @@ impl Tokenizer {
         bos: Option<u32>,
     ) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path.as_ref()).map_err(tok_err)?;
+        Ok(Tokenizer {
+            inner,
+            bos,
+            add_bos: false,
+            stop_tokens: eos_token_ids.to_vec(),
+            keeps_markup: false,
+        })
+    }
+
+    /// Builds a tokenizer kept as tiktoken ranks (`tiktoken.model` at
+    /// `path`) with the special tokens and splits `config`
+    /// (`tokenizer_config.json`) gives; stop tokens as
+    /// [`Tokenizer::from_file`].
+    pub fn from_tiktoken(
+        path: impl AsRef<Path>,
+        config: &serde_json::Value,
+        eos_token_ids: &[u32],
+        bos: Option<u32>,
+    ) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let inner = tiktoken::tiktoken_bpe(&text, &path.display().to_string(), config)?;
         Ok(Tokenizer {
             inner,
             bos,

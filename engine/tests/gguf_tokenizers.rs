@@ -12,6 +12,10 @@
 //!   family's own splits, whose encodings are the reference. llama.cpp
 //!   gives the same ids for every case (checked when the script changes;
 //!   llama.cpp is not built in the tests).
+//! - tiktoken ranks (`tiktoken.model`, Kimi K2's safetensors layout): a
+//!   small vocabulary trained by `reference/tiktoken_ranks.py` with Kimi
+//!   K2's splits, written as ranks, whose `tiktoken` encodings are the
+//!   reference.
 
 use std::path::Path;
 
@@ -149,6 +153,63 @@ fn an_unknown_pre_tokenizer_type_names_itself_and_the_supported_ones() {
     assert!(err.contains("\"made-up-bpe\""), "{err}");
     assert!(
         err.contains("deepseek-v3") && err.contains("kimi-k2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tiktoken_ranks_tokenize_as_tiktoken_does() {
+    // Kimi K2's layout: tiktoken.model, tokenizer_config.json naming its
+    // code and special tokens, no tokenizer.json.
+    let dir = reference("tiktoken_ranks.py");
+    let model = dir.path().join("kimi");
+    assert!(!model.join("tokenizer.json").exists());
+    let text = shardplane_engine::text_model::TextModel::from_dir(&model).unwrap();
+    let tokenizer = &text.tokenizer;
+    encodes_as_reference(dir.path(), "kimi", tokenizer);
+    // The special tokens follow the ranks: the named ones where the config
+    // puts them, the rest of the 256 reserved.
+    let ranks = std::fs::read_to_string(model.join("tiktoken.model"))
+        .unwrap()
+        .lines()
+        .count() as u32;
+    assert_eq!(tokenizer.token_id("[BOS]"), Some(ranks));
+    assert_eq!(tokenizer.token_id("[EOS]"), Some(ranks + 1));
+    assert_eq!(
+        tokenizer.token_id(&format!("<|reserved_token_{}|>", ranks + 255)),
+        Some(ranks + 255)
+    );
+    assert_eq!(tokenizer.vocab_size(), ranks as usize + 256);
+    assert_eq!(tokenizer.bos_token(), Some(ranks));
+    assert!(tokenizer.stop_tokens().contains(&(ranks + 1)));
+    // A chat prompt through the model's template: its markers as the
+    // special tokens they are.
+    let prompt = text
+        .chat_prompt(&[shardplane_engine::chat::ChatMessage::new(
+            "user",
+            "Why is the sky blue?",
+        )])
+        .unwrap();
+    let im_user = tokenizer.token_id("<|im_user|>").unwrap();
+    let im_assistant = tokenizer.token_id("<|im_assistant|>").unwrap();
+    assert_eq!(prompt[0], im_user);
+    assert_eq!(prompt.last(), Some(&im_assistant));
+    assert_eq!(
+        tokenizer.decode(&prompt, false).unwrap(),
+        "<|im_user|>Why is the sky blue?<|im_end|><|im_assistant|>"
+    );
+
+    // A config naming other code is refused by name.
+    let config = model.join("tokenizer_config.json");
+    let other = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("tokenization_kimi", "tokenization_other");
+    std::fs::write(&config, other).unwrap();
+    let err = shardplane_engine::text_model::TextModel::from_dir(&model)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"tokenization_other\"") && err.contains("tokenization_kimi"),
         "{err}"
     );
 }
