@@ -39,6 +39,8 @@ const OPTIONAL: &[&str] = &[
 /// The largest small file accepted (tokenizer.json of large vocabularies is
 /// tens of MB).
 const MAX_SMALL: u64 = 128 << 20;
+/// The tokenizer's settings (one of [`OPTIONAL`], but for tiktoken ranks).
+const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
 /// The index of a sharded model's weight files (one of [`OPTIONAL`]).
 const INDEX: &str = "model.safetensors.index.json";
 
@@ -180,6 +182,17 @@ pub async fn fetch(
         });
     };
     names.push(tokenizer);
+    // Tiktoken ranks name their code and special tokens there.
+    if tokenizer == TOKENIZER_FILES[1] && !source.has(TOKENIZER_CONFIG).await? {
+        return Err(Failure {
+            reason: "WeightsNotFound",
+            message: format!(
+                "{}/{TOKENIZER_CONFIG} is missing: a tokenizer kept as {tokenizer} needs it (its \
+                 code and special tokens)",
+                source.base
+            ),
+        });
+    }
     for &name in OPTIONAL {
         if source.has(name).await? {
             names.push(name);

@@ -221,8 +221,14 @@ async fn a_url_source_names_missing_files_and_tells_a_cut_file_by_its_header() {
         "{}",
         e.message
     );
-    // Tiktoken ranks in its place (Kimi K2's layout) are fetched instead.
+    // Tiktoken ranks in its place (Kimi K2's layout) are fetched instead,
+    // with the settings that name their code.
     std::fs::write(repo.path().join("tiktoken.model"), b"YQ== 0\n").unwrap();
+    let e = fetch(&cache, "w", &source, &wanted(0..1), |_, _| {})
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("tokenizer_config.json"), "{}", e.message);
+    std::fs::write(repo.path().join("tokenizer_config.json"), b"{}").unwrap();
     let dir = fetch(&cache, "w", &source, &wanted(0..1), |_, _| {})
         .await
         .unwrap();

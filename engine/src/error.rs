@@ -14,8 +14,9 @@ pub enum Error {
         /// The cause.
         source: std::io::Error,
     },
-    /// The file is not a valid GGUF file, or is truncated or corrupt.
-    #[error("{path} is not a valid GGUF model (truncated or corrupt?): {reason}")]
+    /// The file (GGUF, or one of a model directory's) is not valid, or is
+    /// truncated or corrupt.
+    #[error("{path} is not a valid model file (truncated or corrupt?): {reason}")]
     CorruptModel {
         /// The file.
         path: PathBuf,

@@ -183,13 +183,14 @@ impl TextModel {
         };
         let mut eos = ids(config.get("eos_token_id"));
         eos.extend(ids(generation.as_ref().and_then(|g| g.get("eos_token_id"))));
-        // `tokenizer.json`, or tiktoken ranks (Kimi K2).
+        // `tokenizer.json`, or tiktoken ranks (Kimi K2); built once, its
+        // BOS and stop tokens set once they are known.
         let [json, tiktoken] = TOKENIZER_FILES.map(|name| dir.join(name));
-        let load = |eos: &[u32], bos: Option<u32>| match json.is_file() || !tiktoken.is_file() {
-            true => Tokenizer::from_file(&json, eos, bos),
-            false => Tokenizer::from_tiktoken(&tiktoken, &tok_cfg, eos, bos),
+        let mut tokenizer = match json.is_file() || !tiktoken.is_file() {
+            true => Tokenizer::from_file(&json, &[], None)?,
+            false => Tokenizer::from_tiktoken(&tiktoken, &tok_cfg, &[], None)?,
         };
-        let probe = load(&[], None)?;
+        let probe = &tokenizer;
         let bos_name = token_name("bos_token");
         let eos_name = token_name("eos_token");
         let bos = config
@@ -200,9 +201,8 @@ impl TextModel {
         if let Some(id) = eos_name.as_deref().and_then(|n| probe.token_id(n)) {
             eos.push(id);
         }
-        eos.sort_unstable();
-        eos.dedup();
-        let mut tokenizer = load(&eos, bos)?;
+        tokenizer.add_stop_tokens(&eos);
+        tokenizer.set_bos_token(bos);
         tokenizer
             .set_adds_bos(tok_cfg.get("add_bos_token").and_then(|v| v.as_bool()) == Some(true));
         let kept_apart = read("chat_template.json")?;

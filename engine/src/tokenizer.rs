@@ -519,6 +519,11 @@ impl Tokenizer {
         self.keeps_markup = keep;
     }
 
+    /// Sets the BOS token (prepended when the tokenizer adds one).
+    pub fn set_bos_token(&mut self, bos: Option<u32>) {
+        self.bos = bos;
+    }
+
     /// Adds tokens that end a generation (kept sorted, without repeats).
     pub fn add_stop_tokens(&mut self, ids: &[u32]) {
         self.stop_tokens.extend_from_slice(ids);

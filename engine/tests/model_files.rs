@@ -282,7 +282,7 @@ fn truncated_and_corrupt_files_fail_with_a_clear_error() {
     // Cut in the header.
     let stub = broken_copy(dir.path(), "stub.gguf", |b| b.truncate(4096));
     let e = GgufFile::open(&stub).expect_err("a stub fails");
-    assert!(e.to_string().contains("not a valid GGUF model"), "{e}");
+    assert!(e.to_string().contains("not a valid model file"), "{e}");
 
     // Not a GGUF file at all.
     let garbage = broken_copy(dir.path(), "garbage.gguf", |b| {
@@ -292,7 +292,7 @@ fn truncated_and_corrupt_files_fail_with_a_clear_error() {
         }
     });
     let e = GgufFile::open(&garbage).expect_err("garbage fails");
-    assert!(e.to_string().contains("not a valid GGUF model"), "{e}");
+    assert!(e.to_string().contains("not a valid model file"), "{e}");
 
     let e = GgufFile::open(dir.path().join("absent.gguf")).expect_err("a missing file fails");
     assert!(e.to_string().contains("cannot read model file"), "{e}");

@@ -17,7 +17,7 @@
 //! whole; a BPE whose merges are ordered by the joined token's rank, with
 //! `ignore_merges`, does the same.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use base64::Engine as _;
 use serde_json::Value;
@@ -30,6 +30,15 @@ use crate::error::{Error, Result};
 
 /// Special tokens the tokenizers' code puts after the ranks.
 const RESERVED_SPECIALS: u32 = 256;
+/// The most ranks read (Kimi K2 has 163,840).
+const MOST_RANKS: usize = 1 << 21;
+/// The longest token read, in bytes.
+const LONGEST_TOKEN: usize = 1024;
+/// The most work finding merges may take: the sum over tokens of their
+/// length squared (each cut of a token looks up its two halves). Real
+/// files take a few percent of it; a file of long tokens made to cost
+/// more is refused.
+const MOST_MERGE_WORK: u64 = 1 << 30;
 
 /// The tokenizers' code modules (in `auto_map`) read, with the GGUF
 /// pre-tokenizer type that splits as they do.
@@ -54,33 +63,48 @@ fn byte_chars() -> [char; 256] {
 }
 
 /// The ranks of `text` (a `tiktoken.model`), by id: every id from 0 up, each
-/// once, each token distinct.
+/// once, each token distinct, every single byte a token (else text holding
+/// it would be lost), within the bounds above.
 fn ranks(text: &str, file: &str) -> Result<Vec<Vec<u8>>> {
     let corrupt = |reason: String| Error::CorruptModel {
         path: file.into(),
         reason,
     };
     let mut by_rank: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
-    for (n, line) in text
+    let mut work = 0u64;
+    let lines = text
         .lines()
         .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
+        .filter(|(_, l)| !l.trim().is_empty());
+    for (n, line) in lines {
+        let at = |what: String| corrupt(format!("line {}: {what}", n + 1));
+        if by_rank.len() == MOST_RANKS {
+            return Err(at(format!("more than {MOST_RANKS} ranks")));
+        }
         let (token, rank) = line
             .split_once(' ')
-            .ok_or_else(|| corrupt(format!("line {}: not \"<base64> <rank>\"", n + 1)))?;
+            .ok_or_else(|| at("not \"<base64> <rank>\"".into()))?;
+        if token.len() > LONGEST_TOKEN.div_ceil(3) * 4 {
+            return Err(at(format!("a token longer than {LONGEST_TOKEN} bytes")));
+        }
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(token)
-            .map_err(|e| corrupt(format!("line {}: {e}", n + 1)))?;
+            .map_err(|e| at(e.to_string()))?;
         let rank: u32 = rank
             .trim()
             .parse()
-            .map_err(|e| corrupt(format!("line {}: rank {rank:?}: {e}", n + 1)))?;
-        if bytes.is_empty() || by_rank.insert(rank, bytes).is_some() {
-            return Err(corrupt(format!(
-                "line {}: rank {rank} is empty or given twice",
-                n + 1
-            )));
+            .map_err(|e| at(format!("rank {rank:?}: {e}")))?;
+        if bytes.is_empty() || bytes.len() > LONGEST_TOKEN {
+            return Err(at(format!("a token of {} bytes", bytes.len())));
+        }
+        work += (bytes.len() as u64).pow(2);
+        if work > MOST_MERGE_WORK {
+            return Err(at(
+                "the tokens are too long in all to find their merges".into()
+            ));
+        }
+        if by_rank.insert(rank, bytes).is_some() {
+            return Err(at(format!("rank {rank} is given twice")));
         }
     }
     let count = by_rank.len();
@@ -94,16 +118,31 @@ fn ranks(text: &str, file: &str) -> Result<Vec<Vec<u8>>> {
             count.saturating_sub(1)
         )));
     }
-    Ok(by_rank.into_values().collect())
+    let ranks: Vec<Vec<u8>> = by_rank.into_values().collect();
+    let mut seen = HashSet::with_capacity(ranks.len());
+    if let Some(rank) = ranks.iter().position(|t| !seen.insert(t.as_slice())) {
+        return Err(corrupt(format!(
+            "rank {rank}'s token is an earlier rank's too"
+        )));
+    }
+    if let Some(byte) = (0..=255u8).find(|b| !seen.contains(&[*b][..])) {
+        return Err(corrupt(format!(
+            "byte {byte:#04x} is no token, so text holding it could not be tokenized"
+        )));
+    }
+    Ok(ranks)
 }
 
-/// The module of the tokenizer's code `tokenizer_config.json` names.
+/// The module of the tokenizer's code `tokenizer_config.json` names in
+/// `auto_map` (`module.Class`, or `owner/repo--module.Class` for code kept
+/// in another repository).
 fn code_module(config: &Value) -> Option<&str> {
     let auto = config.get("auto_map")?.get("AutoTokenizer")?;
     let class = match auto {
         Value::Array(names) => names.first()?.as_str()?,
         other => other.as_str()?,
     };
+    let class = class.rsplit_once("--").map_or(class, |(_, local)| local);
     class.rsplit_once('.').map(|(module, _)| module)
 }
 
@@ -115,18 +154,27 @@ pub(super) fn tiktoken_bpe(
     file: &str,
     config: &Value,
 ) -> Result<tokenizers::Tokenizer> {
-    let module = code_module(config).unwrap_or("(none named in auto_map)");
+    let known = || {
+        let codes: Vec<&str> = CODES.iter().map(|(code, _)| *code).collect();
+        codes.join(", ")
+    };
+    let Some(module) = code_module(config) else {
+        return Err(Error::Tokenizer(format!(
+            "a tiktoken tokenizer's splits are defined by its code, and its \
+             tokenizer_config.json names none (auto_map.AutoTokenizer); supported: {}",
+            known()
+        )));
+    };
     let pre = CODES
         .iter()
         .find(|(code, _)| *code == module)
         .map(|(_, pre)| pre_type(pre))
         .transpose()?
         .ok_or_else(|| {
-            let known: Vec<&str> = CODES.iter().map(|(code, _)| *code).collect();
             Error::Tokenizer(format!(
                 "a tiktoken tokenizer's splits are defined by its code; {module:?} is not \
                  supported (supported: {})",
-                known.join(", ")
+                known()
             ))
         })?;
     let ranks = ranks(ranks_text, file)?;
@@ -153,9 +201,15 @@ pub(super) fn tiktoken_bpe(
         .enumerate()
         .map(|(i, t)| (visible(t), i as u32))
         .collect();
+    // At most MOST_RANKS: the special ids after them fit in a u32.
     let specials = specials(config, ranks.len() as u32, file)?;
     for (id, content) in &specials {
-        vocab.insert(content.clone(), *id);
+        if let Some(rank) = vocab.insert(content.clone(), *id) {
+            return Err(Error::CorruptModel {
+                path: file.into(),
+                reason: format!("special token {content:?} ({id}) is spelled as rank {rank} is"),
+            });
+        }
     }
     let merges = merges
         .into_iter()
@@ -178,7 +232,8 @@ pub(super) fn tiktoken_bpe(
 }
 
 /// The special tokens, by id: `added_tokens_decoder`'s, and the reserved
-/// names of the rest of the 256 after the `count` ranks.
+/// names of the rest of the 256 after the `count` ranks (the only ids the
+/// tokenizers' code gives special tokens: another is refused).
 fn specials(config: &Value, count: u32, file: &str) -> Result<BTreeMap<u32, String>> {
     let mut specials: BTreeMap<u32, String> = (count..count + RESERVED_SPECIALS)
         .map(|id| (id, format!("<|reserved_token_{id}|>")))
@@ -196,10 +251,13 @@ fn specials(config: &Value, count: u32, file: &str) -> Result<BTreeMap<u32, Stri
                 reason: format!("added token {id:?} has no number or no content"),
             });
         };
-        if id < count {
+        if !(count..count + RESERVED_SPECIALS).contains(&id) {
             return Err(Error::CorruptModel {
                 path: file.into(),
-                reason: format!("added token {content:?} takes id {id}, a rank's"),
+                reason: format!(
+                    "added token {content:?} takes id {id}, not one of the {RESERVED_SPECIALS} \
+                     special ids after the {count} ranks"
+                ),
             });
         }
         specials.insert(id, content.to_string());
@@ -222,35 +280,106 @@ mod tests {
         assert_eq!(distinct.len(), 256);
     }
 
-    #[test]
-    fn bad_ranks_and_codes_are_named() {
-        let kimi = serde_json::json!({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}});
-        for (text, says) in [
-            ("YQ== 0\nYg== 2\n", "not 0 to 1"),
-            ("YQ== 0\nYQ== 0\n", "given twice"),
-            ("YQ==\n", "line 1"),
-            ("!!! 0\n", "line 1"),
-        ] {
-            let err = tiktoken_bpe(text, "tiktoken.model", &kimi)
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(says), "{text:?}: {err}");
-        }
-        let other = serde_json::json!({"auto_map": {"AutoTokenizer": "tokenization_other.T"}});
-        let err = tiktoken_bpe("YQ== 0\n", "tiktoken.model", &other)
+    /// A `tiktoken.model` of every byte, then `more` tokens.
+    fn model(more: &[&[u8]]) -> String {
+        let b64 = |t: &[u8]| base64::engine::general_purpose::STANDARD.encode(t);
+        let bytes: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        let tokens = bytes.iter().map(Vec::as_slice).chain(more.iter().copied());
+        tokens
+            .enumerate()
+            .map(|(rank, t)| format!("{} {rank}\n", b64(t)))
+            .collect()
+    }
+
+    fn kimi() -> Value {
+        serde_json::json!({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}})
+    }
+
+    fn refusal(text: &str, config: &Value) -> String {
+        tiktoken_bpe(text, "tiktoken.model", config)
             .unwrap_err()
-            .to_string();
+            .to_string()
+    }
+
+    #[test]
+    fn bad_ranks_are_refused_by_what_is_wrong() {
+        let long = vec![b'a'; LONGEST_TOKEN + 1];
+        let longer = vec![b'a'; 2 * LONGEST_TOKEN];
+        // Four letters' runs of every length: each token fine, all too many.
+        let repeated: Vec<Vec<u8>> = (b'b'..=b'e')
+            .flat_map(|c| (2..=LONGEST_TOKEN).map(move |n| vec![c; n]))
+            .collect();
+        let repeated: Vec<&[u8]> = repeated.iter().map(Vec::as_slice).collect();
+        for (text, says) in [
+            ("YQ== 0\nYg== 2\n".to_string(), "not 0 to 1".to_string()),
+            ("YQ== 0\nYQ== 0\n".into(), "given twice".into()),
+            ("YQ==\n".into(), "line 1".into()),
+            ("!!! 0\n".into(), "line 1".into()),
+            ("YQ== 0\n".into(), "byte 0x00 is no token".into()),
+            (
+                model(&[b"a"]),
+                "rank 256's token is an earlier rank's too".into(),
+            ),
+            (
+                model(&[&long]),
+                format!("a token of {} bytes", LONGEST_TOKEN + 1),
+            ),
+            (
+                model(&[&longer]),
+                format!("a token longer than {LONGEST_TOKEN} bytes"),
+            ),
+            (model(&repeated), "too long in all".into()),
+        ] {
+            let err = refusal(&text, &kimi());
+            assert!(err.contains(&says), "{says}: {err}");
+        }
+        // Whole and readable: the merges are found.
+        let tokenizer = tiktoken_bpe(&model(&[b"ab", b"abc"]), "tiktoken.model", &kimi()).unwrap();
+        let ids = tokenizer
+            .encode("abc abd", false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        assert_eq!(ids, [257, 32, 256, 100]);
+    }
+
+    #[test]
+    fn the_code_and_the_special_tokens_are_checked() {
+        let text = model(&[]);
+        let other = serde_json::json!({"auto_map": {"AutoTokenizer": "tokenization_other.T"}});
+        let err = refusal(&text, &other);
         assert!(
             err.contains("\"tokenization_other\"") && err.contains("tokenization_kimi"),
             "{err}"
         );
-        let clash = serde_json::json!({
-            "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer"]},
-            "added_tokens_decoder": {"0": {"content": "[BOS]", "special": true}},
-        });
-        let err = tiktoken_bpe("YQ== 0\n", "tiktoken.model", &clash)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("a rank's"), "{err}");
+        let err = refusal(&text, &serde_json::json!({}));
+        assert!(err.contains("names none"), "{err}");
+        // Code kept in another repository is named with it.
+        let elsewhere = serde_json::json!({"auto_map": {"AutoTokenizer": ["org/kimi--tokenization_kimi.TikTokenTokenizer"]}});
+        assert!(tiktoken_bpe(&text, "tiktoken.model", &elsewhere).is_ok());
+        let with = |id: &str, content: &str| {
+            let mut config = kimi();
+            config["added_tokens_decoder"] =
+                serde_json::json!({id: {"content": content, "special": true}});
+            config
+        };
+        for (config, says) in [
+            (
+                with("0", "[BOS]"),
+                "not one of the 256 special ids after the 256 ranks",
+            ),
+            (with("512", "[BOS]"), "takes id 512"),
+            (with("4000000000", "[BOS]"), "takes id 4000000000"),
+            (with("256", "a"), "spelled as rank 97 is"),
+            (with("x", "[BOS]"), "no number"),
+        ] {
+            let err = refusal(&text, &config);
+            assert!(err.contains(says), "{says}: {err}");
+        }
+        let tokenizer = tiktoken_bpe(&text, "tiktoken.model", &with("257", "[EOS]")).unwrap();
+        assert_eq!(tokenizer.token_to_id("[EOS]"), Some(257));
+        assert_eq!(tokenizer.token_to_id("<|reserved_token_256|>"), Some(256));
+        assert_eq!(tokenizer.token_to_id("<|reserved_token_511|>"), Some(511));
+        assert_eq!(tokenizer.get_vocab_size(true), 512);
     }
 }
