@@ -77,45 +77,18 @@ fn agent(node: &str, label: &str, tls: Option<&std::path::Path>) -> ChildGuard {
 
 /// A data-plane CA and a certificate for each of `nodes` (in a directory
 /// named after it under `root`, as `--tls-dir` reads them); returns this
-/// test's own material as a caller (a client certificate naming no node).
+/// test's own material as a caller (the gateway's certificate).
 fn certificates(root: &std::path::Path, nodes: &[String]) -> std::sync::Arc<dp::tls::Tls> {
-    use rcgen::{
-        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    };
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca, ca_key);
-    let issue = |names: Vec<String>, usages| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(names).unwrap();
-        params.extended_key_usages = usages;
-        (
-            params.signed_by(&key, &issuer).unwrap().pem(),
-            key.serialize_pem(),
-        )
-    };
+    let ca = shardplane_testkit::tls::TestCa::new();
     for node in nodes {
         let dir = root.join(node);
         std::fs::create_dir_all(&dir).unwrap();
-        let (cert, key) = issue(
-            vec![node.clone()],
-            vec![
-                ExtendedKeyUsagePurpose::ServerAuth,
-                ExtendedKeyUsagePurpose::ClientAuth,
-            ],
-        );
-        std::fs::write(dir.join(dp::tls::CA_FILE), &ca_pem).unwrap();
+        let (cert, key) = ca.node(node);
+        std::fs::write(dir.join(dp::tls::CA_FILE), &ca.pem).unwrap();
         std::fs::write(dir.join(dp::tls::CERT_FILE), cert).unwrap();
         std::fs::write(dir.join(dp::tls::KEY_FILE), key).unwrap();
     }
-    let caller = issue(Vec::new(), vec![ExtendedKeyUsagePurpose::ClientAuth]);
-    dp::tls::Tls::new(&dp::tls::Material {
-        ca_pem,
-        identity: Some(caller),
-    })
-    .unwrap()
+    ca.tls(Some(ca.gateway()))
 }
 
 /// The greedy tokens one process gives for `prompt` with `extra` options

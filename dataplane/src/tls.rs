@@ -122,6 +122,8 @@ impl Material {
 pub struct CertificateFacts {
     /// Its DNS names.
     pub names: Vec<String>,
+    /// Its subject's common name, when it has one.
+    pub common_name: Option<String>,
     /// Valid from (Unix seconds).
     pub not_before: i64,
     /// Valid until (Unix seconds).
@@ -155,8 +157,15 @@ pub(crate) fn facts_der(der: &CertificateDer<'_>) -> Result<CertificateFacts, St
         Ok(None) => Vec::new(),
         Err(e) => return Err(e.to_string()),
     };
+    let common_name = cert
+        .subject()
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .map(String::from);
     Ok(CertificateFacts {
         names,
+        common_name,
         not_before: cert.validity().not_before.timestamp(),
         not_after: cert.validity().not_after.timestamp(),
     })
@@ -455,9 +464,28 @@ impl ClientCertVerifier for Live {
 pub struct PeerInfo {
     /// Its address.
     pub remote: Option<SocketAddr>,
-    /// The node its (verified) certificate names; none for a gateway's
-    /// (or with TLS off).
+    /// The node its (verified) certificate names: its one DNS name; none
+    /// for a certificate naming no DNS name or several, or with TLS off.
     pub node: Option<String>,
+    /// The common name of a (verified) certificate naming no DNS name at
+    /// all: a client's, as the gateway's; none otherwise.
+    pub client: Option<String>,
+}
+
+impl PeerInfo {
+    /// Who a verified certificate's `facts` say the caller is.
+    fn of(remote: SocketAddr, facts: Option<CertificateFacts>) -> PeerInfo {
+        let (node, client) = match facts {
+            Some(f) if f.names.len() == 1 => (f.names.into_iter().next(), None),
+            Some(f) if f.names.is_empty() => (None, f.common_name),
+            _ => (None, None),
+        };
+        PeerInfo {
+            remote: Some(remote),
+            node,
+            client,
+        }
+    }
 }
 
 /// An accepted data-plane connection: TLS, or plain TCP when TLS is off.
@@ -571,6 +599,7 @@ pub fn incoming(
                 let peer = PeerInfo {
                     remote: Some(remote),
                     node: None,
+                    client: None,
                 };
                 let conn = Conn {
                     stream: Stream::Plain(tcp),
@@ -585,17 +614,13 @@ pub fn incoming(
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
-                        let node = stream
+                        let facts = stream
                             .get_ref()
                             .1
                             .peer_certificates()
                             .and_then(|c| c.first())
-                            .and_then(|c| facts_der(c).ok())
-                            .and_then(|f| f.names.into_iter().next());
-                        let peer = PeerInfo {
-                            remote: Some(remote),
-                            node,
-                        };
+                            .and_then(|c| facts_der(c).ok());
+                        let peer = PeerInfo::of(remote, facts);
                         let conn = Conn {
                             stream: Stream::Tls(Box::new(stream)),
                             peer,

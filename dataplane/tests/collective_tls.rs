@@ -6,48 +6,25 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
+use rcgen::ExtendedKeyUsagePurpose;
 use shardplane_dataplane::Token;
 use shardplane_dataplane::collective::{CollectiveError, Mesh, MeshConfig, MeshTls};
-use shardplane_dataplane::tls::{Material, Tls};
-
-struct Ca {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-fn ca() -> Ca {
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let pem = params.self_signed(&key).unwrap().pem();
-    Ca {
-        pem,
-        issuer: Issuer::new(params, key),
-    }
-}
+use shardplane_dataplane::tls::Tls;
+use shardplane_testkit::tls::TestCa;
 
 /// A node's TLS: a certificate naming `node`, signed by `ca`.
-fn node(ca: &Ca, node: &str) -> Arc<Tls> {
+fn node(ca: &TestCa, node: &str) -> Arc<Tls> {
     named(ca, &[node])
 }
 
 /// TLS with a certificate naming `names` (none: as the gateway's), signed
-/// by `ca`.
-fn named(ca: &Ca, names: &[&str]) -> Arc<Tls> {
-    let key = KeyPair::generate().unwrap();
-    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-    let mut params = CertificateParams::new(names).unwrap();
-    params.extended_key_usages = vec![
+/// by `ca`, for serving and calling.
+fn named(ca: &TestCa, names: &[&str]) -> Arc<Tls> {
+    let usages = vec![
         ExtendedKeyUsagePurpose::ServerAuth,
         ExtendedKeyUsagePurpose::ClientAuth,
     ];
-    let cert = params.signed_by(&key, &ca.issuer).unwrap();
-    Tls::new(&Material {
-        ca_pem: ca.pem.clone(),
-        identity: Some((cert.pem(), key.serialize_pem())),
-    })
-    .unwrap()
+    ca.tls(Some(ca.issue(names, None, usages)))
 }
 
 const NODES: [&str; 3] = ["node-0", "node-1", "node-2"];
@@ -87,7 +64,7 @@ fn join_all(tls: Vec<Option<Arc<Tls>>>, timeout: Duration) -> Vec<Result<Mesh, C
 
 #[test]
 fn sums_and_messages_cross_tls_lanes_between_nodes_named_by_their_certificates() {
-    let ca = ca();
+    let ca = TestCa::new();
     let tls = NODES.iter().map(|n| Some(node(&ca, n))).collect();
     let meshes: Vec<Mesh> = join_all(tls, Duration::from_secs(10))
         .into_iter()
@@ -131,7 +108,7 @@ fn sums_and_messages_cross_tls_lanes_between_nodes_named_by_their_certificates()
 
 #[test]
 fn a_rank_whose_certificate_names_another_node_is_refused() {
-    let ca = ca();
+    let ca = TestCa::new();
     // Rightly named, the same two ranks join within the same time.
     let tls = vec![Some(node(&ca, "node-0")), Some(node(&ca, "node-1"))];
     let results = join_all(tls, Duration::from_secs(2));
@@ -161,7 +138,7 @@ fn a_rank_whose_certificate_names_another_node_is_refused() {
 
 #[test]
 fn a_rank_of_another_ca_or_without_tls_is_refused() {
-    let (ours, theirs) = (ca(), ca());
+    let (ours, theirs) = (TestCa::new(), TestCa::new());
     let tls = vec![Some(node(&ours, "node-0")), Some(node(&theirs, "node-1"))];
     let results = join_all(tls, Duration::from_secs(2));
     assert!(results[0].is_err() && results[1].is_err(), "{results:?}");

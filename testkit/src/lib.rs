@@ -39,6 +39,7 @@ pub mod hub;
 pub mod metrics;
 pub mod netns;
 pub mod sse;
+pub mod tls;
 
 /// The root of the repository (where `scripts/` lives).
 pub fn repo_root() -> PathBuf {

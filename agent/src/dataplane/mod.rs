@@ -10,13 +10,15 @@
 //!
 //! With TLS on, every caller has a certificate of the cluster CA (the
 //! handshake refuses one without), and the calls only agents make need a
-//! node's: `Ping` and `ReadBlob` from any node, `Forward` from the node of
-//! the Shard's previous stage (refused, as unavailable, while the watch
-//! store does not know that Shard). `Generate` takes a client's
-//! certificate (the gateway's, naming no node) or this node's own (a tool
-//! on its machine with the agent's directory), never another node's: a
-//! node drives other stages only by `Forward`, into its own next stage.
-//! `Status` takes any.
+//! node's (one DNS name, the node's): `Ping` and `ReadBlob` from any node,
+//! `Forward` from the node of the Shard's previous stage (refused, as
+//! unavailable, while the watch store does not know that Shard).
+//! `Generate` takes the gateway's certificate (naming no DNS name, common
+//! name `shardplane-gateway`) or this node's own (a tool on its machine
+//! with the agent's directory), never another node's: a node drives other
+//! stages only by `Forward`, into its own next stage. `Status` takes a
+//! node's or the gateway's. Any other certificate the CA may have signed
+//! (several names, or none and another common name) is refused.
 //!
 //! A sequence lives as long as its streams: when the client of `Generate`
 //! goes away, the head drops its `Forward` stream, the next stage sees it end
@@ -48,6 +50,7 @@ use std::sync::Arc;
 
 use futures::Stream;
 use kube::runtime::reflector::Store;
+use shardplane_crds::identity::GATEWAY_COMMON_NAME;
 use shardplane_crds::{InferenceNode, NodeAddress, Shard};
 use shardplane_dataplane as dp;
 pub use shardplane_dataplane::Peers;
@@ -57,6 +60,16 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::cache::Cache;
 use crate::metrics::Metrics;
 use crate::shards::{ServedStage, ShardSet};
+
+/// Who a call comes from, by its certificate.
+enum Caller<'p> {
+    /// TLS is off: anyone with the token.
+    Any,
+    /// A node (its certificate's one DNS name).
+    Node(&'p str),
+    /// The gateway.
+    Gateway,
+}
 
 /// Bytes a `Ping` may ask for.
 const MAX_PING_BYTES: u32 = 64 << 20;
@@ -144,25 +157,46 @@ impl Service {
         }
     }
 
-    /// With TLS on, refuses a `Generate` from another node's certificate:
-    /// prompts come from clients (a certificate naming no node) or from a
-    /// tool on this node's machine (its own certificate).
+    /// With TLS on, refuses a `Generate` but from the gateway's certificate
+    /// or this node's own (a tool on this node's machine): not another
+    /// node's, nor any other the CA signed.
     fn check_client(&self, caller: Option<&dp::tls::PeerInfo>) -> Result<(), Status> {
-        if self.peers.tls().is_none() {
-            return Ok(());
-        }
-        let Some(caller) = caller else {
-            return Err(Status::permission_denied(
-                "Generate: the caller's connection is not known",
-            ));
-        };
-        match caller.node.as_deref() {
-            Some(node) if node != self.node => Err(Status::permission_denied(format!(
-                "node {node} may not call Generate on node {}: prompts come with a client's \
-                 certificate (the gateway's, naming no node) or this node's own",
+        match self.caller(caller, "Generate")? {
+            Caller::Node(node) if node != self.node => Err(Status::permission_denied(format!(
+                "node {node} may not call Generate on node {}: prompts come with the gateway's \
+                 certificate or this node's own",
                 self.node
             ))),
             _ => Ok(()),
+        }
+    }
+
+    /// With TLS on, who a call comes from: a node, or the gateway; any
+    /// other certificate of the CA is refused. `Caller::Any` with TLS off.
+    fn caller<'p>(
+        &self,
+        caller: Option<&'p dp::tls::PeerInfo>,
+        call: &str,
+    ) -> Result<Caller<'p>, Status> {
+        if self.peers.tls().is_none() {
+            return Ok(Caller::Any);
+        }
+        let Some(caller) = caller else {
+            return Err(Status::permission_denied(format!(
+                "{call}: the caller's connection is not known"
+            )));
+        };
+        match (&caller.node, caller.client.as_deref()) {
+            (Some(node), _) => Ok(Caller::Node(node)),
+            (None, Some(GATEWAY_COMMON_NAME)) => Ok(Caller::Gateway),
+            (None, client) => Err(Status::permission_denied(format!(
+                "{call} takes a node's certificate (one DNS name, the node's) or the gateway's \
+                 (no DNS name, common name {GATEWAY_COMMON_NAME}); the caller's has {}",
+                match client {
+                    Some(name) => format!("no DNS name and common name {name:?}"),
+                    None => "several DNS names, or no DNS name and no common name".into(),
+                }
+            ))),
         }
     }
 
@@ -232,8 +266,9 @@ impl DataPlane for Service {
 
     async fn status(
         &self,
-        _request: Request<dp::StatusRequest>,
+        request: Request<dp::StatusRequest>,
     ) -> Result<Response<dp::StatusResponse>, Status> {
+        self.caller(request.extensions().get(), "Status")?;
         use std::sync::atomic::Ordering::Relaxed;
         let stages = self
             .shards

@@ -1,60 +1,38 @@
 //! With TLS on, every caller needs a certificate from the cluster CA, calls
 //! only agents make need a node's, and `Forward` into a stage only from its
 //! previous stage's node. A real TLS data plane on a loopback port; callers
-//! with node certificates, the gateway's (naming no node) and none.
+//! with node certificates, the gateway's (naming no node), others the CA
+//! signed, and none.
 
 use std::sync::Arc;
 
 use shardplane_dataplane as dp;
-use shardplane_dataplane::tls::{Material, Tls};
+use shardplane_dataplane::tls::Tls;
+use shardplane_testkit::tls::TestCa;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 use super::tests::{middle_stage, open, serve_with, shard, token};
 
-/// A CA and its certificates for nodes.
-struct Ca {
-    pem: String,
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-}
+/// The cluster's CA, as the tests here use it.
+struct Ca(TestCa);
 
 impl Ca {
     fn new() -> Ca {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        let pem = params.self_signed(&key).unwrap().pem();
-        Ca {
-            pem,
-            issuer: rcgen::Issuer::new(params, key),
-        }
+        Ca(TestCa::new())
     }
 
-    /// TLS material of `node`, or of the gateway (a client-only
-    /// certificate naming no node).
+    /// TLS material of `node`, or of the gateway.
     fn tls(&self, node: Option<&str>) -> Arc<Tls> {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params =
-            rcgen::CertificateParams::new(node.map(String::from).into_iter().collect::<Vec<_>>())
-                .unwrap();
-        if node.is_none() {
-            params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-        }
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Tls::new(&Material {
-            ca_pem: self.pem.clone(),
-            identity: Some((cert.pem(), key.serialize_pem())),
-        })
-        .unwrap()
+        self.0.tls(Some(match node {
+            Some(node) => self.0.node(node),
+            None => self.0.gateway(),
+        }))
     }
 
     /// A caller that trusts the CA but has no certificate.
     fn anonymous(&self) -> Arc<Tls> {
-        Tls::new(&Material {
-            ca_pem: self.pem.clone(),
-            identity: None,
-        })
-        .unwrap()
+        self.0.tls(None)
     }
 }
 
@@ -112,6 +90,21 @@ async fn calls_between_agents_need_the_right_node_certificate() {
         refused.to_string().contains("CertificateRequired"),
         "{refused}"
     );
+    // Certificates the signer does not issue, though of the same CA: no
+    // DNS name and another common name, or several DNS names.
+    let calling = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let stranger =
+        ca.0.tls(Some(ca.0.issue(&[], Some("someone"), calling.clone())));
+    let two_names =
+        ca.0.tls(Some(ca.0.issue(&["node-2", "node-0"], None, calling)));
+    for (tls, says) in [
+        (stranger.clone(), "common name \"someone\""),
+        (two_names.clone(), "several DNS names"),
+    ] {
+        let refused = status(tls).await.unwrap_err();
+        assert_eq!(refused.code(), Code::PermissionDenied, "{refused}");
+        assert!(refused.message().contains(says), "{refused}");
+    }
     // Links are measured between agents: Ping needs a node's certificate.
     let ping = |caller: Option<&str>| {
         let mut c = client(caller);
@@ -142,6 +135,21 @@ async fn calls_between_agents_need_the_right_node_certificate() {
         }
     };
     assert_eq!(generate(Some("node-2")).await, Some(Code::PermissionDenied));
+    for tls in [&stranger, &two_names] {
+        let mut c = dp::client(
+            dp::channel(&endpoint, Some((tls, "node-1"))).unwrap(),
+            token(),
+        );
+        let request = dp::GenerateRequest {
+            input: Some(dp::generate_request::Input::Prompt("hi".into())),
+            ..Default::default()
+        };
+        let refused = c.generate(request).await.unwrap_err();
+        assert_eq!(refused.code(), Code::PermissionDenied, "{refused}");
+        // Nor is the one naming two nodes taken for either.
+        let refused = c.ping(dp::PingRequest::default()).await.unwrap_err();
+        assert_eq!(refused.code(), Code::PermissionDenied, "{refused}");
+    }
     assert_eq!(generate(None).await, Some(Code::FailedPrecondition));
     assert_eq!(
         generate(Some("node-1")).await,
