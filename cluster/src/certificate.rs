@@ -47,11 +47,15 @@ pub enum Holder {
 }
 
 impl Holder {
-    /// Whether a certificate naming `names` is this holder's.
-    fn fits(&self, names: &[String]) -> bool {
+    /// Whether a certificate of `facts` is this holder's as agents tell
+    /// callers apart: a node's names exactly its node; the gateway's names
+    /// no DNS name and has the gateway's common name.
+    fn fits(&self, facts: &shardplane_dataplane::tls::CertificateFacts) -> bool {
         match self {
-            Holder::Node(node) => names.iter().any(|n| n == node),
-            Holder::Gateway => names.is_empty(),
+            Holder::Node(node) => facts.names == [node.clone()],
+            Holder::Gateway => {
+                facts.names.is_empty() && facts.common_name.as_deref() == Some(GATEWAY_COMMON_NAME)
+            }
         }
     }
 
@@ -220,14 +224,19 @@ fn check_names(tls: &Tls, holder: &Holder) -> Result<()> {
             "no certificate (tls.crt, tls.key) for {holder}: {why}"
         )));
     };
-    if !holder.fits(&facts.names) {
+    if !holder.fits(&facts) {
         let why = match holder {
-            Holder::Node(node) => format!("not this node {node:?}: peers would refuse it"),
-            Holder::Gateway => "a gateway's names no node (it could pass for one)".into(),
+            Holder::Node(node) => {
+                format!("a node's names its node {node:?} alone: peers would refuse it")
+            }
+            Holder::Gateway => format!(
+                "a gateway's names no node (it could pass for one) and has the common name \
+                 {GATEWAY_COMMON_NAME} (agents refuse any other)"
+            ),
         };
         return Err(CertificateError(format!(
-            "the certificate names {:?}; {why}",
-            facts.names
+            "the certificate names {:?} (common name {:?}); {why}",
+            facts.names, facts.common_name
         )));
     }
     Ok(())
@@ -276,7 +285,7 @@ fn kept(dir: &Path, holder: &Holder) -> Option<Material> {
     let (cert, _) = m.identity.as_ref()?;
     let facts = shardplane_dataplane::tls::facts(cert).ok()?;
     let fresh = now() < renew_at(facts.not_before, facts.not_after);
-    (fresh && holder.fits(&facts.names) && Tls::new(&m).is_ok()).then_some(m)
+    (fresh && holder.fits(&facts) && Tls::new(&m).is_ok()).then_some(m)
 }
 
 /// Writes the material into `dir` (each file replaced whole; the key
@@ -483,5 +492,30 @@ mod tests {
             None,
             "a key that does not load"
         );
+    }
+
+    #[test]
+    fn a_certificate_is_its_holder_s_only_as_agents_tell_callers_apart() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let facts = |names: &[&str], cn: Option<&str>| {
+            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            let mut params = rcgen::CertificateParams::new(names).unwrap();
+            if let Some(cn) = cn {
+                params
+                    .distinguished_name
+                    .push(rcgen::DnType::CommonName, cn);
+            }
+            shardplane_dataplane::tls::facts(&params.self_signed(&key).unwrap().pem()).unwrap()
+        };
+        let node = Holder::Node("node-a".into());
+        assert!(node.fits(&facts(&["node-a"], None)));
+        assert!(
+            !node.fits(&facts(&["node-a", "node-a.local"], None)),
+            "two names"
+        );
+        assert!(!node.fits(&facts(&["node-b"], None)));
+        assert!(Holder::Gateway.fits(&facts(&[], Some(GATEWAY_COMMON_NAME))));
+        assert!(!Holder::Gateway.fits(&facts(&[], Some("someone"))));
+        assert!(!Holder::Gateway.fits(&facts(&["node-a"], Some(GATEWAY_COMMON_NAME))));
     }
 }

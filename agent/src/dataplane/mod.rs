@@ -152,7 +152,8 @@ impl Service {
         match caller.and_then(|p| p.node.clone()) {
             Some(node) => Ok(Some(node)),
             None => Err(Status::permission_denied(format!(
-                "{call} is a call between agents: the caller's certificate names no node"
+                "{call} is a call between agents: the caller's certificate names no node (a \
+                 node's has one DNS name, the node's)"
             ))),
         }
     }

@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 
 /// Special tokens the tokenizers' code puts after the ranks.
 const RESERVED_SPECIALS: u32 = 256;
-/// The most ranks read (Kimi K2 has 163,840).
+/// The most ranks read (Kimi K2 has 163,584).
 const MOST_RANKS: usize = 1 << 21;
 /// The longest token read, in bytes.
 const LONGEST_TOKEN: usize = 1024;
@@ -204,10 +204,10 @@ pub(super) fn tiktoken_bpe(
     // At most MOST_RANKS: the special ids after them fit in a u32.
     let specials = specials(config, ranks.len() as u32, file)?;
     for (id, content) in &specials {
-        if let Some(rank) = vocab.insert(content.clone(), *id) {
+        if let Some(other) = vocab.insert(content.clone(), *id) {
             return Err(Error::CorruptModel {
                 path: file.into(),
-                reason: format!("special token {content:?} ({id}) is spelled as rank {rank} is"),
+                reason: format!("special token {content:?} ({id}) is spelled as token {other} is"),
             });
         }
     }
@@ -370,7 +370,7 @@ mod tests {
             ),
             (with("512", "[BOS]"), "takes id 512"),
             (with("4000000000", "[BOS]"), "takes id 4000000000"),
-            (with("256", "a"), "spelled as rank 97 is"),
+            (with("256", "a"), "spelled as token 97 is"),
             (with("x", "[BOS]"), "no number"),
         ] {
             let err = refusal(&text, &config);
