@@ -52,7 +52,7 @@ impl Holder {
     /// no DNS name and has the gateway's common name.
     fn fits(&self, facts: &shardplane_dataplane::tls::CertificateFacts) -> bool {
         match self {
-            Holder::Node(node) => facts.names == [node.clone()],
+            Holder::Node(node) => matches!(facts.names.as_slice(), [name] if name == node),
             Holder::Gateway => {
                 facts.names.is_empty() && facts.common_name.as_deref() == Some(GATEWAY_COMMON_NAME)
             }

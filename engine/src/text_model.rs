@@ -190,15 +190,14 @@ impl TextModel {
             true => Tokenizer::from_file(&json, &[], None)?,
             false => Tokenizer::from_tiktoken(&tiktoken, &tok_cfg, &[], None)?,
         };
-        let probe = &tokenizer;
         let bos_name = token_name("bos_token");
         let eos_name = token_name("eos_token");
         let bos = config
             .get("bos_token_id")
             .and_then(|v| v.as_u64())
             .map(|v| v as u32)
-            .or_else(|| bos_name.as_deref().and_then(|n| probe.token_id(n)));
-        if let Some(id) = eos_name.as_deref().and_then(|n| probe.token_id(n)) {
+            .or_else(|| bos_name.as_deref().and_then(|n| tokenizer.token_id(n)));
+        if let Some(id) = eos_name.as_deref().and_then(|n| tokenizer.token_id(n)) {
             eos.push(id);
         }
         tokenizer.add_stop_tokens(&eos);

@@ -455,6 +455,18 @@ impl Tokenizer {
         })
     }
 
+    /// A tokenizer read from a model directory's file: BOS as given (not
+    /// added until asked), `eos_token_ids` its stop tokens.
+    fn read(inner: tokenizers::Tokenizer, eos_token_ids: &[u32], bos: Option<u32>) -> Self {
+        Tokenizer {
+            inner,
+            bos,
+            add_bos: false,
+            stop_tokens: eos_token_ids.to_vec(),
+            keeps_markup: false,
+        }
+    }
+
     /// Loads a `tokenizer.json` (safetensors models); stop tokens come from the
     /// model's `eos_token_id`.
     pub fn from_file(
@@ -463,13 +475,7 @@ impl Tokenizer {
         bos: Option<u32>,
     ) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path.as_ref()).map_err(tok_err)?;
-        Ok(Tokenizer {
-            inner,
-            bos,
-            add_bos: false,
-            stop_tokens: eos_token_ids.to_vec(),
-            keeps_markup: false,
-        })
+        Ok(Self::read(inner, eos_token_ids, bos))
     }
 
     /// Builds a tokenizer kept as tiktoken ranks (`tiktoken.model` at
@@ -488,13 +494,7 @@ impl Tokenizer {
             source,
         })?;
         let inner = tiktoken::tiktoken_bpe(&text, &path.display().to_string(), config)?;
-        Ok(Tokenizer {
-            inner,
-            bos,
-            add_bos: false,
-            stop_tokens: eos_token_ids.to_vec(),
-            keeps_markup: false,
-        })
+        Ok(Self::read(inner, eos_token_ids, bos))
     }
 
     /// Whether [`Tokenizer::encode`] with `add_bos` prepends BOS.
